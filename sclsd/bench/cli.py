@@ -1,0 +1,39 @@
+"""``sclsd-bench``: one entry point, a subcommand per benchmark.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
+``run(args) -> int``; modules are imported only when their subcommand runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "batcher": ("sclsd.bench.batcher_bench", "time the DP batcher on trace lengths"),
+    "sim": ("sclsd.sim.cli", "simulate a policy on a trace with a virtual clock"),
+    "replay": ("sclsd.bench.replay", "replay a trace against a running daemon"),
+    "api": ("sclsd.bench.api_bench", "daemon request throughput with a zero-time fake engine"),
+    "figures": ("sclsd.bench.figures", "regenerate the figures of docs/benchmarks.md"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="sclsd-bench", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for name, (_, help_) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_, add_help=False)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
+        parser.parse_args(argv)  # prints usage / error and exits
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
+    sp = argparse.ArgumentParser(prog=f"sclsd-bench {argv[0]}", description=SUBCOMMANDS[argv[0]][1])
+    module.add_arguments(sp)
+    args = sp.parse_args(argv[1:])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""Request state as the scheduler sees it: lengths and times, no token ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class State(str, Enum):
+    """Life of a request. Terminal: FINISHED, CANCELLED, FAILED."""
+
+    QUEUED = "queued"  # in the pool, waiting for a slice
+    SCHEDULED = "scheduled"  # in a batch sent to a worker (queued there or running)
+    FINISHED = "finished"
+    CANCELLED = "cancelled"  # by the client, a disconnect or a timeout
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (State.FINISHED, State.CANCELLED, State.FAILED)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One request in the scheduler.
+
+    ``payload`` is opaque to the policy: the daemon keeps token ids and
+    sampling parameters there, the simulator the true output length (which the
+    policy must never read).
+    """
+
+    rid: str
+    prompt_len: int
+    max_tokens: int
+    arrival: float
+    priority: int = 0
+    deadline: float | None = None
+    payload: Any = None
+    num_generated: int = 0
+    state: State = State.QUEUED
+    slices: int = 0
+    failures: int = 0
+    first_dispatch: float | None = None
+    first_token: float | None = None
+    finished_at: float | None = None
+    finish_reason: str | None = None
+    worker: str | None = None
+    batch_id: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def input_len(self) -> int:
+        """Context length of the next slice: prompt plus everything generated so far."""
+        return self.prompt_len + self.num_generated
+
+    @property
+    def remaining(self) -> int:
+        """Tokens this request may still generate."""
+        return self.max_tokens - self.num_generated

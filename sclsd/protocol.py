@@ -1,0 +1,329 @@
+"""Every message on every socket, in one module.
+
+Three channels share this schema:
+
+* **Client API** (stream Unix socket). Frames are a 4-byte big-endian length
+  followed by one msgpack map. Client -> daemon: :class:`Generate`,
+  :class:`Cancel`, :class:`Ping`. Daemon -> client: :class:`Accepted`,
+  :class:`Delta`, :class:`Done`, :class:`Error`, :class:`Pong`.
+* **Status socket** (stream Unix socket, same framing, read-only):
+  :class:`StatusRequest` / :class:`MetricsRequest` answered by
+  :class:`StatusReply` / :class:`MetricsReply`.
+* **Daemon <-> worker** (ZeroMQ ROUTER/DEALER, one msgpack map per message):
+  :class:`Register`, :class:`Heartbeat`, :class:`Result` (worker -> daemon) and
+  :class:`Welcome`, :class:`BatchMsg`, :class:`Drain`, :class:`Shutdown`
+  (daemon -> worker).
+
+Every message is a msgpack map whose ``type`` field names the struct. Decoding
+validates types and value ranges and rejects unknown types and unknown fields,
+so a handler only ever sees well-formed structures. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+from msgspec import Meta
+
+#: Bumped on any incompatible change to a message below.
+PROTOCOL_VERSION = 1
+
+#: Default cap on one client / status frame (bytes of msgpack).
+DEFAULT_MAX_FRAME = 4 * 1024 * 1024
+#: Cap on nesting depth accepted from a peer (msgspec validates shapes, this is belt and braces).
+FRAME_HEADER = struct.Struct(">I")
+
+NonNegFloat = Annotated[float, Meta(ge=0.0)]
+PosInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
+
+FinishReason = Literal["stop", "length", "cancelled", "timeout", "error"]
+
+
+class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_defaults=True):
+    """Base of every message: tagged by ``type``, unknown fields rejected."""
+
+
+# --------------------------------------------------------------------------- client API
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    """One chat turn; the daemon applies the model's chat template."""
+
+    role: Literal["system", "user", "assistant"]
+    content: Annotated[str, Meta(max_length=1_000_000)]
+
+
+class Generate(_Msg, tag="generate"):
+    """Submit one request. Exactly one of ``prompt``, ``prompt_ids``, ``messages``."""
+
+    prompt: str | None = None
+    """Prompt text, tokenized by the daemon."""
+    prompt_ids: list[TokenId] | None = None
+    """Prompt as token ids (used as is)."""
+    messages: list[ChatMessage] | None = None
+    """Chat turns, rendered with the model's chat template."""
+    id: RequestId | None = None
+    """Client-chosen request id (unique per daemon); assigned when absent."""
+    max_tokens: PosInt = 128
+    """Most new tokens to generate."""
+    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 1.0
+    """0 means greedy decoding."""
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: NonNegInt = 0
+    """0 disables top-k."""
+    seed: int | None = None
+    """Seed for sampling; the same seed gives the same output."""
+    stop: list[Annotated[str, Meta(min_length=1, max_length=256)]] = []
+    """Stop strings: generation ends when the text contains one (it is cut off)."""
+    stop_token_ids: list[TokenId] = []
+    """Extra token ids that end generation (the model's EOS always does unless ignore_eos)."""
+    ignore_eos: bool = False
+    stream: bool = True
+    """Send :class:`Delta` events as tokens arrive (one per slice or finer)."""
+    priority: int = 0
+    timeout: NonNegFloat | None = None
+    """Seconds from acceptance after which the request ends with finish_reason ``timeout``."""
+
+
+class Cancel(_Msg, tag="cancel"):
+    """Cancel a request of this connection by id."""
+
+    id: RequestId
+
+
+class Ping(_Msg, tag="ping"):
+    """Liveness check, answered by :class:`Pong`."""
+
+    nonce: int = 0
+
+
+ClientMsg = Union[Generate, Cancel, Ping]
+
+
+class Accepted(_Msg, tag="accepted"):
+    """The request is queued; exactly one :class:`Done` or :class:`Error` will follow."""
+
+    id: str
+    prompt_tokens: int
+
+
+class Delta(_Msg, tag="delta"):
+    """New tokens of a streaming request."""
+
+    id: str
+    token_ids: list[int]
+    text: str
+
+
+class Usage(msgspec.Struct, forbid_unknown_fields=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Timings(msgspec.Struct, forbid_unknown_fields=True):
+    """Seconds measured by the daemon's clock."""
+
+    queued_s: float
+    """From acceptance to the first dispatch to a worker."""
+    ttft_s: float | None
+    """From acceptance to the first generated token reaching the daemon."""
+    e2e_s: float
+    """From acceptance to this event."""
+    slices: int
+    """Number of slices (batches) the request was served in."""
+
+
+class Done(_Msg, tag="done"):
+    """Terminal event of an accepted request."""
+
+    id: str
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    text: str | None = None
+    """Whole output text (non-streaming requests)."""
+    token_ids: list[int] | None = None
+    """Whole output token ids (non-streaming requests)."""
+    worker: str | None = None
+    """Worker that served the last slice."""
+
+
+class Error(_Msg, tag="error"):
+    """Refusal or failure. Terminal for ``id`` when ``id`` names an accepted request."""
+
+    code: str
+    """Machine-readable: bad_request, bad_frame, frame_too_large, unknown_type,
+    prompt_too_long, duplicate_id, unknown_id, overloaded, draining, internal."""
+    message: str
+    id: str | None = None
+
+
+class Pong(_Msg, tag="pong"):
+    nonce: int = 0
+    protocol: int = PROTOCOL_VERSION
+
+
+ServerMsg = Union[Accepted, Delta, Done, Error, Pong]
+
+
+# --------------------------------------------------------------------------- status socket
+
+
+class StatusRequest(_Msg, tag="status"):
+    """Ask for the daemon's state as a :class:`StatusReply`."""
+
+
+class MetricsRequest(_Msg, tag="metrics"):
+    """Ask for Prometheus text exposition as a :class:`MetricsReply`."""
+
+
+StatusMsg = Union[StatusRequest, MetricsRequest]
+
+
+class StatusReply(_Msg, tag="status_reply"):
+    """Snapshot of the daemon: free-form but stable keys (see docs/operations.md)."""
+
+    status: dict[str, Any]
+
+
+class MetricsReply(_Msg, tag="metrics_reply"):
+    text: str
+
+
+# --------------------------------------------------------------------------- daemon <-> worker
+
+
+class Register(_Msg, tag="register"):
+    """First message of a worker. The daemon answers :class:`Welcome`."""
+
+    worker_id: Annotated[str, Meta(min_length=1, max_length=64)]
+    engine: str
+    model: str
+    device: str
+    kv_bytes_per_token: NonNegInt
+    """Δ: KV-cache bytes per token (model architecture and dtype)."""
+    mem_available: NonNegInt
+    """M_ava in bytes: memory left for KV after weights and engine overhead."""
+    pid: int
+    protocol: int = PROTOCOL_VERSION
+    eos_token_ids: list[int] = []
+    profile: dict[str, Any] | None = None
+    """Fitted estimator profile (see sclsd.core.estimator), if the worker has one."""
+
+
+class Welcome(_Msg, tag="welcome"):
+    heartbeat_interval_s: float
+    protocol: int = PROTOCOL_VERSION
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    worker_id: str
+    queued_batches: int = 0
+    busy: bool = False
+
+
+class BatchRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One request inside a batch: its whole context so far, by token ids."""
+
+    rid: str
+    token_ids: list[int]
+    """Prompt + tokens generated in earlier slices (continuation by ids, never text)."""
+    max_new_tokens: PosInt
+    """Budget left for this request; the engine stops the row there."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    generated: int = 0
+    """Tokens generated in earlier slices (keeps sampling streams reproducible)."""
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+class BatchMsg(_Msg, tag="batch"):
+    """Serve these requests for at most ``slice_len`` decoding iterations."""
+
+    batch_id: int
+    slice_len: PosInt
+    requests: list[BatchRequest]
+
+
+class RequestOutput(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    rid: str
+    token_ids: list[int]
+    """Tokens generated in this slice."""
+    finish_reason: Literal["stop", "length"] | None = None
+    """``stop``: EOS or a stop token; ``length``: its max_new_tokens reached; None: slice ended."""
+
+
+class BatchStats(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    iterations: int = 0
+    pad_tokens: int = 0
+    """Left-padding tokens in the prefill."""
+    invalid_tokens: int = 0
+    """Tokens computed for rows that had already finished."""
+    peak_memory: int = 0
+    batch_size: int = 0
+    input_len: int = 0
+    """Batch input length L_i (longest context in the batch)."""
+    queue_wait_s: float = 0.0
+    """Time the batch waited in the worker's local queue."""
+
+
+class Result(_Msg, tag="result"):
+    worker_id: str
+    batch_id: int
+    outputs: list[RequestOutput] = []
+    stats: BatchStats = msgspec.field(default_factory=BatchStats)
+    error: str | None = None
+    """Set when the engine failed: the batch's requests go back to the pool."""
+
+
+class Drain(_Msg, tag="drain"):
+    """Stop taking new batches; finish the local queue."""
+
+
+class Shutdown(_Msg, tag="shutdown"):
+    """Exit after the current batch (its result is still sent)."""
+
+
+WorkerMsg = Union[Register, Heartbeat, Result]
+DaemonToWorkerMsg = Union[Welcome, BatchMsg, Drain, Shutdown]
+
+
+# --------------------------------------------------------------------------- codecs
+
+_encoder = msgspec.msgpack.Encoder()
+encode = _encoder.encode
+
+client_decoder = msgspec.msgpack.Decoder(ClientMsg)
+server_decoder = msgspec.msgpack.Decoder(ServerMsg)
+status_decoder = msgspec.msgpack.Decoder(StatusMsg)
+status_reply_decoder = msgspec.msgpack.Decoder(Union[StatusReply, MetricsReply, Error])
+worker_decoder = msgspec.msgpack.Decoder(WorkerMsg)
+to_worker_decoder = msgspec.msgpack.Decoder(DaemonToWorkerMsg)
+
+DecodeError = (msgspec.DecodeError, msgspec.ValidationError)
+
+
+def frame(msg: _Msg) -> bytes:
+    """Encode one message as a length-prefixed frame for a stream socket."""
+    body = _encoder.encode(msg)
+    return FRAME_HEADER.pack(len(body)) + body
+
+
+def classify_decode_error(exc: Exception) -> tuple[str, str]:
+    """Map a decode failure to an (error code, message) pair for the peer."""
+    text = str(exc)
+    if isinstance(exc, msgspec.ValidationError) and "$.type" in text:
+        return "unknown_type", text
+    if isinstance(exc, msgspec.ValidationError):
+        return "bad_request", text
+    return "bad_frame", f"malformed msgpack: {text}"

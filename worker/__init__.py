@@ -1,0 +1,3 @@
+"""sclsd worker process: one per GPU (or CPU for development)."""
+
+from __future__ import annotations

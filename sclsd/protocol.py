@@ -322,7 +322,7 @@ def frame(msg: _Msg) -> bytes:
 def classify_decode_error(exc: Exception) -> tuple[str, str]:
     """Map a decode failure to an (error code, message) pair for the peer."""
     text = str(exc)
-    if isinstance(exc, msgspec.ValidationError) and "$.type" in text:
+    if isinstance(exc, msgspec.ValidationError) and ("$.type" in text or "field `type`" in text):
         return "unknown_type", text
     if isinstance(exc, msgspec.ValidationError):
         return "bad_request", text

@@ -1,0 +1,207 @@
+"""Unix-socket servers: framing, peer credentials, bounded output, per-connection state.
+
+Both the client API and the status socket use the same framing (4-byte
+big-endian length + one msgpack map). This module only moves frames; what a
+message means is decided by the handler the daemon passes in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import grp
+import logging
+import os
+import socket
+import stat
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import protocol as P
+
+log = logging.getLogger("sclsd.api")
+
+_PEERCRED = struct.Struct("3i")
+
+
+@dataclass(frozen=True)
+class PeerCred:
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_cred(sock: socket.socket | None) -> PeerCred | None:
+    """The connecting process's pid/uid/gid (SO_PEERCRED), where the platform has it."""
+    if sock is None or not hasattr(socket, "SO_PEERCRED"):
+        return None
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    except OSError:
+        return None
+    return PeerCred(*_PEERCRED.unpack(raw))
+
+
+@dataclass(eq=False)
+class Conn:
+    """One client connection. ``send`` never blocks: a client that reads too slowly
+    is disconnected once its buffered output passes ``max_buffer`` bytes."""
+
+    writer: asyncio.StreamWriter
+    cid: int
+    max_buffer: int
+    peer: PeerCred | None = None
+    rids: set[str] = field(default_factory=set)
+    closed: bool = False
+
+    def send(self, msg: Any) -> None:
+        if self.closed:
+            return
+        self.writer.write(P.frame(msg))
+        transport = self.writer.transport
+        if transport.get_write_buffer_size() > self.max_buffer:
+            log.warning("conn=%d slow client: %d bytes unread, disconnecting",
+                        self.cid, transport.get_write_buffer_size())
+            self.abort()
+
+    def abort(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.writer.transport.abort()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.writer.close()
+
+
+Handler = Callable[[Conn, Any], Awaitable[None] | None]
+
+
+class FrameServer:
+    """A stream Unix-socket server that decodes frames with ``decoder`` and calls ``handle``.
+
+    A frame that fails to decode is answered with an ``error`` event and the
+    connection stays open (frame boundaries are intact); a frame over the size
+    limit is answered with ``frame_too_large`` and the connection is closed
+    (its body cannot be skipped safely).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        path: str,
+        decoder: Any,
+        handle: Handler,
+        *,
+        on_close: Callable[[Conn], None] | None = None,
+        max_frame: int = P.DEFAULT_MAX_FRAME,
+        max_buffer: int = 8 * P.DEFAULT_MAX_FRAME,
+        mode: int = 0o660,
+        group: str = "",
+        allowed_uids: list[int] | None = None,
+    ) -> None:
+        self.name = name
+        self.path = path
+        self.decoder = decoder
+        self.handle = handle
+        self.on_close = on_close
+        self.max_frame = max_frame
+        self.max_buffer = max_buffer
+        self.mode = mode
+        self.group = group
+        self.allowed_uids = set(allowed_uids or [])
+        self.conns: set[Conn] = set()
+        self._server: asyncio.base_events.Server | None = None
+        self._next_cid = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        p = Path(self.path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if p.exists() or p.is_symlink():
+            if not stat.S_ISSOCK(p.lstat().st_mode):
+                raise RuntimeError(f"{self.name} socket path {p} exists and is not a socket")
+            p.unlink()  # stale socket of a previous run; we hold the only daemon lock (systemd)
+        self._server = await asyncio.start_unix_server(self._serve, path=str(p), limit=1 << 16)
+        os.chmod(p, self.mode)
+        if self.group:
+            os.chown(p, -1, grp.getgrnam(self.group).gr_gid)
+        log.info("%s listening on %s (mode %o)", self.name, p, self.mode)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for c in list(self.conns):
+            c.close()
+        for t in list(self._tasks):
+            t.cancel()
+        if self._server is not None:
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+            except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - best effort on shutdown
+                pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._next_cid += 1
+        peer = peer_cred(writer.get_extra_info("socket"))
+        conn = Conn(writer, self._next_cid, self.max_buffer, peer)
+        if peer:
+            log.info("%s conn=%d open pid=%d uid=%d gid=%d", self.name, conn.cid, peer.pid, peer.uid, peer.gid)
+        if self.allowed_uids and (peer is None or peer.uid not in self.allowed_uids):
+            log.warning("%s conn=%d refused: uid %s not allowed", self.name, conn.cid, peer and peer.uid)
+            conn.send(P.Error(code="forbidden", message="this uid may not use the socket"))
+            conn.close()
+            return
+        self.conns.add(conn)
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        try:
+            await self._read_loop(reader, conn)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self.conns.discard(conn)
+            if task is not None:
+                self._tasks.discard(task)
+            conn.close()
+            if self.on_close is not None:
+                self.on_close(conn)
+            log.debug("%s conn=%d closed", self.name, conn.cid)
+
+    async def _read_loop(self, reader: asyncio.StreamReader, conn: Conn) -> None:
+        while not conn.closed:
+            header = await reader.readexactly(P.FRAME_HEADER.size)
+            (size,) = P.FRAME_HEADER.unpack(header)
+            if size > self.max_frame:
+                conn.send(P.Error(code="frame_too_large",
+                                  message=f"frame of {size} bytes exceeds the limit of {self.max_frame}"))
+                log.warning("%s conn=%d frame of %d bytes refused", self.name, conn.cid, size)
+                await self._flush_and_close(conn)
+                return
+            body = await reader.readexactly(size)
+            try:
+                msg = self.decoder.decode(body)
+            except P.DecodeError as exc:
+                code, message = P.classify_decode_error(exc)
+                conn.send(P.Error(code=code, message=message))
+                continue
+            result = self.handle(conn, msg)
+            if result is not None:
+                await result
+
+    async def _flush_and_close(self, conn: Conn) -> None:
+        try:
+            await asyncio.wait_for(conn.writer.drain(), 1.0)
+        except (asyncio.TimeoutError, ConnectionError):
+            pass
+        conn.close()

@@ -1,0 +1,179 @@
+"""``make demo``: the daemon with two CPU workers on the embedded model, serving real prompts.
+
+Starts ``sclsd`` in a temporary directory, waits for its workers, sends the
+chat prompts of ``sclsd/data/prompts.txt`` concurrently, streams the first
+answer to the terminal, prints a table per request and shuts everything down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from importlib import resources
+from pathlib import Path
+
+from .client import AsyncClient, Delta, Done, RequestError, status
+
+
+def _prompts() -> list[str]:
+    text = resources.files("sclsd").joinpath("data/prompts.txt").read_text()
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def _config(tmp: Path, args: argparse.Namespace) -> Path:
+    cfg = tmp / "sclsd.toml"
+    cfg.write_text(textwrap.dedent(f"""\
+        [daemon]
+        socket = "{tmp}/sclsd.sock"
+        status_socket = "{tmp}/status.sock"
+        worker_endpoint = "ipc://{tmp}/workers.ipc"
+        heartbeat_timeout_s = 60.0
+        drain_timeout_s = 60.0
+
+        [model]
+        name = "{args.model}"
+        max_gen = 1024
+
+        [scheduler]
+        policy = "{args.policy}"
+        slice_len = {args.slice_len}
+        gamma_s = 0.5
+
+        [workers]
+        spawn = {args.workers}
+        engine = "{args.engine}"
+        threads = 1
+        mem_budget_bytes = 2147483648
+        """))
+    return cfg
+
+
+def _wait_ready(status_path: Path, workers: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    t0 = time.monotonic()
+    last = -1
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"sclsd exited with code {proc.returncode} during start-up")
+        if status_path.exists():
+            try:
+                n = len(status(str(status_path), timeout=2.0)["workers"])
+            except OSError:
+                n = 0
+            if n != last:
+                print(f"  {n}/{workers} workers registered ({time.monotonic() - t0:.0f}s)", flush=True)
+                last = n
+            if n >= workers:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"workers not ready after {timeout:.0f}s")
+
+
+async def _run_requests(sock: str, prompts: list[str], max_tokens: int) -> list[tuple[str, Done | str]]:
+    async with AsyncClient(sock) as client:
+
+        async def one(i: int, prompt: str) -> tuple[str, Done | str]:
+            done: Done | None = None
+            try:
+                async for ev in client.stream(messages=[{"role": "user", "content": prompt}],
+                                              max_tokens=max_tokens, temperature=0.0, id=f"demo-{i:02d}"):
+                    if isinstance(ev, Delta) and i == 0:
+                        sys.stdout.write(ev.text)
+                        sys.stdout.flush()
+                    elif isinstance(ev, Done):
+                        done = ev
+            except RequestError as exc:
+                return prompt, f"error: {exc}"
+            if i == 0:
+                sys.stdout.write("\n")
+            assert done is not None
+            return prompt, done
+
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+
+def _table(results: list[tuple[str, Done | str]]) -> str:
+    head = f"{'#':>2}  {'prompt':<42} {'in':>4} {'out':>4} {'slices':>6} {'queue':>7} {'ttft':>7} {'e2e':>7}  finish"
+    rows = [head, "-" * len(head)]
+    for i, (prompt, d) in enumerate(results):
+        p = (prompt[:39] + "...") if len(prompt) > 42 else prompt
+        if isinstance(d, str):
+            rows.append(f"{i:>2}  {p:<42} {d}")
+            continue
+        t = d.timings
+        ttft = f"{t.ttft_s:6.2f}s" if t.ttft_s is not None else "      -"
+        rows.append(f"{i:>2}  {p:<42} {d.usage.prompt_tokens:>4} {d.usage.completion_tokens:>4} "
+                    f"{t.slices:>6} {t.queued_s:6.2f}s {ttft} {t.e2e_s:6.2f}s  {d.finish_reason}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="sclsd-demo", description=__doc__)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--engine", default="hf")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--policy", default="scls")
+    ap.add_argument("--slice-len", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=80)
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--ready-timeout", type=float, default=240.0)
+    args = ap.parse_args(argv)
+    prompts = _prompts()[: args.prompts]
+    t_start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="sclsd-demo-") as d:
+        tmp = Path(d)
+        cfg = _config(tmp, args)
+        logf = open(tmp / "sclsd.log", "wb")
+        print(f"starting sclsd: {args.workers} {args.engine} workers on {args.model}, policy {args.policy}, "
+              f"slice length {args.slice_len} (log: {tmp / 'sclsd.log'})", flush=True)
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        proc = subprocess.Popen([sys.executable, "-m", "sclsd.daemon", "--config", str(cfg)],
+                                stdout=logf, stderr=subprocess.STDOUT, env=env)
+        rc = 1
+        try:
+            _wait_ready(tmp / "status.sock", args.workers, proc, args.ready_timeout)
+            t_ready = time.monotonic()
+            print(f"\nsending {len(prompts)} chat prompts; streaming the first answer:\n")
+            print(f"> {prompts[0]}\n")
+            results = asyncio.run(_run_requests(str(tmp / "sclsd.sock"), prompts, args.max_tokens))
+            t_served = time.monotonic() - t_ready
+            print()
+            print(_table(results))
+            ok = [d for _, d in results if isinstance(d, Done)]
+            out_tokens = sum(d.usage.completion_tokens for d in ok)
+            print(f"\n{len(ok)}/{len(results)} requests served in {t_served:.1f}s "
+                  f"({len(ok) / t_served:.2f} req/s, {out_tokens / t_served:.1f} output tokens/s); "
+                  f"start-up took {t_ready - t_start:.1f}s")
+            st = status(str(tmp / "status.sock"))
+            e = st["estimator_error"]
+            if e["batches"]:
+                print(f"batches: {st['counters']['batches']}, estimator mean |error| "
+                      f"{e['mean_abs_error_s']:.2f}s over the last {e['batches']}")
+            rc = 0 if len(ok) == len(results) else 1
+        except Exception as exc:  # noqa: BLE001 - report, show the log, clean up
+            print(f"demo failed: {exc}", file=sys.stderr)
+            logf.flush()
+            print((tmp / "sclsd.log").read_text()[-4000:], file=sys.stderr)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    code = proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    code = proc.wait()
+                print(f"sclsd stopped (exit code {code}); total {time.monotonic() - t_start:.1f}s")
+                if code != 0:
+                    rc = rc or 1
+            logf.close()
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -10,7 +10,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from .batcher import DPBatcher, FCFSBatcher
+from .offloader import AdaptiveInterval, FixedInterval, MaxMin, RoundRobin
 from .request import Request
+
+__all__ = [
+    "POLICIES",
+    "DEFAULT_POLICY",
+    "DEFAULT_GAMMA",
+    "AdaptiveInterval",
+    "Batcher",
+    "CostModel",
+    "DPBatcher",
+    "FCFSBatcher",
+    "FixedInterval",
+    "Interval",
+    "MaxMin",
+    "Offloader",
+    "Policy",
+    "RoundRobin",
+    "make_policy",
+]
 
 
 class CostModel(Protocol):
@@ -26,6 +46,8 @@ class CostModel(Protocol):
 
 
 class Batcher(Protocol):
+    """Decides what to batch: a partition of the pool."""
+
     def __call__(
         self, reqs: Sequence[Request], slice_len: int, cost: CostModel
     ) -> list[list[Request]]:
@@ -34,12 +56,16 @@ class Batcher(Protocol):
 
 
 class Offloader(Protocol):
+    """Decides where each batch goes."""
+
     def assign(self, batches: Sequence, loads: dict[str, float]) -> list[str]:
         """Pick a worker for each batch (same order as ``batches``)."""
         ...
 
 
 class Interval(Protocol):
+    """Decides when the next scheduling round runs."""
+
     initial: float
 
     def next(self, loads: dict[str, float]) -> float:
@@ -49,6 +75,8 @@ class Interval(Protocol):
 
 @dataclass(frozen=True)
 class Policy:
+    """One named composition of the three decisions, plus the slice length S."""
+
     name: str
     slice_len: int
     batcher: Batcher
@@ -56,77 +84,50 @@ class Policy:
     interval: Interval
 
 
-# --------------------------------------------------------------------------- baseline parts
+# --------------------------------------------------------------------------- the ablation ladder
 
+#: The paper's ablation ladder (section 6.5), each step adding one feature.
+POLICIES = ("sls", "so", "pm", "ab", "lb", "scls")
+DEFAULT_POLICY = "scls"
 
-@dataclass(frozen=True)
-class FCFSBatcher:
-    """First come, first served, fixed batch size (also capped by the memory predicate)."""
-
-    size: int
-
-    def __call__(
-        self, reqs: Sequence[Request], slice_len: int, cost: CostModel
-    ) -> list[list[Request]]:
-        ordered = sorted(reqs, key=lambda r: (r.arrival, r.rid))
-        out: list[list[Request]] = []
-        cur: list[Request] = []
-        cur_len = 0
-        for r in ordered:
-            L = max(cur_len, r.input_len)
-            if cur and (len(cur) >= self.size or cost.oom(len(cur) + 1, L, slice_len)):
-                out.append(cur)
-                cur, L = [], r.input_len
-            cur.append(r)
-            cur_len = L
-        if cur:
-            out.append(cur)
-        return out
-
-
-class RoundRobin:
-    """Batches to workers in turn, ignoring load."""
-
-    def __init__(self) -> None:
-        self._next = 0
-
-    def assign(self, batches: Sequence, loads: dict[str, float]) -> list[str]:
-        workers = sorted(loads)
-        out = []
-        for _ in batches:
-            out.append(workers[self._next % len(workers)])
-            self._next += 1
-        return out
-
-
-@dataclass(frozen=True)
-class FixedInterval:
-    """Schedule every ``gamma`` seconds."""
-
-    gamma: float
-
-    @property
-    def initial(self) -> float:
-        return self.gamma
-
-    def next(self, loads: dict[str, float]) -> float:
-        return self.gamma
-
-
-POLICIES = ("sls", "so")
+#: Default minimal interval Γ in seconds, sized for the embedded CPU model
+#: (docs/estimator.md: a slice of one request there takes about 8 s, so a
+#: round waits at most ~1/8 of the shortest batch; the paper used 6 s / 3 s
+#: for HF / DS on A100s, and profiles may recommend their own ``gamma_s``).
+DEFAULT_GAMMA = 1.0
 
 
 def make_policy(
-    name: str,
+    name: str = DEFAULT_POLICY,
     *,
     slice_len: int = 128,
     max_gen: int = 1024,
     batch_size: int = 16,
-    gamma: float = 1.0,
+    gamma: float = DEFAULT_GAMMA,
+    lam: float = 0.5,
 ) -> Policy:
-    """Build a named policy. ``max_gen`` is the global generation limit."""
+    """Build a named policy of the ablation ladder.
+
+    - ``sls``: sequence-level: one batch runs to ``max_gen`` (the global
+      generation limit), FCFS with a fixed ``batch_size``, round-robin, fixed Γ.
+    - ``so``: slice-only: as sls with batches capped at ``slice_len`` iterations.
+    - ``pm``: padding-mitigating: the DP batcher capped at ``batch_size``.
+    - ``ab``: adaptive batching: the full DP under the memory predicate.
+    - ``lb``: load balancing: ab plus max-min offloading.
+    - ``scls``: lb plus the adaptive interval ``max(lam · min load, gamma)``.
+    """
+    if slice_len < 1 or max_gen < 1 or batch_size < 1:
+        raise ValueError("slice_len, max_gen and batch_size must be >= 1")
     if name == "sls":
         return Policy(name, max_gen, FCFSBatcher(batch_size), RoundRobin(), FixedInterval(gamma))
     if name == "so":
         return Policy(name, slice_len, FCFSBatcher(batch_size), RoundRobin(), FixedInterval(gamma))
+    if name == "pm":
+        return Policy(name, slice_len, DPBatcher(batch_size), RoundRobin(), FixedInterval(gamma))
+    if name == "ab":
+        return Policy(name, slice_len, DPBatcher(), RoundRobin(), FixedInterval(gamma))
+    if name == "lb":
+        return Policy(name, slice_len, DPBatcher(), MaxMin(), FixedInterval(gamma))
+    if name == "scls":
+        return Policy(name, slice_len, DPBatcher(), MaxMin(), AdaptiveInterval(lam, gamma))
     raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")

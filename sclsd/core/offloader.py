@@ -1,0 +1,98 @@
+"""Where each batch goes (offloaders) and when to schedule next (interval rules).
+
+Offloaders satisfy :class:`~sclsd.core.policy.Offloader`; interval rules
+:class:`~sclsd.core.policy.Interval`. ``loads`` are the active workers'
+estimated queued seconds (eq. 11); the scheduler adds a batch's estimate on
+dispatch and subtracts it on completion, so offloaders never mutate them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def _est(batch: object) -> float:
+    return float(getattr(batch, "est_time", 0.0))
+
+
+class MaxMin:
+    """Max-min offloading (paper section 4.5).
+
+    Batches in decreasing estimated serving time, each to the least-loaded
+    worker, counting the batches already placed in this call (eq. 11).
+    Ties go to the worker whose name sorts first, so runs are reproducible.
+    """
+
+    def assign(self, batches: Sequence, loads: dict[str, float]) -> list[str]:
+        if not loads:
+            raise ValueError("no worker to assign batches to")
+        local = dict(loads)  # the scheduler applies the real update after we return
+        order = sorted(range(len(batches)), key=lambda k: -_est(batches[k]))
+        out: list[str] = [""] * len(batches)
+        for k in order:
+            w = min(local, key=lambda w: (local[w], w))
+            out[k] = w
+            local[w] += _est(batches[k])
+        return out
+
+
+class RoundRobin:
+    """Batches to workers in turn, ignoring load (the SLS, SO, PM and AB steps)."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def assign(self, batches: Sequence, loads: dict[str, float]) -> list[str]:
+        if not loads:
+            raise ValueError("no worker to assign batches to")
+        workers = sorted(loads)
+        out = []
+        for _ in batches:
+            out.append(workers[self._next % len(workers)])
+            self._next += 1
+        return out
+
+
+@dataclass(frozen=True)
+class FixedInterval:
+    """Schedule every ``gamma`` seconds."""
+
+    gamma: float
+
+    @property
+    def initial(self) -> float:
+        return self.gamma
+
+    def next(self, loads: dict[str, float]) -> float:
+        return self.gamma
+
+
+@dataclass(frozen=True)
+class AdaptiveInterval:
+    """``T = max(λ · min_w load(w), Γ)`` (eq. 12).
+
+    Busy workers stretch the interval so the batcher sees more requests at
+    once (bigger, better-padded batches); idle ones shrink it to Γ so new
+    requests do not wait. λ < 1 keeps workers from idling when the load is
+    over-estimated; Γ keeps rounds from starving the batcher when it is
+    under-estimated.
+    """
+
+    lam: float = 0.5
+    gamma: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.lam <= 1:
+            raise ValueError(f"lam must be in [0, 1], got {self.lam}")
+        if self.gamma < 0:
+            raise ValueError(f"gamma must be >= 0, got {self.gamma}")
+
+    @property
+    def initial(self) -> float:
+        return self.gamma
+
+    def next(self, loads: dict[str, float]) -> float:
+        if not loads:
+            return self.gamma
+        return max(self.lam * min(loads.values()), self.gamma)

@@ -1,0 +1,44 @@
+"""Engine registry: name -> ``module:Class``, imported only when asked for.
+
+``import worker.engines`` must stay light (no torch): the daemon and the tests
+of the worker process import it without a model.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from worker.engines.base import Engine, EngineInfo
+
+#: Known engines. "hf-cb" (transformers continuous batching) and "deepspeed"
+#: join here as ``"worker.engines.hf_cb:HFCBEngine"`` etc. once they exist.
+ENGINES: dict[str, str] = {
+    "hf": "worker.engines.hf:HFEngine",
+    "fake": "worker.engines.fake:FakeEngine",
+}
+
+__all__ = ["ENGINES", "Engine", "EngineInfo", "create_engine", "engine_class"]
+
+
+def engine_class(name: str) -> type[Engine]:
+    """The engine class registered under ``name``; ``ValueError`` listing choices if unknown."""
+    try:
+        target = ENGINES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown engine {name!r}; choose one of: {', '.join(sorted(ENGINES))}"
+        ) from None
+    module_name, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def create_engine(name: str, model: str | None = None, device: str = "cpu", **opts: Any) -> Engine:
+    """Build engine ``name`` for ``model`` on ``device``; ``opts`` go to its constructor.
+
+    ``model=None`` keeps the engine's own default (SmolLM2 for ``hf``).
+    """
+    cls = engine_class(name)
+    if model is not None:
+        opts["model"] = model
+    return cls(device=device, **opts)

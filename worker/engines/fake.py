@@ -1,0 +1,156 @@
+"""``fake``: deterministic tokens and simulated serving time, no model.
+
+The next token is a hash of the whole context (carried incrementally), so a
+request gives the same tokens whether it is served in slices or in one pass.
+Each request "naturally" ends with EOS after ``1 + H(prompt) % max_natural``
+tokens (the prompt being ``token_ids`` minus the ``generated`` tail), unless
+``ignore_eos``. The engine sleeps ``prefill_s_per_token · N · L`` for the
+prefill and ``decode_s`` per iteration, and reports the KV memory the batch
+would take, ``(L + iterations) · N · Δ``, as its peak memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import time
+
+from sclsd.protocol import BatchMsg, BatchStats, RequestOutput
+from worker.engines.base import Engine, EngineInfo
+from worker.engines.sampling import mix_seed, random_seed
+
+DEFAULT_BUDGET = 4 * 1024**3
+#: Δ of SmolLM2-135M in fp32, so fake and hf workers look alike to the scheduler.
+DEFAULT_KV_BYTES = 46_080
+EOS_ID = 2
+#: Ids below this are special tokens in the SmolLM2 vocabulary; ordinary output avoids them.
+FIRST_ORDINARY_ID = 3
+_MASK64 = (1 << 64) - 1
+
+
+def _hash_ids(ids: list[int]) -> int:
+    """Stable 64-bit hash of a token-id sequence."""
+    digest = hashlib.blake2b(struct.pack(f"<{len(ids)}q", *ids), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _step(state: int, token: int) -> int:
+    """Fold one token into a context hash."""
+    return mix_seed(state, token) if token >= 0 else state
+
+
+class FakeEngine(Engine):
+    """A stand-in engine for tests and load tests (see the module docstring)."""
+
+    name = "fake"
+
+    def __init__(
+        self,
+        model: str = "fake",
+        device: str = "cpu",
+        decode_s: float = 0.0,
+        prefill_s_per_token: float = 0.0,
+        vocab: int = 1000,
+        mem_budget: int | None = None,
+        kv_bytes_per_token: int = DEFAULT_KV_BYTES,
+        max_natural: int = 64,
+        threads: int | None = None,
+    ) -> None:
+        if vocab <= FIRST_ORDINARY_ID:
+            raise ValueError(f"vocab must exceed {FIRST_ORDINARY_ID}, got {vocab}")
+        self.model = model
+        self.device = device
+        self.decode_s = float(decode_s)
+        self.prefill_s_per_token = float(prefill_s_per_token)
+        self.vocab = int(vocab)
+        self.mem_budget = int(mem_budget) if mem_budget else DEFAULT_BUDGET
+        self.kv_bytes = int(kv_bytes_per_token)
+        self.max_natural = int(max_natural)
+        del threads  # accepted for CLI symmetry with the torch engines
+
+    def info(self) -> EngineInfo:
+        """Configured Δ and budget; EOS is id 2 (SmolLM2's ``<|im_end|>``)."""
+        return EngineInfo(
+            engine=self.name,
+            model=self.model,
+            device=self.device,
+            kv_bytes_per_token=self.kv_bytes,
+            mem_available=self.mem_budget,
+            eos_token_ids=[EOS_ID],
+            extra={"vocab": self.vocab},
+        )
+
+    def natural_length(self, prompt: list[int]) -> int:
+        """Tokens after which a request with this prompt emits EOS (EOS included)."""
+        return 1 + _hash_ids(prompt) % self.max_natural
+
+    def serve(self, batch: BatchMsg) -> tuple[list[RequestOutput], BatchStats]:
+        """Generate deterministic tokens for at most ``slice_len`` iterations."""
+        reqs = batch.requests
+        if not reqs:
+            return [], BatchStats()
+        for r in reqs:
+            if not r.token_ids:
+                raise ValueError(f"request {r.rid!r} has an empty context")
+            bad = [t for t in r.token_ids if t >= self.vocab]
+            if bad:
+                raise ValueError(f"request {r.rid!r}: token id {bad[0]} outside vocab {self.vocab}")
+            if r.generated > len(r.token_ids):
+                raise ValueError(f"request {r.rid!r}: generated exceeds its context")
+
+        n = len(reqs)
+        width = max(len(r.token_ids) for r in reqs)
+        prefill_s = self.prefill_s_per_token * n * width
+        t0 = time.perf_counter()
+        if prefill_s > 0:
+            time.sleep(prefill_s)
+        t1 = time.perf_counter()
+
+        outs: list[list[int]] = [[] for _ in reqs]
+        reasons: list[str | None] = [None] * n
+        states = [_hash_ids(r.token_ids) for r in reqs]
+        natural = [self.natural_length(r.token_ids[: len(r.token_ids) - r.generated]) for r in reqs]
+        salts = [
+            (r.seed if r.seed is not None else random_seed()) if r.temperature > 0 else 0
+            for r in reqs
+        ]
+        span = self.vocab - FIRST_ORDINARY_ID
+        iterations = invalid = 0
+        while iterations < batch.slice_len and any(x is None for x in reasons):
+            if iterations:  # the first token comes from the prefill
+                invalid += sum(x is not None for x in reasons)
+            iterations += 1
+            for i, r in enumerate(reqs):
+                if reasons[i] is not None:
+                    continue
+                g = r.generated + len(outs[i])  # absolute index of this token
+                if g == natural[i] - 1 and not r.ignore_eos:
+                    tok = EOS_ID
+                else:
+                    tok = FIRST_ORDINARY_ID + mix_seed(states[i], salts[i] * 7919 + g) % span
+                outs[i].append(tok)
+                states[i] = _step(states[i], tok)
+                if (tok == EOS_ID and not r.ignore_eos) or tok in r.stop_token_ids:
+                    reasons[i] = "stop"
+                elif len(outs[i]) >= r.max_new_tokens:
+                    reasons[i] = "length"
+        decode_s = self.decode_s * iterations
+        if decode_s > 0:
+            time.sleep(decode_s)
+        t2 = time.perf_counter()
+
+        outputs = [
+            RequestOutput(rid=r.rid, token_ids=outs[i], finish_reason=reasons[i])  # type: ignore[arg-type]
+            for i, r in enumerate(reqs)
+        ]
+        stats = BatchStats(
+            prefill_s=t1 - t0,
+            decode_s=t2 - t1,
+            iterations=iterations,
+            pad_tokens=sum(width - len(r.token_ids) for r in reqs),
+            invalid_tokens=invalid,
+            peak_memory=(width + iterations) * n * self.kv_bytes,
+            batch_size=n,
+            input_len=width,
+        )
+        return outputs, stats

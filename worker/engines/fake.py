@@ -1,6 +1,7 @@
 """``fake``: deterministic tokens and simulated serving time, no model.
 
-The next token is a hash of the whole context (carried incrementally), so a
+Token ``g`` of a request (counted over the whole request) is a hash of its
+prompt, ``g`` and, for sampled rows, the seed: a function of the context, so a
 request gives the same tokens whether it is served in slices or in one pass.
 Each request "naturally" ends with EOS after ``1 + H(prompt) % max_natural``
 tokens (the prompt being ``token_ids`` minus the ``generated`` tail), unless
@@ -32,11 +33,6 @@ def _hash_ids(ids: list[int]) -> int:
     """Stable 64-bit hash of a token-id sequence."""
     digest = hashlib.blake2b(struct.pack(f"<{len(ids)}q", *ids), digest_size=8).digest()
     return int.from_bytes(digest, "little")
-
-
-def _step(state: int, token: int) -> int:
-    """Fold one token into a context hash."""
-    return mix_seed(state, token) if token >= 0 else state
 
 
 class FakeEngine(Engine):
@@ -108,11 +104,13 @@ class FakeEngine(Engine):
 
         outs: list[list[int]] = [[] for _ in reqs]
         reasons: list[str | None] = [None] * n
-        states = [_hash_ids(r.token_ids) for r in reqs]
-        natural = [self.natural_length(r.token_ids[: len(r.token_ids) - r.generated]) for r in reqs]
-        salts = [
-            (r.seed if r.seed is not None else random_seed()) if r.temperature > 0 else 0
-            for r in reqs
+        # The prompt is the context minus the tokens of earlier slices.
+        hashes = [_hash_ids(r.token_ids[: len(r.token_ids) - r.generated]) for r in reqs]
+        natural = [1 + h % self.max_natural for h in hashes]
+        # Sampled rows fold their seed in (unseeded ones a fresh one): outputs differ from greedy.
+        states = [
+            mix_seed(h, r.seed if r.seed is not None else random_seed()) if r.temperature > 0 else h
+            for h, r in zip(hashes, reqs, strict=True)
         ]
         span = self.vocab - FIRST_ORDINARY_ID
         iterations = invalid = 0
@@ -127,9 +125,8 @@ class FakeEngine(Engine):
                 if g == natural[i] - 1 and not r.ignore_eos:
                     tok = EOS_ID
                 else:
-                    tok = FIRST_ORDINARY_ID + mix_seed(states[i], salts[i] * 7919 + g) % span
+                    tok = FIRST_ORDINARY_ID + mix_seed(states[i], g) % span
                 outs[i].append(tok)
-                states[i] = _step(states[i], tok)
                 if (tok == EOS_ID and not r.ignore_eos) or tok in r.stop_token_ids:
                     reasons[i] = "stop"
                 elif len(outs[i]) >= r.max_new_tokens:

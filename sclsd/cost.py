@@ -1,77 +1,78 @@
-"""The daemon's cost model: a fitted estimator plus the workers' memory predicate.
+"""The daemon's cost model: a profile's estimator plus the live workers' memory.
 
 The estimator comes from the configured profile, else from the profile a worker
 sends at register, else from the built-in profile of the CPU default model. The
 memory predicate is eq. 8 with the Δ and M_ava the workers report, taking the
-smallest budget so a batch fits on whichever worker gets it; a profile with a
-rule table (DeepSpeed, Algorithm 2) uses the table instead.
+tightest worker so a batch fits wherever it lands; a profile with a rule table
+(DeepSpeed, Algorithm 2) uses the table instead.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+
+import numpy as np
 
 from . import protocol as P
 from .config import Config
-from .core.estimator import Estimator
 from .core.memory import KVMemory
+from .core.profiles import DEFAULT_PROFILE, Profile, ProfileCost, load_profile
 
 log = logging.getLogger("sclsd.cost")
 
-DEFAULT_PROFILE = "cpu-smollm2-135m"
-
 
 class DaemonCost:
-    """Implements :class:`sclsd.core.policy.CostModel` for the live daemon."""
+    """Implements :class:`sclsd.core.policy.CostModel` (and the batcher's linear fast path)
+    by delegating to a :class:`ProfileCost` rebuilt whenever the set of workers changes."""
 
-    def __init__(self, estimator: Estimator, zeta: float, rules: Any = None, pinned: bool = False) -> None:
-        self.estimator = estimator
+    def __init__(self, profile: Profile, zeta: float, pinned: bool = False) -> None:
+        self.profile = profile
         self.zeta = zeta
-        self.rules = rules
         self.pinned = pinned  # a configured profile is never replaced by a worker's
-        self.memory: dict[str, KVMemory] = {}
-        self._tightest: KVMemory | None = None
+        self.memory: dict[str, tuple[int, int]] = {}
+        self.inner: ProfileCost = profile.cost(zeta)
+        self._rebuild()
 
     @classmethod
     def initial(cls, cfg: Config) -> DaemonCost:
-        from .core.profiles import load_profile
-
         name = cfg.scheduler.profile or DEFAULT_PROFILE
-        prof = load_profile(name)
-        return cls(prof.estimator, cfg.scheduler.zeta, getattr(prof, "rules", None),
-                   pinned=bool(cfg.scheduler.profile))
+        return cls(load_profile(name), cfg.scheduler.zeta, pinned=bool(cfg.scheduler.profile))
+
+    @property
+    def estimator(self):  # noqa: ANN201 - the core's Estimator
+        return self.inner.estimator
 
     def on_register(self, reg: P.Register) -> None:
-        if reg.kv_bytes_per_token > 0 and reg.mem_available > 0:
-            self.memory[reg.worker_id] = KVMemory(reg.kv_bytes_per_token, reg.mem_available, self.zeta)
-        self._recompute()
         if reg.profile and not self.pinned:
-            from .core.profiles import Profile
-
             try:
-                prof = Profile.from_dict(reg.profile)
-            except (KeyError, TypeError, ValueError) as exc:
-                log.warning("worker=%s sent an unusable profile (%s); keeping the current one",
-                            reg.worker_id, exc)
-                return
-            self.estimator = prof.estimator
-            self.rules = getattr(prof, "rules", None)
-            log.info("estimator from worker=%s profile: %s", reg.worker_id, prof.estimator)
+                self.profile = Profile.from_dict(reg.profile)
+                log.info("estimator from worker=%s profile %s", reg.worker_id, self.profile.name)
+            except ValueError as exc:
+                log.warning("worker=%s sent an unusable profile (%s); keeping %s",
+                            reg.worker_id, exc, self.profile.name)
+        if reg.kv_bytes_per_token > 0 and reg.mem_available > 0:
+            self.memory[reg.worker_id] = (reg.kv_bytes_per_token, reg.mem_available)
+        self._rebuild()
 
     def on_dead(self, wid: str) -> None:
         self.memory.pop(wid, None)
-        self._recompute()
+        self._rebuild()
 
-    def _recompute(self) -> None:
-        self._tightest = min(self.memory.values(), key=lambda m: m.m_avail * m.zeta / m.delta, default=None)
+    def _rebuild(self) -> None:
+        if self.profile.rules is not None or not self.memory:
+            self.inner = self.profile.cost(self.zeta)
+            return
+        delta, m_avail = min(self.memory.values(), key=lambda dm: dm[1] / dm[0])
+        self.inner = ProfileCost(self.profile.estimator, KVMemory(delta, m_avail, self.zeta))
 
     def t_serve(self, n: int, input_len: int, slice_len: int) -> float:
-        return self.estimator.t_serve(n, input_len, slice_len)
+        return self.inner.t_serve(n, input_len, slice_len)
 
     def oom(self, n: int, input_len: int, slice_len: int) -> bool:
-        if self.rules is not None:
-            return self.rules.oom(n, input_len, slice_len)
-        if self._tightest is None:
-            return False
-        return self._tightest.oom(n, input_len, slice_len)
+        return self.inner.oom(n, input_len, slice_len)
+
+    def linear_terms(self, L: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.inner.linear_terms(L, S)
+
+    def max_batch(self, L: np.ndarray, S: int) -> np.ndarray:
+        return self.inner.max_batch(L, S)

@@ -1,0 +1,175 @@
+"""Cost-model workers: what really happens when a batch runs, on a virtual clock.
+
+A worker of the simulator does what a real one does: batches wait in a local
+FIFO queue and run one at a time. How long a batch takes and what it produces
+come from the profile's estimator applied to what the batch *actually* does
+(its true output lengths, which the scheduler never sees), times optional
+seeded multiplicative noise.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..core.estimator import Estimator
+from ..core.request import Request
+from ..core.scheduler import Batch, RowOutcome
+
+
+@dataclass(slots=True)
+class SimPayload:
+    """What the simulator keeps in ``Request.payload``. The policy never reads it.
+
+    ``true_len`` is the request's true output length: it generates EOS there.
+    The rest are per-request waste counters for the metrics.
+    """
+
+    true_len: int
+    pad_tokens: int = 0
+    invalid_tokens: int = 0
+    preemptions: int = 0
+
+
+def target_len(r: Request) -> int:
+    """Tokens the request will have generated when it finishes: EOS or its budget."""
+    return min(r.payload.true_len, r.max_tokens)
+
+
+def finish_reason(r: Request, generated: int) -> str | None:
+    """``stop`` at the true length, ``length`` at max_tokens, None while it goes on."""
+    if generated >= r.payload.true_len:
+        return "stop"
+    if generated >= r.max_tokens:
+        return "length"
+    return None
+
+
+class Noise:
+    """Seeded multiplicative noise on serving times: lognormal with mean 1 and shape ``sigma``.
+
+    Lognormal keeps times positive; the ``-sigma²/2`` location makes the mean
+    exactly 1, so noise adds error without biasing the estimator.
+    """
+
+    def __init__(self, sigma: float, seed: int) -> None:
+        if sigma < 0:
+            raise ValueError(f"noise must be >= 0, got {sigma}")
+        self.sigma = sigma
+        self._rng = np.random.default_rng(seed)
+        self._buf: list[float] = []
+
+    def __call__(self) -> float:
+        if self.sigma == 0:
+            return 1.0
+        if not self._buf:  # draw in blocks: one numpy call per 4096 factors
+            self._buf = self._rng.lognormal(-(self.sigma**2) / 2, self.sigma, 4096).tolist()
+        return self._buf.pop()
+
+
+@dataclass(slots=True)
+class Served:
+    """The true outcome of one batch (computed when it starts; its requests are frozen meanwhile)."""
+
+    time: float
+    """Seconds, before noise."""
+    iterations: int
+    rows: list[RowOutcome]
+    pad: list[int]
+    invalid: list[int]
+    early_return: bool
+    kv_tokens: int
+    """Peak KV-cache tokens the batch really holds."""
+
+
+def serve_static(batch: Batch, est: Estimator) -> Served:
+    """A padded static batch (HF / DS engines) with early return.
+
+    Every row is left-padded to the batch input length L. The batch decodes
+    until every row has finished (true EOS or max_tokens) or S iterations,
+    whichever comes first; finished rows keep computing (invalid tokens)
+    while others go on. Time = T_prefill(n, L) + T_decode(n, L, k) for the k
+    iterations run.
+    """
+    reqs = batch.requests
+    n, L, S = len(reqs), batch.input_len, batch.slice_len
+    remaining = [target_len(r) - r.num_generated for r in reqs]
+    k = min(S, max(remaining))
+    rows: list[RowOutcome] = []
+    pad: list[int] = []
+    invalid: list[int] = []
+    for r, rem in zip(reqs, remaining, strict=True):
+        new = min(k, rem)
+        rows.append(RowOutcome(r.rid, new, finish_reason(r, r.num_generated + new)))
+        pad.append(L - r.input_len)
+        invalid.append(k - new)
+    return Served(
+        time=est.t_prefill(n, L) + est.t_decode(n, L, k),
+        iterations=k,
+        rows=rows,
+        pad=pad,
+        invalid=invalid,
+        early_return=k < S,
+        kv_tokens=(L + k) * n,
+    )
+
+
+def serve_ragged(batch: Batch, est: Estimator) -> Served:
+    """A ragged batch without padding or invalid tokens (the oracle's idealised engine).
+
+    Prefill costs T_prefill(n, mean L) (the same token count as the rows'
+    own lengths, no pad). Every row generates exactly its remaining tokens and
+    leaves; decoding iteration t (1-based) costs tau(mean context of the rows
+    still running, their number), the context of a row being L_r + t. Between
+    two departures the running set is fixed, so each stretch is one closed-form
+    ``t_decode``. No slice limit applies: the oracle never slices.
+    """
+    reqs = batch.requests
+    n = len(reqs)
+    rem = [target_len(r) - r.num_generated for r in reqs]
+    lens = [r.input_len for r in reqs]
+    time = est.t_prefill(n, sum(lens) / n) + ragged_decode_time(est, lens, rem)
+    rows = [
+        RowOutcome(r.rid, g, finish_reason(r, r.num_generated + g))
+        for r, g in zip(reqs, rem, strict=True)
+    ]
+    return Served(
+        time=time,
+        iterations=max(rem),
+        rows=rows,
+        pad=[0] * n,
+        invalid=[0] * n,
+        early_return=False,
+        kv_tokens=sum(lens) + sum(rem),
+    )
+
+
+def ragged_decode_time(est: Estimator, lens: list[int], outs: list[int]) -> float:
+    """Σ_t tau(mean context of running rows at t, rows running at t), rows leaving after ``outs``."""
+    order = sorted(range(len(lens)), key=lambda i: outs[i])
+    alive = len(lens)
+    len_sum = float(sum(lens))
+    done_iters = 0
+    total = 0.0
+    for i in order:
+        o = outs[i]
+        if o > done_iters:
+            # Iterations done_iters+1 .. o with `alive` rows; mean context = mean L + t.
+            total += est.t_decode(alive, len_sum / alive + done_iters, o - done_iters)
+            done_iters = o
+        alive -= 1
+        len_sum -= lens[i]
+    return total
+
+
+@dataclass(slots=True, eq=False)
+class SimWorker:
+    """One simulated worker: a FIFO queue of batches served one at a time."""
+
+    wid: str
+    queue: deque[Batch] = field(default_factory=deque)
+    busy: bool = False
+    last_completion: float | None = None
+    busy_time: float = 0.0

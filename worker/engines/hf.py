@@ -104,12 +104,12 @@ class HFEngine(Engine):
     # ------------------------------------------------------------------ facts
 
     def info(self) -> EngineInfo:
-        """Δ from the config, M_ava from the device (CUDA free memory) or the CPU budget."""
+        """Δ from the config; M_ava is CUDA's free memory, or ``mem_budget`` (4 GiB) on the CPU."""
         import torch
 
         if self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            mem = min(free, self.mem_budget) if self.mem_budget else free
+            # Measured after the weights are resident; the CPU budget does not apply.
+            mem, _total = torch.cuda.mem_get_info(self.device)
         else:
             mem = self.mem_budget or DEFAULT_CPU_BUDGET
         return EngineInfo(

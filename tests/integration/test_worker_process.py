@@ -1,0 +1,259 @@
+"""A real ``sclsd-worker`` process (fake engine) against a ROUTER bound by the test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+zmq = pytest.importorskip("zmq")
+
+from sclsd import protocol as P  # noqa: E402
+from worker.engines.fake import FakeEngine  # noqa: E402
+
+#: Generous deadline for things that must happen (never asserted as a duration).
+PATIENCE = 60.0
+
+
+def worker_command(endpoint: str, wid: str, *extra: str) -> list[str]:
+    exe = shutil.which("sclsd-worker", path=str(Path(sys.executable).parent))
+    base = [exe] if exe else [sys.executable, "-m", "worker.main"]
+    return [*base, "--connect", endpoint, "--id", wid, "--engine", "fake", *extra]
+
+
+class Daemon:
+    """The test's stand-in for the daemon: a ROUTER and a few helpers."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.endpoint = endpoint
+        self.backlog: list[tuple[bytes, object]] = []
+
+    def recv(
+        self, kind: type | tuple[type, ...], timeout: float = PATIENCE
+    ) -> tuple[bytes, object]:
+        """Next message of ``kind`` with the sender's identity; others wait in a backlog."""
+        for i, (ident, msg) in enumerate(self.backlog):
+            if isinstance(msg, kind):
+                del self.backlog[i]
+                return ident, msg
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.sock.poll(100):
+                ident, body = self.sock.recv_multipart()
+                msg = P.worker_decoder.decode(body)
+                if isinstance(msg, kind):
+                    return ident, msg
+                if not isinstance(msg, P.Heartbeat):  # heartbeats are only ever wanted fresh
+                    self.backlog.append((ident, msg))
+        raise AssertionError(f"no {kind} within {timeout}s")
+
+    def send(self, ident: bytes, msg: object) -> None:
+        self.sock.send_multipart([ident, P.encode(msg)])
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def ipc_dir() -> Iterator[Path]:
+    # ipc:// paths are limited to about 107 bytes, so not pytest's deep tmp_path.
+    d = Path(tempfile.mkdtemp(prefix="sw-", dir=os.environ.get("SCLSD_TEST_TMP", "/tmp")))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(ipc_dir: Path) -> Iterator[Daemon]:
+    d = Daemon(f"ipc://{ipc_dir}/w.ipc")
+    yield d
+    d.close()
+
+
+@pytest.fixture
+def spawn(ipc_dir: Path) -> Iterator:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(endpoint: str, wid: str = "w0", *extra: str) -> subprocess.Popen[bytes]:
+        log = open(ipc_dir / f"{wid}.log", "wb")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(
+            worker_command(endpoint, wid, *extra), stdout=log, stderr=subprocess.STDOUT
+        )
+        proc.log_path = ipc_dir / f"{wid}.log"  # type: ignore[attr-defined]
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def log_of(proc: subprocess.Popen[bytes]) -> str:
+    return proc.log_path.read_text(errors="replace")  # type: ignore[attr-defined]
+
+
+def wait_exit(proc: subprocess.Popen[bytes]) -> int:
+    try:
+        return proc.wait(timeout=PATIENCE)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"worker did not exit:\n{log_of(proc)}") from None
+
+
+def expected(batch: P.BatchMsg) -> list[P.RequestOutput]:
+    outs, _ = FakeEngine().serve(batch)
+    return outs
+
+
+def register(daemon: Daemon, hb: float = 0.2) -> tuple[bytes, P.Register]:
+    ident, reg = daemon.recv(P.Register)
+    daemon.send(ident, P.Welcome(heartbeat_interval_s=hb))
+    return ident, reg  # type: ignore[return-value]
+
+
+def test_register_batch_heartbeat_shutdown(daemon, spawn):
+    proc = spawn(daemon.endpoint, "w0", "--mem-budget", "12345", "--opt", "kv_bytes_per_token=99")
+    ident, reg = register(daemon)
+    assert ident == b"w0"
+    assert (reg.worker_id, reg.engine, reg.model, reg.device) == ("w0", "fake", "fake", "cpu")
+    assert reg.kv_bytes_per_token == 99 and reg.mem_available == 12345
+    assert reg.pid == proc.pid and reg.eos_token_ids == [2]
+
+    hb = daemon.recv(P.Heartbeat)[1]
+    assert hb.worker_id == "w0"
+
+    batch = P.BatchMsg(
+        batch_id=7,
+        slice_len=5,
+        requests=[
+            P.BatchRequest(
+                rid="a", token_ids=[5, 6, 7], max_new_tokens=3, ignore_eos=True, temperature=0.0
+            ),
+            P.BatchRequest(
+                rid="b", token_ids=[9] * 4, max_new_tokens=50, ignore_eos=True, temperature=0.0
+            ),
+        ],
+    )
+    daemon.send(ident, batch)
+    res = daemon.recv(P.Result)[1]
+    assert (res.worker_id, res.batch_id, res.error) == ("w0", 7, None)
+    assert res.outputs == expected(batch)
+    assert [len(o.token_ids) for o in res.outputs] == [3, 5]
+    assert [o.finish_reason for o in res.outputs] == ["length", None]
+    assert res.stats.batch_size == 2 and res.stats.iterations == 5 and res.stats.input_len == 4
+
+    daemon.send(ident, P.Shutdown())
+    assert wait_exit(proc) == 0, log_of(proc)
+    assert "w0" in log_of(proc)
+
+
+def test_engine_error_yields_error_result_and_worker_continues(daemon, spawn):
+    proc = spawn(daemon.endpoint, "w1")
+    ident, _ = register(daemon)
+    bad = P.BatchMsg(
+        batch_id=1,
+        slice_len=4,
+        requests=[P.BatchRequest(rid="x", token_ids=[10**6], max_new_tokens=4, temperature=0.0)],
+    )
+    daemon.send(ident, bad)
+    res = daemon.recv(P.Result)[1]
+    assert res.batch_id == 1 and res.outputs == []
+    assert res.error and "outside vocab" in res.error
+
+    good = P.BatchMsg(
+        batch_id=2,
+        slice_len=4,
+        requests=[P.BatchRequest(rid="y", token_ids=[4], max_new_tokens=4, temperature=0.0)],
+    )
+    daemon.send(ident, good)
+    res = daemon.recv(P.Result)[1]
+    assert res.batch_id == 2 and res.error is None and res.outputs == expected(good)
+    proc.send_signal(signal.SIGTERM)
+    assert wait_exit(proc) == 0, log_of(proc)
+
+
+def test_results_in_order_and_drain_refuses_new_batches(daemon, spawn):
+    proc = spawn(daemon.endpoint, "w2", "--decode-s", "0.01")
+    ident, _ = register(daemon)
+    batches = [
+        P.BatchMsg(
+            batch_id=i,
+            slice_len=8,
+            requests=[
+                P.BatchRequest(rid=f"r{i}", token_ids=[3 + i, 4], max_new_tokens=8, temperature=0.0)
+            ],
+        )
+        for i in range(3)
+    ]
+    for b in batches:
+        daemon.send(ident, b)
+    daemon.send(ident, P.Drain())
+    late = P.BatchMsg(batch_id=99, slice_len=8, requests=batches[0].requests)
+    daemon.send(ident, late)
+    got = {}
+    while len(got) < 4:
+        res = daemon.recv(P.Result)[1]
+        got[res.batch_id] = res
+    for b in batches:  # queued before Drain: served
+        assert got[b.batch_id].error is None and got[b.batch_id].outputs == expected(b)
+    assert got[99].error and "draining" in got[99].error
+    # Still alive and beating while drained.
+    assert daemon.recv(P.Heartbeat)[1].worker_id == "w2"
+    proc.send_signal(signal.SIGINT)
+    assert wait_exit(proc) == 0, log_of(proc)
+
+
+def test_waits_for_daemon_and_registers_when_it_appears(ipc_dir, spawn):
+    endpoint = f"ipc://{ipc_dir}/late.ipc"
+    proc = spawn(endpoint, "w3", "--register-retry", "0.5")
+    time.sleep(0.5)  # the worker starts with nobody listening
+    assert proc.poll() is None
+    late = Daemon(endpoint)
+    try:
+        ident, reg = register(late)
+        assert ident == b"w3" and reg.worker_id == "w3"
+        late.send(ident, P.Shutdown())
+        assert wait_exit(proc) == 0, log_of(proc)
+    finally:
+        late.close()
+
+
+def test_sigterm_finishes_running_batch(daemon, spawn):
+    proc = spawn(daemon.endpoint, "w4", "--decode-s", "0.05")
+    ident, _ = register(daemon)
+    batch = P.BatchMsg(
+        batch_id=5,
+        slice_len=10,
+        requests=[
+            P.BatchRequest(
+                rid="s", token_ids=[8], max_new_tokens=10, ignore_eos=True, temperature=0.0
+            )
+        ],
+    )
+    daemon.send(ident, batch)
+    # Busy heartbeat: the batch is running when the signal arrives.
+    while not daemon.recv(P.Heartbeat)[1].busy:
+        pass
+    proc.send_signal(signal.SIGTERM)
+    res = daemon.recv(P.Result)[1]
+    assert res.batch_id == 5 and res.error is None and res.outputs == expected(batch)
+    assert wait_exit(proc) == 0, log_of(proc)
+
+
+def test_bad_engine_exits_nonzero(daemon, spawn):
+    proc = spawn(daemon.endpoint, "w5", "--opt", "no_such_option=1")
+    assert wait_exit(proc) == 2
+    assert "no_such_option" in log_of(proc)

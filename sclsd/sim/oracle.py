@@ -59,9 +59,27 @@ class OracleBatcher:
     ) -> list[list[Request]]:
         if not reqs:
             return []
-        ordered = sorted(
+        ordered = self._sorted(reqs)
+        _, P = self._dp(ordered)
+        out: list[list[Request]] = []
+        i = len(ordered)
+        while i > 0:
+            out.append(ordered[P[i] : i])
+            i = P[i]
+        return out
+
+    def total(self, reqs: Sequence[Request]) -> float:
+        """The DP's minimal total serving time of ``reqs`` (for tests)."""
+        return self._dp(self._sorted(reqs))[0][-1] if reqs else 0.0
+
+    @staticmethod
+    def _sorted(reqs: Sequence[Request]) -> list[Request]:
+        return sorted(
             reqs, key=lambda r: (target_len(r) - r.num_generated, r.input_len, r.arrival, r.rid)
         )
+
+    def _dp(self, ordered: list[Request]) -> tuple[list[float], list[int]]:
+        """T[i]: least total time of the first i requests; P[i]: where their last batch starts."""
         Ls = [r.input_len for r in ordered]
         Os = [target_len(r) - r.num_generated for r in ordered]
         n = len(ordered)
@@ -95,12 +113,7 @@ class OracleBatcher:
                     best, best_p = t, j - 1
                 j -= 1
             T[i], P[i] = best, best_p
-        out: list[list[Request]] = []
-        i = n
-        while i > 0:
-            out.append(ordered[P[i] : i])
-            i = P[i]
-        return out
+        return T, P
 
 
 class OracleOffloader:

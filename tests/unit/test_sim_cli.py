@@ -1,0 +1,86 @@
+"""``sclsd-bench sim``: the JSON contract, arguments, and workload generation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sclsd.bench.cli import main
+from sclsd.bench.traces import load_trace
+from sclsd.sim.engine import ALL_POLICIES
+from sclsd.sim.workload import make_workload
+
+CONTRACT = (
+    "requests completed duration_s throughput_rps output_tps avg_latency_s p95_latency_s "
+    "avg_ttft_s p95_ttft_s avg_batch_size pad_tokens_per_req invalid_tokens_per_req "
+    "slices_per_req early_return_ratio ct_std_s oom_events policy profile rate workers slice_len"
+).split()
+
+
+def write_trace(path: Path, arrivals: bool, n: int = 40) -> Path:
+    rng = np.random.default_rng(0)
+    lines = ["arrival_s,input_tokens,output_tokens"]
+    for k in range(n):
+        a = f"{k * 0.25:.3f}" if arrivals else ""
+        lines.append(f"{a},{int(rng.integers(1, 3000))},{int(rng.integers(1, 1500))}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_json_contract(tmp_path: Path, policy: str, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = write_trace(tmp_path / "t.csv", arrivals=False)
+    out = tmp_path / "o.json"
+    rc = main(
+        ["sim", "--trace", str(trace), "--policy", policy, "--profile", "a100-llama2-13b-hf"]
+        + ["--workers", "2", "--rate", "4", "--duration", "5", "--json", str(out), "--no-progress"]
+    )
+    assert rc == 0
+    d = json.loads(out.read_text())
+    missing = [k for k in CONTRACT if k not in d]
+    assert not missing
+    assert d["policy"] == policy and d["workers"] == 2 and d["rate"] == 4.0
+    assert d["completed"] == d["requests"] > 0
+    assert "throughput (req/s)" in capsys.readouterr().out
+
+
+def test_trace_without_arrivals_needs_rate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = write_trace(tmp_path / "t.csv", arrivals=False)
+    assert main(["sim", "--trace", str(trace), "--no-progress"]) == 2
+    assert "--rate" in capsys.readouterr().err
+
+
+def test_trace_arrivals_are_used_without_rate(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.csv", arrivals=True)
+    out = tmp_path / "o.json"
+    args = ["sim", "--trace", str(trace), "--workers", "1", "--json", str(out), "--no-progress"]
+    assert main(args + ["--duration", "5"]) == 0
+    d = json.loads(out.read_text())
+    assert d["requests"] == 20 and d["rate"] is None  # arrivals 0, 0.25, ... 4.75 < 5
+
+
+def test_unknown_profile_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = write_trace(tmp_path / "t.csv", arrivals=True)
+    assert main(["sim", "--trace", str(trace), "--profile", "nope", "--no-progress"]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_workload_caps_cuts_and_wraps(tmp_path: Path) -> None:
+    tr = load_trace(write_trace(tmp_path / "t.csv", arrivals=False, n=10))
+    wl = make_workload(tr, rate=50.0, duration=2.0, max_input=1024, max_gen=512, seed=3)
+    assert 50 < len(wl) < 150  # ~100 Poisson arrivals in 2 s
+    assert wl.arrival.max() < 2.0 and np.all(np.diff(wl.arrival) >= 0)
+    assert wl.input_len.max() <= 1024 and wl.output_len.max() <= 512 and wl.input_len.min() >= 1
+    # Lengths are the trace's, in order, wrapping around.
+    capped = tr.capped(1024, 512)
+    assert wl.input_len[:10].tolist() == capped.input_tokens.tolist()
+    assert wl.input_len[10:20].tolist() == capped.input_tokens.tolist()
+    again = make_workload(tr, rate=50.0, duration=2.0, max_input=1024, max_gen=512, seed=3)
+    assert np.array_equal(again.arrival, wl.arrival)

@@ -108,6 +108,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         workers=args.workers,
         slice_len=args.slice_len,
         max_gen=args.max_gen,
+        max_input=args.max_input,
         batch_size=args.batch_size,
         gamma=args.gamma,
         lam=args.lam,

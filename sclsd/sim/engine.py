@@ -45,6 +45,8 @@ class SimConfig:
     workers: int = 8
     slice_len: int = 128
     max_gen: int = 1024
+    max_input: int = 1024
+    """Input cap of the workload (bounds the totals of a rule table)."""
     batch_size: int = 16
     gamma: float | None = None
     """Minimal scheduling interval Γ; None takes the profile's ``gamma_s`` (else core's default)."""
@@ -74,13 +76,42 @@ class SimConfig:
 
     @property
     def kv_token_budget(self) -> float:
-        """ζ · M_ava / Δ: KV tokens a worker may fill (the continuous engines' and oracle's budget)."""
+        """KV tokens a worker may fill: the continuous engines' and the oracle's budget.
+
+        ζ · M_ava / Δ under the KV model. A profile with a rule table (DeepSpeed)
+        says instead how many padded rows fit at each total length; the budget
+        is then the most tokens the table lets one batch hold (for the paper's
+        table, 12 rows × 2048 = 24,576), since M_ava / Δ overstates what that
+        engine can use (the paper: eq. 8 fails for DS whatever ζ).
+        """
+        rules = self.profile.rules
+        if rules is not None:
+            return float(rules_token_budget(rules.rules, self.max_input + self.max_gen))
         return self.zeta * self.profile.mem_available / self.profile.kv_bytes_per_token
 
     @property
     def kv_token_capacity(self) -> float:
-        """M_ava / Δ: KV tokens that physically fit; above it a worker runs out of memory."""
+        """KV tokens that physically fit; above it a worker runs out of memory.
+
+        M_ava / Δ (no safety factor) under the KV model; the table's budget for a rule table.
+        """
+        if self.profile.rules is not None:
+            return self.kv_token_budget
         return self.profile.mem_available / self.profile.kv_bytes_per_token
+
+
+def rules_token_budget(rules: tuple[tuple[int, int], ...], max_total: int) -> int:
+    """Most tokens one batch may hold under a rule table ``((min_total_len, max_batch), ...)``.
+
+    Rule k covers totals in (min_k, upper_k], upper_k being the next rule's
+    threshold (``max_total`` for the top one); it allows max_batch_k · upper_k tokens.
+    """
+    best, upper = 0, max_total
+    for min_len, limit in sorted(rules, reverse=True):
+        if min_len < upper:
+            best = max(best, limit * upper)
+            upper = min_len
+    return best
 
 
 @dataclass

@@ -182,3 +182,16 @@ def test_oracle_dp_is_optimal_over_contiguous_partitions(seed: int) -> None:
     assert sum(cost(b) for b in got) == pytest.approx(best, rel=1e-9)
     # The DP's incremental costs are the engine's true times.
     assert batcher.total(reqs) == pytest.approx(best, rel=1e-9)
+
+
+def test_rule_table_profiles_give_continuous_engines_the_tables_token_budget() -> None:
+    from sclsd.core.profiles import load_profile
+    from sclsd.sim.engine import rules_token_budget
+
+    table = ((1024, 12), (512, 22), (0, 28))
+    assert rules_token_budget(table, 2048) == 12 * 2048
+    assert rules_token_budget(table, 1000) == 22 * 1000
+    ds = SimConfig("ils-paged", load_profile("a100-llama2-13b-ds"))
+    assert ds.kv_token_budget == ds.kv_token_capacity == 12 * 2048
+    hf = SimConfig("ils-paged", load_profile("a100-llama2-13b-hf"))
+    assert hf.kv_token_budget == pytest.approx(0.9 * hf.kv_token_capacity)

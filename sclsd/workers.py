@@ -220,8 +220,9 @@ class WorkerHub:
             "--mem-budget", str(w.mem_budget_bytes),
             "--heartbeat", str(d.heartbeat_interval_s),
         ]
+        # [workers.options] key = value becomes the worker flag --key value (e.g. decode_s -> --decode-s).
         for key, value in sorted(w.options.items()):
-            cmd += ["--opt", f"{key}={value}"]
+            cmd += [f"--{key.replace('_', '-')}", str(value)]
         return cmd
 
     async def _supervise(self, wid: str, index: int) -> None:

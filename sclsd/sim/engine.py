@@ -235,6 +235,8 @@ class StaticSimulation:
         self.noise = Noise(cfg.noise, cfg.seed)
         self.stats = BatchStats()
         self.oom_events = 0
+        self.model_s = 0.0  # noise-free serving seconds, all workers
+        self.prefill_s = 0.0  # ... of which prefill (re-prefills of later slices included)
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
 
@@ -276,7 +278,10 @@ class StaticSimulation:
             oom_events=self.oom_events,
             events=events,
             wall_s=time.perf_counter() - t0,
-            extra={"busy_s": {w: s.busy_time for w, s in self.workers.items()}},
+            extra={
+                "busy_s": {w: s.busy_time for w, s in self.workers.items()},
+                "prefill_share": self.prefill_s / self.model_s if self.model_s else 0.0,
+            },
         )
 
     # ------------------------------------------------------------------ workers
@@ -292,6 +297,8 @@ class StaticSimulation:
         served = serve_ragged(batch, self.est) if self.ragged else serve_static(batch, self.est)
         if self._would_oom(batch, served):
             self.oom_events += 1
+        self.model_s += served.time
+        self.prefill_s += served.prefill
         elapsed = served.time * self.noise()
         w.busy = True
         w.busy_time += elapsed

@@ -4,7 +4,9 @@
         --policies sls,ils-conservative,ils-paged,scls,oracle --rates 5,10,15,20,25 \\
         --out grid.json
 
-Every cell is one ``sclsd-bench sim`` run (same defaults: 8 workers,
+``util`` is the workers' busy time over workers × makespan; ``prefill`` the
+share of serving time spent in prefill (re-prefills of later slices and
+recomputation after preemption included). Every cell is one ``sclsd-bench sim`` run (same defaults: 8 workers,
 a100-llama2-13b-hf, S = 128, 600 s of Poisson arrivals, limits 1024/1024).
 """
 
@@ -34,6 +36,8 @@ COLUMNS = (
     ("slices_per_req", "slices/req", "{:.2f}"),
     ("early_return_ratio", "early ret", "{:.3f}"),
     ("ct_std_s", "CT STD s", "{:.1f}"),
+    ("util", "util", "{:.2f}"),
+    ("prefill_share", "prefill", "{:.2f}"),
     ("preemptions", "preempt", "{:d}"),
     ("oom_events", "OOM", "{:d}"),
 )
@@ -63,6 +67,9 @@ def run_grid(
                 t0 = time.perf_counter()
                 s = simulate(cfg, wl).summary()
                 s.update(policy=pol, rate=rate, slice_len=S, wall_s=time.perf_counter() - t0)
+                # Utilisation: serving seconds over workers x makespan.
+                busy = sum(s["busy_s"].values())
+                s["util"] = busy / (workers * s["duration_s"]) if s["duration_s"] else 0.0
                 rows.append(s)
                 print(f"  {pol:>16} rate {rate:g} S {S}: {s['wall_s']:.1f} s", file=sys.stderr)
     return rows

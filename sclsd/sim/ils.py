@@ -111,6 +111,8 @@ class ILSSimulation:
         self.stats = BatchStats()
         self.oom_events = 0
         self.preemptions = 0
+        self.model_s = 0.0  # noise-free serving seconds, all workers
+        self.prefill_s = 0.0  # ... of which prefill (recomputation after preemption included)
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
         self._done = 0
@@ -151,7 +153,10 @@ class ILSSimulation:
             preemptions=self.preemptions,
             events=events,
             wall_s=time.perf_counter() - t_wall,
-            extra={"busy_s": {w.wid: w.busy_time for w in self.workers}},
+            extra={
+                "busy_s": {w.wid: w.busy_time for w in self.workers},
+                "prefill_share": self.prefill_s / self.model_s if self.model_s else 0.0,
+            },
         )
 
     # ------------------------------------------------------------------ memory
@@ -220,7 +225,10 @@ class ILSSimulation:
             self.oom_events += 1
         t = self.est.tau_decode(ctx / n + 1, n)
         if k:
-            t += self.est.t_prefill(k, len_sum / k)
+            pre = self.est.t_prefill(k, len_sum / k)
+            t += pre
+            self.prefill_s += pre
+        self.model_s += t
         t *= self.noise()
         self.stats.add(n)
         w.busy = True

@@ -75,6 +75,8 @@ class Served:
 
     time: float
     """Seconds, before noise."""
+    prefill: float
+    """The prefill part of ``time``."""
     iterations: int
     rows: list[RowOutcome]
     pad: list[int]
@@ -105,8 +107,10 @@ def serve_static(batch: Batch, est: Estimator) -> Served:
         rows.append(RowOutcome(r.rid, new, finish_reason(r, r.num_generated + new)))
         pad.append(L - r.input_len)
         invalid.append(k - new)
+    prefill = est.t_prefill(n, L)
     return Served(
-        time=est.t_prefill(n, L) + est.t_decode(n, L, k),
+        time=prefill + est.t_decode(n, L, k),
+        prefill=prefill,
         iterations=k,
         rows=rows,
         pad=pad,
@@ -130,13 +134,15 @@ def serve_ragged(batch: Batch, est: Estimator) -> Served:
     n = len(reqs)
     rem = [target_len(r) - r.num_generated for r in reqs]
     lens = [r.input_len for r in reqs]
-    time = est.t_prefill(n, sum(lens) / n) + ragged_decode_time(est, lens, rem)
+    prefill = est.t_prefill(n, sum(lens) / n)
+    time = prefill + ragged_decode_time(est, lens, rem)
     rows = [
         RowOutcome(r.rid, g, finish_reason(r, r.num_generated + g))
         for r, g in zip(reqs, rem, strict=True)
     ]
     return Served(
         time=time,
+        prefill=prefill,
         iterations=max(rem),
         rows=rows,
         pad=[0] * n,

@@ -20,6 +20,7 @@ cheap (the daemon imports it on its event-loop side).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import threading
@@ -186,9 +187,21 @@ def resolve_dtype(dtype: Any = None) -> Any:
         raise ValueError(f"unknown dtype {dtype!r}: one of {sorted(names)}") from None
 
 
+@functools.lru_cache(maxsize=16)
+def _load_config(ms: ModelSpec) -> Any:
+    return _read_config(ms)
+
+
 def load_config(spec: str | ModelSpec) -> Any:
-    """The transformers config of a spec, without loading weights."""
-    ms = resolve(spec)
+    """The transformers config of a spec, without loading weights (cached per spec).
+
+    For a GGUF this parses the whole file's metadata (about 7 s for SmolLM2: the
+    token list dominates). Treat the returned object as read-only.
+    """
+    return _load_config(resolve(spec))
+
+
+def _read_config(ms: ModelSpec) -> Any:
     if ms.kind == "tiny":
         from transformers import LlamaConfig
 
@@ -217,7 +230,7 @@ def load_model(spec: str | ModelSpec, device: str = "cpu", dtype: Any = None) ->
     ms = resolve(spec)
     torch_dtype = resolve_dtype(dtype)
     if ms.kind in ("tiny", "random"):
-        config = load_config(ms)
+        config = _read_config(ms)  # fresh: the model keeps (and may edit) it
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(TINY_RANDOM_SEED)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -260,12 +273,13 @@ def _as_id_list(value: Any) -> list[int]:
 def eos_token_ids(source: Any) -> list[int]:
     """EOS token ids of a spec string, a tokenizer, a model, or a (generation) config.
 
-    For a spec the ids of its config and generation config are used (no tokenizer
-    load, which takes seconds for GGUF); order is kept, duplicates dropped.
+    For a spec the ids of its config are used (no tokenizer load); order is kept,
+    duplicates dropped.
     """
     if isinstance(source, (str, ModelSpec)):
         ms = resolve(source)
-        if ms.kind == "tiny":
+        if ms.kind == "tiny" or ms.name == DEFAULT_MODEL:
+            # Known facts of the packaged file: skip the seconds-long GGUF parse.
             return list(SMOLLM2_EOS)
         ids = _as_id_list(getattr(load_config(ms), "eos_token_id", None))
         return list(dict.fromkeys(ids))

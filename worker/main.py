@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -126,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         from worker import profile  # lazy: only the profiler needs it
 
         return profile.main(argv[1:])
+    # Before torch/transformers import tqdm (it reads TQDM_* at import): no progress
+    # bars (GGUF dequantisation) in worker logs.
+    os.environ.setdefault("TQDM_DISABLE", "1")
     args = build_parser().parse_args(argv)
     setup_logging(args.worker_id, args.log_level)
 

@@ -26,7 +26,9 @@ PATIENCE = 60.0
 def worker_command(endpoint: str, wid: str, *extra: str) -> list[str]:
     exe = shutil.which("sclsd-worker", path=str(Path(sys.executable).parent))
     base = [exe] if exe else [sys.executable, "-m", "worker.main"]
-    return [*base, "--connect", endpoint, "--id", wid, "--engine", "fake", *extra]
+    if "--engine" not in extra:
+        extra = ("--engine", "fake", *extra)
+    return [*base, "--connect", endpoint, "--id", wid, *extra]
 
 
 class Daemon:
@@ -257,3 +259,32 @@ def test_bad_engine_exits_nonzero(daemon, spawn):
     proc = spawn(daemon.endpoint, "w5", "--opt", "no_such_option=1")
     assert wait_exit(proc) == 2
     assert "no_such_option" in log_of(proc)
+
+
+def test_hf_engine_worker_serves_tiny_model(daemon, spawn):
+    pytest.importorskip("torch")
+    from worker.engines.hf import HFEngine
+
+    proc = spawn(
+        daemon.endpoint, "w6", "--engine", "hf", "--model", "tiny-random", "--threads", "1",
+        "--mem-budget", "1000000",
+    )  # fmt: skip
+    ident, reg = register(daemon)
+    assert (reg.engine, reg.model, reg.kv_bytes_per_token) == ("hf", "tiny-random", 512)
+    assert reg.mem_available == 1_000_000 and reg.eos_token_ids == [2]
+    batch = P.BatchMsg(
+        batch_id=3,
+        slice_len=4,
+        requests=[
+            P.BatchRequest(rid="a", token_ids=[11, 12, 13], max_new_tokens=9, temperature=0.0),
+            P.BatchRequest(rid="b", token_ids=[14], max_new_tokens=2, temperature=0.0),
+        ],
+    )
+    daemon.send(ident, batch)
+    res = daemon.recv(P.Result)[1]
+    assert res.error is None, res.error
+    want, _ = HFEngine("tiny-random", threads=1).serve(batch)
+    assert res.outputs == want
+    assert [len(o.token_ids) for o in res.outputs] == [4, 2]
+    daemon.send(ident, P.Shutdown())
+    assert wait_exit(proc) == 0, log_of(proc)

@@ -66,6 +66,7 @@ def test_kv_bytes_per_token():
     assert models.kv_bytes_per_token(mha) == 2 * 2 * 4 * 16 * 4
 
 
+@pytest.mark.slow  # parses the whole GGUF's metadata (several seconds)
 def test_default_config_facts():
     config = models.load_config("default")
     assert models.kv_bytes_per_token(config) == 46_080

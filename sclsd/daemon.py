@@ -370,6 +370,12 @@ class Daemon:
             BatchOutcome(res.batch_id, rows, elapsed=stats.prefill_s + stats.decode_s), now
         )
         self.metrics.batch_done(res)
+        # Engine-side waste, summed for status (the replay benchmark reads these counters).
+        counters = self.sched.counters
+        counters["pad_tokens"] = counters.get("pad_tokens", 0) + stats.pad_tokens
+        counters["invalid_tokens"] = counters.get("invalid_tokens", 0) + stats.invalid_tokens
+        counters["batch_rows"] = counters.get("batch_rows", 0) + len(res.outputs)
+        counters["results"] = counters.get("results", 0) + 1
         for c, ids, text in deltas:
             if c.gen.stream and (ids or text) and c.req.rid in self.ctx:
                 c.conn.send(P.Delta(id=c.req.rid, token_ids=ids, text=text))

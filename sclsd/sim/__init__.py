@@ -1,0 +1,14 @@
+"""Discrete-event simulator: core's scheduler on a virtual clock, cost-model workers.
+
+``simulate(SimConfig(policy, profile, ...), workload)`` runs a policy of the
+ablation ladder, a continuous-batching baseline or the oracle until every
+request completes; ``sclsd-bench sim`` is its command line. See the
+"Simulation" section of docs/benchmarks.md for the model and the baselines.
+"""
+
+from __future__ import annotations
+
+from .engine import ALL_POLICIES, SimConfig, SimResult, simulate
+from .workload import Workload, make_workload
+
+__all__ = ["ALL_POLICIES", "SimConfig", "SimResult", "Workload", "make_workload", "simulate"]

@@ -68,6 +68,7 @@ class RuntimeOptions:
 
 @dataclass
 class _State:
+    connected: bool = False
     welcomed: bool = False
     registered: bool = False
     """A Register went out on the current connection."""
@@ -314,8 +315,9 @@ class WorkerRuntime:
                 self._flush(sock)
 
                 timeout = opts.poll_ms
-                if st.stopping and server.is_alive():
-                    timeout = min(timeout, 50)
+                if (st.stopping and server.is_alive()) or (st.connected and not st.registered):
+                    # Short naps while a batch winds down or the handshake completes.
+                    timeout = min(timeout, 20)
                 if st.welcomed:
                     timeout = max(0, min(timeout, int((next_beat - now) * 1000) + 1))
                 for s, _ in poller.poll(timeout):
@@ -338,9 +340,10 @@ class WorkerRuntime:
                         event = recv_monitor_message(monitor)["event"]
                         if event == zmq.EVENT_CONNECTED:
                             log.info("connected to %s", opts.endpoint)
+                            st.connected = True
                         elif event == zmq.EVENT_DISCONNECTED:
                             log.warning("daemon disconnected; will register again on reconnect")
-                            st.welcomed = st.registered = False
+                            st.connected = st.welcomed = st.registered = False
         finally:
             if st.outbox:
                 log.warning("%d messages could not be delivered", len(st.outbox))

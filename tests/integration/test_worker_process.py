@@ -288,3 +288,48 @@ def test_hf_engine_worker_serves_tiny_model(daemon, spawn):
     assert [len(o.token_ids) for o in res.outputs] == [4, 2]
     daemon.send(ident, P.Shutdown())
     assert wait_exit(proc) == 0, log_of(proc)
+
+
+def test_second_signal_abandons_running_batch(daemon, spawn):
+    # A 100 s batch: only abandoning it lets the worker exit within PATIENCE.
+    proc = spawn(daemon.endpoint, "w7", "--decode-s", "1.0")
+    ident, _ = register(daemon)
+    batch = P.BatchMsg(
+        batch_id=8,
+        slice_len=100,
+        requests=[P.BatchRequest(rid="z", token_ids=[8], max_new_tokens=100, ignore_eos=True)],
+    )
+    daemon.send(ident, batch)
+    while not daemon.recv(P.Heartbeat)[1].busy:
+        pass
+    proc.send_signal(signal.SIGTERM)
+    daemon.recv(P.Heartbeat)  # still alive and beating after the first signal
+    proc.send_signal(signal.SIGTERM)
+    assert wait_exit(proc) == 0, log_of(proc)
+    assert "abandon" in log_of(proc)
+
+
+def test_registers_again_after_daemon_restart(ipc_dir, spawn):
+    endpoint = f"ipc://{ipc_dir}/restart.ipc"
+    first = Daemon(endpoint)
+    proc = spawn(endpoint, "w8")
+    try:
+        register(first)
+        first.recv(P.Heartbeat)
+    finally:
+        first.close()  # the daemon goes away ...
+    second = Daemon(endpoint)  # ... and a new one (knowing nothing) takes its place
+    try:
+        ident, reg = register(second)
+        assert reg.worker_id == "w8"
+        job = P.BatchMsg(
+            batch_id=1,
+            slice_len=2,
+            requests=[P.BatchRequest(rid="r", token_ids=[6], max_new_tokens=2, temperature=0.0)],
+        )
+        second.send(ident, job)
+        assert second.recv(P.Result)[1].outputs == expected(job)
+        second.send(ident, P.Shutdown())
+        assert wait_exit(proc) == 0, log_of(proc)
+    finally:
+        second.close()

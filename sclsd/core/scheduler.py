@@ -292,7 +292,8 @@ class Scheduler:
             else:
                 early = False
                 self._requeue(r)
-        if early:
+        # Early return: every row finished before the slice's last iteration (paper 4.2).
+        if early and max((row.new_tokens for row in outcome.rows), default=0) < batch.slice_len:
             self.counters["early_returns"] += 1
         return done
 

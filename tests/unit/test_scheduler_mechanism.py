@@ -110,3 +110,17 @@ def test_drained_worker_gets_no_batches() -> None:
     s.set_active("b", False)
     s.add(req(9), 0.0)
     assert not s.due(100.0) and s.schedule(100.0) == []
+
+
+def test_early_return_only_when_every_row_ends_before_the_slice() -> None:
+    s = make(batch_size=2, slice_len=4)
+    s.add(req(0), 0.0)
+    s.add(req(1), 0.0)
+    (b,) = s.schedule(0.0)
+    s.on_result(BatchOutcome(b.bid, [RowOutcome("r0", 4, "stop"), RowOutcome("r1", 2, "stop")]), 1.0)
+    assert s.counters["early_returns"] == 0  # a row ran all 4 iterations
+    s.add(req(2), 2.0)
+    s.add(req(3), 2.0)
+    (b,) = s.schedule(5.0)
+    s.on_result(BatchOutcome(b.bid, [RowOutcome("r2", 3, "stop"), RowOutcome("r3", 1, "stop")]), 6.0)
+    assert s.counters["early_returns"] == 1

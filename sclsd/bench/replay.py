@@ -1,0 +1,176 @@
+"""``sclsd-bench replay``: replay a trace against a running daemon, measure what clients see.
+
+Each request is sent at its arrival time (the trace's own, or Poisson at
+``--rate``) as token ids: ``input_tokens`` random ids (seeded), ``ignore_eos``
+with ``max_tokens`` = the trace's ``output_tokens``, so the daemon generates
+exactly the trace's lengths. The scheduler never reads ``max_tokens`` to plan
+batches (it only caps a request's budget and stops it there), so this keeps the
+generation length unknown to the policy as in reality.
+
+Metrics are those of :mod:`sclsd.bench.metrics` (one definition for the
+simulator and for replays). Times are the client's: arrival = when the request
+was sent, first token = first ``delta``, completion = ``done``. Worker
+completion times (CT STD) come from the worker the daemon names in each
+``done``; batch size, pad and invalid tokens and early returns from the
+daemon's status counters before and after the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..client import AsyncClient, Delta, Done, RequestError, status
+from .metrics import SUMMARY_KEYS, BatchStats, RequestRecord, summarize
+from .traces import load_trace, poisson_arrivals
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", required=True, help="daemon client socket")
+    p.add_argument("--status-socket", required=True, help="daemon status socket")
+    p.add_argument("--trace", required=True, help="trace CSV (arrival_s,input_tokens,output_tokens)")
+    p.add_argument("--rate", type=float, help="Poisson arrivals at this rate (req/s); default: the trace's times")
+    p.add_argument("--num", type=int, default=100, help="requests to send (first N of the trace)")
+    p.add_argument("--offset", type=int, default=0, help="skip this many trace rows first")
+    p.add_argument("--max-input", type=int, default=1024, help="cap on input tokens")
+    p.add_argument("--max-gen", type=int, default=1024, help="cap on output tokens")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply input and output lengths by this before capping (scaled workloads)")
+    p.add_argument("--id-range", type=int, default=20000, help="prompt ids drawn from [3, id_range)")
+    p.add_argument("--connections", type=int, default=4, help="client connections to spread requests over")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--label", default="", help="free text stored in the JSON (e.g. policy name)")
+    p.add_argument("--json", dest="json_out", help="write the summary here")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _lengths(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    tr = load_trace(args.trace)
+    sl = slice(args.offset, args.offset + args.num)
+    inp = np.maximum(1, np.round(tr.input_tokens[sl] * args.scale)).astype(np.int64)
+    out = np.maximum(1, np.round(tr.output_tokens[sl] * args.scale)).astype(np.int64)
+    inp = np.minimum(inp, args.max_input)
+    out = np.minimum(out, args.max_gen)
+    if args.rate:
+        arr = poisson_arrivals(len(inp), args.rate, args.seed)
+    else:
+        if not tr.has_arrivals:
+            raise SystemExit(f"sclsd-bench replay: {args.trace} has no arrival times; give --rate")
+        arr = tr.arrival[sl] - tr.arrival[sl][0]
+    return arr, inp, out
+
+
+async def _run(args: argparse.Namespace) -> tuple[list[RequestRecord], dict[str, str | None], list[str]]:
+    arr, inp, out = _lengths(args)
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(3, args.id_range) for _ in range(int(n))] for n in inp]
+    clients = [await AsyncClient(args.socket).connect() for _ in range(max(1, args.connections))]
+    records: list[RequestRecord] = []
+    workers: dict[str, str | None] = {}
+    errors: list[str] = []
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(prompts), desc="replay", unit="req", file=sys.stderr)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+
+    async def one(i: int) -> None:
+        await asyncio.sleep(max(0.0, t0 + float(arr[i]) - loop.time()))
+        rec = RequestRecord(rid=f"replay-{i}", arrival=loop.time(), prompt_len=len(prompts[i]))
+        records.append(rec)
+        try:
+            async for ev in clients[i % len(clients)].stream(
+                id=rec.rid, prompt_ids=prompts[i], max_tokens=int(out[i]), ignore_eos=True,
+                temperature=0.0,
+            ):
+                if isinstance(ev, Delta) and rec.first_token is None and ev.token_ids:
+                    rec.first_token = loop.time()
+                elif isinstance(ev, Done):
+                    rec.finished = loop.time()
+                    rec.finish_reason = ev.finish_reason
+                    rec.output_len = ev.usage.completion_tokens
+                    rec.slices = ev.timings.slices
+                    workers[rec.rid] = ev.worker
+        except RequestError as exc:
+            errors.append(f"{rec.rid}: {exc}")
+        finally:
+            if bar is not None:
+                bar.update(1)
+
+    try:
+        await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    finally:
+        if bar is not None:
+            bar.close()
+        for c in clients:
+            await c.close()
+    return records, workers, errors
+
+
+def run(args: argparse.Namespace) -> int:
+    before = status(args.status_socket)
+    wall0 = time.monotonic()
+    records, req_worker, errors = asyncio.run(_run(args))
+    wall = time.monotonic() - wall0
+    after = status(args.status_socket)
+    c0, c1 = before["counters"], after["counters"]
+
+    def diff(key: str) -> int:
+        return int(c1.get(key, 0)) - int(c0.get(key, 0))
+
+    batches = BatchStats(batches=diff("results"), size_sum=diff("batch_rows"),
+                         early_returns=diff("early_returns"))
+    completion: dict[str, float | None] = {w["id"]: None for w in after["workers"]}
+    by_id = {r.rid: r for r in records}
+    for rid, wid in req_worker.items():
+        r = by_id[rid]
+        if wid is not None and r.finished is not None:
+            prev = completion.get(wid)
+            completion[wid] = r.finished if prev is None else max(prev, r.finished)
+    summary: dict[str, Any] = summarize(records, batches, worker_completion=completion)
+    done = max(1, summary["completed"])
+    summary["pad_tokens_per_req"] = diff("pad_tokens") / done
+    summary["invalid_tokens_per_req"] = diff("invalid_tokens") / done
+    est = after.get("estimator_error", {})
+    summary.update({
+        "label": args.label,
+        "policy": after.get("policy"),
+        "slice_len": after.get("slice_len"),
+        "model": after.get("model"),
+        "workers": len(after["workers"]),
+        "rate": args.rate,
+        "scale": args.scale,
+        "trace": str(args.trace),
+        "wall_s": wall,
+        "errors": len(errors),
+        "estimator_mean_abs_error_s": est.get("mean_abs_error_s"),
+        "estimator_mean_error_s": est.get("mean_error_s"),
+    })
+    for e in errors[:5]:
+        print(f"error {e}", file=sys.stderr)
+    print(format_summary(summary))
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0 if not errors and summary["completed"] == summary["requests"] else 1
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    rows = [(k, s[k]) for k in SUMMARY_KEYS if k in s]
+    rows += [(k, s[k]) for k in ("estimator_mean_abs_error_s", "wall_s") if s.get(k) is not None]
+    width = max(len(k) for k, _ in rows)
+    title = f"replay: policy={s.get('policy')} S={s.get('slice_len')} workers={s.get('workers')} rate={s.get('rate')}"
+    lines = [title, "-" * len(title)]
+    for k, v in rows:
+        lines.append(f"{k:<{width}}  {v:.3f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    return "\n".join(lines)

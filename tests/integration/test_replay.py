@@ -1,0 +1,47 @@
+"""sclsd-bench replay against a real daemon with fake workers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sclsd.bench.cli import main as bench_main
+from sclsd.bench.metrics import SUMMARY_KEYS
+
+from .harness import start_daemon
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory):
+    d = start_daemon(tmp_path_factory.mktemp("replay"), workers=2, slice_len=4,
+                     worker_opts={"decode_s": 0.002})
+    yield d
+    assert d.stop() == 0, d.log_text()
+
+
+def test_replay_trace_times_and_poisson(daemon, tmp_path: Path) -> None:
+    trace = tmp_path / "t.csv"
+    rows = [(0.00, 5, 9), (0.05, 30, 3), (0.10, 12, 17), (0.10, 1, 1), (0.30, 60, 8), (0.31, 8, 12)]
+    trace.write_text("arrival_s,input_tokens,output_tokens\n" + "".join(f"{a},{i},{o}\n" for a, i, o in rows))
+    out = tmp_path / "r.json"
+    rc = bench_main(["replay", "--socket", daemon.sock, "--status-socket", daemon.status_sock,
+                     "--trace", str(trace), "--num", "6", "--id-range", "256", "--no-progress",
+                     "--json", str(out)])
+    assert rc == 0
+    s = json.loads(out.read_text())
+    assert set(SUMMARY_KEYS) <= set(s)
+    assert s["requests"] == s["completed"] == 6
+    # ignore_eos + max_tokens = the trace's output lengths: exactly those tokens were generated.
+    assert s["output_tps"] * s["duration_s"] == pytest.approx(sum(o for _, _, o in rows))
+    # Slices of 4: ceil(out / 4) per request.
+    assert s["slices_per_req"] == pytest.approx(sum(-(-o // 4) for _, _, o in rows) / 6)
+    assert s["batches"] > 0 and s["avg_batch_size"] >= 1
+    assert s["policy"] == "scls" and s["workers"] == 2
+
+    rc = bench_main(["replay", "--socket", daemon.sock, "--status-socket", daemon.status_sock,
+                     "--trace", str(trace), "--num", "6", "--rate", "50", "--scale", "0.5",
+                     "--id-range", "256", "--no-progress", "--json", str(out)])
+    s = json.loads(out.read_text())
+    assert rc == 0 and s["completed"] == 6 and s["scale"] == 0.5

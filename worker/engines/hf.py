@@ -138,8 +138,14 @@ class HFEngine(Engine):
         for r in reqs:
             if not r.token_ids:
                 raise ValueError(f"request {r.rid!r} has an empty context")
-        with torch.inference_mode():
-            return self._serve(batch)
+        try:
+            with torch.inference_mode():
+                return self._serve(batch)
+        except torch.OutOfMemoryError:
+            # The batch's cache is garbage now; hand its blocks back before the next batch.
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise
 
     def _serve(self, batch: BatchMsg) -> tuple[list[RequestOutput], BatchStats]:
         import torch

@@ -176,6 +176,9 @@ class WorkerRuntime:
         pair = self.ctx.socket(zmq.PAIR)
         pair.setsockopt(zmq.LINGER, 0)
         pair.connect(self._inproc)
+        if getattr(self.engine, "continuous", False):
+            self._serve_continuous(pair)
+            return
         try:
             while True:
                 item = self.batches.get()
@@ -189,6 +192,32 @@ class WorkerRuntime:
                     self.state.busy = False
                 pair.send(P.encode(res))
         finally:
+            pair.close()
+
+    def _serve_continuous(self, pair: zmq.Socket) -> None:
+        """Continuous engines (hf-cb) admit new batches while earlier ones still generate."""
+        from worker.engines.hf_cb import queue_take
+
+        wid = self.opts.worker_id
+
+        def emit(batch: P.BatchMsg, outputs: Any, stats: Any, error: str | None) -> None:
+            if error is not None:
+                log.warning("batch=%d refused: %s", batch.batch_id, error)
+                res = P.Result(worker_id=wid, batch_id=batch.batch_id, error=error[:MAX_ERROR_CHARS])
+            else:
+                res = P.Result(worker_id=wid, batch_id=batch.batch_id, outputs=outputs, stats=stats)
+            pair.send(P.encode(res))
+
+        self.state.busy = True
+        try:
+            self.engine.run_continuous(queue_take(self.batches), emit)  # type: ignore[attr-defined]
+        except Exception:
+            # Admitted requests cannot be answered any more: exit, and the daemon re-queues
+            # them when it sees the process (or its heartbeats) gone.
+            log.exception("continuous engine failed; exiting")
+            os._exit(1)
+        finally:
+            self.state.busy = False
             pair.close()
 
     def _serve_one(self, batch: P.BatchMsg, waited: float) -> P.Result:

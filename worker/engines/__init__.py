@@ -11,11 +11,11 @@ from typing import Any
 
 from worker.engines.base import Engine, EngineInfo
 
-#: Known engines. "hf-cb" (transformers continuous batching) and "deepspeed"
-#: join here as ``"worker.engines.hf_cb:HFCBEngine"`` etc. once they exist.
+#: Known engines. "deepspeed" joins here once it exists.
 ENGINES: dict[str, str] = {
     "hf": "worker.engines.hf:HFEngine",
     "fake": "worker.engines.fake:FakeEngine",
+    "hf-cb": "worker.engines.hf_cb:HFCBEngine",
 }
 
 __all__ = ["ENGINES", "Engine", "EngineInfo", "create_engine", "engine_class"]

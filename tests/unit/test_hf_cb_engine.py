@@ -1,0 +1,85 @@
+"""hf-cb: transformers continuous batching as an engine (tiny random Llama)."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+
+from sclsd import protocol as P
+
+pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def engines():
+    from worker.engines import create_engine
+
+    return create_engine("hf-cb", "tiny-random", threads=1), create_engine("hf", "tiny-random", threads=1)
+
+
+def rows(prompts: list[list[int]], n: int, **kw: object) -> list[P.BatchRequest]:
+    return [P.BatchRequest(rid=f"r{i}", token_ids=p, max_new_tokens=n + i, temperature=0.0, **kw)  # type: ignore[arg-type]
+            for i, p in enumerate(prompts)]
+
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12] * 20]
+
+
+def test_greedy_matches_static_engine(engines) -> None:
+    cb, hf = engines
+    batch = P.BatchMsg(batch_id=1, slice_len=64, requests=rows(PROMPTS, 5, ignore_eos=True))
+    got, stats = cb.serve(batch)
+    want, _ = hf.serve(batch)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.finish_reason for o in got] == ["length"] * 3
+    assert stats.pad_tokens == 0 and stats.invalid_tokens == 0 and stats.batch_size == 3
+
+
+def test_slice_cap_leaves_request_unfinished(engines) -> None:
+    cb, _ = engines
+    batch = P.BatchMsg(batch_id=2, slice_len=3, requests=rows(PROMPTS[:1], 10, ignore_eos=True))
+    (out,), _ = cb.serve(batch)
+    assert len(out.token_ids) == 3 and out.finish_reason is None
+
+
+def test_sampling_is_refused(engines) -> None:
+    cb, _ = engines
+    batch = P.BatchMsg(batch_id=3, slice_len=8,
+                       requests=[P.BatchRequest(rid="s", token_ids=[1, 2], max_new_tokens=4, temperature=0.7)])
+    with pytest.raises(RuntimeError, match="greedy"):
+        cb.serve(batch)
+
+
+def test_continuous_admits_batches_while_others_run(engines) -> None:
+    from worker.engines.hf_cb import queue_take
+
+    cb, hf = engines
+    q: queue.Queue = queue.Queue()
+    long = P.BatchMsg(batch_id=10, slice_len=64, requests=rows([[3, 4, 5]], 40, ignore_eos=True))
+    short = P.BatchMsg(batch_id=11, slice_len=64, requests=rows([[7, 7]], 2, ignore_eos=True))
+    q.put((long, 0.0))
+    order: list[int] = []
+    outs: dict[int, list[int]] = {}
+
+    def emit(batch: P.BatchMsg, o: list[P.RequestOutput] | None, stats: object, error: str | None) -> None:
+        assert error is None and o is not None
+        order.append(batch.batch_id)
+        outs[batch.batch_id] = o[0].token_ids
+        if batch.batch_id == 10:
+            q.put(None)
+
+    take = queue_take(q)
+    first = [True]
+
+    def take_then_add(timeout: float | None):
+        item = take(timeout)
+        if first[0] and item is long:
+            first[0] = False
+            q.put((short, 0.0))  # arrives while the long request generates
+        return item
+
+    cb.run_continuous(take_then_add, emit)
+    assert order == [11, 10]  # the short request left before the long one finished
+    want, _ = hf.serve(short)
+    assert outs[11] == want[0].token_ids

@@ -9,17 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import signal
-import subprocess
 import sys
-import tempfile
-import textwrap
 import time
 from importlib import resources
-from pathlib import Path
 
-from .client import AsyncClient, Delta, Done, RequestError, status
+from .bench.launch import launch
+from .client import AsyncClient, Delta, Done, RequestError
 
 
 def _prompts() -> list[str]:
@@ -27,52 +22,14 @@ def _prompts() -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-def _config(tmp: Path, args: argparse.Namespace) -> Path:
-    cfg = tmp / "sclsd.toml"
-    cfg.write_text(textwrap.dedent(f"""\
-        [daemon]
-        socket = "{tmp}/sclsd.sock"
-        status_socket = "{tmp}/status.sock"
-        worker_endpoint = "ipc://{tmp}/workers.ipc"
-        heartbeat_timeout_s = 60.0
-        drain_timeout_s = 60.0
-
-        [model]
-        name = "{args.model}"
-        max_gen = 1024
-
-        [scheduler]
-        policy = "{args.policy}"
-        slice_len = {args.slice_len}
-        gamma_s = 0.5
-
-        [workers]
-        spawn = {args.workers}
-        engine = "{args.engine}"
-        threads = 1
-        mem_budget_bytes = 2147483648
-        """))
-    return cfg
-
-
-def _wait_ready(status_path: Path, workers: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    t0 = time.monotonic()
-    last = -1
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"sclsd exited with code {proc.returncode} during start-up")
-        if status_path.exists():
-            try:
-                n = len(status(str(status_path), timeout=2.0)["workers"])
-            except OSError:
-                n = 0
-            if n != last:
-                print(f"  {n}/{workers} workers registered ({time.monotonic() - t0:.0f}s)", flush=True)
-                last = n
-            if n >= workers:
-                return
-        time.sleep(0.5)
-    raise RuntimeError(f"workers not ready after {timeout:.0f}s")
+def _sections(args: argparse.Namespace) -> dict[str, dict[str, object]]:
+    return {
+        "daemon": {"heartbeat_timeout_s": 60.0, "drain_timeout_s": 60.0},
+        "model": {"name": args.model, "max_gen": 1024},
+        "scheduler": {"policy": args.policy, "slice_len": args.slice_len, "gamma_s": 0.5},
+        "workers": {"spawn": args.workers, "engine": args.engine, "threads": 1,
+                    "mem_budget_bytes": 2 * 1024**3},
+    }
 
 
 async def _run_requests(sock: str, prompts: list[str], max_tokens: int) -> list[tuple[str, Done | str]]:
@@ -126,52 +83,38 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     prompts = _prompts()[: args.prompts]
     t_start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="sclsd-demo-") as d:
-        tmp = Path(d)
-        cfg = _config(tmp, args)
-        logf = open(tmp / "sclsd.log", "wb")
-        print(f"starting sclsd: {args.workers} {args.engine} workers on {args.model}, policy {args.policy}, "
-              f"slice length {args.slice_len} (log: {tmp / 'sclsd.log'})", flush=True)
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
-        proc = subprocess.Popen([sys.executable, "-m", "sclsd.daemon", "--config", str(cfg)],
-                                stdout=logf, stderr=subprocess.STDOUT, env=env)
-        rc = 1
-        try:
-            _wait_ready(tmp / "status.sock", args.workers, proc, args.ready_timeout)
-            t_ready = time.monotonic()
-            print(f"\nsending {len(prompts)} chat prompts; streaming the first answer:\n")
-            print(f"> {prompts[0]}\n")
-            results = asyncio.run(_run_requests(str(tmp / "sclsd.sock"), prompts, args.max_tokens))
-            t_served = time.monotonic() - t_ready
-            print()
-            print(_table(results))
-            ok = [d for _, d in results if isinstance(d, Done)]
-            out_tokens = sum(d.usage.completion_tokens for d in ok)
-            print(f"\n{len(ok)}/{len(results)} requests served in {t_served:.1f}s "
-                  f"({len(ok) / t_served:.2f} req/s, {out_tokens / t_served:.1f} output tokens/s); "
-                  f"start-up took {t_ready - t_start:.1f}s")
-            st = status(str(tmp / "status.sock"))
-            e = st["estimator_error"]
-            if e["batches"]:
-                print(f"batches: {st['counters']['batches']}, estimator mean |error| "
-                      f"{e['mean_abs_error_s']:.2f}s over the last {e['batches']}")
-            rc = 0 if len(ok) == len(results) else 1
-        except Exception as exc:  # noqa: BLE001 - report, show the log, clean up
-            print(f"demo failed: {exc}", file=sys.stderr)
-            logf.flush()
-            print((tmp / "sclsd.log").read_text()[-4000:], file=sys.stderr)
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    code = proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    code = proc.wait()
-                print(f"sclsd stopped (exit code {code}); total {time.monotonic() - t_start:.1f}s")
-                if code != 0:
-                    rc = rc or 1
-            logf.close()
+    print(f"starting sclsd: {args.workers} {args.engine} workers on {args.model}, policy {args.policy}, "
+          f"slice length {args.slice_len}", flush=True)
+    d = launch(_sections(args))
+    rc = 1
+    try:
+        d.wait_workers(args.workers, args.ready_timeout)
+        t_ready = time.monotonic()
+        print(f"\nsending {len(prompts)} chat prompts; streaming the first answer:\n")
+        print(f"> {prompts[0]}\n")
+        results = asyncio.run(_run_requests(d.sock, prompts, args.max_tokens))
+        t_served = time.monotonic() - t_ready
+        print()
+        print(_table(results))
+        ok = [x for _, x in results if isinstance(x, Done)]
+        out_tokens = sum(x.usage.completion_tokens for x in ok)
+        print(f"\n{len(ok)}/{len(results)} requests served in {t_served:.1f}s "
+              f"({len(ok) / t_served:.2f} req/s, {out_tokens / t_served:.1f} output tokens/s); "
+              f"start-up took {t_ready - t_start:.1f}s")
+        st = d.status()
+        e = st["estimator_error"]
+        if e["batches"]:
+            print(f"batches: {st['counters']['batches']}, estimator mean |error| "
+                  f"{e['mean_abs_error_s']:.2f}s over the last {e['batches']}")
+        rc = 0 if len(ok) == len(results) else 1
+    except Exception as exc:  # noqa: BLE001 - report, show the log, clean up
+        print(f"demo failed: {exc}", file=sys.stderr)
+        print(d.log_tail(), file=sys.stderr)
+    finally:
+        code = d.stop(timeout=60)
+        print(f"sclsd stopped (exit code {code}); total {time.monotonic() - t_start:.1f}s")
+        if code != 0:
+            rc = rc or 1
     return rc
 
 

@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "batcher": ("sclsd.bench.batcher_bench", "time the DP batcher on trace lengths"),
     "sim": ("sclsd.sim.cli", "simulate a policy on a trace with a virtual clock"),
     "replay": ("sclsd.bench.replay", "replay a trace against a running daemon"),
+    "live": ("sclsd.bench.live", "sls vs ils (hf-cb) vs scls on real CPU workers"),
     "api": ("sclsd.bench.api_bench", "daemon request throughput with a zero-time fake engine"),
     "figures": ("sclsd.bench.figures", "regenerate the figures of docs/benchmarks.md"),
 }

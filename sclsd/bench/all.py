@@ -1,0 +1,68 @@
+"""``make bench``: every benchmark in turn, results under ``out/`` and figures under ``docs/img/``.
+
+    python -m sclsd.bench.all [--only batcher,figures,sim,api,live] [--skip live]
+
+Steps (each is one ``sclsd-bench`` subcommand, run as its own process):
+
+- ``batcher``: DP batcher time for n = 64 … 16384 (target: 4096 in ≤ 50 ms median);
+- ``figures``: the paper's section 6 figures in simulation (docs/img/*.png);
+- ``sim``: simulator speed, 10 simulated minutes of 8 workers at 20 req/s;
+- ``api``: the daemon's own request rate with a zero-time fake engine;
+- ``live``: sls vs ILS (hf-cb) vs scls on real CPU workers (the longest step).
+
+docs/benchmarks.md quotes these outputs; rerun a step to check a number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TRACE = str(Path("..") / "shared" / "traces" / "sharegpt_lengths.csv")
+
+STEPS: dict[str, list[str]] = {
+    "batcher": ["batcher", "--sweep", "--trace", TRACE, "--json", "out/batcher.json"],
+    "figures": ["figures", "--trace", TRACE, "--data", "out/figures.json", "--img", "docs/img",
+                "--tables", "out/figures.md"],
+    "sim": ["sim", "--trace", TRACE, "--policy", "scls", "--profile", "a100-llama2-13b-hf",
+            "--workers", "8", "--rate", "20", "--duration", "600", "--json", "out/sim-speed.json"],
+    "api": ["api", "--json", "out/api.json"],
+    "live": ["live", "--trace", TRACE, "--out", "out/live"],
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sclsd.bench.all", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="", help="comma-separated steps to run")
+    p.add_argument("--skip", default="", help="comma-separated steps to leave out")
+    args = p.parse_args(argv)
+    only = [s for s in args.only.split(",") if s]
+    skip = {s for s in args.skip.split(",") if s}
+    unknown = [s for s in [*only, *skip] if s not in STEPS]
+    if unknown:
+        p.error(f"unknown steps {unknown}; choose from {', '.join(STEPS)}")
+    if not Path(TRACE).is_file():
+        p.error(f"trace {TRACE} not found: run from the repository root, beside ../shared/")
+    Path("out").mkdir(exist_ok=True)
+    failed = []
+    for i, name in enumerate(only or list(STEPS), 1):
+        if name in skip:
+            continue
+        cmd = [sys.executable, "-m", "sclsd.bench.cli", *STEPS[name]]
+        print(f"\n[{i}/{len(only or STEPS)}] {name}: sclsd-bench {' '.join(STEPS[name])}", flush=True)
+        t0 = time.monotonic()
+        rc = subprocess.call(cmd)
+        print(f"[{name}] exit {rc} after {time.monotonic() - t0:.0f}s", flush=True)
+        if rc != 0:
+            failed.append(name)
+    if failed:
+        print(f"failed steps: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -150,16 +150,17 @@ class DPBatcher:
         # T is stored reversed, T_rev[n - k] = T[k], so that the window j = i, i-1, ...
         # is a forward slice and argmin's first hit is the largest j (Algorithm 1's tie rule).
         T_rev = np.zeros(n + 1)
-        idx_rev = np.arange(n, -1, -1, dtype=np.float64)  # idx_rev[n - k] = k
+        steps = np.arange(n + 1, dtype=np.float64)
         for i in range(1, n + 1):
             a = a_l[i - 1]
             k = K_l[i - 1]
             if k == 1:
                 best_j = i
             else:
-                # j runs i, i-1, ..., i-k+1  <=>  T[j-1] at T_rev[n-i+1 .. n-i+k]
+                # j = i - m for m = 0..k-1: T[j-1] is T_rev[lo + m], and
+                # T[j-1] - a·j = T_rev[lo + m] + a·m - a·i (the last term is common).
                 lo = n - i + 1
-                seg = T_rev[lo : lo + k] - a * idx_rev[lo - 1 : lo - 1 + k]
+                seg = T_rev[lo : lo + k] + a * steps[:k]
                 best_j = i - int(seg.argmin())
             t = T_rev[n - best_j + 1] + a * (i - best_j + 1) + b_l[i - 1]
             T_rev[n - i] = t

@@ -21,20 +21,41 @@ class MaxMin:
 
     Batches in decreasing estimated serving time, each to the least-loaded
     worker, counting the batches already placed in this call (eq. 11).
-    Ties go to the worker whose name sorts first, so runs are reproducible.
+
+    Ties between equally loaded workers rotate (the worker after the last
+    one chosen, in name order, goes first): at light load every worker is
+    idle at each round, and a fixed tie-break would send every lone batch to
+    the same worker while the others idle.
     """
+
+    def __init__(self) -> None:
+        self._after: str | None = None  # the worker chosen last, across calls
 
     def assign(self, batches: Sequence, loads: dict[str, float]) -> list[str]:
         if not loads:
             raise ValueError("no worker to assign batches to")
         local = dict(loads)  # the scheduler applies the real update after we return
+        names = sorted(local)
         order = sorted(range(len(batches)), key=lambda k: -_est(batches[k]))
         out: list[str] = [""] * len(batches)
         for k in order:
-            w = min(local, key=lambda w: (local[w], w))
+            start = _rotation_start(names, self._after)
+            rank = {w: (i - start) % len(names) for i, w in enumerate(names)}
+            w = min(names, key=lambda w: (local[w], rank[w]))
             out[k] = w
             local[w] += _est(batches[k])
+            self._after = w
         return out
+
+
+def _rotation_start(names: list[str], after: str | None) -> int:
+    """Index in ``names`` of the first worker (in name order) that sorts after ``after``."""
+    if after is None:
+        return 0
+    for i, w in enumerate(names):
+        if w > after:
+            return i
+    return 0
 
 
 class RoundRobin:

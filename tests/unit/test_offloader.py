@@ -19,9 +19,21 @@ class B:
 def test_maxmin_longest_batch_to_least_loaded_worker():
     batches = [B(1.0), B(5.0), B(3.0)]
     loads = {"w0": 2.0, "w1": 0.0}
-    # 5 -> w1 (0) => w1=5; 3 -> w0 (2) => w0=5; 1 -> tie 5/5 -> w0 by name.
-    assert MaxMin().assign(batches, loads) == ["w0", "w1", "w0"]
+    # 5 -> w1 (0) => w1=5; 3 -> w0 (2) => w0=5; 1 -> tie 5/5 -> w1, the one after w0.
+    assert MaxMin().assign(batches, loads) == ["w1", "w1", "w0"]
     assert loads == {"w0": 2.0, "w1": 0.0}  # the scheduler applies the update, not us
+
+
+def test_maxmin_rotates_ties_across_calls():
+    """At light load every worker is idle each round: lone batches must not all go to w0."""
+    mm = MaxMin()
+    idle = {"w0": 0.0, "w1": 0.0, "w2": 0.0}
+    got = [mm.assign([B(3.0)], idle)[0] for _ in range(6)]
+    assert got == ["w0", "w1", "w2", "w0", "w1", "w2"]
+    # A strictly less loaded worker still wins over the rotation.
+    assert mm.assign([B(1.0)], {"w0": 0.0, "w1": 5.0, "w2": 5.0}) == ["w0"]
+    # Workers joining or leaving: the rotation continues in name order.
+    assert mm.assign([B(1.0)], {"w0": 0.0, "w3": 0.0}) == ["w3"]
 
 
 def test_maxmin_accounts_for_batches_placed_in_the_same_call():

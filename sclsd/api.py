@@ -3,6 +3,12 @@
 Both the client API and the status socket use the same framing (4-byte
 big-endian length + one msgpack map). This module only moves frames; what a
 message means is decided by the handler the daemon passes in.
+
+What a hostile or broken peer can do is bounded here: a frame is at most
+``max_frame`` bytes (larger: ``frame_too_large`` and the connection closes), a
+connection's unread output at most ``max_buffer`` bytes (more: the connection
+is dropped, so a slow reader never makes the daemon hang or grow), and a peer
+whose uid is not on the allow-list is refused before its first frame.
 """
 
 from __future__ import annotations
@@ -24,6 +30,14 @@ from . import protocol as P
 log = logging.getLogger("sclsd.api")
 
 _PEERCRED = struct.Struct("3i")
+
+
+def _has_group(gid: int) -> bool:
+    try:
+        grp.getgrgid(gid)
+        return True
+    except KeyError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -102,6 +116,7 @@ class FrameServer:
         mode: int = 0o660,
         group: str = "",
         allowed_uids: list[int] | None = None,
+        backlog: int = 4096,
     ) -> None:
         self.name = name
         self.path = path
@@ -113,6 +128,7 @@ class FrameServer:
         self.mode = mode
         self.group = group
         self.allowed_uids = set(allowed_uids or [])
+        self.backlog = backlog
         self.conns: set[Conn] = set()
         self._server: asyncio.base_events.Server | None = None
         self._next_cid = 0
@@ -125,17 +141,33 @@ class FrameServer:
             if not stat.S_ISSOCK(p.lstat().st_mode):
                 raise RuntimeError(f"{self.name} socket path {p} exists and is not a socket")
             p.unlink()  # stale socket of a previous run; we hold the only daemon lock (systemd)
-        self._server = await asyncio.start_unix_server(self._serve, path=str(p), limit=1 << 16)
+        # A deep backlog: thousands of clients connecting at once must not see EAGAIN.
+        self._server = await asyncio.start_unix_server(self._serve, path=str(p), limit=1 << 16,
+                                                       backlog=self.backlog)
         os.chmod(p, self.mode)
         if self.group:
             os.chown(p, -1, grp.getgrnam(self.group).gr_gid)
-        log.info("%s listening on %s (mode %o)", self.name, p, self.mode)
+        log.info("%s listening on %s (mode %o, group %s)", self.name, p, self.mode,
+                 grp.getgrgid(p.stat().st_gid).gr_name if _has_group(p.stat().st_gid) else p.stat().st_gid)
 
-    async def stop(self) -> None:
+    async def stop(self, flush_timeout: float = 2.0) -> None:
+        """Stop listening and close every connection, first flushing what is buffered
+        for it (terminal events must reach clients) for at most ``flush_timeout``."""
         if self._server is not None:
             self._server.close()
-        for c in list(self.conns):
+        conns = list(self.conns)
+        for c in conns:
             c.close()
+        if conns:
+            waits = [c.writer.wait_closed() for c in conns]
+            try:
+                await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), flush_timeout)
+            except asyncio.TimeoutError:
+                log.warning("%s: %d connections did not take their last events in %.0fs",
+                            self.name, sum(not c.writer.transport.is_closing() for c in conns),
+                            flush_timeout)
+            for c in conns:
+                c.writer.transport.abort()
         for t in list(self._tasks):
             t.cancel()
         if self._server is not None:
@@ -154,21 +186,32 @@ class FrameServer:
         conn = Conn(writer, self._next_cid, self.max_buffer, peer)
         if peer:
             log.info("%s conn=%d open pid=%d uid=%d gid=%d", self.name, conn.cid, peer.pid, peer.uid, peer.gid)
+        else:
+            log.info("%s conn=%d open (no peer credentials)", self.name, conn.cid)
         if self.allowed_uids and (peer is None or peer.uid not in self.allowed_uids):
-            log.warning("%s conn=%d refused: uid %s not allowed", self.name, conn.cid, peer and peer.uid)
+            log.warning("%s conn=%d refused: uid %s not in the allow-list", self.name, conn.cid,
+                        peer and peer.uid)
             conn.send(P.Error(code="forbidden", message="this uid may not use the socket"))
-            conn.close()
+            await self._flush_and_close(conn)
             return
         self.conns.add(conn)
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
+        why = "closed by peer"
         try:
             await self._read_loop(reader, conn)
+            why = "closed"
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         except asyncio.CancelledError:
-            pass
+            why = "closed on shutdown"
+        except Exception:
+            # A bug in a handler: log it loudly with the connection, drop only this
+            # connection (its requests are cancelled below), keep serving the others.
+            log.exception("%s conn=%d handler failed; closing the connection", self.name, conn.cid)
+            conn.send(P.Error(code="internal", message="internal error; connection closed"))
+            why = "closed after an internal error"
         finally:
             self.conns.discard(conn)
             if task is not None:
@@ -176,7 +219,7 @@ class FrameServer:
             conn.close()
             if self.on_close is not None:
                 self.on_close(conn)
-            log.debug("%s conn=%d closed", self.name, conn.cid)
+            log.info("%s conn=%d %s", self.name, conn.cid, why)
 
     async def _read_loop(self, reader: asyncio.StreamReader, conn: Conn) -> None:
         while not conn.closed:

@@ -123,6 +123,34 @@ class Client:
         assert done is not None
         return done
 
+    def drain_worker(self, worker: str, resume: bool = False) -> P.WorkerStateReply:
+        """Admin: take ``worker`` out of rotation (or put it back with ``resume``)."""
+        self.send(P.DrainWorker(worker=worker, resume=resume))
+        while True:
+            ev = self.recv()
+            if isinstance(ev, P.WorkerStateReply) and ev.worker == worker:
+                return ev
+            if isinstance(ev, Error) and ev.id is None:
+                raise RequestError(ev)
+
+    def cancel(self, rid: str, any_connection: bool = False) -> Done | None:
+        """Cancel a request by id; ``any_connection`` (admin only) reaches other clients'.
+
+        Returns the request's ``Done`` when it was this connection's, else None once the
+        daemon confirmed (a ``ping`` round trip); raises :class:`RequestError` when refused.
+        """
+        self.send(P.Cancel(id=rid, any_connection=any_connection))
+        self.send(P.Ping(nonce=7))
+        result: Done | None = None
+        while True:
+            ev = self.recv()
+            if isinstance(ev, Error) and ev.id == rid:
+                raise RequestError(ev)
+            if isinstance(ev, Done) and ev.id == rid:
+                result = ev
+            if isinstance(ev, Pong):
+                return result
+
 
 class AsyncClient:
     """asyncio client multiplexing many requests over one connection."""

@@ -35,13 +35,21 @@ class DaemonConfig:
     socket_mode: int = 0o660
     socket_group: str = ""
     allowed_uids: list[int] = field(default_factory=list)
+    status_allowed_uids: list[int] = field(default_factory=list)
+    admin_uids: list[int] = field(default_factory=list)
     max_frame_bytes: int = 4 * 1024 * 1024
     max_conn_buffer_bytes: int = 8 * 1024 * 1024
+    max_worker_msg_bytes: int = 64 * 1024 * 1024
+    listen_backlog: int = 4096
+    nofile_limit: int = 65536
     max_queued_requests: int = 10_000
     max_queued_tokens: int = 20_000_000
     drain_timeout_s: float = 30.0
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
+    curve_keypair_file: str = ""
+    curve_authorized_keys: str = ""
+    metrics_http: str = ""
     log_level: str = "info"
 
 
@@ -141,6 +149,31 @@ def _check(cfg: Config) -> None:
     need(d.max_frame_bytes >= 1024, "daemon.max_frame_bytes", d.max_frame_bytes, "must be >= 1024")
     need(d.max_conn_buffer_bytes >= d.max_frame_bytes, "daemon.max_conn_buffer_bytes",
          d.max_conn_buffer_bytes, "must be >= daemon.max_frame_bytes")
+    need(d.max_worker_msg_bytes >= 65536, "daemon.max_worker_msg_bytes", d.max_worker_msg_bytes,
+         "must be >= 65536")
+    need(1 <= d.listen_backlog <= 65535, "daemon.listen_backlog", d.listen_backlog, "must be in 1..65535")
+    need(d.nofile_limit >= 0, "daemon.nofile_limit", d.nofile_limit, "must be >= 0 (0: leave it)")
+    if d.worker_endpoint.startswith("tcp://"):
+        need(bool(d.curve_keypair_file), "daemon.curve_keypair_file", d.curve_keypair_file,
+             "workers on tcp:// must authenticate with CURVE: give the daemon's key pair "
+             "(sclsctl keygen writes it)")
+    if d.curve_keypair_file:
+        need(bool(d.curve_authorized_keys), "daemon.curve_authorized_keys", d.curve_authorized_keys,
+             "CURVE needs the file of authorized worker public keys (sclsctl keygen writes it)")
+        for key in ("curve_keypair_file", "curve_authorized_keys"):
+            path = getattr(d, key)
+            need(Path(path).is_file(), f"daemon.{key}", path, "file not found")
+        try:
+            from .keys import read_keypair
+
+            read_keypair(d.curve_keypair_file)
+        except (OSError, ValueError) as exc:
+            raise ConfigError("daemon.curve_keypair_file", d.curve_keypair_file, str(exc)) from None
+    if d.metrics_http:
+        try:
+            parse_host_port(d.metrics_http)
+        except ValueError as exc:
+            raise ConfigError("daemon.metrics_http", d.metrics_http, str(exc)) from None
     need(d.max_queued_requests >= 1, "daemon.max_queued_requests", d.max_queued_requests, "must be >= 1")
     need(d.max_queued_tokens >= 1, "daemon.max_queued_tokens", d.max_queued_tokens, "must be >= 1")
     need(d.drain_timeout_s >= 0, "daemon.drain_timeout_s", d.drain_timeout_s, "must be >= 0")
@@ -166,6 +199,18 @@ def _check(cfg: Config) -> None:
     need(w.threads >= 1, "workers.threads", w.threads, "must be >= 1")
     need(w.mem_budget_bytes >= 1, "workers.mem_budget_bytes", w.mem_budget_bytes, "must be >= 1")
     need(w.restart_backoff_s >= 0, "workers.restart_backoff_s", w.restart_backoff_s, "must be >= 0")
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """``"host:port"``, ``":port"`` or ``"port"`` -> (host, port); host defaults to 127.0.0.1,
+    port 0 means any free port."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "", text
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError("must be host:port with a port in 0..65535")
+    return host, int(port)
 
 
 def from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:

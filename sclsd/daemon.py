@@ -3,6 +3,13 @@
 One process, one event loop (uvloop when available). The loop only receives,
 dispatches by message type, steps the scheduler and sends; tokenizing and
 detokenizing run in a thread pool.
+
+Guarantees (docs/operations.md): every accepted request ends with exactly one
+``done`` or ``error``; a request is refused at once (``overloaded``) rather
+than queued past ``daemon.max_queued_requests`` / ``max_queued_tokens``;
+SIGTERM drains (``draining`` for new requests, ``daemon.drain_timeout_s`` for
+those in flight, ``error: shutdown`` for what is left, exit 0) and a second
+SIGTERM/SIGINT ends the drain at once.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import asyncio
 import itertools
 import logging
 import os
+import resource
 import signal
 import sys
 import time
@@ -51,7 +59,12 @@ class Daemon:
         self.tok: Tokenizer | None = None
         self.ctx: dict[str, ReqCtx] = {}
         self.queued_tokens = 0
+        #: Requests between frame and admission (tokenizing): counted against the bounds
+        #: so a flood of text prompts cannot queue unbounded tokenizer work.
+        self.admitting = 0
         self.draining = False
+        self._drain_task: asyncio.Task[None] | None = None
+        self._signals = 0
         self.wake = asyncio.Event()
         self.stopped = asyncio.Event()
         self._ids = itertools.count(1)
@@ -63,15 +76,21 @@ class Daemon:
         self.hub = WorkerHub(cfg, on_register=self._on_register, on_result=self._on_result,
                              on_dead=self._on_dead)
         d = cfg.daemon
+        # Admin messages (drain): root and our own uid unless the config names the admins.
+        self.admin_uids = set(d.admin_uids) if d.admin_uids else {0, os.geteuid()}
         common = dict(max_frame=d.max_frame_bytes, max_buffer=d.max_conn_buffer_bytes,
-                      mode=d.socket_mode, group=d.socket_group)
+                      mode=d.socket_mode, group=d.socket_group, backlog=d.listen_backlog)
         self.api = FrameServer("api", d.socket, P.client_decoder, self._on_client,
                                on_close=self._on_conn_closed, allowed_uids=d.allowed_uids, **common)
+        from .sdnotify import Notifier
         from .status import StatusHandler
 
+        self.notifier = Notifier.from_env()
         self.status = StatusHandler(self)
         self.status_server = FrameServer("status", d.status_socket, P.status_decoder,
-                                          self.status.handle, **common)
+                                          self.status.handle, allowed_uids=d.status_allowed_uids,
+                                          **common)
+        self._metrics_http: Any = None
 
     # ------------------------------------------------------------------ setup
 
@@ -98,11 +117,14 @@ class Daemon:
         await self.hub.start()
         await self.api.start()
         await self.status_server.start()
+        if self.cfg.daemon.metrics_http:
+            self._metrics_http = self.metrics.serve_http(self.cfg.daemon.metrics_http, loop)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.begin_drain, sig)
-        from .sdnotify import Notifier
-
-        notifier = Notifier.from_env()
+        # systemd's ExecReload convention is SIGHUP, whose default action would kill us.
+        loop.add_signal_handler(signal.SIGHUP, lambda: log.warning(
+            "SIGHUP ignored: configuration changes take effect on restart"))
+        notifier = self.notifier
         notifier.ready(f"serving on {self.cfg.daemon.socket}")
         watchdog = asyncio.create_task(notifier.watchdog_loop(), name="watchdog")
         sched = asyncio.create_task(self._sched_loop(), name="scheduler")
@@ -132,18 +154,35 @@ class Daemon:
     # ------------------------------------------------------------------ drain / shutdown
 
     def begin_drain(self, sig: int | None = None) -> None:
+        """Stop accepting, finish what is in flight (SIGTERM/SIGINT). A second signal
+        ends the drain at once: what is left gets ``error: shutdown``."""
+        self._signals += 1
+        name = signal.Signals(sig).name if sig else "request"
         if self.draining:
+            if self._signals > 1 and sig is not None:
+                log.warning("second %s: ending %d requests now", name, len(self.ctx))
+                self._finish_drain()
             return
         self.draining = True
-        log.info("draining (signal %s): refusing new requests, finishing %d in flight within %.0fs",
-                 sig, len(self.ctx), self.cfg.daemon.drain_timeout_s)
-        asyncio.get_running_loop().create_task(self._drain(), name="drain")
+        t = self.cfg.daemon.drain_timeout_s
+        log.info("draining (%s): refusing new requests, finishing %d in flight within %.0fs",
+                 name, len(self.ctx), t)
+        self.notifier.stopping(f"draining {len(self.ctx)} requests (up to {t:.0f}s)")
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain(), name="drain")
 
     async def _drain(self) -> None:
         deadline = self.clock() + self.cfg.daemon.drain_timeout_s
         while self.ctx and self.clock() < deadline:
             await asyncio.sleep(0.05)
-        for rid in list(self.ctx):
+        self._finish_drain()
+
+    def _finish_drain(self) -> None:
+        if self.stopped.is_set():
+            return
+        left = list(self.ctx)
+        if left:
+            log.warning("drain ended with %d requests unfinished: ids=%s", len(left), ",".join(left))
+        for rid in left:
             self._end_with_error(rid, "shutdown", "the daemon stopped before this request finished")
         self.stopped.set()
 
@@ -151,6 +190,8 @@ class Daemon:
         await self.api.stop()
         await self.status_server.stop()
         await self.hub.stop()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
         self.pool.shutdown(wait=False, cancel_futures=True)
         log.info("sclsd stopped")
 
@@ -158,21 +199,87 @@ class Daemon:
 
     async def _on_client(self, conn: Conn, msg: Any) -> None:
         if isinstance(msg, P.Generate):
-            await self._on_generate(conn, msg)
+            self.admitting += 1
+            try:
+                await self._on_generate(conn, msg)
+            finally:
+                self.admitting -= 1
         elif isinstance(msg, P.Cancel):
-            if not self._cancel(msg.id, "cancelled"):
-                conn.send(P.Error(code="unknown_id", message=f"no live request {msg.id!r}", id=msg.id))
+            self._on_cancel(conn, msg)
         elif isinstance(msg, P.Ping):
             conn.send(P.Pong(nonce=msg.nonce))
+        elif isinstance(msg, P.DrainWorker):
+            self._on_drain_worker(conn, msg)
+
+    @property
+    def metrics_http_address(self) -> str | None:
+        """``host:port`` of the Prometheus HTTP endpoint, when it runs."""
+        return self._metrics_http.address if self._metrics_http is not None else None
+
+    def is_admin(self, conn: Conn) -> bool:
+        """May this connection send admin messages? (SO_PEERCRED uid in the admin set.)"""
+        return conn.peer is not None and conn.peer.uid in self.admin_uids
+
+    def _on_cancel(self, conn: Conn, msg: P.Cancel) -> None:
+        # A client cancels its own requests only: ids are client-chosen and guessable.
+        mine = msg.id in conn.rids
+        if msg.any_connection and not mine:
+            if not self.is_admin(conn):
+                log.warning("conn=%d cancel id=%s of another connection refused: uid %s is not an admin",
+                            conn.cid, msg.id, conn.peer and conn.peer.uid)
+                conn.send(P.Error(code="forbidden", message="only an admin may cancel other "
+                                  "connections' requests", id=msg.id))
+                return
+            mine = msg.id in self.ctx
+        if not mine or not self._cancel(msg.id, "cancelled"):
+            conn.send(P.Error(code="unknown_id", message=f"no live request {msg.id!r}", id=msg.id))
+            return
+        log.info("id=%s cancelled by conn=%d", msg.id, conn.cid)
+
+    def _on_drain_worker(self, conn: Conn, msg: P.DrainWorker) -> None:
+        verb = "resume" if msg.resume else "drain"
+        if not self.is_admin(conn):
+            log.warning("conn=%d %s worker=%s refused: uid %s is not an admin", conn.cid, verb, msg.worker,
+                        conn.peer and conn.peer.uid)
+            conn.send(P.Error(code="forbidden", message=f"only an admin may {verb} workers "
+                              "(daemon.admin_uids)"))
+            return
+        ok = self.resume_worker(msg.worker) if msg.resume else self.drain_worker(msg.worker)
+        if not ok:
+            conn.send(P.Error(code="unknown_worker", message=f"no registered worker {msg.worker!r}"))
+            return
+        conn.send(P.WorkerStateReply(worker=msg.worker, state=self.worker_state(msg.worker),
+                                     batches_inflight=len(self.sched.workers[msg.worker].batches)))
+
+    def worker_state(self, wid: str) -> str:
+        """active, draining (out of rotation, batches in flight) or drained."""
+        ws = self.sched.workers[wid]
+        if ws.active:
+            return "active"
+        return "draining" if ws.batches else "drained"
 
     def _refuse(self, conn: Conn, code: str, message: str, rid: str | None) -> None:
         self.metrics.refused(code)
-        log.info("refused id=%s code=%s: %s", rid, code, message)
+        log.info("refused id=%s conn=%d code=%s: %s", rid, conn.cid, code, message)
         conn.send(P.Error(code=code, message=message, id=rid))
+
+    def _overloaded(self, prompt_tokens: int) -> str | None:
+        d = self.cfg.daemon
+        # ``admitting`` includes the request being checked.
+        if len(self.ctx) + self.admitting > d.max_queued_requests:
+            return (f"{len(self.ctx)} requests queued (+{self.admitting - 1} being admitted), "
+                    f"the limit is {d.max_queued_requests}; retry later")
+        if self.queued_tokens + prompt_tokens > d.max_queued_tokens:
+            return (f"{self.queued_tokens} prompt tokens queued, +{prompt_tokens} exceeds the limit "
+                    f"of {d.max_queued_tokens}; retry later")
+        return None
 
     async def _on_generate(self, conn: Conn, g: P.Generate) -> None:
         m = self.cfg.model
         rid = g.id or uuid.uuid4().hex[:16]
+        if len(self.ctx) + self.admitting > self.cfg.daemon.max_queued_requests:
+            # Refuse before any tokenizing work.
+            return self._refuse(conn, "overloaded", self._overloaded(0) or "overloaded", g.id)
         forms = sum(x is not None for x in (g.prompt, g.prompt_ids, g.messages))
         if forms != 1:
             return self._refuse(conn, "bad_request", "give exactly one of prompt, prompt_ids, messages", g.id)
@@ -208,11 +315,9 @@ class Daemon:
         if len(ids) > m.max_input:
             return self._refuse(conn, "prompt_too_long",
                                 f"prompt has {len(ids)} tokens, the limit is {m.max_input}", g.id)
-        d = self.cfg.daemon
-        if len(self.ctx) >= d.max_queued_requests or self.queued_tokens + len(ids) > d.max_queued_tokens:
-            return self._refuse(conn, "overloaded",
-                                f"{len(self.ctx)} requests / {self.queued_tokens} tokens queued; retry later",
-                                g.id)
+        why = self._overloaded(len(ids))
+        if why is not None:
+            return self._refuse(conn, "overloaded", why, g.id)
         now = self.clock()
         req = Request(
             rid=rid,
@@ -226,14 +331,15 @@ class Daemon:
         self.queued_tokens += len(ids)
         conn.rids.add(rid)
         conn.send(P.Accepted(id=rid, prompt_tokens=len(ids)))
-        log.debug("accepted id=%s conn=%d prompt_tokens=%d max_tokens=%d", rid, conn.cid, len(ids), req.max_tokens)
+        log.debug("accepted id=%s conn=%d prompt_tokens=%d max_tokens=%d timeout=%s", rid, conn.cid,
+                  len(ids), req.max_tokens, g.timeout)
         self.sched.add(req, now)
         self.wake.set()
 
     def _on_conn_closed(self, conn: Conn) -> None:
         for rid in list(conn.rids):
             if rid in self.ctx:
-                log.info("id=%s cancelled: client disconnected", rid)
+                log.info("id=%s cancelled: conn=%d disconnected", rid, conn.cid)
                 self._cancel(rid, "cancelled", notify=False)
 
     def _cancel(self, rid: str, reason: str, notify: bool = True) -> bool:
@@ -244,6 +350,7 @@ class Daemon:
         if notify:
             self._send_done(c, reason)
         else:
+            self.metrics.finished(c, reason, self._timings(c, self.clock()))
             self._forget(c)
         return True
 
@@ -306,11 +413,22 @@ class Daemon:
         self.wake.set()
 
     def drain_worker(self, wid: str) -> bool:
+        """Take a worker out of rotation: no new batches; those it holds finish normally."""
         if wid not in self.sched.workers:
             return False
         self.sched.set_active(wid, False)
         self.hub.drain(wid)
-        log.info("worker=%s draining: no new batches", wid)
+        log.info("worker=%s draining: no new batches, %d in flight", wid, len(self.sched.workers[wid].batches))
+        return True
+
+    def resume_worker(self, wid: str) -> bool:
+        """Put a drained worker back into rotation."""
+        if wid not in self.sched.workers:
+            return False
+        self.sched.set_active(wid, True)
+        self.hub.resume(wid)
+        log.info("worker=%s resumed", wid)
+        self.wake.set()
         return True
 
     def _on_result(self, res: P.Result) -> None:
@@ -318,8 +436,13 @@ class Daemon:
         if batch is None:
             log.info("result for unknown batch=%d from worker=%s ignored", res.batch_id, res.worker_id)
             return
+        if batch.worker != res.worker_id:
+            log.warning("result for batch=%d from worker=%s, but it was sent to worker=%s; ignored",
+                        res.batch_id, res.worker_id, batch.worker)
+            return
         if res.error is not None:
-            log.error("worker=%s batch=%d failed: %s", res.worker_id, res.batch_id, res.error)
+            log.error("worker=%s batch=%d failed: %s; ids=%s", res.worker_id, res.batch_id, res.error,
+                      ",".join(r.rid for r in batch.requests))
             done = self.sched.on_result(BatchOutcome(res.batch_id, ok=False), self.clock())
             for r in done:
                 c = self.ctx.get(r.rid)
@@ -327,38 +450,66 @@ class Daemon:
                     self._send_done(c, "error")
             self.wake.set()
             return
-        # Detokenizing is blocking work: decode in the pool, apply on the loop.
-        work = []
+        # Only rows of requests of this batch that are still live count, each once, and
+        # never more tokens than the request's budget: a buggy or hostile worker cannot
+        # write into another request's output.
+        members = {r.rid: r for r in batch.requests}
+        outputs: list[tuple[ReqCtx, P.RequestOutput]] = []
+        seen: set[str] = set()
         for out in res.outputs:
+            req = members.get(out.rid)
             c = self.ctx.get(out.rid)
-            if c is not None:
-                work.append((c.out_ids + out.token_ids))
+            if req is None or c is None or c.req is not req or out.rid in seen:
+                continue
+            seen.add(out.rid)
+            budget = max(0, req.remaining)
+            if len(out.token_ids) > budget:
+                out = P.RequestOutput(rid=out.rid, token_ids=out.token_ids[:budget], finish_reason="length")
+            outputs.append((c, out))
+        # Detokenizing is blocking work: decode in the pool, apply on the loop.
+        work = [c.out_ids + out.token_ids for c, out in outputs]
         fut = asyncio.get_running_loop().run_in_executor(self.pool, self._decode_all, work)
-        fut.add_done_callback(lambda f: self._apply_result(res, f))
+        fut.add_done_callback(lambda f: self._apply_result(res, outputs, f))
 
     def _decode_all(self, seqs: list[list[int]]) -> list[str]:
         assert self.tok is not None
         return [self.tok.decode(s) for s in seqs]
 
-    def _apply_result(self, res: P.Result, fut: asyncio.Future[list[str]]) -> None:
+    def _apply_result(self, res: P.Result, outputs: list[tuple[ReqCtx, P.RequestOutput]],
+                      fut: asyncio.Future[list[str]]) -> None:
         try:
-            texts = iter(fut.result())
+            texts = fut.result()
         except Exception:  # noqa: BLE001 - the batch is failed, not the daemon
-            log.exception("detokenizing batch=%d failed", res.batch_id)
-            self.sched.on_result(BatchOutcome(res.batch_id, ok=False), self.clock())
-            self.wake.set()
+            log.exception("detokenizing batch=%d failed; ids=%s", res.batch_id,
+                          ",".join(c.req.rid for c, _ in outputs))
+            self._fail_batch(res.batch_id)
             return
         if res.batch_id not in self.sched.batches:
             return  # its worker was declared dead meanwhile: requests already re-queued
+        try:
+            self._apply_outputs(res, outputs, texts)
+        except Exception:
+            # A bug here must not leave requests hanging: log it with the ids, fail the
+            # batch (its requests are re-queued, up to scheduler.max_failures).
+            log.exception("applying batch=%d failed; ids=%s", res.batch_id,
+                          ",".join(c.req.rid for c, _ in outputs))
+            self._fail_batch(res.batch_id)
+
+    def _fail_batch(self, batch_id: int) -> None:
+        for r in self.sched.on_result(BatchOutcome(batch_id, ok=False), self.clock()):
+            c = self.ctx.get(r.rid)
+            if c is not None:
+                self._send_done(c, "error")
+        self.wake.set()
+
+    def _apply_outputs(self, res: P.Result, outputs: list[tuple[ReqCtx, P.RequestOutput]],
+                       texts: list[str]) -> None:
         now = self.clock()
         rows: list[RowOutcome] = []
         deltas: list[tuple[ReqCtx, list[int], str]] = []
-        for out in res.outputs:
-            c = self.ctx.get(out.rid)
-            if c is None:
-                rows.append(RowOutcome(out.rid, 0))
-                continue
-            full = next(texts)
+        for (c, out), full in zip(outputs, texts, strict=True):
+            if self.ctx.get(c.req.rid) is not c:
+                continue  # cancelled or timed out while we decoded: its row is ignored
             c.out_ids.extend(out.token_ids)
             final = out.finish_reason is not None
             new_text = c.detok.apply(full, final=final)
@@ -434,6 +585,56 @@ class Daemon:
 # ---------------------------------------------------------------------- entry point
 
 
+class OneLineFormatter(logging.Formatter):
+    """One event, one line: newlines in messages, ids and tracebacks are escaped, so a
+    client-chosen request id cannot forge log lines and the journal keeps an event whole.
+
+    Under systemd (``$JOURNAL_STREAM`` set) the line starts with the syslog priority
+    (``<3>`` …), which journald turns into the entry's level, and carries no timestamp
+    (the journal has its own).
+    """
+
+    _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
+                 logging.CRITICAL: 2}
+
+    def __init__(self, journal: bool) -> None:
+        fmt = "%(name)s: %(message)s" if journal else "%(asctime)s %(levelname)s %(name)s: %(message)s"
+        super().__init__(fmt)
+        self.journal = journal
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        text = text.replace("\n", "\\n").replace("\r", "\\r")
+        if self.journal:
+            return f"<{self._PRIORITY.get(record.levelno, 6)}>{text}"
+        return text
+
+
+def setup_logging(level: str) -> None:
+    """Log to stderr, one line per event (the journal's format under systemd)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(OneLineFormatter(journal=bool(os.environ.get("JOURNAL_STREAM"))))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(getattr(logging, level.upper()))
+
+
+def raise_nofile(want: int) -> None:
+    """Raise the soft limit on open files towards ``want`` (capped by the hard limit):
+    every client connection is a descriptor, and the default soft limit is often 1024."""
+    if want <= 0:
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
+            return
+    log.info("open-file limit %s (hard %s)", resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sclsd", description="LLM serving daemon with slice-level scheduling")
     p.add_argument("--config", help="TOML config file (default: built-in defaults)")
@@ -468,11 +669,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"sclsd: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=getattr(logging, cfg.daemon.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging(cfg.daemon.log_level)
+    raise_nofile(cfg.daemon.nofile_limit)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import uvloop

@@ -1,55 +1,155 @@
 """Prometheus metrics of the daemon, named after vLLM's (``sclsd:`` prefix).
 
-Counters and histograms are updated as events happen; gauges are read from the
-scheduler at scrape time by a custom collector.
+Counters and histograms are updated as events happen; gauges (and the
+per-worker series) are read from the scheduler at scrape time by a custom
+collector. The exposition is served on the status socket (``metrics``
+message) and, when ``daemon.metrics_http`` is set, over HTTP by
+prometheus_client's own server, whose thread hands every scrape to the event
+loop so the daemon's state is only ever read on the loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
     from .daemon import Daemon, ReqCtx
     from .protocol import Result, Timings
 
-_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+log = logging.getLogger("sclsd.metrics")
+
+# vLLM's latency buckets, from a millisecond (a zero-time engine) to minutes (a CPU model).
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                 2.5, 5.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+_STATES = ("active", "draining", "drained")
 
 
 class _Gauges:
+    """Scrape-time view of the scheduler, the pool and the workers."""
+
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
 
     def describe(self) -> list[Any]:
         return []
 
-    def collect(self) -> Any:
-        s = self.d.sched
-        yield GaugeMetricFamily("sclsd:num_requests_waiting", "Requests in the pool", len(s.pool))
+    def collect(self) -> Iterator[Metric]:
+        d = self.d
+        s = d.sched
+        yield GaugeMetricFamily("sclsd:num_requests_waiting", "Requests in the pool, waiting for a slice",
+                                len(s.pool))
         yield GaugeMetricFamily("sclsd:num_requests_running", "Requests in batches on workers",
                                 len(s.live) - len(s.pool))
         yield GaugeMetricFamily("sclsd:num_queued_tokens", "Prompt tokens of live requests",
-                                self.d.queued_tokens)
+                                d.queued_tokens)
         yield GaugeMetricFamily("sclsd:schedule_interval_seconds", "Current scheduling interval T",
                                 s.interval)
         yield GaugeMetricFamily("sclsd:num_workers", "Registered workers", len(s.workers))
+        yield GaugeMetricFamily("sclsd:num_connections", "Open client API connections", len(d.api.conns))
+        yield GaugeMetricFamily("sclsd:draining", "1 while the daemon drains (SIGTERM)", int(d.draining))
+        recent = list(s.recent)
+        err = [m - e for e, m in recent]
+        yield GaugeMetricFamily("sclsd:estimator_abs_error_seconds",
+                                "Mean |measured - estimated| batch time over recent batches",
+                                sum(abs(x) for x in err) / len(err) if err else 0.0)
+        yield GaugeMetricFamily("sclsd:estimator_error_seconds",
+                                "Mean (measured - estimated) batch time over recent batches",
+                                sum(err) / len(err) if err else 0.0)
+        events = CounterMetricFamily("sclsd:scheduler_events", "Scheduler counters (status counters)",
+                                     labels=["event"])
+        for k, v in sorted(s.counters.items()):
+            events.add_metric([k], v)
+        yield events
         load = GaugeMetricFamily("sclsd:worker_load_seconds", "Estimated queued work per worker",
                                  labels=["worker"])
         inflight = GaugeMetricFamily("sclsd:worker_batches_inflight", "Batches sent and not answered",
                                      labels=["worker"])
+        queue = GaugeMetricFamily("sclsd:worker_queue_depth", "Batches in the worker's local queue "
+                                  "(last heartbeat)", labels=["worker"])
+        age = GaugeMetricFamily("sclsd:worker_heartbeat_age_seconds", "Seconds since the worker was "
+                                "last heard from", labels=["worker"])
+        state = GaugeMetricFamily("sclsd:worker_state", "1 for the worker's state", labels=["worker", "state"])
+        batches = CounterMetricFamily("sclsd:worker_batches", "Batches served by the worker since it "
+                                      "registered", labels=["worker"])
+        tokens = CounterMetricFamily("sclsd:worker_generation_tokens", "Tokens generated by the worker "
+                                     "since it registered", labels=["worker"])
+        now = time.monotonic()
         for wid, ws in sorted(s.workers.items()):
+            info = d.hub.workers.get(wid)
             load.add_metric([wid], ws.load)
             inflight.add_metric([wid], len(ws.batches))
-        yield load
-        yield inflight
+            queue.add_metric([wid], info.queued_batches if info else 0)
+            age.add_metric([wid], now - info.last_seen if info else 0.0)
+            current = d.worker_state(wid)
+            for st in _STATES:
+                state.add_metric([wid, st], int(st == current))
+            batches.add_metric([wid], ws.batches_done)
+            tokens.add_metric([wid], ws.tokens_done)
+        yield from (load, inflight, queue, age, state, batches, tokens)
+
+
+class _OnLoop:
+    """A registry stand-in for the HTTP server's thread: each scrape runs on the loop."""
+
+    def __init__(self, registry: CollectorRegistry, loop: asyncio.AbstractEventLoop) -> None:
+        self.registry = registry
+        self.loop = loop
+
+    async def _collect(self) -> list[Metric]:
+        return list(self.registry.collect())
+
+    def collect(self) -> list[Metric]:
+        # A stuck loop makes scrapes time out: the right signal for a monitor.
+        return asyncio.run_coroutine_threadsafe(self._collect(), self.loop).result(timeout=10)
+
+    def restricted_registry(self, names: list[str]) -> _OnLoop:
+        return _Restricted(self, set(names))
+
+
+class _Restricted(_OnLoop):
+    def __init__(self, parent: _OnLoop, names: set[str]) -> None:
+        super().__init__(parent.registry, parent.loop)
+        self.names = names
+
+    def collect(self) -> list[Metric]:
+        out = []
+        for m in super().collect():
+            samples = [s for s in m.samples if s.name in self.names]
+            if samples:
+                m.samples = samples
+                out.append(m)
+        return out
+
+
+class HttpServer:
+    """prometheus_client's HTTP server thread, stoppable."""
+
+    def __init__(self, server: Any, thread: Any, address: str) -> None:
+        self.server = server
+        self.thread = thread
+        self.address = address
+
+    def shutdown(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
 
 
 class Metrics:
     def __init__(self, daemon: Daemon) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.refused_total = 0
         self.requests = Counter("sclsd:request_success", "Finished requests by reason",
                                 ["finished_reason"], registry=r)
         self.refusals = Counter("sclsd:request_refused", "Requests refused by error code",
@@ -59,19 +159,26 @@ class Metrics:
         self.batches = Counter("sclsd:batches", "Batches dispatched", registry=r)
         self.ttft = Histogram("sclsd:time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("sclsd:time_per_output_token_seconds",
+                              "Time per output token after the first", buckets=_TPOT_BUCKETS, registry=r)
         self.e2e = Histogram("sclsd:e2e_request_latency_seconds", "End-to-end request latency",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("sclsd:request_queue_time_seconds", "Time before the first dispatch",
                                buckets=_LATENCY_BUCKETS, registry=r)
+        self.req_prompt = Histogram("sclsd:request_prompt_tokens", "Prompt tokens per finished request",
+                                    buckets=_TOKEN_BUCKETS, registry=r)
+        self.req_gen = Histogram("sclsd:request_generation_tokens", "Generated tokens per finished request",
+                                 buckets=_TOKEN_BUCKETS, registry=r)
         self.slices = Histogram("sclsd:request_slices", "Slices per finished request",
                                 buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
         self.batch_size = Histogram("sclsd:batch_size", "Requests per batch",
-                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=r)
         self.batch_time = Histogram("sclsd:batch_serve_seconds", "Measured serving time per batch",
                                     buckets=_LATENCY_BUCKETS, registry=r)
         r.register(_Gauges(daemon))  # type: ignore[arg-type]
 
     def refused(self, code: str) -> None:
+        self.refused_total += 1
         self.refusals.labels(code).inc()
 
     def dispatched(self, batch: Any) -> None:
@@ -82,14 +189,30 @@ class Metrics:
         self.batch_time.observe(res.stats.prefill_s + res.stats.decode_s)
 
     def finished(self, c: ReqCtx, reason: str, t: Timings) -> None:
+        out = len(c.out_ids)
         self.requests.labels(reason).inc()
         self.prompt_tokens.inc(len(c.prompt_ids))
-        self.gen_tokens.inc(len(c.out_ids))
+        self.gen_tokens.inc(out)
+        self.req_prompt.observe(len(c.prompt_ids))
+        self.req_gen.observe(out)
         self.e2e.observe(t.e2e_s)
         self.queue.observe(t.queued_s)
         self.slices.observe(t.slices)
         if t.ttft_s is not None:
             self.ttft.observe(t.ttft_s)
+            if out > 1:
+                self.tpot.observe((t.e2e_s - t.ttft_s) / (out - 1))
 
     def exposition(self) -> str:
         return generate_latest(self.registry).decode()
+
+    def serve_http(self, address: str, loop: asyncio.AbstractEventLoop) -> HttpServer:
+        """Serve ``/metrics`` over HTTP on ``host:port`` (prometheus_client's server)."""
+        from prometheus_client import start_http_server
+
+        from .config import parse_host_port
+
+        host, port = parse_host_port(address)
+        server, thread = start_http_server(port, addr=host, registry=_OnLoop(self.registry, loop))  # type: ignore[arg-type]
+        log.info("metrics over HTTP on http://%s:%d/metrics", host, server.server_port)
+        return HttpServer(server, thread, f"{host}:{server.server_port}")

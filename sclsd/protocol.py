@@ -4,15 +4,16 @@ Three channels share this schema:
 
 * **Client API** (stream Unix socket). Frames are a 4-byte big-endian length
   followed by one msgpack map. Client -> daemon: :class:`Generate`,
-  :class:`Cancel`, :class:`Ping`. Daemon -> client: :class:`Accepted`,
-  :class:`Delta`, :class:`Done`, :class:`Error`, :class:`Pong`.
+  :class:`Cancel`, :class:`Ping`, and the admin message :class:`DrainWorker`.
+  Daemon -> client: :class:`Accepted`, :class:`Delta`, :class:`Done`,
+  :class:`Error`, :class:`Pong`, :class:`WorkerStateReply`.
 * **Status socket** (stream Unix socket, same framing, read-only):
   :class:`StatusRequest` / :class:`MetricsRequest` answered by
   :class:`StatusReply` / :class:`MetricsReply`.
 * **Daemon <-> worker** (ZeroMQ ROUTER/DEALER, one msgpack map per message):
   :class:`Register`, :class:`Heartbeat`, :class:`Result` (worker -> daemon) and
-  :class:`Welcome`, :class:`BatchMsg`, :class:`Drain`, :class:`Shutdown`
-  (daemon -> worker).
+  :class:`Welcome`, :class:`BatchMsg`, :class:`Drain`, :class:`Resume`,
+  :class:`Reregister`, :class:`Shutdown` (daemon -> worker).
 
 Every message is a msgpack map whose ``type`` field names the struct. Decoding
 validates types and value ranges and rejects unknown types and unknown fields,
@@ -22,7 +23,7 @@ so a handler only ever sees well-formed structures. No pickle anywhere.
 from __future__ import annotations
 
 import struct
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -94,6 +95,8 @@ class Cancel(_Msg, tag="cancel"):
     """Cancel a request of this connection by id."""
 
     id: RequestId
+    any_connection: bool = False
+    """Admin only (see :class:`DrainWorker`): cancel a request of any connection."""
 
 
 class Ping(_Msg, tag="ping"):
@@ -102,7 +105,20 @@ class Ping(_Msg, tag="ping"):
     nonce: int = 0
 
 
-ClientMsg = Union[Generate, Cancel, Ping]
+class DrainWorker(_Msg, tag="drain_worker"):
+    """Admin: take a worker out of rotation without losing its work, or put it back.
+
+    The worker gets no new batches and finishes those it holds; answered by
+    :class:`WorkerStateReply`. Only peers whose uid is an admin (``daemon.admin_uids``;
+    by default root and the daemon's own uid) may send it; others get ``forbidden``.
+    """
+
+    worker: Annotated[str, Meta(min_length=1, max_length=64)]
+    resume: bool = False
+    """Put a drained worker back into rotation instead."""
+
+
+ClientMsg = Generate | Cancel | Ping | DrainWorker
 
 
 class Accepted(_Msg, tag="accepted"):
@@ -158,7 +174,8 @@ class Error(_Msg, tag="error"):
 
     code: str
     """Machine-readable: bad_request, bad_frame, frame_too_large, unknown_type,
-    prompt_too_long, duplicate_id, unknown_id, overloaded, draining, internal."""
+    prompt_too_long, duplicate_id, unknown_id, overloaded, draining, shutdown,
+    forbidden, unknown_worker, internal."""
     message: str
     id: str | None = None
 
@@ -168,7 +185,16 @@ class Pong(_Msg, tag="pong"):
     protocol: int = PROTOCOL_VERSION
 
 
-ServerMsg = Union[Accepted, Delta, Done, Error, Pong]
+class WorkerStateReply(_Msg, tag="worker_state"):
+    """Answer to :class:`DrainWorker`: the worker's state after the change."""
+
+    worker: str
+    state: Literal["active", "draining", "drained"]
+    """``draining``: out of rotation, batches still in flight; ``drained``: none left."""
+    batches_inflight: int = 0
+
+
+ServerMsg = Accepted | Delta | Done | Error | Pong | WorkerStateReply
 
 
 # --------------------------------------------------------------------------- status socket
@@ -182,7 +208,7 @@ class MetricsRequest(_Msg, tag="metrics"):
     """Ask for Prometheus text exposition as a :class:`MetricsReply`."""
 
 
-StatusMsg = Union[StatusRequest, MetricsRequest]
+StatusMsg = StatusRequest | MetricsRequest
 
 
 class StatusReply(_Msg, tag="status_reply"):
@@ -294,8 +320,18 @@ class Shutdown(_Msg, tag="shutdown"):
     """Exit after the current batch (its result is still sent)."""
 
 
-WorkerMsg = Union[Register, Heartbeat, Result]
-DaemonToWorkerMsg = Union[Welcome, BatchMsg, Drain, Shutdown]
+class Resume(_Msg, tag="resume"):
+    """Take new batches again after a :class:`Drain`."""
+
+
+class Reregister(_Msg, tag="reregister"):
+    """The daemon does not know this worker (it was declared dead, e.g. after a
+    heartbeat timeout, or the daemon restarted): send :class:`Register` again.
+    Batches the worker still holds were already given back to the pool."""
+
+
+WorkerMsg = Register | Heartbeat | Result
+DaemonToWorkerMsg = Welcome | BatchMsg | Drain | Shutdown | Resume | Reregister
 
 
 # --------------------------------------------------------------------------- codecs
@@ -306,11 +342,14 @@ encode = _encoder.encode
 client_decoder = msgspec.msgpack.Decoder(ClientMsg)
 server_decoder = msgspec.msgpack.Decoder(ServerMsg)
 status_decoder = msgspec.msgpack.Decoder(StatusMsg)
-status_reply_decoder = msgspec.msgpack.Decoder(Union[StatusReply, MetricsReply, Error])
+status_reply_decoder = msgspec.msgpack.Decoder(StatusReply | MetricsReply | Error)
 worker_decoder = msgspec.msgpack.Decoder(WorkerMsg)
 to_worker_decoder = msgspec.msgpack.Decoder(DaemonToWorkerMsg)
 
-DecodeError = (msgspec.DecodeError, msgspec.ValidationError)
+#: Everything a decoder may raise on hostile input: malformed msgpack, a shape or value
+#: the schema rejects, and nesting deeper than the decoder's recursion limit (msgspec
+#: raises RecursionError for that, e.g. inside the free-form ``Register.profile``).
+DecodeError = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 
 
 def frame(msg: _Msg) -> bytes:
@@ -322,6 +361,8 @@ def frame(msg: _Msg) -> bytes:
 def classify_decode_error(exc: Exception) -> tuple[str, str]:
     """Map a decode failure to an (error code, message) pair for the peer."""
     text = str(exc)
+    if isinstance(exc, RecursionError):
+        return "bad_frame", "msgpack nested too deeply"
     if isinstance(exc, msgspec.ValidationError) and ("$.type" in text or "field `type`" in text):
         return "unknown_type", text
     if isinstance(exc, msgspec.ValidationError):

@@ -1,4 +1,10 @@
-"""systemd's notify protocol (sd_notify) without libsystemd: READY, WATCHDOG, STOPPING."""
+"""systemd's notify protocol (sd_notify) without libsystemd: READY, WATCHDOG, STOPPING, STATUS.
+
+The protocol: datagrams of ``KEY=VALUE`` lines sent to the AF_UNIX socket named
+by ``$NOTIFY_SOCKET`` (a path, or ``@name`` for the abstract namespace).
+``Type=notify`` units wait for ``READY=1``; with ``WatchdogSec=`` systemd sets
+``$WATCHDOG_USEC`` and restarts the service when ``WATCHDOG=1`` pings stop.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ class Notifier:
         return cls(addr, usec)
 
     def notify(self, state: str) -> bool:
+        """Send one datagram; False when there is no socket or the send failed."""
         if self._sock is None or not self.address:
             return False
         addr = self.address
@@ -38,10 +45,16 @@ class Notifier:
             return False
 
     def ready(self, status: str = "") -> bool:
+        """Start-up is complete: the sockets accept connections."""
         return self.notify("READY=1" + (f"\nSTATUS={status}" if status else ""))
 
-    def stopping(self) -> bool:
-        return self.notify("STOPPING=1")
+    def stopping(self, status: str = "") -> bool:
+        """Shutdown has begun (sent once the drain starts)."""
+        return self.notify("STOPPING=1" + (f"\nSTATUS={status}" if status else ""))
+
+    def status(self, text: str) -> bool:
+        """Free-form status line shown by ``systemctl status``."""
+        return self.notify(f"STATUS={text}")
 
     async def watchdog_loop(self) -> None:
         """Ping the watchdog at half its period; returns at once when none is set.

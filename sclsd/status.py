@@ -1,4 +1,8 @@
-"""The status socket: read-only snapshots of the daemon and Prometheus metrics."""
+"""The status socket: read-only snapshots of the daemon and Prometheus metrics.
+
+The snapshot's keys are stable (docs/operations.md lists them); ``sclsctl
+status`` and ``sclsctl top`` render it.
+"""
 
 from __future__ import annotations
 
@@ -40,7 +44,8 @@ class StatusHandler:
                 "engine": reg.engine if reg else None,
                 "model": reg.model if reg else None,
                 "device": reg.device if reg else None,
-                "state": "active" if ws.active else "draining",
+                "pid": reg.pid if reg else None,
+                "state": d.worker_state(wid),
                 "load_s": round(ws.load, 4),
                 "batches_inflight": len(ws.batches),
                 "queued_batches": info.queued_batches if info else None,
@@ -63,7 +68,13 @@ class StatusHandler:
             "interval_s": s.interval,
             "pool_size": len(s.pool),
             "live_requests": len(s.live),
+            "running_requests": len(s.live) - len(s.pool),
+            "admitting": d.admitting,
             "queued_tokens": d.queued_tokens,
+            "limits": {"max_queued_requests": d.cfg.daemon.max_queued_requests,
+                       "max_queued_tokens": d.cfg.daemon.max_queued_tokens},
+            "connections": len(d.api.conns),
+            "metrics_http": d.metrics_http_address,
             "workers": workers,
             "estimator": est.to_dict() if hasattr(est, "to_dict") else repr(est),
             "estimator_error": {
@@ -72,5 +83,6 @@ class StatusHandler:
                 "mean_abs_error_s": sum(abs(x) for x in err) / len(err) if err else None,
                 "last": [{"est_s": round(e, 4), "measured_s": round(m, 4)} for e, m in recent[-8:]],
             },
-            "counters": dict(s.counters),
+            "counters": {**s.counters, "refused": d.metrics.refused_total,
+                         "bad_worker_messages": d.hub.bad_messages},
         }

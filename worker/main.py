@@ -6,6 +6,7 @@
                  [--device cpu] [--threads N] [--mem-budget BYTES] [--heartbeat S]
                  [--dtype float32] [--decode-s S] [--prefill-s-per-token S] [--vocab N]
                  [--opt KEY=VALUE ...] [--profile FILE] [--log-level info]
+                 [--curve-server-key KEY | --curve-server-key-file FILE] [--curve-keypair FILE]
     sclsd-worker profile ...      (see worker.profile)
 
 The engine (model) is loaded first, then the worker registers; see
@@ -91,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--curve-server-key", default=None, help="daemon's public CURVE key (Z85)")
     p.add_argument(
+        "--curve-server-key-file",
+        type=Path,
+        default=None,
+        help="file holding the daemon's public CURVE key (daemon.public of sclsctl keygen)",
+    )
+    p.add_argument(
         "--curve-keypair",
         type=Path,
         default=None,
@@ -153,6 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     from worker.runtime import RuntimeOptions, WorkerRuntime
 
     profile_data = json.loads(args.profile.read_text()) if args.profile else None
+    server_key = args.curve_server_key.encode() if args.curve_server_key else None
+    if args.curve_server_key_file:
+        parts = args.curve_server_key_file.read_text().split()
+        if not parts:
+            log.error("%s: no key", args.curve_server_key_file)
+            return 2
+        server_key = parts[0].encode()
     keypair = None
     if args.curve_keypair:
         lines = args.curve_keypair.read_text().split()
@@ -181,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             register_retry_s=args.register_retry,
             shutdown_timeout_s=args.shutdown_timeout,
             profile=profile_data,
-            curve_server_key=args.curve_server_key.encode() if args.curve_server_key else None,
+            curve_server_key=server_key,
             curve_keypair=keypair,
         ),
     )

@@ -291,6 +291,25 @@ class WorkerRuntime:
                     "draining: finishing %d queued batches, taking no more", self.batches.qsize()
                 )
             st.draining = True
+        elif isinstance(msg, P.Resume):
+            if st.draining:
+                log.info("resumed: taking batches again")
+            st.draining = False
+        elif isinstance(msg, P.Reregister):
+            # The daemon declared us dead (e.g. we hung past its heartbeat timeout) and
+            # already gave our batches back to the pool: drop the queued ones, register again.
+            dropped = 0
+            while True:
+                try:
+                    item = self.batches.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:  # a stop marker stays
+                    self.batches.put(None)
+                    break
+                dropped += 1
+            log.warning("daemon asks us to register again (dropped %d queued batches)", dropped)
+            st.welcomed = st.registered = False
         elif isinstance(msg, P.Shutdown):
             self._begin_stop(sock, "shutdown from the daemon")
 

@@ -61,7 +61,12 @@ def peer_cred(sock: socket.socket | None) -> PeerCred | None:
 @dataclass(eq=False)
 class Conn:
     """One client connection. ``send`` never blocks: a client that reads too slowly
-    is disconnected once its buffered output passes ``max_buffer`` bytes."""
+    is disconnected once its buffered output passes ``max_buffer`` bytes.
+
+    Frames sent during one turn of the event loop are joined and written with one
+    call at the end of the turn: a batch's results for a pipelining client cost one
+    system call, not one per event.
+    """
 
     writer: asyncio.StreamWriter
     cid: int
@@ -69,24 +74,47 @@ class Conn:
     peer: PeerCred | None = None
     rids: set[str] = field(default_factory=set)
     closed: bool = False
+    _pending: list[bytes] = field(default_factory=list)
+    _pending_bytes: int = 0
 
     def send(self, msg: Any) -> None:
         if self.closed:
             return
-        self.writer.write(P.frame(msg))
-        transport = self.writer.transport
-        if transport.get_write_buffer_size() > self.max_buffer:
-            log.warning("conn=%d slow client: %d bytes unread, disconnecting",
-                        self.cid, transport.get_write_buffer_size())
-            self.abort()
+        body = P.frame(msg)
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._pending.append(body)
+        self._pending_bytes += len(body)
+        if self._pending_bytes + self.writer.transport.get_write_buffer_size() > self.max_buffer:
+            self._slow()
+
+    def flush(self) -> None:
+        """Write what ``send`` queued (called once per loop turn; safe to call any time)."""
+        if not self._pending or self.closed:
+            self._pending.clear()
+            self._pending_bytes = 0
+            return
+        data = b"".join(self._pending) if len(self._pending) > 1 else self._pending[0]
+        self._pending.clear()
+        self._pending_bytes = 0
+        self.writer.write(data)
+        if self.writer.transport.get_write_buffer_size() > self.max_buffer:
+            self._slow()
+
+    def _slow(self) -> None:
+        log.warning("conn=%d slow client: %d bytes unread, disconnecting", self.cid,
+                    self._pending_bytes + self.writer.transport.get_write_buffer_size())
+        self.abort()
 
     def abort(self) -> None:
         if not self.closed:
             self.closed = True
+            self._pending.clear()
             self.writer.transport.abort()
 
     def close(self) -> None:
         if not self.closed:
+            self.flush()  # what was sent goes out before the close
             self.closed = True
             self.writer.close()
 
@@ -130,7 +158,9 @@ class FrameServer:
         self.allowed_uids = set(allowed_uids or [])
         self.backlog = backlog
         self.conns: set[Conn] = set()
-        self._server: asyncio.base_events.Server | None = None
+        self._listener: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._accept_paused = False
         self._next_cid = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -141,9 +171,21 @@ class FrameServer:
             if not stat.S_ISSOCK(p.lstat().st_mode):
                 raise RuntimeError(f"{self.name} socket path {p} exists and is not a socket")
             p.unlink()  # stale socket of a previous run; we hold the only daemon lock (systemd)
+        # We accept ourselves instead of asyncio.start_unix_server: under load uvloop's
+        # server accepts about one connection per loop turn, so thousands of clients
+        # connecting to a busy daemon waited seconds for their first byte to be read.
         # A deep backlog: thousands of clients connecting at once must not see EAGAIN.
-        self._server = await asyncio.start_unix_server(self._serve, path=str(p), limit=1 << 16,
-                                                       backlog=self.backlog)
+        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            lsock.bind(str(p))
+            lsock.listen(self.backlog)
+            lsock.setblocking(False)
+        except OSError:
+            lsock.close()
+            raise
+        self._listener = lsock
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(lsock.fileno(), self._on_acceptable)
         os.chmod(p, self.mode)
         if self.group:
             os.chown(p, -1, grp.getgrnam(self.group).gr_gid)
@@ -153,8 +195,7 @@ class FrameServer:
     async def stop(self, flush_timeout: float = 2.0) -> None:
         """Stop listening and close every connection, first flushing what is buffered
         for it (terminal events must reach clients) for at most ``flush_timeout``."""
-        if self._server is not None:
-            self._server.close()
+        self._close_listener()
         conns = list(self.conns)
         for c in conns:
             c.close()
@@ -168,17 +209,59 @@ class FrameServer:
                             flush_timeout)
             for c in conns:
                 c.writer.transport.abort()
-        for t in list(self._tasks):
+        tasks = list(self._tasks)
+        for t in tasks:
             t.cancel()
-        if self._server is not None:
-            try:
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
-            except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - best effort on shutdown
-                pass
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            if self._loop is not None and not self._accept_paused:
+                self._loop.remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
+
+    def _on_acceptable(self) -> None:
+        """The listening socket is readable: accept everything pending (bounded)."""
+        assert self._listener is not None and self._loop is not None
+        for _ in range(self.backlog):
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                # Out of descriptors (EMFILE/ENFILE) or an aborted connection: the socket
+                # stays readable, so pause accepting briefly instead of spinning.
+                log.warning("%s: accept failed (%s); pausing accepts for 0.5s", self.name, exc)
+                self._loop.remove_reader(self._listener.fileno())
+                self._accept_paused = True
+                self._loop.call_later(0.5, self._resume_accept)
+                return
+            sock.setblocking(False)
+            task = self._loop.create_task(self._connect(sock))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _resume_accept(self) -> None:
+        self._accept_paused = False
+        if self._listener is not None and self._loop is not None:
+            self._loop.add_reader(self._listener.fileno(), self._on_acceptable)
+
+    async def _connect(self, sock: socket.socket) -> None:
+        """Wrap an accepted socket in a stream (what asyncio.start_unix_server does)."""
+        assert self._loop is not None
+        reader = asyncio.StreamReader(limit=1 << 16)
+        protocol = asyncio.StreamReaderProtocol(reader, self._serve)
+        try:
+            await self._loop.connect_accepted_socket(lambda: protocol, sock)
+        except OSError as exc:
+            log.info("%s: connection lost before it started: %s", self.name, exc)
+            sock.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._next_cid += 1
@@ -243,6 +326,7 @@ class FrameServer:
                 await result
 
     async def _flush_and_close(self, conn: Conn) -> None:
+        conn.flush()
         try:
             await asyncio.wait_for(conn.writer.drain(), 1.0)
         except (asyncio.TimeoutError, ConnectionError):

@@ -612,6 +612,12 @@ class OneLineFormatter(logging.Formatter):
 
 def setup_logging(level: str) -> None:
     """Log to stderr, one line per event (the journal's format under systemd)."""
+    # At info the daemon logs a line per finished request: skip what our format never
+    # shows (caller frame lookup, thread and process names) to keep a line cheap.
+    logging._srcfile = None  # type: ignore[attr-defined]
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(OneLineFormatter(journal=bool(os.environ.get("JOURNAL_STREAM"))))
     root = logging.getLogger()

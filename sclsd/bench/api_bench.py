@@ -81,6 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the daemon's log level (info, the default, logs a line per request)")
     p.add_argument("--json", dest="json_out", help="write the result here")
     p.add_argument("--keep-dir", help="run the daemon in this directory and keep it (logs)")
+    p.add_argument("--socket", help="measure an already running daemon at this client socket instead "
+                   "(e.g. one under a profiler); its config is then yours to choose")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -145,6 +147,7 @@ class _Bench:
         self.window_done = 0
         self.errors: dict[str, int] = {}
         self.lat: list[float] = []
+        self.server_lat: list[float] = []
         self.wrong_length = 0
         self.idle = asyncio.Event()
 
@@ -158,6 +161,7 @@ class _Bench:
         if self.measuring:
             self.window_done += 1
             self.lat.append(seconds)
+            self.server_lat.append(ev.timings.e2e_s)
         if self.running:
             conn.submit()
         elif not conn.sent:
@@ -229,6 +233,7 @@ async def _throughput(args: argparse.Namespace, sock: str) -> dict[str, Any]:
         "total_s": time.perf_counter() - t_start,
         "saturated_p50_ms": _pct(bench.lat, 0.50) * 1e3,
         "saturated_p99_ms": _pct(bench.lat, 0.99) * 1e3,
+        "saturated_daemon_p99_ms": _pct(bench.server_lat, 0.99) * 1e3,
         "errors": dict(bench.errors),
         "lost": outstanding,
         "wrong_length": bench.wrong_length,
@@ -282,20 +287,26 @@ def run(args: argparse.Namespace) -> int:
         runner = uvloop.run
     except ImportError:  # pragma: no cover
         runner = asyncio.run
-    d = launch(sections, keep_dir=args.keep_dir)
-    try:
-        say(f"sclsd-bench api: daemon in {d.dir}, {args.workers} zero-time fake workers")
-        d.wait_workers(args.workers, timeout=120, progress=not args.no_progress)
-        say(f"throughput: {args.connections} connections x {args.inflight} in flight, "
-            f"{args.duration:.0f}s after {args.warmup:.0f}s warm-up")
-        thr = runner(_throughput(args, d.sock))
-        say(f"overhead: {args.latency_requests} sequential requests on one connection")
-        ovh = runner(_overhead_phase(args, d.sock))
-        st = d.status()
-        rc = d.stop()
-    finally:
-        d.stop()
+    if args.socket:
         profile_dir.cleanup()
+        thr = runner(_throughput(args, args.socket))
+        ovh = runner(_overhead_phase(args, args.socket))
+        st, rc = {"live_requests": None, "counters": {}}, 0
+    else:
+        d = launch(sections, keep_dir=args.keep_dir)
+        try:
+            say(f"sclsd-bench api: daemon in {d.dir}, {args.workers} zero-time fake workers")
+            d.wait_workers(args.workers, timeout=120, progress=not args.no_progress)
+            say(f"throughput: {args.connections} connections x {args.inflight} in flight, "
+                f"{args.duration:.0f}s after {args.warmup:.0f}s warm-up")
+            thr = runner(_throughput(args, d.sock))
+            say(f"overhead: {args.latency_requests} sequential requests on one connection")
+            ovh = runner(_overhead_phase(args, d.sock))
+            st = d.status()
+            rc = d.stop()
+        finally:
+            d.stop()
+            profile_dir.cleanup()
     result: dict[str, Any] = {
         "rps": round(thr["rps"], 1),
         "p99_overhead_ms": round(ovh["p99_overhead_ms"], 3),
@@ -303,6 +314,7 @@ def run(args: argparse.Namespace) -> int:
         "max_overhead_ms": round(ovh["max_overhead_ms"], 3),
         "saturated_p50_ms": round(thr["saturated_p50_ms"], 3),
         "saturated_p99_ms": round(thr["saturated_p99_ms"], 3),
+        "saturated_daemon_p99_ms": round(thr["saturated_daemon_p99_ms"], 3),
         "measured_requests": thr["measured_requests"],
         "measured_s": round(thr["measured_s"], 3),
         "total_requests": thr["total_requests"] + ovh["latency_requests"],

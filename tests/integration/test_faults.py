@@ -266,3 +266,41 @@ def test_second_sigterm_ends_the_drain_at_once(tmp_path) -> None:
         assert isinstance(events[f"l{i}"][-1], P.Error) and events[f"l{i}"][-1].code == "shutdown"
     assert elapsed < 60  # far less than drain_timeout_s
     assert "second SIGTERM: ending 3 requests now" in d.log.read_text()
+
+
+def test_hung_remote_worker_that_comes_back_registers_again(tmp_path) -> None:
+    # Not spawned by the daemon (as with sclsd-worker@.service), so nobody kills it when
+    # it hangs: declared dead, it must be told to register again when it is heard from.
+    d = start(tmp_path, daemon={"heartbeat_interval_s": 0.25, "heartbeat_timeout_s": 1.0},
+              workers={"spawn": 0})
+    w = subprocess.Popen([sys.executable, "-m", "worker.main", "--connect", d.endpoint, "--id", "ext",
+                          "--engine", "fake", "--decode-s", "0.005"],
+                         stdout=open(tmp_path / "ext.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "ext" in workers_by_id(d), 60, "ext registered", d)
+        w.send_signal(signal.SIGSTOP)
+        wait_for(lambda: not workers_by_id(d), 30, "ext declared dead", d)
+
+        async def run() -> P.Done:
+            c = await Raw.open(d.sock)
+            c.send(P.Generate(id="waits", prompt_ids=[4, 5, 6], max_tokens=20, ignore_eos=True))
+            assert isinstance(await c.recv(), P.Accepted)
+            w.send_signal(signal.SIGCONT)  # it wakes up and heartbeats as if nothing happened
+            await c.until_terminal({"waits"}, 60)
+            await c.close()
+            return c.events["waits"][-1]
+
+        done = asyncio.run(run())
+        assert isinstance(done, P.Done) and done.finish_reason == "length" and done.worker == "ext"
+        log = d.log.read_text()
+        assert "worker=ext lost: no heartbeat" in log
+        assert "worker=ext unknown (heartbeat received): asking it to register again" in log
+        assert "daemon asks us to register again" in (tmp_path / "ext.log").read_text()
+    finally:
+        w.send_signal(signal.SIGCONT)
+        w.terminate()
+        try:
+            w.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            w.kill()
+        stop(d)

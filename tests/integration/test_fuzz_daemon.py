@@ -48,7 +48,7 @@ values = st.recursive(scalars, lambda kids: st.lists(kids, max_size=6)
 # Maps that look like messages: a known (or random) type and known field names with any values.
 typed_maps = st.builds(
     lambda tag, fields: {"type": tag, **fields},
-    st.sampled_from(TAGS) | st.text(max_size=12) | st.integers(),
+    st.sampled_from(TAGS) | st.text(max_size=12) | st.integers(-(2**63), 2**63 - 1),
     st.dictionaries(st.sampled_from(FIELDS), values, max_size=8),
 )
 
@@ -278,8 +278,11 @@ def test_nesting_bomb_in_a_worker_profile_is_dropped(daemon) -> None:
 
 def test_oversized_worker_message_drops_only_that_peer(daemon) -> None:
     ctx = zmq.Context.instance()
-    s = _dealer(ctx, daemon.endpoint, b"bomber")
-    mon = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.IDENTITY, b"bomber")
+    s.setsockopt(zmq.LINGER, 0)
+    mon = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)  # before connecting
+    s.connect(daemon.endpoint)
     try:
         events: list[int] = []
 

@@ -167,3 +167,65 @@ def test_2000_concurrent_connections_every_request_completes(tmp_path) -> None:
         assert sum(isinstance(e, (P.Done, P.Error)) for e in evs) == 1
     assert st["live_requests"] == 0 and st["counters"]["finished"] == N_CONNS
     assert "open-file limit" in d.log.read_text()
+
+
+def test_a_busy_loop_still_accepts_every_pending_connection_at_once(tmp_path) -> None:
+    """Regression: asyncio.start_unix_server on uvloop accepted about one connection per
+    loop turn, so under load thousands of new clients waited seconds for their first byte
+    to be read. FrameServer accepts everything pending on each wake-up: counted in loop
+    turns, not seconds."""
+    import os
+    import socket
+    import time
+
+    import uvloop
+
+    from sclsd.api import FrameServer
+
+    path = str(tmp_path / "a.sock")
+    n = 300
+
+    async def run() -> int:
+        served = 0
+
+        def handle(conn, msg) -> None:
+            nonlocal served
+            served += 1
+            conn.send(P.Pong(nonce=msg.nonce))
+
+        srv = FrameServer("t", path, P.client_decoder, handle)
+        await srv.start()
+        turns = 0
+        stop = False
+
+        async def busy() -> None:  # a loop turn that takes 5 ms, like a daemon under load
+            nonlocal turns
+            while not stop:
+                t = time.perf_counter()
+                while time.perf_counter() - t < 0.005:
+                    pass
+                turns += 1
+                await asyncio.sleep(0)
+
+        b = asyncio.create_task(busy())
+        socks = []
+        for _ in range(n):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(path)
+            s.sendall(P.frame(P.Ping(nonce=1)))
+            socks.append(s)
+        start = turns
+        while served < n and turns - start < 2000:
+            await asyncio.sleep(0)
+        used = turns - start
+        stop = True
+        await b
+        for s in socks:
+            s.close()
+        await srv.stop()
+        assert served == n
+        return used
+
+    used = uvloop.run(run())
+    assert used < 50, f"{n} pending connections took {used} loop turns to be served"
+    assert not os.path.exists(path)

@@ -131,6 +131,10 @@ class Daemon:
         try:
             await self._run_until_stopped([sched, watchdog])
         finally:
+            # Even when a background task failed: every live request still gets its
+            # terminal event before the connections close.
+            for rid in list(self.ctx):
+                self._end_with_error(rid, "internal", "the daemon failed; see its log")
             notifier.stopping()
             sched.cancel()
             watchdog.cancel()
@@ -144,6 +148,9 @@ class Daemon:
             done, _ = await asyncio.wait([stop, *tasks], timeout=1.0,
                                          return_when=asyncio.FIRST_COMPLETED)
             self.hub.check_tasks()
+            drain = self._drain_task
+            if drain is not None and drain.done() and not drain.cancelled() and drain.exception():
+                raise RuntimeError("the drain failed") from drain.exception()
             for t in done:
                 if t is not stop and not t.cancelled() and t.exception() is not None:
                     raise RuntimeError(f"background task {t.get_name()} failed") from t.exception()
@@ -191,7 +198,8 @@ class Daemon:
         await self.status_server.stop()
         await self.hub.stop()
         if self._metrics_http is not None:
-            self._metrics_http.shutdown()
+            # shutdown() waits for the server thread's poll: not on the loop.
+            await asyncio.get_running_loop().run_in_executor(None, self._metrics_http.shutdown)
         self.pool.shutdown(wait=False, cancel_futures=True)
         log.info("sclsd stopped")
 

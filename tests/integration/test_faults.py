@@ -134,9 +134,13 @@ def test_sclsctl_drain_takes_a_worker_out_without_losing_its_work(daemon) -> Non
     def drain_w0() -> None:
         from sclsd.client import Client
 
-        _inflight_pid(daemon, "w0")
-        with Client(daemon.sock, timeout=30) as c:  # in-process: while the batch is in flight
-            out["reply"] = c.drain_worker("w0")
+        with Client(daemon.sock, timeout=30) as c:  # in-process: while a batch is in flight
+            for _ in range(5):  # a batch may end between the status poll and the drain: retry
+                _inflight_pid(daemon, "w0")
+                out["reply"] = c.drain_worker("w0")
+                if out["reply"].batches_inflight > 0:
+                    break
+                c.drain_worker("w0", resume=True)
         # sclsctl drain is idempotent; --wait returns once nothing is in flight.
         out["drain"] = _ctl(daemon, "drain", "w0", "--wait", "--timeout", "60")
 

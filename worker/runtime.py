@@ -155,7 +155,7 @@ class WorkerRuntime:
             mem_available=info.mem_available,
             pid=os.getpid(),
             eos_token_ids=list(info.eos_token_ids),
-            profile=self.opts.profile,
+            profile=self.opts.profile or self.engine.profile(),
         )
         sent = self._send(sock, reg)
         if sent:

@@ -153,6 +153,8 @@ def test_status_and_metrics(daemon) -> None:
     assert {w["id"] for w in st["workers"]} == {"w0", "w1"}
     assert all(w["engine"] == "fake" and w["state"] == "active" for w in st["workers"])
     assert st["policy"] == "scls" and st["slice_len"] == 8
+    # The fake workers' exact cost profile (decode_s = 0.0005 per iteration) replaced the default.
+    assert st["estimator"]["d4"] == pytest.approx(0.0005) and st["estimator"]["p1"] == 0.0
     text = status(daemon.status_sock, metrics=True)
     assert "sclsd:num_requests_waiting" in text
     assert "sclsd:e2e_request_latency_seconds_bucket" in text

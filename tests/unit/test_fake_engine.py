@@ -137,3 +137,12 @@ def test_errors(eng):
 def test_unknown_engine_lists_choices():
     with pytest.raises(ValueError, match="fake.*hf"):
         create_engine("nope")
+
+
+def test_fake_profile_predicts_its_own_serving_time() -> None:
+    from sclsd.core.profiles import Profile
+
+    eng = FakeEngine(decode_s=0.01, prefill_s_per_token=0.001)
+    est = Profile.from_dict(eng.profile()).estimator
+    # A batch of 3 padded to 10 tokens, 4 iterations: 3·10·1 ms + 4·10 ms.
+    assert est.t_serve(3, 10, 4) == pytest.approx(0.03 + 0.04)

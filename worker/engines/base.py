@@ -46,5 +46,10 @@ class Engine(ABC):
         or when every row has stopped.
         """
 
+    def profile(self) -> dict[str, Any] | None:
+        """An estimator profile (``sclsd.core.profiles.Profile.to_dict()``) this engine knows
+        exactly, sent at register when none is given on the command line; None otherwise."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook, deliberately not abstract
         """Release resources (optional)."""

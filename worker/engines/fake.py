@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import time
+from typing import Any
 
 from sclsd.protocol import BatchMsg, BatchStats, RequestOutput
 from worker.engines.base import Engine, EngineInfo
@@ -75,6 +76,18 @@ class FakeEngine(Engine):
             eos_token_ids=[EOS_ID],
             extra={"vocab": self.vocab},
         )
+
+    def profile(self) -> dict[str, Any]:
+        """The fake engine's cost is known exactly: prefill ``p1·N·L`` and ``d4`` per iteration
+        (every generated token counts as one iteration), so the daemon's estimates match."""
+        from sclsd.core.estimator import Estimator
+        from sclsd.core.profiles import Profile
+
+        est = Estimator(p1=self.prefill_s_per_token, p2=0.0, p3=0.0, p4=0.0,
+                        d1=0.0, d2=0.0, d3=0.0, d4=self.decode_s)
+        return Profile(name="fake", engine=self.name, model=self.model, device=self.device, estimator=est,
+                       kv_bytes_per_token=self.kv_bytes, mem_available=float(self.mem_budget),
+                       source="derived", notes="exact cost of the fake engine's sleeps").to_dict()
 
     def natural_length(self, prompt: list[int]) -> int:
         """Tokens after which a request with this prompt emits EOS (EOS included)."""

@@ -17,7 +17,7 @@ Three channels share this schema:
 
 Every message is a msgpack map whose ``type`` field names the struct. Decoding
 validates types and value ranges and rejects unknown types and unknown fields,
-so a handler only ever sees well-formed structures. No pickle anywhere.
+so a handler only ever sees well-formed structures. msgpack is the only serialisation.
 """
 
 from __future__ import annotations

@@ -23,6 +23,10 @@ RATES = (5.0, 10.0, 15.0, 20.0, 25.0)
 MAIN = ("sls", "ils-conservative", "ils-paged", "scls", "oracle")
 LADDER = ("sls", "so", "pm", "ab", "lb", "scls")
 SLICES = (16, 32, 64, 128, 256, 512)
+PERF_KEYS = ("throughput_rps", "avg_latency_s", "p95_latency_s")
+PERF_TITLES = ("throughput (req/s)", "average response time (s)", "p95 response time (s)")
+TOKEN_KEYS = ("invalid_tokens_per_req", "avg_batch_size", "pad_tokens_per_req")
+TOKEN_TITLES = ("invalid tokens per request", "average batch size", "pad tokens per request")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -79,29 +83,21 @@ def plot(grids: dict[str, list[dict[str, Any]]], img: Path) -> list[Path]:
 
     for prof in ("hf", "ds"):
         rows = grids[f"main-{prof}"]
-        fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-        for key, ax, title in zip(("throughput_rps", "avg_latency_s", "p95_latency_s"), axes,
-                                  ("throughput (req/s)", "average response time (s)", "p95 response time (s)"), strict=True):
-            for pol in MAIN:
-                ax.plot(*_series(rows, pol, key), marker="o", label=pol)
-            ax.set_xlabel("arrival rate (req/s)")
-            ax.set_title(title)
-            ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=8)
-        fig.suptitle(f"Fig. 11: overall performance, a100-llama2-13b-{prof}, 8 workers", fontsize=10)
-        save(fig, f"fig11-performance-{prof}.png")
-
-        fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-        for key, ax, title in zip(("invalid_tokens_per_req", "avg_batch_size", "pad_tokens_per_req"), axes,
-                                  ("invalid tokens per request", "average batch size", "pad tokens per request"), strict=True):
-            for pol in MAIN:
-                ax.plot(*_series(rows, pol, key), marker="o", label=pol)
-            ax.set_xlabel("arrival rate (req/s)")
-            ax.set_title(title)
-            ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=8)
-        fig.suptitle(f"Fig. 12: where the time goes, {prof}", fontsize=10)
-        save(fig, f"fig12-tokens-{prof}.png")
+        for name, title, keys, titles in (
+            (f"fig11-performance-{prof}.png", f"Fig. 11: overall performance, a100-llama2-13b-{prof}, 8 workers",
+             PERF_KEYS, PERF_TITLES),
+            (f"fig12-tokens-{prof}.png", f"Fig. 12: where the time goes, {prof}", TOKEN_KEYS, TOKEN_TITLES),
+        ):
+            fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+            for key, ax, t in zip(keys, axes, titles, strict=True):
+                for pol in MAIN:
+                    ax.plot(*_series(rows, pol, key), marker="o", label=pol)
+                ax.set_xlabel("arrival rate (req/s)")
+                ax.set_title(t)
+                ax.grid(alpha=0.3)
+            axes[0].legend(fontsize=8)
+            fig.suptitle(title, fontsize=10)
+            save(fig, name)
 
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
         axes[0].plot(*_series(rows, "scls", "slices_per_req"), marker="o")
@@ -126,32 +122,23 @@ def plot(grids: dict[str, list[dict[str, Any]]], img: Path) -> list[Path]:
 
     rows = grids["ablation"]
     names = [r["policy"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
-    for key, ax, title in zip(("throughput_rps", "avg_latency_s", "p95_latency_s"), axes,
-                              ("throughput (req/s)", "average response time (s)", "p95 response time (s)"), strict=True):
-        ax.bar(names, [r[key] for r in rows])
-        ax.set_title(title)
-        ax.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"Fig. 15: ablation ladder at rate {rows[0]['rate']:g} (hf)", fontsize=10)
-    save(fig, "fig15-ablation.png")
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
-    for key, ax, title in zip(("invalid_tokens_per_req", "avg_batch_size", "pad_tokens_per_req"), axes,
-                              ("invalid tokens per request", "average batch size", "pad tokens per request"), strict=True):
-        ax.bar(names, [r[key] for r in rows])
-        ax.set_title(title)
-        ax.grid(alpha=0.3, axis="y")
-    fig.suptitle("Fig. 16: contribution of each step", fontsize=10)
-    save(fig, "fig16-ablation-tokens.png")
+    for name, title, keys, titles in (
+        ("fig15-ablation.png", f"Fig. 15: ablation ladder at rate {rows[0]['rate']:g} (hf)", PERF_KEYS, PERF_TITLES),
+        ("fig16-ablation-tokens.png", "Fig. 16: contribution of each step", TOKEN_KEYS, TOKEN_TITLES),
+    ):
+        fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+        for key, ax, t in zip(keys, axes, titles, strict=True):
+            ax.bar(names, [r[key] for r in rows])
+            ax.set_title(t)
+            ax.grid(alpha=0.3, axis="y")
+        fig.suptitle(title, fontsize=10)
+        save(fig, name)
 
     rows = sorted(grids["slices"], key=lambda r: r["slice_len"])
     S = [r["slice_len"] for r in rows]
     panels = [
-        ("fig17-slice-performance.png", "Fig. 17: slice length vs performance",
-         ("throughput_rps", "avg_latency_s", "p95_latency_s"),
-         ("throughput (req/s)", "average response time (s)", "p95 response time (s)")),
-        ("fig18-slice-tokens.png", "Fig. 18: slice length vs tokens and batch size",
-         ("invalid_tokens_per_req", "avg_batch_size", "pad_tokens_per_req"),
-         ("invalid tokens per request", "average batch size", "pad tokens per request")),
+        ("fig17-slice-performance.png", "Fig. 17: slice length vs performance", PERF_KEYS, PERF_TITLES),
+        ("fig18-slice-tokens.png", "Fig. 18: slice length vs tokens and batch size", TOKEN_KEYS, TOKEN_TITLES),
         ("fig19-slice-overhead.png", "Fig. 19: slice length vs overhead",
          ("slices_per_req", "early_return_ratio", "prefill_share"),
          ("slices per request", "early-return ratio", "prefill share of serving time")),

@@ -99,7 +99,9 @@ _SECTIONS = {
     "workers": WorkersConfig,
 }
 _LOG_LEVELS = ("debug", "info", "warning", "error")
-_ENGINES = ("hf", "hf-cb", "fake", "deepspeed")
+# The engines worker.engines registers (importing that registry would pull in nothing heavy,
+# but the daemon keeps its own list so config validation needs no worker code).
+_ENGINES = ("hf", "hf-cb", "fake")
 
 
 def _typed(section: str, cls: type, raw: dict[str, Any]) -> Any:

@@ -655,7 +655,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--socket", help="client API Unix socket path")
     p.add_argument("--status-socket", help="status Unix socket path")
     p.add_argument("--worker-endpoint", help="ZeroMQ endpoint for workers (ipc:// or tcp://)")
-    p.add_argument("--engine", choices=["hf", "hf-cb", "fake", "deepspeed"], help="engine of spawned workers")
+    p.add_argument("--engine", choices=["hf", "hf-cb", "fake"], help="engine of spawned workers")
     p.add_argument("--model", help="model spec or path")
     p.add_argument("--workers", type=int, help="number of local workers to spawn")
     p.add_argument("--slice-len", type=int, help="slice length S")

@@ -71,3 +71,9 @@ def test_daemon_exits_nonzero_naming_key(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "sclsd.daemon", "--config", str(tmp_path / "missing.toml")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "file not found" in r.stderr
+
+
+def test_config_engines_are_the_registered_engines() -> None:
+    from worker.engines import ENGINES
+
+    assert set(C._ENGINES) == set(ENGINES)

@@ -99,8 +99,7 @@ _SECTIONS = {
     "workers": WorkersConfig,
 }
 _LOG_LEVELS = ("debug", "info", "warning", "error")
-# The engines worker.engines registers (importing that registry would pull in nothing heavy,
-# but the daemon keeps its own list so config validation needs no worker code).
+# Must match worker.engines.ENGINES (tests/unit/test_config.py checks it).
 _ENGINES = ("hf", "hf-cb", "fake")
 
 

@@ -138,7 +138,7 @@ def test_allow_list_refuses_other_uids(tmp_path) -> None:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.settimeout(10)
                 s.connect(d.sock)
-                s.sendall(P.frame(P.Ping()))
+                # The refusal comes at connect time, unasked: sending first would race the close.
                 from .test_fuzz_daemon import _recv_frame
 
                 ev = P.server_decoder.decode(_recv_frame(s) or b"")

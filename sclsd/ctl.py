@@ -26,6 +26,15 @@ DEFAULT_SOCKET = os.environ.get("SCLSD_SOCKET", "/run/sclsd/sclsd.sock")
 DEFAULT_STATUS = os.environ.get("SCLSD_STATUS_SOCKET", "/run/sclsd/status.sock")
 
 
+def _client_error(args: argparse.Namespace, exc: Exception) -> int:
+    """Report a refusal or an unreachable client socket; the exit code is 1 either way."""
+    if isinstance(exc, RequestError):
+        print(f"sclsctl: {exc}", file=sys.stderr)
+    else:
+        print(f"sclsctl: cannot reach sclsd at {args.socket}: {exc}", file=sys.stderr)
+    return 1
+
+
 def _submit(args: argparse.Namespace) -> int:
     params: dict[str, Any] = dict(max_tokens=args.max_tokens, temperature=args.temperature)
     if args.seed is not None:
@@ -48,12 +57,8 @@ def _submit(args: argparse.Namespace) -> int:
             else:
                 done = c.complete(**params)
                 print(done.text)
-    except RequestError as exc:
-        print(f"sclsctl: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"sclsctl: cannot reach sclsd at {args.socket}: {exc}", file=sys.stderr)
-        return 1
+    except (RequestError, OSError) as exc:
+        return _client_error(args, exc)
     assert done is not None
     t = done.timings
     ttft = f"{t.ttft_s:.2f}s" if t.ttft_s is not None else "-"
@@ -165,12 +170,8 @@ def _drain(args: argparse.Namespace) -> int:
                 time.sleep(0.2)
             print(f"sclsctl: worker {args.worker} still has batches after {args.timeout:.0f}s", file=sys.stderr)
             return 1
-    except RequestError as exc:
-        print(f"sclsctl: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"sclsctl: cannot reach sclsd at {args.socket}: {exc}", file=sys.stderr)
-        return 1
+    except (RequestError, OSError) as exc:
+        return _client_error(args, exc)
     return 0
 
 
@@ -180,12 +181,8 @@ def _cancel(args: argparse.Namespace) -> int:
     try:
         with Client(args.socket, timeout=30) as c:
             c.cancel(args.id, any_connection=True)
-    except RequestError as exc:
-        print(f"sclsctl: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"sclsctl: cannot reach sclsd at {args.socket}: {exc}", file=sys.stderr)
-        return 1
+    except (RequestError, OSError) as exc:
+        return _client_error(args, exc)
     print(f"cancelled {args.id}")
     return 0
 

@@ -46,6 +46,17 @@ class Engine(ABC):
         or when every row has stopped.
         """
 
+    @staticmethod
+    def check_batch(batch: BatchMsg, vocab: int | None = None) -> None:
+        """Refuse a malformed batch before any work: an empty context, or ids outside ``vocab``."""
+        for r in batch.requests:
+            if not r.token_ids:
+                raise ValueError(f"request {r.rid!r} has an empty context")
+            if vocab is not None:
+                bad = [t for t in r.token_ids if t >= vocab]
+                if bad:
+                    raise ValueError(f"request {r.rid!r}: token id {bad[0]} outside vocab {vocab}")
+
     def profile(self) -> dict[str, Any] | None:
         """An estimator profile (``sclsd.core.profiles.Profile.to_dict()``) this engine knows
         exactly, sent at register when none is given on the command line; None otherwise."""

@@ -98,12 +98,8 @@ class FakeEngine(Engine):
         reqs = batch.requests
         if not reqs:
             return [], BatchStats()
+        self.check_batch(batch, self.vocab)
         for r in reqs:
-            if not r.token_ids:
-                raise ValueError(f"request {r.rid!r} has an empty context")
-            bad = [t for t in r.token_ids if t >= self.vocab]
-            if bad:
-                raise ValueError(f"request {r.rid!r}: token id {bad[0]} outside vocab {self.vocab}")
             if r.generated > len(r.token_ids):
                 raise ValueError(f"request {r.rid!r}: generated exceeds its context")
 

@@ -135,9 +135,7 @@ class HFEngine(Engine):
         reqs = batch.requests
         if not reqs:
             return [], BatchStats()
-        for r in reqs:
-            if not r.token_ids:
-                raise ValueError(f"request {r.rid!r} has an empty context")
+        self.check_batch(batch)
         try:
             with torch.inference_mode():
                 return self._serve(batch)

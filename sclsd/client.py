@@ -27,14 +27,21 @@ import os
 import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, Literal, overload
 
+from . import defaults
 from . import protocol as P
-from .protocol import Accepted, Delta, Done, Error, Pong
+from .protocol import Accepted, Delta, Done, Error, Pong, StatusSnapshot
 
-__all__ = ["Client", "AsyncClient", "RequestError", "Accepted", "Delta", "Done", "Error"]
+__all__ = [
+    "Client", "AsyncClient", "RequestError", "Accepted", "Delta", "Done", "Error",
+    "StatusSnapshot", "status",
+]
 
-DEFAULT_SOCKET = os.environ.get("SCLSD_SOCKET", "/run/sclsd/sclsd.sock")
+#: The client socket: ``$SCLSD_SOCKET``, else the system install's.
+DEFAULT_SOCKET = os.environ.get("SCLSD_SOCKET", defaults.SOCKET)
+#: The status socket: ``$SCLSD_STATUS_SOCKET``, else the system install's.
+DEFAULT_STATUS_SOCKET = os.environ.get("SCLSD_STATUS_SOCKET", defaults.STATUS_SOCKET)
 
 
 class RequestError(Exception):
@@ -267,8 +274,30 @@ class AsyncClient:
         self._send(P.Cancel(id=rid))
 
 
-def status(path: str, metrics: bool = False, timeout: float = 10.0) -> Any:
-    """Ask the status socket for a snapshot (dict) or the Prometheus text."""
+@overload
+def status(path: str = ..., metrics: Literal[False] = ..., timeout: float = ...) -> StatusSnapshot: ...
+
+
+@overload
+def status(path: str = ..., *, metrics: Literal[True], timeout: float = ...) -> str: ...
+
+
+@overload
+def status(path: str, metrics: Literal[True], timeout: float = ...) -> str: ...
+
+
+@overload
+def status(path: str = ..., metrics: bool = ..., timeout: float = ...) -> StatusSnapshot | str: ...
+
+
+def status(path: str = DEFAULT_STATUS_SOCKET, metrics: bool = False,
+           timeout: float = 10.0) -> StatusSnapshot | str:
+    """Ask the status socket for a snapshot (a :class:`~sclsd.protocol.StatusSnapshot`)
+    or, with ``metrics``, for the Prometheus text exposition.
+
+    Raises ``OSError`` when the socket cannot be reached and :class:`RequestError`
+    when the daemon refuses (e.g. ``forbidden``).
+    """
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(path)
@@ -277,4 +306,10 @@ def status(path: str, metrics: bool = False, timeout: float = 10.0) -> Any:
         reply = P.status_reply_decoder.decode(_recv_exact(s, n))
     if isinstance(reply, Error):
         raise RequestError(reply)
-    return reply.text if metrics else reply.status
+    if metrics:
+        if not isinstance(reply, P.MetricsReply):
+            raise ConnectionError(f"status socket answered {type(reply).__name__} to metrics")
+        return reply.text
+    if not isinstance(reply, P.StatusReply):
+        raise ConnectionError(f"status socket answered {type(reply).__name__} to status")
+    return reply.status

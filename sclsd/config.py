@@ -7,19 +7,25 @@ non-zero exit.
 
 from __future__ import annotations
 
+import grp
+import math
 import sys
+import types
+import typing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from . import defaults
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
-    import tomli as tomllib
+    import tomli as tomllib  # type: ignore[import-not-found]
 
 
 class ConfigError(ValueError):
-    """A config key has a bad value."""
+    """A config key has a bad value (the one exception this module raises)."""
 
     def __init__(self, key: str, value: Any, why: str) -> None:
         super().__init__(f"config error: {key} = {value!r}: {why}")
@@ -29,32 +35,50 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class DaemonConfig:
-    socket: str = "/run/sclsd/sclsd.sock"
-    status_socket: str = "/run/sclsd/status.sock"
-    worker_endpoint: str = "ipc:///run/sclsd/workers.ipc"
+    """``[daemon]``: sockets, access, limits and timeouts of the daemon process."""
+
+    socket: str = defaults.SOCKET
+    status_socket: str = defaults.STATUS_SOCKET
+    worker_endpoint: str = defaults.WORKER_ENDPOINT
     socket_mode: int = 0o660
     socket_group: str = ""
+    worker_socket_mode: int = 0o600
+    worker_secret_file: str = ""
+    lock_file: str = ""
     allowed_uids: list[int] = field(default_factory=list)
     status_allowed_uids: list[int] = field(default_factory=list)
     admin_uids: list[int] = field(default_factory=list)
-    max_frame_bytes: int = 4 * 1024 * 1024
-    max_conn_buffer_bytes: int = 8 * 1024 * 1024
-    max_worker_msg_bytes: int = 64 * 1024 * 1024
+    max_frame_bytes: int = defaults.MAX_FRAME_BYTES
+    max_conn_buffer_bytes: int = defaults.MAX_CONN_BUFFER_BYTES
+    max_worker_msg_bytes: int = defaults.MAX_WORKER_MSG_BYTES
+    frame_timeout_s: float = 10.0
     listen_backlog: int = 4096
     nofile_limit: int = 65536
     max_queued_requests: int = 10_000
     max_queued_tokens: int = 20_000_000
+    uid_share: float = 0.5
+    max_tokenizing: int = 64
     drain_timeout_s: float = 30.0
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
+    batch_ack_timeout_s: float = 5.0
+    batch_overdue_factor: float = 4.0
+    batch_overdue_min_s: float = 30.0
     curve_keypair_file: str = ""
     curve_authorized_keys: str = ""
     metrics_http: str = ""
     log_level: str = "info"
 
+    @property
+    def lock_path(self) -> str:
+        """The lock file in effect: ``lock_file``, else ``<socket>.lock``."""
+        return self.lock_file or f"{self.socket}.lock"
+
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """``[model]``: the model spec and the length limits."""
+
     name: str = "smollm2-135m-instruct"
     max_input: int = 1024
     max_gen: int = 1024
@@ -62,29 +86,51 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """``[scheduler]``: the policy and its parameters."""
+
     policy: str = "scls"
     slice_len: int = 128
     batch_size: int = 16
-    gamma_s: float = 0.5
+    gamma_s: float | None = None
+    """Minimal interval Γ; None: the profile's ``gamma_s``, else ``core.policy.DEFAULT_GAMMA``."""
     lam: float = 0.5
     zeta: float = 0.9
     profile: str = ""
     max_failures: int = 3
 
+    def effective_gamma(self, profile_gamma_s: float | None = None) -> float:
+        """Γ in effect: ``gamma_s`` if set, else the profile's recommended ``gamma_s``,
+        else :data:`sclsd.core.policy.DEFAULT_GAMMA`."""
+        if self.gamma_s is not None:
+            return self.gamma_s
+        if profile_gamma_s is not None:
+            return profile_gamma_s
+        from .core.policy import DEFAULT_GAMMA
+
+        return DEFAULT_GAMMA
+
 
 @dataclass(frozen=True)
 class WorkersConfig:
+    """``[workers]``: local workers the daemon spawns and supervises."""
+
     spawn: int = 2
     engine: str = "hf"
     device: str = "cpu"
     threads: int = 1
     mem_budget_bytes: int = 4 * 1024**3
     restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 30.0
+    max_quick_failures: int = 5
+    quick_failure_s: float = 10.0
+    daemon_timeout_s: float = 30.0
     options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Config:
+    """The whole validated config; ``source`` is the file it came from."""
+
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -92,53 +138,85 @@ class Config:
     source: str = "<defaults>"
 
 
-_SECTIONS = {
+_SECTIONS: dict[str, type] = {
     "daemon": DaemonConfig,
     "model": ModelConfig,
     "scheduler": SchedulerConfig,
     "workers": WorkersConfig,
 }
 _LOG_LEVELS = ("debug", "info", "warning", "error")
-# Must match worker.engines.ENGINES (tests/unit/test_config.py checks it).
-_ENGINES = ("hf", "hf-cb", "fake")
+#: Keys given as file modes: an octal string ("0660") or an integer.
+_MODE_KEYS = ("socket_mode", "worker_socket_mode")
+_UID_KEYS = ("allowed_uids", "status_allowed_uids", "admin_uids")
 
 
-def _typed(section: str, cls: type, raw: dict[str, Any]) -> Any:
-    """Build a section dataclass, checking unknown keys and value types."""
-    known = {f.name: f for f in fields(cls)}
+def _kind(cls: type, name: str) -> tuple[type, bool]:
+    """(base type, None allowed) of a section field, from its annotation."""
+    hint = typing.get_type_hints(cls)[name]
+    optional = False
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional, hint = True, args[0]
+    return typing.get_origin(hint) or hint, optional
+
+
+def _typed(section: str, cls: type, raw: dict[str, Any]) -> dict[str, Any]:
+    """Check a section's keys and value types; return the values, coerced (int -> float,
+    octal mode strings -> int)."""
+    known = {f.name for f in fields(cls)}
     values: dict[str, Any] = {}
-    defaults = cls()
     for key, value in raw.items():
         name = f"{section}.{key}"
         if key not in known:
             raise ConfigError(name, value, f"unknown key (known: {', '.join(sorted(known))})")
-        want = type(getattr(defaults, key))
-        if key == "socket_mode" and isinstance(value, str):
+        want, optional = _kind(cls, key)
+        if value is None and optional:
+            values[key] = None
+            continue
+        if key in _MODE_KEYS and isinstance(value, str):
             try:
                 value = int(value, 8)
             except ValueError:
                 raise ConfigError(name, value, "must be an octal mode like '0660'") from None
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        if want is bool or isinstance(value, bool):
-            ok = isinstance(value, want) and type(value) is type(getattr(defaults, key))
-        else:
-            ok = isinstance(value, want)
+        # bool is an int subclass: neither may stand in for the other.
+        ok = isinstance(value, want) and (isinstance(value, bool) == (want is bool))
         if not ok:
             raise ConfigError(name, value, f"must be of type {want.__name__}")
+        if want is float and not math.isfinite(value):
+            raise ConfigError(name, value, "must be a finite number")
         if want is list and not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             raise ConfigError(name, value, "must be a list of integers")
         values[key] = value
-    return cls(**values)
+    return values
 
 
-def _check(cfg: Config) -> None:
-    d, m, s, w = cfg.daemon, cfg.model, cfg.scheduler, cfg.workers
+def _need(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(key, value, why)
 
-    def need(ok: bool, key: str, value: Any, why: str) -> None:
-        if not ok:
-            raise ConfigError(key, value, why)
 
+def _path_check(key: str, value: Any, check: Any) -> bool:
+    """``check()`` on a path, an ``OSError`` (no permission to look) reported as the key's error."""
+    try:
+        return bool(check())
+    except OSError as exc:
+        raise ConfigError(key, value, f"cannot check the path: {exc}") from None
+
+
+def _check_finite(cfg: Config) -> None:
+    """Every float in every section is finite (TOML allows inf and nan)."""
+    for section in _SECTIONS:
+        part = getattr(cfg, section)
+        for f in fields(part):
+            value = getattr(part, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section}.{f.name}", value, "must be a finite number")
+
+
+def _check_daemon(d: DaemonConfig) -> None:
+    need = _need
     need(bool(d.socket), "daemon.socket", d.socket, "must be a path")
     need(bool(d.status_socket), "daemon.status_socket", d.status_socket, "must be a path")
     need(d.status_socket != d.socket, "daemon.status_socket", d.status_socket, "must differ from daemon.socket")
@@ -146,12 +224,31 @@ def _check(cfg: Config) -> None:
         d.worker_endpoint.startswith(("ipc://", "tcp://")),
         "daemon.worker_endpoint", d.worker_endpoint, "must start with ipc:// or tcp://",
     )
-    need(0 <= d.socket_mode <= 0o777, "daemon.socket_mode", oct(d.socket_mode), "must be a file mode")
+    for key in _MODE_KEYS:
+        mode = getattr(d, key)
+        need(0 <= mode <= 0o777, f"daemon.{key}", oct(mode), "must be a file mode")
+    if d.socket_group:
+        try:
+            grp.getgrnam(d.socket_group)
+        except KeyError:
+            raise ConfigError("daemon.socket_group", d.socket_group, "no such group") from None
+    for key in _UID_KEYS:
+        uids = getattr(d, key)
+        need(all(u >= 0 for u in uids), f"daemon.{key}", uids, "uids must be >= 0")
+    if d.worker_secret_file:
+        p = Path(d.worker_secret_file)
+        key = "daemon.worker_secret_file"
+        need(_path_check(key, p, p.parent.is_dir), key, d.worker_secret_file, "its directory does not exist")
+        need(_path_check(key, p, lambda: not p.exists() or p.is_file()), key, d.worker_secret_file,
+             "must be a regular file")
+    need(d.lock_path not in (d.socket, d.status_socket), "daemon.lock_file", d.lock_file,
+         "must differ from the socket paths")
     need(d.max_frame_bytes >= 1024, "daemon.max_frame_bytes", d.max_frame_bytes, "must be >= 1024")
     need(d.max_conn_buffer_bytes >= d.max_frame_bytes, "daemon.max_conn_buffer_bytes",
          d.max_conn_buffer_bytes, "must be >= daemon.max_frame_bytes")
     need(d.max_worker_msg_bytes >= 65536, "daemon.max_worker_msg_bytes", d.max_worker_msg_bytes,
          "must be >= 65536")
+    need(d.frame_timeout_s > 0, "daemon.frame_timeout_s", d.frame_timeout_s, "must be > 0")
     need(1 <= d.listen_backlog <= 65535, "daemon.listen_backlog", d.listen_backlog, "must be in 1..65535")
     need(d.nofile_limit >= 0, "daemon.nofile_limit", d.nofile_limit, "must be >= 0 (0: leave it)")
     if d.worker_endpoint.startswith("tcp://"):
@@ -163,7 +260,8 @@ def _check(cfg: Config) -> None:
              "CURVE needs the file of authorized worker public keys (sclsctl keygen writes it)")
         for key in ("curve_keypair_file", "curve_authorized_keys"):
             path = getattr(d, key)
-            need(Path(path).is_file(), f"daemon.{key}", path, "file not found")
+            need(_path_check(f"daemon.{key}", path, Path(path).is_file), f"daemon.{key}", path,
+                 "file not found")
         try:
             from .keys import read_keypair
 
@@ -177,29 +275,92 @@ def _check(cfg: Config) -> None:
             raise ConfigError("daemon.metrics_http", d.metrics_http, str(exc)) from None
     need(d.max_queued_requests >= 1, "daemon.max_queued_requests", d.max_queued_requests, "must be >= 1")
     need(d.max_queued_tokens >= 1, "daemon.max_queued_tokens", d.max_queued_tokens, "must be >= 1")
+    need(0 < d.uid_share <= 1, "daemon.uid_share", d.uid_share, "must be in (0, 1]")
+    need(d.max_tokenizing >= 1, "daemon.max_tokenizing", d.max_tokenizing, "must be >= 1")
     need(d.drain_timeout_s >= 0, "daemon.drain_timeout_s", d.drain_timeout_s, "must be >= 0")
     need(d.heartbeat_interval_s > 0, "daemon.heartbeat_interval_s", d.heartbeat_interval_s, "must be > 0")
     need(d.heartbeat_timeout_s > d.heartbeat_interval_s, "daemon.heartbeat_timeout_s",
          d.heartbeat_timeout_s, "must be > daemon.heartbeat_interval_s")
+    need(d.batch_ack_timeout_s > 0, "daemon.batch_ack_timeout_s", d.batch_ack_timeout_s, "must be > 0")
+    need(d.batch_overdue_factor >= 1, "daemon.batch_overdue_factor", d.batch_overdue_factor,
+         "must be >= 1")
+    need(d.batch_overdue_min_s > 0, "daemon.batch_overdue_min_s", d.batch_overdue_min_s, "must be > 0")
     need(d.log_level in _LOG_LEVELS, "daemon.log_level", d.log_level, f"must be one of {_LOG_LEVELS}")
-    need(bool(m.name), "model.name", m.name, "must name a model")
-    need(1 <= m.max_input <= 1 << 20, "model.max_input", m.max_input, "must be in 1..1048576")
-    need(1 <= m.max_gen <= 1 << 20, "model.max_gen", m.max_gen, "must be in 1..1048576")
+
+
+def _is_model_path(name: str) -> bool:
+    """Whether a model spec names a file or directory (see :func:`sclsd.models.resolve`)."""
+    return "/" in name or name.endswith(".gguf") or name.startswith("random:")
+
+
+def _check_model(m: ModelConfig) -> None:
+    _need(bool(m.name), "model.name", m.name, "must name a model")
+    if _is_model_path(m.name):
+        from .models import resolve
+
+        path = Path(m.name.removeprefix("random:")).expanduser()
+        _need(_path_check("model.name", m.name, path.exists), "model.name", m.name,
+              f"no such file or directory: {path}")
+        try:
+            resolve(m.name)
+        except (ValueError, OSError) as exc:
+            raise ConfigError("model.name", m.name, str(exc)) from None
+    _need(1 <= m.max_input <= 1 << 20, "model.max_input", m.max_input, "must be in 1..1048576")
+    _need(1 <= m.max_gen <= 1 << 20, "model.max_gen", m.max_gen, "must be in 1..1048576")
+
+
+def _check_scheduler(s: SchedulerConfig) -> None:
+    need = _need
     from .core.policy import POLICIES
 
     need(s.policy in POLICIES, "scheduler.policy", s.policy, f"must be one of {', '.join(POLICIES)}")
     need(s.slice_len >= 1, "scheduler.slice_len", s.slice_len, "must be >= 1")
     need(s.batch_size >= 1, "scheduler.batch_size", s.batch_size, "must be >= 1")
-    need(s.gamma_s > 0, "scheduler.gamma_s", s.gamma_s, "must be > 0")
+    need(s.gamma_s is None or s.gamma_s > 0, "scheduler.gamma_s", s.gamma_s, "must be > 0")
     need(0 < s.lam <= 1, "scheduler.lam", s.lam, "must be in (0, 1]")
     need(0 < s.zeta <= 1, "scheduler.zeta", s.zeta, "must be in (0, 1]")
     need(s.max_failures >= 0, "scheduler.max_failures", s.max_failures, "must be >= 0")
+    if s.profile:
+        from .core.profiles import load_profile
+
+        try:
+            load_profile(s.profile)
+        except (OSError, ValueError) as exc:
+            raise ConfigError("scheduler.profile", s.profile, str(exc)) from None
+
+
+def _check_workers(w: WorkersConfig, cfg: Config) -> None:
+    need = _need
     need(0 <= w.spawn <= 64, "workers.spawn", w.spawn, "must be in 0..64")
-    need(w.engine in _ENGINES, "workers.engine", w.engine, f"must be one of {', '.join(_ENGINES)}")
+    need(w.engine in defaults.ENGINES, "workers.engine", w.engine,
+         f"must be one of {', '.join(defaults.ENGINES)}")
+    # The fake engine's tokens only make sense to the fake model's byte tokenizer, and
+    # the fake model has no weights any other engine could load.
+    need(w.engine != "fake" or cfg.model.name == "fake", "workers.engine", w.engine,
+         f"the fake engine serves only model.name = 'fake' (model.name is {cfg.model.name!r})")
+    need(w.engine == "fake" or cfg.model.name != "fake" or w.spawn == 0, "workers.engine", w.engine,
+         "model.name = 'fake' needs engine 'fake'")
     need(w.device == "cpu" or w.device.startswith("cuda"), "workers.device", w.device, "must be cpu or cuda")
     need(w.threads >= 1, "workers.threads", w.threads, "must be >= 1")
     need(w.mem_budget_bytes >= 1, "workers.mem_budget_bytes", w.mem_budget_bytes, "must be >= 1")
     need(w.restart_backoff_s >= 0, "workers.restart_backoff_s", w.restart_backoff_s, "must be >= 0")
+    need(w.restart_backoff_max_s >= w.restart_backoff_s, "workers.restart_backoff_max_s",
+         w.restart_backoff_max_s, "must be >= workers.restart_backoff_s")
+    need(w.max_quick_failures >= 1, "workers.max_quick_failures", w.max_quick_failures, "must be >= 1")
+    need(w.quick_failure_s >= 0, "workers.quick_failure_s", w.quick_failure_s, "must be >= 0")
+    hb = cfg.daemon.heartbeat_interval_s
+    # The daemon speaks to each worker once per heartbeat interval: a shorter silence
+    # timeout would make idle workers register again and again.
+    need(w.daemon_timeout_s == 0 or w.daemon_timeout_s > hb, "workers.daemon_timeout_s",
+         w.daemon_timeout_s, f"must be 0 (off) or > daemon.heartbeat_interval_s ({hb})")
+
+
+def _check(cfg: Config) -> None:
+    _check_finite(cfg)
+    _check_daemon(cfg.daemon)
+    _check_model(cfg.model)
+    _check_scheduler(cfg.scheduler)
+    _check_workers(cfg.workers, cfg)
 
 
 def parse_host_port(text: str) -> tuple[str, int]:
@@ -222,7 +383,7 @@ def from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
             raise ConfigError(key, "...", f"unknown section (known: {', '.join(_SECTIONS)})")
         if not isinstance(value, dict):
             raise ConfigError(key, value, "must be a table")
-        parts[key] = _typed(key, _SECTIONS[key], value)
+        parts[key] = _SECTIONS[key](**_typed(key, _SECTIONS[key], value))
     cfg = Config(**parts, source=source)
     _check(cfg)
     return cfg
@@ -239,21 +400,31 @@ def load(path: str | Path | None) -> Config:
         raw = tomllib.loads(p.read_text())
     except FileNotFoundError:
         raise ConfigError("--config", str(p), "file not found") from None
+    except OSError as exc:
+        raise ConfigError("--config", str(p), f"cannot read it: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError("--config", str(p), "not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("--config", str(p), f"not valid TOML: {exc}") from None
     return from_dict(raw, source=str(p))
 
 
 def override(cfg: Config, **changes: Any) -> Config:
-    """Apply ``section__key=value`` overrides (from the command line) and re-validate."""
+    """Apply ``section__key=value`` overrides (from the command line) and re-validate.
+
+    ``None`` values are skipped (an option not given).
+    """
     sections: dict[str, dict[str, Any]] = {}
     for name, value in changes.items():
         if value is None:
             continue
-        section, key = name.split("__", 1)
+        section, sep, key = name.partition("__")
+        if not sep or section not in _SECTIONS:
+            raise ConfigError(name.replace("__", "."), value, "unknown config key")
         sections.setdefault(section, {})[key] = value
     new = cfg
     for section, vals in sections.items():
-        new = replace(new, **{section: replace(getattr(new, section), **vals)})
+        typed = _typed(section, _SECTIONS[section], vals)
+        new = replace(new, **{section: replace(getattr(new, section), **typed)})
     _check(new)
     return new

@@ -14,16 +14,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from typing import Any
 
-from .client import Client, Delta, Done, RequestError, status
+import msgspec
 
-DEFAULT_SOCKET = os.environ.get("SCLSD_SOCKET", "/run/sclsd/sclsd.sock")
-DEFAULT_STATUS = os.environ.get("SCLSD_STATUS_SOCKET", "/run/sclsd/status.sock")
+from .client import DEFAULT_SOCKET, DEFAULT_STATUS_SOCKET, Client, Delta, Done, RequestError, status
+from .protocol import StatusSnapshot
 
 
 def _client_error(args: argparse.Namespace, exc: Exception) -> int:
@@ -32,6 +31,15 @@ def _client_error(args: argparse.Namespace, exc: Exception) -> int:
         print(f"sclsctl: {exc}", file=sys.stderr)
     else:
         print(f"sclsctl: cannot reach sclsd at {args.socket}: {exc}", file=sys.stderr)
+    return 1
+
+
+def _status_error(args: argparse.Namespace, exc: Exception) -> int:
+    """Report a refusal or an unreachable status socket; the exit code is 1 either way."""
+    if isinstance(exc, RequestError):
+        print(f"sclsctl: {exc}", file=sys.stderr)
+    else:
+        print(f"sclsctl: cannot reach sclsd status at {args.status_socket}: {exc}", file=sys.stderr)
     return 1
 
 
@@ -67,14 +75,16 @@ def _submit(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_status(st: dict[str, Any], rates: dict[str, float] | None = None) -> str:
+def format_status(st: StatusSnapshot, rates: dict[str, float] | None = None) -> str:
     """The status snapshot as a table (``sclsctl status``; ``top`` adds ``rates``)."""
     lines = [
-        f"sclsd {st['version']}  model={st['model']}  policy={st['policy']}  S={st['slice_len']}  "
-        f"T={st['interval_s']:.2f}s  uptime={st['uptime_s']:.0f}s" + ("  DRAINING" if st["draining"] else ""),
-        f"pool={st['pool_size']}  running={st.get('running_requests', '-')}  live={st['live_requests']}  "
-        f"queued_tokens={st['queued_tokens']}  connections={st.get('connections', '-')}",
+        f"sclsd {st.version}  model={st.model}  policy={st.policy}  S={st.slice_len}  "
+        f"T={st.interval_s:.2f}s  uptime={st.uptime_s:.0f}s" + ("  DRAINING" if st.draining else ""),
+        f"pool={st.pool_size}  running={st.running_requests}  live={st.live_requests}  "
+        f"admitting={st.admitting}  queued_tokens={st.queued_tokens}  connections={st.connections}",
     ]
+    if not st.serving:
+        lines.append(f"NOT SERVING: {st.why or 'no worker can serve'}")
     if rates is not None:
         lines.append("  ".join(f"{k}={v:.1f}/s" for k, v in rates.items()))
     lines += [
@@ -82,36 +92,36 @@ def format_status(st: dict[str, Any], rates: dict[str, float] | None = None) -> 
         f"{'worker':<10} {'engine':<6} {'model':<22} {'state':<9} {'load_s':>8} {'queue':>5} {'inflight':>8} "
         f"{'batches':>8} {'tokens':>9} {'hb_age':>7}",
     ]
-    for w in st["workers"]:
-        hb = f"{w['heartbeat_age_s']:.1f}" if w["heartbeat_age_s"] is not None else "-"
-        q = w.get("queued_batches")
-        lines.append(f"{w['id']:<10} {str(w['engine']):<6} {str(w['model'])[:22]:<22} {w['state']:<9} "
-                     f"{w['load_s']:>8.2f} {'-' if q is None else q:>5} "
-                     f"{w['batches_inflight']:>8} {w['batches_done']:>8} {w['tokens_done']:>9} {hb:>7}")
-    e = st["estimator_error"]
-    if e["batches"]:
-        lines.append(f"\nestimator: {e['batches']} batches, mean error {e['mean_error_s']:+.3f}s, "
-                     f"mean |error| {e['mean_abs_error_s']:.3f}s")
-    c = st["counters"]
-    lines.append("counters: " + " ".join(f"{k}={v}" for k, v in c.items()))
+    for w in st.workers:
+        lines.append(f"{w.id:<10} {w.engine:<6} {w.model[:22]:<22} {w.state:<9} "
+                     f"{w.load_s:>8.2f} {w.queued_batches:>5} "
+                     f"{w.batches_inflight:>8} {w.batches_done:>8} {w.tokens_done:>9} "
+                     f"{w.heartbeat_age_s:>7.1f}")
+    e = st.estimator_error
+    if e.batches and e.mean_error_s is not None and e.mean_abs_error_s is not None:
+        lines.append(f"\nestimator: {e.batches} batches, mean error {e.mean_error_s:+.3f}s, "
+                     f"mean |error| {e.mean_abs_error_s:.3f}s")
+    lines.append("counters: " + " ".join(f"{k}={v}" for k, v in st.counters.items()))
     return "\n".join(lines)
 
 
 def _status(args: argparse.Namespace) -> int:
     try:
         st = status(args.status_socket)
-    except OSError as exc:
-        print(f"sclsctl: cannot reach sclsd status at {args.status_socket}: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(st, indent=2) if args.json else format_status(st))
+    except (RequestError, OSError) as exc:
+        return _status_error(args, exc)
+    if args.json:
+        print(msgspec.json.format(msgspec.json.encode(st), indent=2).decode())
+    else:
+        print(format_status(st))
     return 0
 
 
-def _rates(prev: dict[str, Any], cur: dict[str, Any], dt: float) -> dict[str, float]:
-    def total_tokens(st: dict[str, Any]) -> int:
-        return sum(w["tokens_done"] for w in st["workers"])
+def _rates(prev: StatusSnapshot, cur: StatusSnapshot, dt: float) -> dict[str, float]:
+    def total_tokens(st: StatusSnapshot) -> int:
+        return sum(w.tokens_done for w in st.workers)
 
-    pc, cc = prev["counters"], cur["counters"]
+    pc, cc = prev.counters, cur.counters
     dt = max(dt, 1e-9)
     return {
         "accepted": (cc.get("accepted", 0) - pc.get("accepted", 0)) / dt,
@@ -125,16 +135,15 @@ def _rates(prev: dict[str, Any], cur: dict[str, Any], dt: float) -> dict[str, fl
 def _top(args: argparse.Namespace) -> int:
     """Redraw the status table every ``--interval`` seconds, with rates between frames."""
     tty = sys.stdout.isatty()
-    prev: dict[str, Any] | None = None
+    prev: StatusSnapshot | None = None
     t_prev = 0.0
     n = 0
     try:
         while args.iterations is None or n < args.iterations:
             try:
                 st = status(args.status_socket)
-            except OSError as exc:
-                print(f"sclsctl: cannot reach sclsd status at {args.status_socket}: {exc}", file=sys.stderr)
-                return 1
+            except (RequestError, OSError) as exc:
+                return _status_error(args, exc)
             now = time.monotonic()
             rates = _rates(prev, st, now - t_prev) if prev is not None else None
             frame = format_status(st, rates)
@@ -154,8 +163,6 @@ def _top(args: argparse.Namespace) -> int:
 
 
 def _drain(args: argparse.Namespace) -> int:
-    from .client import Client
-
     try:
         with Client(args.socket, timeout=30) as c:
             rep = c.drain_worker(args.worker, resume=args.resume)
@@ -163,8 +170,8 @@ def _drain(args: argparse.Namespace) -> int:
         if args.wait and rep.state == "draining":
             deadline = time.monotonic() + args.timeout
             while time.monotonic() < deadline:
-                w = {x["id"]: x for x in status(args.status_socket)["workers"]}.get(args.worker)
-                if w is None or w["state"] == "drained":
+                w = {x.id: x for x in status(args.status_socket).workers}.get(args.worker)
+                if w is None or w.state == "drained":
                     print(f"worker {args.worker}: drained" if w else f"worker {args.worker}: gone")
                     return 0
                 time.sleep(0.2)
@@ -176,8 +183,6 @@ def _drain(args: argparse.Namespace) -> int:
 
 
 def _cancel(args: argparse.Namespace) -> int:
-    from .client import Client
-
     try:
         with Client(args.socket, timeout=30) as c:
             c.cancel(args.id, any_connection=True)
@@ -211,16 +216,15 @@ worker NAME (copy its key pair and daemon.public to its host):
 def _metrics(args: argparse.Namespace) -> int:
     try:
         print(status(args.status_socket, metrics=True), end="")
-    except OSError as exc:
-        print(f"sclsctl: cannot reach sclsd status at {args.status_socket}: {exc}", file=sys.stderr)
-        return 1
+    except (RequestError, OSError) as exc:
+        return _status_error(args, exc)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sclsctl", description="control and inspect sclsd")
     p.add_argument("--socket", default=DEFAULT_SOCKET, help="client API socket (env SCLSD_SOCKET)")
-    p.add_argument("--status-socket", default=DEFAULT_STATUS, help="status socket (env SCLSD_STATUS_SOCKET)")
+    p.add_argument("--status-socket", default=DEFAULT_STATUS_SOCKET, help="status socket (env SCLSD_STATUS_SOCKET)")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("submit", help="send one prompt and print the answer")
     s.add_argument("prompt")

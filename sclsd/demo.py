@@ -13,8 +13,8 @@ import sys
 import time
 from importlib import resources
 
-from .bench.launch import launch
 from .client import AsyncClient, Delta, Done, RequestError
+from .launch import launch
 
 
 def _prompts() -> list[str]:
@@ -26,7 +26,8 @@ def _sections(args: argparse.Namespace) -> dict[str, dict[str, object]]:
     return {
         "daemon": {"heartbeat_timeout_s": 60.0, "drain_timeout_s": 60.0},
         "model": {"name": args.model, "max_gen": 1024},
-        "scheduler": {"policy": args.policy, "slice_len": args.slice_len, "gamma_s": 0.5},
+        # Γ unset: the built-in profile's, sized for this model on a CPU.
+        "scheduler": {"policy": args.policy, "slice_len": args.slice_len},
         "workers": {"spawn": args.workers, "engine": args.engine, "threads": 1,
                     "mem_budget_bytes": 2 * 1024**3},
     }
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     d = launch(_sections(args))
     rc = 1
     try:
-        d.wait_workers(args.workers, args.ready_timeout)
+        d.wait_workers(args.workers, args.ready_timeout, progress=True)
         t_ready = time.monotonic()
         print(f"\nsending {len(prompts)} chat prompts; streaming the first answer:\n")
         print(f"> {prompts[0]}\n")
@@ -102,14 +103,14 @@ def main(argv: list[str] | None = None) -> int:
               f"({len(ok) / t_served:.2f} req/s, {out_tokens / t_served:.1f} output tokens/s); "
               f"start-up took {t_ready - t_start:.1f}s")
         st = d.status()
-        e = st["estimator_error"]
-        if e["batches"]:
-            print(f"batches: {st['counters']['batches']}, estimator mean |error| "
-                  f"{e['mean_abs_error_s']:.2f}s over the last {e['batches']}")
+        e = st.estimator_error
+        if e.batches and e.mean_abs_error_s is not None:
+            print(f"batches: {st.counters.get('batches', 0)}, estimator mean |error| "
+                  f"{e.mean_abs_error_s:.2f}s over the last {e.batches}")
         rc = 0 if len(ok) == len(results) else 1
     except Exception as exc:  # noqa: BLE001 - report, show the log, clean up
         print(f"demo failed: {exc}", file=sys.stderr)
-        print(d.log_tail(), file=sys.stderr)
+        print(d.log_text(), file=sys.stderr)
     finally:
         code = d.stop(timeout=60)
         print(f"sclsd stopped (exit code {code}); total {time.monotonic() - t_start:.1f}s")

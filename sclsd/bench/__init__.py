@@ -1,3 +1,7 @@
-"""Benchmarks: traces, arrival processes, metrics, plots, and the sclsd-bench CLI."""
+"""Benchmarks: trace replays against a daemon, live comparisons, figures, and the sclsd-bench CLI.
+
+Traces, arrival processes and metrics live in :mod:`sclsd.eval`, shared with
+the simulator; the benchmarks may use :mod:`sclsd.sim`, never the reverse.
+"""
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from typing import Any
 import msgspec
 
 from .. import protocol as P
-from .launch import launch
+from ..launch import launch
 
 #: Cost profile of a zero-time engine: a few microseconds per batch and per row, so the
 #: DP batcher still prefers one big batch to many small ones (as on a real engine).
@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
         ovh = runner(_overhead_phase(args, args.socket))
         st, rc = {"live_requests": None, "counters": {}}, 0
     else:
-        d = launch(sections, keep_dir=args.keep_dir)
+        d = launch(sections, dir=args.keep_dir)
         try:
             say(f"sclsd-bench api: daemon in {d.dir}, {args.workers} zero-time fake workers")
             d.wait_workers(args.workers, timeout=120, progress=not args.no_progress)
@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
             thr = runner(_throughput(args, d.sock))
             say(f"overhead: {args.latency_requests} sequential requests on one connection")
             ovh = runner(_overhead_phase(args, d.sock))
-            st = d.status()
+            st = msgspec.to_builtins(d.status())
             rc = d.stop()
         finally:
             d.stop()

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from sclsd.bench.traces import load_trace
 from sclsd.core.batcher import DPBatcher
 from sclsd.core.profiles import load_profile
 from sclsd.core.request import Request
+from sclsd.eval.traces import load_trace
 
 #: Relative to the repository root (the traces live beside the checkout, in ../shared).
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "sharegpt_lengths.csv"

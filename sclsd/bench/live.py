@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..launch import launch
 from . import replay
-from .launch import launch
 
 CONFIGS = ("sls", "ils", "scls")
 
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     for name in configs:
         print(f"== {name}: starting daemon with {args.workers} workers", file=sys.stderr, flush=True)
         with launch(_sections(name, args)) as d:
-            d.wait_workers(args.workers)
+            d.wait_workers(args.workers, timeout=300, progress=True)
             for rate in rates:
                 path = out / f"{name}-rate{rate:g}.json"
                 rargs = argparse.Namespace(

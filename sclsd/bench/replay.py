@@ -7,7 +7,7 @@ exactly the trace's lengths. The scheduler never reads ``max_tokens`` to plan
 batches (it only caps a request's budget and stops it there), so this keeps the
 generation length unknown to the policy as in reality.
 
-Metrics are those of :mod:`sclsd.bench.metrics` (one definition for the
+Metrics are those of :mod:`sclsd.eval.metrics` (one definition for the
 simulator and for replays). Times are the client's: arrival = when the request
 was sent, first token = first ``delta``, completion = ``done``. Worker
 completion times (CT STD) come from the worker the daemon names in each
@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from ..client import AsyncClient, Delta, Done, RequestError, status
-from .metrics import SUMMARY_KEYS, BatchStats, RequestRecord, summarize
-from .traces import load_trace, poisson_arrivals
+from ..eval.metrics import SUMMARY_KEYS, BatchStats, RequestRecord, summarize
+from ..eval.traces import load_trace, poisson_arrivals
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -123,14 +123,14 @@ def run(args: argparse.Namespace) -> int:
     records, req_worker, errors = asyncio.run(_run(args))
     wall = time.monotonic() - wall0
     after = status(args.status_socket)
-    c0, c1 = before["counters"], after["counters"]
+    c0, c1 = before.counters, after.counters
 
     def diff(key: str) -> int:
         return int(c1.get(key, 0)) - int(c0.get(key, 0))
 
     batches = BatchStats(batches=diff("results"), size_sum=diff("batch_rows"),
                          early_returns=diff("early_returns"))
-    completion: dict[str, float | None] = {w["id"]: None for w in after["workers"]}
+    completion: dict[str, float | None] = {w.id: None for w in after.workers}
     by_id = {r.rid: r for r in records}
     for rid, wid in req_worker.items():
         r = by_id[rid]
@@ -141,20 +141,20 @@ def run(args: argparse.Namespace) -> int:
     done = max(1, summary["completed"])
     summary["pad_tokens_per_req"] = diff("pad_tokens") / done
     summary["invalid_tokens_per_req"] = diff("invalid_tokens") / done
-    est = after.get("estimator_error", {})
+    est = after.estimator_error
     summary.update({
         "label": args.label,
-        "policy": after.get("policy"),
-        "slice_len": after.get("slice_len"),
-        "model": after.get("model"),
-        "workers": len(after["workers"]),
+        "policy": after.policy,
+        "slice_len": after.slice_len,
+        "model": after.model,
+        "workers": len(after.workers),
         "rate": args.rate,
         "scale": args.scale,
         "trace": str(args.trace),
         "wall_s": wall,
         "errors": len(errors),
-        "estimator_mean_abs_error_s": est.get("mean_abs_error_s"),
-        "estimator_mean_error_s": est.get("mean_error_s"),
+        "estimator_mean_abs_error_s": est.mean_abs_error_s,
+        "estimator_mean_error_s": est.mean_error_s,
     })
     for e in errors[:5]:
         print(f"error {e}", file=sys.stderr)

@@ -8,10 +8,11 @@ scanning j downward from i and stopping at the first batch size the memory
 predicate rejects. A single request is always a batch of its own (line 8).
 
 The paper's loop is O(n · N_max) calls to T_serve. Here, for a cost model that
-exposes the fast path of :class:`LinearCost` (every built-in profile does),
-T_serve is affine in the batch size for fixed L_i: ``a_i · (i-j+1) + b_i``. The
-inner loop then is ``a_i·(i+1) + b_i + min_j (T[j-1] - a_i·j)`` over a
-contiguous window of j bounded by N_max(L_i) -- one numpy reduction per i.
+exposes the fast path of :class:`~sclsd.core.interfaces.LinearCost` (every
+built-in profile does), T_serve is affine in the batch size for fixed L_i:
+``a_i · (i-j+1) + b_i``. The inner loop then is
+``a_i·(i+1) + b_i + min_j (T[j-1] - a_i·j)`` over a contiguous window of j
+bounded by N_max(L_i) -- one numpy reduction per i.
 Any other cost model takes the literal loop of Algorithm 1.
 """
 
@@ -19,28 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
+from .interfaces import CostModel, LinearCost
 from .request import Request
 
-if TYPE_CHECKING:
-    from .policy import CostModel
-
-
-@runtime_checkable
-class LinearCost(Protocol):
-    """Optional fast path of a :class:`~sclsd.core.policy.CostModel`.
-
-    Both methods take a numpy array of input lengths and must agree with
-    ``t_serve`` and ``oom``: ``t_serve(n, L, S) == a·n + b`` and
-    ``oom(n, L, S)`` exactly when ``n > max_batch`` (memory is monotone in n).
-    """
-
-    def linear_terms(self, L: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray]: ...
-
-    def max_batch(self, L: np.ndarray, S: int) -> np.ndarray: ...
+__all__ = ["DPBatcher", "FCFSBatcher", "LinearCost"]
 
 
 def _sorted_pool(reqs: Sequence[Request]) -> tuple[list[Request], np.ndarray]:
@@ -53,7 +39,7 @@ def _sorted_pool(reqs: Sequence[Request]) -> tuple[list[Request], np.ndarray]:
     return [reqs[k] for k in order], lens[order]
 
 
-def _backtrack(ordered: list[Request], P: Sequence[int]) -> list[list[Request]]:
+def _backtrack(ordered: list[Request], P: Sequence[int] | np.ndarray) -> list[list[Request]]:
     """Algorithm 1 lines 17-21: cut at the recorded positions, last batch first."""
     out: list[list[Request]] = []
     i = len(ordered)
@@ -66,7 +52,7 @@ def _backtrack(ordered: list[Request], P: Sequence[int]) -> list[list[Request]]:
 
 @dataclass(frozen=True)
 class DPBatcher:
-    """Algorithm 1 as a :class:`~sclsd.core.policy.Batcher`.
+    """Algorithm 1 as a :class:`~sclsd.core.interfaces.Batcher`.
 
     ``max_batch`` optionally caps the batch size on top of the memory
     predicate (the PM step of the ablation caps it at the fixed batch size).
@@ -85,6 +71,7 @@ class DPBatcher:
         if not reqs:
             return []
         ordered, lens = _sorted_pool(reqs)
+        P: Sequence[int] | np.ndarray
         if isinstance(cost, LinearCost):
             P = self._positions_fast(lens, slice_len, cost)
         else:

@@ -21,6 +21,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    import numpy as np
 
 PREFILL_KEYS = ("p1", "p2", "p3", "p4")
 DECODE_KEYS = ("d1", "d2", "d3", "d4")
@@ -31,6 +35,9 @@ PrefillSample = tuple[float, float, float]
 DecodeSample = tuple[float, float, float]
 #: (n, L, S, seconds): a whole batch, prefill plus S decoding iterations.
 BatchSample = tuple[float, float, float, float]
+
+#: An input length, or a numpy array of them (:meth:`Estimator.linear_terms` is elementwise).
+Lengths = TypeVar("Lengths", float, "np.ndarray")
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,7 @@ class Estimator:
         """Estimated seconds to serve a batch: prefill plus ``S`` decoding iterations (eq. 1)."""
         return self.t_prefill(n, L) + self.t_decode(n, L, S)
 
-    def linear_terms(self, L: float, S: float) -> tuple[float, float]:
+    def linear_terms(self, L: Lengths, S: float) -> tuple[Lengths, Lengths]:
         """``(a, b)`` with ``t_serve(n, L, S) = a·n + b`` for every n.
 
         T_serve is affine in the batch size for a fixed input length; the DP
@@ -141,7 +148,7 @@ def _fit_bilinear(
         raise ValueError(f"need at least 4 samples to fit 4 coefficients, got {len(arr)}")
     x, y, t = arr[:, 0], arr[:, 1], arr[:, 2]
 
-    def f(xy, c1, c2, c3, c4):
+    def f(xy: np.ndarray, c1: float, c2: float, c3: float, c4: float) -> np.ndarray:
         return c1 * xy[0] * xy[1] + c2 * xy[0] + c3 * xy[1] + c4
 
     # Start from the unconstrained linear least-squares solution: the model is
@@ -160,7 +167,8 @@ def _fit_bilinear(
         # Exact or degenerate data leave the covariance undefined; we never use it.
         warnings.simplefilter("ignore", OptimizeWarning)
         popt, _ = curve_fit(f, np.vstack([x, y]), t, p0=p0, bounds=bounds, maxfev=20000)
-    return tuple(float(c) for c in popt)  # type: ignore[return-value]
+    c1, c2, c3, c4 = (float(c) for c in popt)
+    return c1, c2, c3, c4
 
 
 def fit(

@@ -1,19 +1,19 @@
 """Where each batch goes (offloaders) and when to schedule next (interval rules).
 
-Offloaders satisfy :class:`~sclsd.core.policy.Offloader`; interval rules
-:class:`~sclsd.core.policy.Interval`. ``loads`` are the active workers'
+Offloaders satisfy :class:`~sclsd.core.interfaces.Offloader`; interval rules
+:class:`~sclsd.core.interfaces.Interval`. ``loads`` are the active workers'
 estimated queued seconds (eq. 11); the scheduler adds a batch's estimate on
 dispatch and subtracts it on completion, so offloaders never mutate them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-
-def _est(batch: object) -> float:
-    return float(getattr(batch, "est_time", 0.0))
+if TYPE_CHECKING:
+    from .batch import Batch
 
 
 class MaxMin:
@@ -31,19 +31,20 @@ class MaxMin:
     def __init__(self) -> None:
         self._after: str | None = None  # the worker chosen last, across calls
 
-    def assign(self, batches: Sequence, loads: dict[str, float]) -> list[str]:
+    def assign(self, batches: Sequence[Batch], loads: Mapping[str, float]) -> list[str]:
+        """Each batch, longest estimate first, to the least-loaded worker so far."""
         if not loads:
             raise ValueError("no worker to assign batches to")
         local = dict(loads)  # the scheduler applies the real update after we return
         names = sorted(local)
-        order = sorted(range(len(batches)), key=lambda k: -_est(batches[k]))
+        order = sorted(range(len(batches)), key=lambda k: -batches[k].est_time)
         out: list[str] = [""] * len(batches)
         for k in order:
             start = _rotation_start(names, self._after)
             rank = {w: (i - start) % len(names) for i, w in enumerate(names)}
             w = min(names, key=lambda w: (local[w], rank[w]))
             out[k] = w
-            local[w] += _est(batches[k])
+            local[w] += batches[k].est_time
             self._after = w
         return out
 
@@ -64,11 +65,12 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = 0
 
-    def assign(self, batches: Sequence, loads: dict[str, float]) -> list[str]:
+    def assign(self, batches: Sequence[Batch], loads: Mapping[str, float]) -> list[str]:
+        """Each batch to the next worker in name order."""
         if not loads:
             raise ValueError("no worker to assign batches to")
         workers = sorted(loads)
-        out = []
+        out: list[str] = []
         for _ in batches:
             out.append(workers[self._next % len(workers)])
             self._next += 1
@@ -83,9 +85,11 @@ class FixedInterval:
 
     @property
     def initial(self) -> float:
+        """The first round waits Γ."""
         return self.gamma
 
-    def next(self, loads: dict[str, float]) -> float:
+    def next(self, loads: Mapping[str, float]) -> float:
+        """Always Γ."""
         return self.gamma
 
 
@@ -111,9 +115,11 @@ class AdaptiveInterval:
 
     @property
     def initial(self) -> float:
+        """The first round waits Γ."""
         return self.gamma
 
-    def next(self, loads: dict[str, float]) -> float:
+    def next(self, loads: Mapping[str, float]) -> float:
+        """``max(λ · min load, Γ)``; Γ without workers."""
         if not loads:
             return self.gamma
         return max(self.lam * min(loads.values()), self.gamma)

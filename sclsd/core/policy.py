@@ -2,17 +2,17 @@
 
 A policy decides *what* to batch, *where* to send each batch and *when* to
 schedule next; :mod:`sclsd.core.scheduler` is the mechanism that applies it.
+The protocols the parts satisfy live in :mod:`sclsd.core.interfaces` and are
+re-exported here with the parts, so a policy can be assembled from this module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from .batcher import DPBatcher, FCFSBatcher
+from .interfaces import Batcher, CostModel, Interval, Offloader
 from .offloader import AdaptiveInterval, FixedInterval, MaxMin, RoundRobin
-from .request import Request
 
 __all__ = [
     "POLICIES",
@@ -31,46 +31,6 @@ __all__ = [
     "RoundRobin",
     "make_policy",
 ]
-
-
-class CostModel(Protocol):
-    """Serving time and memory predicate of a worker (homogeneous workers)."""
-
-    def t_serve(self, n: int, input_len: int, slice_len: int) -> float:
-        """Estimated seconds to serve a batch of ``n`` requests padded to ``input_len``."""
-        ...
-
-    def oom(self, n: int, input_len: int, slice_len: int) -> bool:
-        """True when such a batch would not fit in memory."""
-        ...
-
-
-class Batcher(Protocol):
-    """Decides what to batch: a partition of the pool."""
-
-    def __call__(
-        self, reqs: Sequence[Request], slice_len: int, cost: CostModel
-    ) -> list[list[Request]]:
-        """Split the pool into batches; every request in exactly one batch."""
-        ...
-
-
-class Offloader(Protocol):
-    """Decides where each batch goes."""
-
-    def assign(self, batches: Sequence, loads: dict[str, float]) -> list[str]:
-        """Pick a worker for each batch (same order as ``batches``)."""
-        ...
-
-
-class Interval(Protocol):
-    """Decides when the next scheduling round runs."""
-
-    initial: float
-
-    def next(self, loads: dict[str, float]) -> float:
-        """Seconds until the next scheduling round, given the active workers' loads."""
-        ...
 
 
 @dataclass(frozen=True)

@@ -13,25 +13,33 @@ docs/estimator.md for their derivation)::
                  "batch": [[n, L, S, s], ...]},
      "notes": "..."}
 
-:meth:`Profile.cost` turns it into the :class:`~sclsd.core.policy.CostModel`
+:meth:`Profile.cost` turns it into the :class:`~sclsd.core.interfaces.CostModel`
 the scheduler, the batcher and the simulator use.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .estimator import Estimator
 from .memory import UNBOUNDED, KVMemory, RuleTable
 
-#: Where the built-in profiles live, inside the package.
-_BUILTIN_DIR = ("data", "profiles")
+if TYPE_CHECKING:
+    # Only for the annotation: importlib.abc.Traversable is deprecated at run time
+    # from Python 3.12 on, and importlib.resources.abc is missing before 3.11.
+    from importlib.abc import Traversable
+
+
+def _builtin_dir() -> Traversable:
+    """Where the built-in profiles live, inside the package (one child per call: Python 3.10)."""
+    return resources.files("sclsd").joinpath("data").joinpath("profiles")
+
 
 #: The profile of the embedded default model (SmolLM2-135M-Instruct on one CPU core).
 DEFAULT_PROFILE = "cpu-smollm2-135m"
@@ -39,10 +47,10 @@ DEFAULT_PROFILE = "cpu-smollm2-135m"
 
 @dataclass(frozen=True)
 class ProfileCost:
-    """A :class:`~sclsd.core.policy.CostModel`: estimator time, KV or rule-table memory.
+    """A :class:`~sclsd.core.interfaces.CostModel`: estimator time, KV or rule-table memory.
 
     Also implements the batcher's vectorised fast path
-    (:class:`~sclsd.core.batcher.LinearCost`).
+    (:class:`~sclsd.core.interfaces.LinearCost`).
     """
 
     estimator: Estimator
@@ -111,9 +119,6 @@ class Profile:
         m = self.mem_available if mem_available is None else mem_available
         return ProfileCost(self.estimator, KVMemory(self.kv_bytes_per_token, m, zeta))
 
-    def with_estimator(self, est: Estimator, rmse: dict[str, float] | None = None) -> Profile:
-        return replace(self, estimator=est, rmse=dict(rmse or {}))
-
     # ----------------------------------------------------------------- (de)serialise
 
     def to_dict(self) -> dict[str, Any]:
@@ -168,7 +173,7 @@ class Profile:
 
 def builtin_profiles() -> list[str]:
     """Names of the profiles shipped in the package."""
-    root = resources.files("sclsd").joinpath(*_BUILTIN_DIR)
+    root = _builtin_dir()
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
 
 
@@ -176,7 +181,7 @@ def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> Profile:
     """Load a built-in profile by name (e.g. ``a100-llama2-13b-hf``) or a JSON file by path."""
     s = str(name_or_path)
     if s in builtin_profiles():
-        text = resources.files("sclsd").joinpath(*_BUILTIN_DIR, s + ".json").read_text()
+        text = _builtin_dir().joinpath(s + ".json").read_text()
     else:
         p = Path(s).expanduser()
         if not p.is_file():

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
+
+#: Why a request ended: ``stop`` (EOS, a stop token or a stop string),
+#: ``length`` (its ``max_tokens``), ``cancelled`` (the client or a disconnect),
+#: ``timeout`` (its deadline) or ``error`` (its batch failed too often). Also
+#: the wire type, :data:`sclsd.protocol.FinishReason`.
+FinishReason = Literal["stop", "length", "cancelled", "timeout", "error"]
 
 
 class State(str, Enum):
@@ -44,10 +50,9 @@ class Request:
     first_dispatch: float | None = None
     first_token: float | None = None
     finished_at: float | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     worker: str | None = None
     batch_id: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def input_len(self) -> int:

@@ -21,54 +21,21 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .request import Request, State
+from .batch import Batch, BatchOutcome, RowOutcome
+from .request import FinishReason, Request, State
 
 if TYPE_CHECKING:
-    from .policy import CostModel, Policy
+    from .interfaces import CostModel
+    from .policy import Policy
 
-
-@dataclass(slots=True, eq=False)
-class Batch:
-    """Requests served together on one worker for at most ``slice_len`` iterations."""
-
-    bid: int
-    requests: list[Request]
-    slice_len: int
-    input_len: int
-    """Batch input length L_i: the longest context in the batch (others are left-padded)."""
-    est_time: float = 0.0
-    worker: str | None = None
-    dispatched_at: float = 0.0
-
-    @property
-    def size(self) -> int:
-        return len(self.requests)
-
-
-@dataclass(slots=True)
-class RowOutcome:
-    """What one request got out of a slice."""
-
-    rid: str
-    new_tokens: int
-    finish_reason: str | None = None
-    """``stop`` or ``length`` when the request is done; None when the slice ended first."""
-
-
-@dataclass(slots=True)
-class BatchOutcome:
-    """A worker's answer for one batch."""
-
-    batch_id: int
-    rows: list[RowOutcome] = field(default_factory=list)
-    ok: bool = True
-    """False when the engine failed: the batch's requests go back to the pool."""
-    elapsed: float | None = None
-    """Measured serving time of the batch, for estimator error tracking."""
+# Batch and its outcomes are defined in .batch; they are part of this module's API too.
+__all__ = ["Batch", "BatchOutcome", "RowOutcome", "Scheduler", "WorkerState"]
 
 
 @dataclass(slots=True)
 class WorkerState:
+    """The scheduler's view of one worker: rotation, estimated load, counters."""
+
     wid: str
     active: bool = True
     load: float = 0.0
@@ -101,7 +68,6 @@ class Scheduler:
         self.next_at = float("-inf")
         self._bids = itertools.count(1)
         self._deadlines: list[tuple[float, str]] = []
-        self._rr = 0
         #: (estimated, measured) serving time of the latest batches.
         self.recent: deque[tuple[float, float]] = deque(maxlen=history)
         self.counters: dict[str, int] = {
@@ -166,7 +132,9 @@ class Scheduler:
     def get(self, rid: str) -> Request | None:
         return self.live.get(rid)
 
-    def cancel(self, rid: str, now: float, reason: str = "cancelled") -> Request | None:
+    def cancel(
+        self, rid: str, now: float, reason: FinishReason = "cancelled"
+    ) -> Request | None:
         """End a live request now. A batch holding it still runs; its row is ignored."""
         req = self.live.pop(rid, None)
         if req is None:
@@ -228,7 +196,6 @@ class Scheduler:
             ws.load += batch.est_time
             ws.batches.add(batch.bid)
             batch.worker = wid
-            batch.dispatched_at = now
             self.batches[batch.bid] = batch
             for r in batch.requests:
                 del self.pool[r.rid]
@@ -284,7 +251,7 @@ class Scheduler:
                     r.first_token = now
                 if ws is not None:
                     ws.tokens_done += row.new_tokens
-            reason = row.finish_reason
+            reason: FinishReason | None = row.finish_reason
             if reason is None and r.remaining <= 0:
                 reason = "length"
             if reason is not None:
@@ -305,7 +272,7 @@ class Scheduler:
         self.pool[r.rid] = r
         self.counters["requeued"] += 1
 
-    def _finish(self, r: Request, now: float, reason: str, state: State) -> Request:
+    def _finish(self, r: Request, now: float, reason: FinishReason, state: State) -> Request:
         r.state = state
         r.finish_reason = reason
         r.finished_at = now

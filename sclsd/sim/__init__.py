@@ -8,7 +8,8 @@ request completes; ``sclsd-bench sim`` is its command line. See the
 
 from __future__ import annotations
 
-from .engine import ALL_POLICIES, SimConfig, SimResult, simulate
+from .common import ALL_POLICIES, SimConfig, SimResult
+from .engine import simulate
 from .workload import Workload, make_workload
 
 __all__ = ["ALL_POLICIES", "SimConfig", "SimResult", "Workload", "make_workload", "simulate"]

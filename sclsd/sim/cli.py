@@ -3,7 +3,7 @@
     sclsd-bench sim --trace ../shared/traces/sharegpt_lengths.csv --policy scls \\
         --profile a100-llama2-13b-hf --workers 8 --rate 20 --duration 600 --json out.json
 
-Writes the metrics of :mod:`sclsd.bench.metrics` (plus the run's settings)
+Writes the metrics of :mod:`sclsd.eval.metrics` (plus the run's settings)
 as JSON and prints a short summary table. Exit status 2 on bad arguments.
 """
 
@@ -15,10 +15,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..bench.metrics import SLO
-from ..bench.traces import load_trace
 from ..core.profiles import load_profile
-from .engine import ALL_POLICIES, SimConfig, simulate
+from ..eval.metrics import SLO
+from ..eval.traces import load_trace
+from .common import ALL_POLICIES, SimConfig
+from .engine import simulate
 from .workload import make_workload
 
 #: Rows of the printed summary: (JSON key, label, format).

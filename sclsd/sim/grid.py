@@ -19,9 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..bench.traces import load_trace
 from ..core.profiles import load_profile
-from .engine import SimConfig, simulate
+from ..eval.traces import load_trace
+from .common import SimConfig
+from .engine import simulate
 from .workload import make_workload
 
 #: Columns of the printed tables: (key, header, format).

@@ -44,9 +44,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..bench.metrics import BatchStats
 from ..core.request import Request, State
-from .engine import SimConfig, SimResult, make_requests, progress_bar, record_of
+from ..eval.metrics import BatchStats
+from .common import SimConfig, SimResult, make_requests, progress_bar, record_of
 from .workers import Noise, finish_reason, target_len
 from .workload import Workload
 
@@ -254,9 +254,9 @@ class ILSSimulation:
     def _end_step(self, w: ILSWorker, now: float) -> None:
         w.it += 1
         w.last_completion = now
-        for run in w.new:
-            if run.req.first_token is None:
-                run.req.first_token = now
+        for fresh in w.new:
+            if fresh.req.first_token is None:
+                fresh.req.first_token = now
         w.new.clear()
         while w.finish and w.finish[0][0] <= w.it:
             _, _, rid = heapq.heappop(w.finish)

@@ -28,12 +28,14 @@ offloader returns and subtracts the same value on completion).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ..core.batch import Batch
 from ..core.estimator import Estimator
+from ..core.interfaces import CostModel
 from ..core.offloader import AdaptiveInterval, MaxMin
-from ..core.policy import CostModel, Policy
+from ..core.policy import Policy
 from ..core.request import Request
 from .workers import serve_ragged, target_len
 
@@ -123,7 +125,8 @@ class OracleOffloader:
         self.est = est
         self._maxmin = MaxMin()
 
-    def assign(self, batches: Sequence, loads: dict[str, float]) -> list[str]:
+    def assign(self, batches: Sequence[Batch], loads: Mapping[str, float]) -> list[str]:
+        """Max-min placement after replacing each batch's estimate by its true time."""
         for b in batches:
             b.est_time = serve_ragged(b, self.est).time
         return self._maxmin.assign(batches, loads)

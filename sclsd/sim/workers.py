@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..core.batch import Batch, RowOutcome
 from ..core.estimator import Estimator
-from ..core.request import Request
-from ..core.scheduler import Batch, RowOutcome
+from ..core.request import FinishReason, Request
 
 
 @dataclass(slots=True)
@@ -38,7 +38,7 @@ def target_len(r: Request) -> int:
     return min(r.payload.true_len, r.max_tokens)
 
 
-def finish_reason(r: Request, generated: int) -> str | None:
+def finish_reason(r: Request, generated: int) -> FinishReason | None:
     """``stop`` at the true length, ``length`` at max_tokens, None while it goes on."""
     if generated >= r.payload.true_len:
         return "stop"

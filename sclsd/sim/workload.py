@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..bench.traces import Trace, poisson_arrivals
+from ..eval.traces import Trace, poisson_arrivals
 
 
 @dataclass(frozen=True)

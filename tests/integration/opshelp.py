@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,40 +11,18 @@ from typing import Any
 
 from sclsd import protocol as P
 from sclsd.bench.api_bench import ZERO_PROFILE
+from sclsd.launch import launch, short_dir, toml_text
+from sclsd.protocol import StatusSnapshot, WorkerStatus
 
 from .harness import DaemonProc
 
+__all__ = ["REPO", "DaemonProc", "check_exactly_once", "reference_tokens", "short_dir", "start", "stop",
+           "toml", "wait_for", "wait_settled", "workers_by_id"]
+
 REPO = Path(__file__).resolve().parents[2]
 
-
-def _value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_value(x) for x in v) + "]"
-    return repr(v)
-
-
-def toml(sections: dict[str, dict[str, Any]]) -> str:
-    lines: list[str] = []
-    for name, values in sections.items():
-        lines.append(f"[{name}]")
-        lines += [f"{k} = {_value(v)}" for k, v in values.items() if not isinstance(v, dict)]
-        for k, sub in values.items():
-            if isinstance(sub, dict):
-                lines.append(f"[{name}.{k}]")
-                lines += [f"{kk} = {_value(vv)}" for kk, vv in sub.items()]
-        lines.append("")
-    return "\n".join(lines)
-
-
-def short_dir() -> Path:
-    """ipc:// and Unix socket paths are limited to ~107 bytes: keep the directory short."""
-    d = Path(os.environ.get("SCLSD_TEST_TMP", "/tmp")) / f"sclsd-{os.getpid()}-{time.monotonic_ns() % 10**9}"
-    d.mkdir(parents=True)
-    return d
+#: The config writer of the launcher.
+toml = toml_text
 
 
 def start(tmp: Path, *, daemon: dict[str, Any] | None = None, scheduler: dict[str, Any] | None = None,
@@ -59,13 +34,10 @@ def start(tmp: Path, *, daemon: dict[str, Any] | None = None, scheduler: dict[st
 
     Defaults: fake model and workers, slice 8, Γ = 0.02 s and (``fast_profile``) a
     near-zero cost profile, so the interval is Γ and tests wait on the fake engine's
-    sleeps only.
+    sleeps only. The log is ``tmp/sclsd.log``; :func:`stop` removes the socket directory.
     """
-    short = dir or short_dir()
-    d = {"socket": f"{short}/api.sock", "status_socket": f"{short}/status.sock",
-         "worker_endpoint": f"ipc://{short}/w.ipc", "heartbeat_interval_s": 0.25,
-         "heartbeat_timeout_s": 30.0, "drain_timeout_s": 20.0, "log_level": "debug"}
-    d.update(daemon or {})
+    d = {"heartbeat_interval_s": 0.25, "heartbeat_timeout_s": 30.0, "drain_timeout_s": 20.0,
+         "log_level": "debug", **(daemon or {})}
     s: dict[str, Any] = {"policy": "scls", "slice_len": 8, "gamma_s": 0.02}
     if fast_profile:
         prof = tmp / "zero-profile.json"
@@ -75,18 +47,10 @@ def start(tmp: Path, *, daemon: dict[str, Any] | None = None, scheduler: dict[st
     w: dict[str, Any] = {"spawn": 2, "engine": "fake", "threads": 1, "restart_backoff_s": 0.2}
     w.update(workers or {})
     w["options"] = {"decode_s": 0.0, **(options or {})}
-    cfg = tmp / "sclsd.toml"
-    cfg.write_text(toml({"daemon": d, "model": {"name": model}, "scheduler": s, "workers": w}))
-    log = tmp / "sclsd.log"
-    full_env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    full_env.update(env or {})
-    proc = subprocess.Popen([sys.executable, "-m", "sclsd.daemon", "--config", str(cfg)],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=full_env,
-                            preexec_fn=preexec_fn, cwd=REPO)
-    dp = DaemonProc(proc, short, d["socket"], d["status_socket"], d["worker_endpoint"], log)
-    if wait:
-        dp.wait_workers(w["spawn"], 120)
-    return dp
+    sections = {"daemon": d, "model": {"name": model}, "scheduler": s, "workers": w}
+    return launch(sections, dir=dir or short_dir(), log=tmp / "sclsd.log", env=env,
+                  preexec_fn=preexec_fn, cwd=REPO, wait_workers=w["spawn"] if wait else None,
+                  timeout=120)
 
 
 def stop(d: DaemonProc) -> int:
@@ -109,8 +73,19 @@ def wait_for(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condit
     raise AssertionError(f"timed out waiting for {what}" + (f":\n{d.log_text()}" if d else ""))
 
 
-def workers_by_id(d: DaemonProc) -> dict[str, dict[str, Any]]:
-    return {w["id"]: w for w in d.status()["workers"]}
+def wait_settled(d: DaemonProc, timeout: float = 30.0) -> StatusSnapshot:
+    """Wait until the daemon holds no request and no worker has a batch out: after that no
+    event of any request can come (a late or duplicate one would need a batch in flight)."""
+
+    def settled() -> StatusSnapshot | None:
+        st = d.status()
+        return st if st.live_requests == 0 and not any(w.batches_inflight for w in st.workers) else None
+
+    return wait_for(settled, timeout, "no request and no batch left", d)
+
+
+def workers_by_id(d: DaemonProc) -> dict[str, WorkerStatus]:
+    return {w.id: w for w in d.status().workers}
 
 
 def reference_tokens(prompt: list[int], max_tokens: int, ignore_eos: bool = True) -> list[int]:

@@ -11,13 +11,14 @@ import pytest
 from sclsd import protocol as P
 
 from .harness import start_daemon
+from .opshelp import wait_settled
 from .rawclient import Raw
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory):
     d = start_daemon(tmp_path_factory.mktemp("fake"), workers=2, slice_len=8,
-                     daemon="max_frame_bytes = 65536\nmax_conn_buffer_bytes = 1048576\n",
+                     daemon={"max_frame_bytes": 65536, "max_conn_buffer_bytes": 1048576},
                      worker_opts={"decode_s": 0.0005})
     yield d
     assert d.stop() == 0, d.log_text()
@@ -41,8 +42,9 @@ def test_200_concurrent_streams_each_end_exactly_once(daemon) -> None:
             conns[i % 10].send(g)
         await asyncio.gather(*(c.until_terminal({g.id for j, g in enumerate(specs) if j % 10 == k})
                                for k, c in enumerate(conns)))
-        # Anything after the terminal event would be a duplicate: give it a moment to show up.
-        await asyncio.sleep(0.5)
+        # Anything after the terminal event would be a duplicate: once no batch is out, a
+        # ping round trip on each connection brings in everything the daemon sent.
+        await asyncio.to_thread(wait_settled, daemon)
         for c in conns:
             c.send(P.Ping(nonce=99))
             while not isinstance(await c.recv(), P.Pong):
@@ -69,7 +71,7 @@ def test_200_concurrent_streams_each_end_exactly_once(daemon) -> None:
             assert done.usage.completion_tokens == g.max_tokens and done.finish_reason == "length"
         assert done.timings.slices == -(-done.usage.completion_tokens // 8) or done.finish_reason == "stop"
     st = daemon.status()
-    assert st["live_requests"] == 0 and st["queued_tokens"] == 0
+    assert st.live_requests == 0 and st.queued_tokens == 0
 
 
 def test_bad_input_gets_errors_and_hurts_no_one(daemon) -> None:
@@ -150,11 +152,11 @@ def test_status_and_metrics(daemon) -> None:
     from sclsd.client import status
 
     st = daemon.status()
-    assert {w["id"] for w in st["workers"]} == {"w0", "w1"}
-    assert all(w["engine"] == "fake" and w["state"] == "active" for w in st["workers"])
-    assert st["policy"] == "scls" and st["slice_len"] == 8
+    assert {w.id for w in st.workers} == {"w0", "w1"}
+    assert all(w.engine == "fake" and w.state == "active" for w in st.workers)
+    assert st.policy == "scls" and st.slice_len == 8
     # The fake workers' exact cost profile (decode_s = 0.0005 per iteration) replaced the default.
-    assert st["estimator"]["d4"] == pytest.approx(0.0005) and st["estimator"]["p1"] == 0.0
+    assert st.estimator["d4"] == pytest.approx(0.0005) and st.estimator["p1"] == 0.0
     text = status(daemon.status_sock, metrics=True)
     assert "sclsd:num_requests_waiting" in text
     assert "sclsd:e2e_request_latency_seconds_bucket" in text

@@ -65,6 +65,6 @@ def test_streaming_chat_and_seeded_sampling(daemon) -> None:
 
 def test_status_shows_hf_workers_and_estimates(daemon) -> None:
     st = daemon.status()
-    assert {w["engine"] for w in st["workers"]} == {"hf"}
-    assert st["estimator_error"]["batches"] > 0
-    assert sum(w["tokens_done"] for w in st["workers"]) > 0
+    assert {w.engine for w in st.workers} == {"hf"}
+    assert st.estimator_error.batches > 0
+    assert sum(w.tokens_done for w in st.workers) > 0

@@ -43,6 +43,22 @@ def test_tokenizer_is_cached_and_shared(tokenizer):
     assert tokenizer.eos_token_id in models.eos_token_ids("default")
 
 
+def test_torch_free_gguf_tokenizer_equals_transformers(tokenizer):
+    """The daemon reads the GGUF tokenizer without torch: it must equal transformers' own."""
+    from transformers import AutoTokenizer
+
+    ms = models.resolve("default")
+    ref = AutoTokenizer.from_pretrained(str(ms.path), gguf_file=ms.gguf_file, local_files_only=True)
+    assert tokenizer.backend_tokenizer.to_str() == ref.backend_tokenizer.to_str()
+    assert (tokenizer.all_special_ids, tokenizer.chat_template, tokenizer.eos_token_id) == (
+        ref.all_special_ids, ref.chat_template, ref.eos_token_id)
+    for text in ["Hello, world!", "héllo wörld 日本語 🤖\n\n\ttabs", "<|im_start|>user\nhi<|im_end|>", ""]:
+        assert tokenizer.encode(text) == ref.encode(text)
+        assert chat_ids(tokenizer, text) == chat_ids(ref, text)
+    ids = list(range(0, models.SMOLLM2_VOCAB, 997))
+    assert tokenizer.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+
+
 def test_greedy_chat_reply(engine, tokenizer):
     info = engine.info()
     assert info.kv_bytes_per_token == 46_080 and info.eos_token_ids == [2]

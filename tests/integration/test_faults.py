@@ -19,8 +19,9 @@ import time
 import pytest
 
 from sclsd import protocol as P
+from sclsd.defaults import offline_env
 
-from .opshelp import check_exactly_once, start, stop, wait_for, workers_by_id
+from .opshelp import check_exactly_once, start, stop, wait_for, wait_settled, workers_by_id
 from .rawclient import Raw
 
 DECODE_S = 0.02  # a slice of 8 iterations takes ~0.16 s: long enough to be killed in
@@ -41,10 +42,10 @@ def _specs(prefix: str, n: int, seed: int, lo: int = 9, hi: int = 40) -> list[P.
                        max_tokens=rng.randint(lo, hi), temperature=0.0, ignore_eos=True) for i in range(n)]
 
 
-async def _serve(sock: str, specs: list[P.Generate], during=None, conns: int = 4) -> dict:
-    """Send ``specs`` over ``conns`` connections, run ``during()`` (in a thread) meanwhile,
-    read every request to its terminal event; returns all events by id."""
-    cs = [await Raw.open(sock) for _ in range(conns)]
+async def _serve(d, specs: list[P.Generate], during=None, conns: int = 4) -> dict:
+    """Send ``specs`` over ``conns`` connections of daemon ``d``, run ``during()`` (in a
+    thread) meanwhile, read every request to its terminal event; returns all events by id."""
+    cs = [await Raw.open(d.sock) for _ in range(conns)]
     for i, g in enumerate(specs):
         cs[i % conns].send(g)
     extra = None
@@ -52,8 +53,9 @@ async def _serve(sock: str, specs: list[P.Generate], during=None, conns: int = 4
         extra = await asyncio.to_thread(during)
     await asyncio.gather(*(c.until_terminal({g.id for j, g in enumerate(specs) if j % conns == k}, 120)
                            for k, c in enumerate(cs)))
-    # A duplicate terminal event would come after: give it a moment, then a ping round trip.
-    await asyncio.sleep(0.2)
+    # A duplicate terminal event would come after: once no batch is out, a ping round trip
+    # on each connection brings in everything the daemon sent.
+    await asyncio.to_thread(wait_settled, d)
     events: dict = {}
     for c in cs:
         c.send(P.Ping(nonce=1))
@@ -67,13 +69,13 @@ async def _serve(sock: str, specs: list[P.Generate], during=None, conns: int = 4
 
 def _inflight_pid(d, wid: str) -> int:
     """Wait until ``wid`` has a batch in flight; its process id."""
-    w = wait_for(lambda: (x := workers_by_id(d).get(wid)) and x["batches_inflight"] > 0 and x,
+    w = wait_for(lambda: (x := workers_by_id(d).get(wid)) and x.batches_inflight > 0 and x,
                  30, f"{wid} busy", d)
-    return w["pid"]
+    return w.pid
 
 
 def test_sigkill_mid_batch_requeues_and_restarted_worker_gets_work(daemon) -> None:
-    old = workers_by_id(daemon)["w0"]["pid"]
+    old = workers_by_id(daemon)["w0"].pid
     specs = _specs("k", 40, seed=1)
 
     def kill_w0() -> int:
@@ -81,7 +83,7 @@ def test_sigkill_mid_batch_requeues_and_restarted_worker_gets_work(daemon) -> No
         os.kill(pid, signal.SIGKILL)
         return pid
 
-    events = asyncio.run(_serve(daemon.sock, specs, during=kill_w0))
+    events = asyncio.run(_serve(daemon, specs, during=kill_w0))
     assert events["_during"] == old
     check_exactly_once(events, specs)
     log = daemon.log.read_text()
@@ -89,11 +91,11 @@ def test_sigkill_mid_batch_requeues_and_restarted_worker_gets_work(daemon) -> No
     assert "worker=w0 lost with" in log  # its batch went back to the pool
 
     # The supervisor restarts it; it registers again and is given work.
-    wait_for(lambda: (w := workers_by_id(daemon).get("w0")) and w["pid"] != old, 60, "w0 back", daemon)
+    wait_for(lambda: (w := workers_by_id(daemon).get("w0")) and w.pid != old, 60, "w0 back", daemon)
     specs2 = _specs("r", 24, seed=2, lo=17, hi=24)
-    events = asyncio.run(_serve(daemon.sock, specs2))
+    events = asyncio.run(_serve(daemon, specs2))
     check_exactly_once(events, specs2)
-    assert workers_by_id(daemon)["w0"]["batches_done"] > 0
+    assert workers_by_id(daemon)["w0"].batches_done > 0
 
 
 def test_hung_worker_is_detected_by_heartbeat_timeout(daemon) -> None:
@@ -107,7 +109,7 @@ def test_hung_worker_is_detected_by_heartbeat_timeout(daemon) -> None:
         return pid
 
     try:
-        events = asyncio.run(_serve(daemon.sock, specs, during=hang_w1))
+        events = asyncio.run(_serve(daemon, specs, during=hang_w1))
     finally:
         for pid in stopped:  # never leave a stopped process behind
             try:
@@ -117,7 +119,7 @@ def test_hung_worker_is_detected_by_heartbeat_timeout(daemon) -> None:
     check_exactly_once(events, specs)
     assert "worker=w1 lost: no heartbeat for" in daemon.log.read_text()
     # The daemon killed the hung process; the supervisor started a new one.
-    wait_for(lambda: (w := workers_by_id(daemon).get("w1")) and w["pid"] != stopped[0], 60, "w1 back", daemon)
+    wait_for(lambda: (w := workers_by_id(daemon).get("w1")) and w.pid != stopped[0], 60, "w1 back", daemon)
 
 
 def _ctl(daemon, *args: str) -> subprocess.CompletedProcess[str]:
@@ -127,7 +129,7 @@ def _ctl(daemon, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_sclsctl_drain_takes_a_worker_out_without_losing_its_work(daemon) -> None:
-    wait_for(lambda: len(daemon.status()["workers"]) == 2, 60, "two workers", daemon)
+    wait_for(lambda: len(daemon.status().workers) == 2, 60, "two workers", daemon)
     specs = _specs("d", 30, seed=4)
     out: dict = {}
 
@@ -144,7 +146,7 @@ def test_sclsctl_drain_takes_a_worker_out_without_losing_its_work(daemon) -> Non
         # sclsctl drain is idempotent; --wait returns once nothing is in flight.
         out["drain"] = _ctl(daemon, "drain", "w0", "--wait", "--timeout", "60")
 
-    events = asyncio.run(_serve(daemon.sock, specs, during=drain_w0))
+    events = asyncio.run(_serve(daemon, specs, during=drain_w0))
     rep = out["reply"]
     assert rep.state == "draining" and rep.batches_inflight > 0, rep
     r = out["drain"]
@@ -152,22 +154,22 @@ def test_sclsctl_drain_takes_a_worker_out_without_losing_its_work(daemon) -> Non
     assert "worker w0: drained" in r.stdout
     check_exactly_once(events, specs)  # what w0 held finished normally
     w0 = workers_by_id(daemon)["w0"]
-    assert w0["state"] == "drained" and w0["batches_inflight"] == 0
+    assert w0.state == "drained" and w0.batches_inflight == 0
 
     # Out of rotation: new work goes to w1 only.
-    before = w0["batches_done"]
+    before = w0.batches_done
     specs2 = _specs("e", 12, seed=5)
-    events = asyncio.run(_serve(daemon.sock, specs2))
+    events = asyncio.run(_serve(daemon, specs2))
     dones = check_exactly_once(events, specs2)
     assert {d.worker for d in dones.values()} == {"w1"}
-    assert workers_by_id(daemon)["w0"]["batches_done"] == before
+    assert workers_by_id(daemon)["w0"].batches_done == before
 
     r = _ctl(daemon, "drain", "w0", "--resume")
     assert r.returncode == 0 and "worker w0: active" in r.stdout, r.stderr
     specs3 = _specs("f", 24, seed=6, lo=17, hi=24)
-    events = asyncio.run(_serve(daemon.sock, specs3))
+    events = asyncio.run(_serve(daemon, specs3))
     check_exactly_once(events, specs3)
-    assert workers_by_id(daemon)["w0"]["batches_done"] > before
+    assert workers_by_id(daemon)["w0"].batches_done > before
 
     r = _ctl(daemon, "drain", "nosuch")
     assert r.returncode == 1 and "unknown_worker" in r.stderr
@@ -198,8 +200,8 @@ def test_timeouts_fire_while_waiting_in_the_pool_and_while_running(daemon) -> No
     assert 0 < running.usage.completion_tokens < 200
     assert 0.8 <= running.timings.e2e_s < 2.8, running.timings
     st = daemon.status()
-    assert st["live_requests"] == 0 and st["queued_tokens"] == 0
-    assert st["counters"]["timed_out"] >= 2
+    assert st.live_requests == 0 and st.queued_tokens == 0
+    assert st.counters["timed_out"] >= 2
 
 
 # --------------------------------------------------------------------------- SIGTERM
@@ -215,7 +217,7 @@ async def _drain_scenario(d, second_signal: bool) -> tuple[dict, float]:
         assert isinstance(await c.recv(), P.Accepted)
     d.proc.send_signal(signal.SIGTERM)
     t0 = time.monotonic()
-    await asyncio.to_thread(wait_for, lambda: d.status()["draining"], 10, "draining", d)
+    await asyncio.to_thread(wait_for, lambda: d.status().draining, 10, "draining", d)
     # New requests are refused at once, on an old connection and on a new one.
     c.send(P.Generate(id="late1", prompt_ids=[1], max_tokens=1))
     c2 = await Raw.open(d.sock)
@@ -275,11 +277,14 @@ def test_second_sigterm_ends_the_drain_at_once(tmp_path) -> None:
 def test_hung_remote_worker_that_comes_back_registers_again(tmp_path) -> None:
     # Not spawned by the daemon (as with sclsd-worker@.service), so nobody kills it when
     # it hangs: declared dead, it must be told to register again when it is heard from.
-    d = start(tmp_path, daemon={"heartbeat_interval_s": 0.25, "heartbeat_timeout_s": 1.0},
+    secret = tmp_path / "worker.secret"  # the daemon writes it; a worker not spawned reads it
+    d = start(tmp_path, daemon={"heartbeat_interval_s": 0.25, "heartbeat_timeout_s": 1.0,
+                                "worker_secret_file": str(secret)},
               workers={"spawn": 0})
-    w = subprocess.Popen([sys.executable, "-m", "worker.main", "--connect", d.endpoint, "--id", "ext",
-                          "--engine", "fake", "--decode-s", "0.005"],
-                         stdout=open(tmp_path / "ext.log", "wb"), stderr=subprocess.STDOUT)
+    with open(tmp_path / "ext.log", "wb") as out:  # the worker keeps its own descriptor
+        w = subprocess.Popen([sys.executable, "-m", "worker.main", "--connect", d.endpoint, "--id", "ext",
+                              "--engine", "fake", "--decode-s", "0.005", "--secret-file", str(secret)],
+                             stdout=out, stderr=subprocess.STDOUT, env=offline_env())
     try:
         wait_for(lambda: "ext" in workers_by_id(d), 60, "ext registered", d)
         w.send_signal(signal.SIGSTOP)

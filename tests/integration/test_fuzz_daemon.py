@@ -136,7 +136,7 @@ def _bystander(d) -> None:
     with Client(d.sock, timeout=30) as c:
         done = c.complete(prompt_ids=[9, 8, 7], max_tokens=5, ignore_eos=True)
     assert done.finish_reason == "length" and len(done.token_ids) == 5
-    assert {w["id"] for w in d.status()["workers"]} == {"w0", "w1"}
+    assert {w.id for w in d.status().workers} == {"w0", "w1"}
     assert d.proc.poll() is None
 
 
@@ -215,24 +215,39 @@ def _dealer(ctx: zmq.Context, endpoint: str, ident: bytes) -> zmq.Socket:
     return s
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                   HealthCheck.function_scoped_fixture])
-@given(messages=st.lists(st.lists(bodies, min_size=1, max_size=3), min_size=1, max_size=5),
-       ident=st.binary(min_size=1, max_size=20).filter(lambda b: b[0] != 0 and b not in (b"w0", b"w1")))
-def test_worker_socket_survives_garbage(daemon, messages: list[list[bytes]], ident: bytes) -> None:
-    ctx = zmq.Context.instance()
-    s = _dealer(ctx, daemon.endpoint, ident)
+def _send_bad_worker_message(d) -> None:
+    """Send one undecodable worker message and wait until the daemon counted it."""
+    before = d.status().counters["bad_worker_messages"]
+    s = _dealer(zmq.Context.instance(), d.endpoint, b"garbage")
     try:
-        for frames in messages:
-            s.send_multipart(frames)
-        time.sleep(0.01)
+        s.send(b"\xc1")  # never valid msgpack
+        wait_for(lambda: d.status().counters["bad_worker_messages"] > before, 10, "bad message counted", d)
     finally:
         s.close(0)
 
 
-def test_worker_socket_after_fuzzing(daemon) -> None:
-    time.sleep(0.5)
-    assert daemon.status()["counters"]["bad_worker_messages"] > 0
+def test_worker_socket_survives_garbage(daemon) -> None:
+    ctx = zmq.Context.instance()
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(messages=st.lists(st.lists(bodies, min_size=1, max_size=3), min_size=1, max_size=5),
+           ident=st.binary(min_size=1, max_size=20).filter(lambda b: b[0] != 0 and b not in (b"w0", b"w1")))
+    def fuzz(messages: list[list[bytes]], ident: bytes) -> None:
+        s = _dealer(ctx, daemon.endpoint, ident)
+        for frames in messages:
+            s.send_multipart(frames)
+        s.close(linger=1000)  # what is queued still goes out, in the background
+        assert daemon.proc.poll() is None
+
+    fuzz()
+    # Then a message of a peer of its own, counted only once the daemon got to it: the
+    # daemon's receive loop is still alive after everything above.
+    _send_bad_worker_message(daemon)
+    _bystander(daemon)
+
+
+def test_bad_worker_message_is_counted_and_dropped(daemon) -> None:
+    _send_bad_worker_message(daemon)
     _bystander(daemon)
 
 
@@ -248,14 +263,17 @@ def test_unknown_worker_is_asked_to_register_and_impostors_are_ignored(daemon) -
                                    kv_bytes_per_token=1, mem_available=1, pid=1, protocol=999)))
         assert s.poll(10_000)
         assert isinstance(P.to_worker_decoder.decode(s.recv()), P.Shutdown)
-        # A register under another worker's name is refused (identity and id must agree).
+        # A register under another worker's name (and without the worker secret) is refused.
+        pid = {w.id: w.pid for w in daemon.status().workers}["w0"]
         s.send(P.encode(P.Register(worker_id="w0", engine="fake", model="m", device="cpu",
                                    kv_bytes_per_token=1, mem_available=1, pid=1)))
-        time.sleep(0.3)
+        assert s.poll(10_000), "no answer to an impostor's register"
+        assert isinstance(P.to_worker_decoder.decode(s.recv()), P.Shutdown)
     finally:
         s.close(0)
-    assert "ghost" not in {w["id"] for w in daemon.status()["workers"]}
-    assert "worker identity 'ghost' registered as 'w0'; refused" in daemon.log.read_text()
+    assert {w.id: w.pid for w in daemon.status().workers}["w0"] == pid  # not taken over
+    assert "ghost" not in {w.id for w in daemon.status().workers}
+    assert "registration refused" in daemon.log.read_text()
     _bystander(daemon)
 
 
@@ -266,11 +284,11 @@ def test_nesting_bomb_in_a_worker_profile_is_dropped(daemon) -> None:
                                    "device": "d", "kv_bytes_per_token": 1, "mem_available": 1, "pid": 1,
                                    "profile": {"x": 0}})
     body = body.replace(b"\x81\xa1x\x00", b"\x81\xa1x" + b"\x91" * 200_000 + b"\x00")
-    before = daemon.status()["counters"]["bad_worker_messages"]
+    before = daemon.status().counters["bad_worker_messages"]
     s = _dealer(zmq.Context.instance(), daemon.endpoint, b"bomb")
     try:
         s.send(body)
-        wait_for(lambda: daemon.status()["counters"]["bad_worker_messages"] > before, 10, "bomb dropped", daemon)
+        wait_for(lambda: daemon.status().counters["bad_worker_messages"] > before, 10, "bomb dropped", daemon)
     finally:
         s.close(0)
     _bystander(daemon)

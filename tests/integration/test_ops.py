@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sclsd import protocol as P
 from sclsd.client import Client, status
 
-from .opshelp import start, stop
+from .opshelp import start, stop, wait_for
 from .rawclient import Raw
 
 N = 30
@@ -46,19 +46,14 @@ def _ctl(d, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_status_snapshot_has_the_documented_fields(daemon) -> None:
     st = daemon.status()
-    for key in ("version", "protocol", "uptime_s", "draining", "model", "policy", "slice_len", "interval_s",
-                "pool_size", "live_requests", "running_requests", "queued_tokens", "limits", "connections",
-                "workers", "estimator", "estimator_error", "counters", "metrics_http"):
-        assert key in st, key
-    assert {w["id"] for w in st["workers"]} == {"w0", "w1"}
-    for w in st["workers"]:
-        for key in ("engine", "model", "device", "pid", "state", "load_s", "batches_inflight",
-                    "queued_batches", "batches_done", "tokens_done", "heartbeat_age_s"):
-            assert key in w, key
-        assert w["engine"] == "fake" and w["state"] == "active" and 0 <= w["heartbeat_age_s"] < 5
-    assert sum(w["tokens_done"] for w in st["workers"]) == sum(4 + i % 20 for i in range(N))
-    assert st["counters"]["finished"] >= N and st["estimator_error"]["batches"] > 0
-    assert st["pool_size"] == 0 and st["queued_tokens"] == 0
+    assert isinstance(st, P.StatusSnapshot)  # typed: the decoder checked every field
+    assert st.version and st.protocol == P.PROTOCOL_VERSION and st.serving and not st.draining
+    assert {w.id for w in st.workers} == {"w0", "w1"}
+    for w in st.workers:
+        assert w.engine == "fake" and w.state == "active" and 0 <= w.heartbeat_age_s < 5 and w.pid > 0
+    assert sum(w.tokens_done for w in st.workers) == sum(4 + i % 20 for i in range(N))
+    assert st.counters["finished"] >= N and st.estimator_error.batches > 0
+    assert st.pool_size == 0 and st.queued_tokens == 0
 
 
 def test_sclsctl_status_table_and_json(daemon) -> None:
@@ -115,7 +110,7 @@ def test_prometheus_exposition_on_the_status_socket(daemon) -> None:
 
 
 def test_prometheus_over_http(daemon) -> None:
-    addr = daemon.status()["metrics_http"]
+    addr = daemon.status().metrics_http
     assert addr and addr.startswith("127.0.0.1:")
     with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as r:
         assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
@@ -139,9 +134,9 @@ def test_logs_are_one_line_per_event_with_request_ids(daemon) -> None:
         c.complete(id=evil, prompt_ids=[7, 8], max_tokens=2, ignore_eos=True)
         with pytest.raises(Exception):  # noqa: B017 - refused: any RequestError
             c.complete(id="dup-check", prompt_ids=[1] * 5000, max_tokens=1)
-    import time
-
-    time.sleep(0.3)
+    # The lines of both requests are written by the time the log shows the refusal (the
+    # later of the two); then the whole log is checked.
+    wait_for(lambda: "refused id=dup-check" in daemon.log.read_text(), 10, "the refusal logged", daemon)
     lines = daemon.log.read_text().splitlines()
     assert not any(x.startswith("FAKE LOG LINE") for x in lines)
     assert any("done id=evil\\nFAKE LOG LINE id=forged" in x for x in lines)

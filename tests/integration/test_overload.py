@@ -10,6 +10,7 @@ import resource
 import pytest
 
 from sclsd import protocol as P
+from sclsd.client import status
 
 from .opshelp import start, stop, wait_for
 from .rawclient import Raw
@@ -21,7 +22,8 @@ MAX_TOK = 1500
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory):
     d = start(tmp_path_factory.mktemp("overload"),
-              daemon={"max_queued_requests": MAX_REQ, "max_queued_tokens": MAX_TOK,
+              # One uid here: the global bounds are under test, not the per-uid share.
+              daemon={"max_queued_requests": MAX_REQ, "max_queued_tokens": MAX_TOK, "uid_share": 1.0,
                       "max_frame_bytes": 65536, "max_conn_buffer_bytes": 65536},
               options={"decode_s": 0.05})
     yield d
@@ -34,7 +36,7 @@ def _long(rid: str, n_prompt: int = 3) -> P.Generate:
 
 
 def _live(daemon) -> int:
-    return daemon.status()["live_requests"]
+    return daemon.status().live_requests
 
 
 def test_request_bound_refuses_at_once_and_a_disconnect_frees_places(daemon) -> None:
@@ -49,7 +51,7 @@ def test_request_bound_refuses_at_once_and_a_disconnect_frees_places(daemon) -> 
         ev = await b.recv(timeout=5)  # the very next event: refused, not queued
         assert isinstance(ev, P.Error) and ev.code == "overloaded" and ev.id == "b0", ev
         st = await asyncio.to_thread(daemon.status)
-        assert st["live_requests"] == MAX_REQ and st["limits"]["max_queued_requests"] == MAX_REQ
+        assert st.live_requests == MAX_REQ and st.limits.max_queued_requests == MAX_REQ
         # The client goes away: its requests are cancelled and their places freed.
         await a.close()
         await asyncio.to_thread(wait_for, lambda: _live(daemon) == 0, 10, "places freed", daemon)
@@ -61,7 +63,7 @@ def test_request_bound_refuses_at_once_and_a_disconnect_frees_places(daemon) -> 
     asyncio.run(run())
     log = daemon.log.read_text()
     assert "id=a0 cancelled: conn=" in log and "refused id=b0" in log
-    text = __import__("sclsd.client", fromlist=["status"]).status(daemon.status_sock, metrics=True)
+    text = status(daemon.status_sock, metrics=True)
     assert 'sclsd:request_refused_total{code="overloaded"}' in text
 
 
@@ -80,7 +82,7 @@ def test_token_bound_and_cancel_by_id(daemon) -> None:
         b.send(P.Cancel(id="big1"))
         ev = await b.recv(timeout=5)
         assert isinstance(ev, P.Error) and ev.code == "unknown_id", ev
-        assert (await asyncio.to_thread(daemon.status))["live_requests"] == 2
+        assert (await asyncio.to_thread(daemon.status)).live_requests == 2
         # ...its owner can: a terminal done(cancelled), and the tokens are free again.
         a.send(P.Cancel(id="big1"))
         await a.until_terminal({"big1"}, 10)
@@ -94,7 +96,7 @@ def test_token_bound_and_cancel_by_id(daemon) -> None:
         await asyncio.to_thread(wait_for, lambda: _live(daemon) == 0, 10, "b cancelled", daemon)
 
     asyncio.run(run())
-    assert daemon.status()["queued_tokens"] == 0
+    assert daemon.status().queued_tokens == 0
 
 
 def test_slow_reader_is_dropped_and_hurts_no_one(daemon) -> None:
@@ -165,7 +167,7 @@ def test_2000_concurrent_connections_every_request_completes(tmp_path) -> None:
         assert isinstance(evs[0], P.Accepted), (g.id, evs[0])
         assert isinstance(evs[-1], P.Done) and evs[-1].usage.completion_tokens == g.max_tokens, (g.id, evs[-1])
         assert sum(isinstance(e, (P.Done, P.Error)) for e in evs) == 1
-    assert st["live_requests"] == 0 and st["counters"]["finished"] == N_CONNS
+    assert st.live_requests == 0 and st.counters["finished"] == N_CONNS
     assert "open-file limit" in d.log.read_text()
 
 
@@ -180,7 +182,7 @@ def test_a_busy_loop_still_accepts_every_pending_connection_at_once(tmp_path) ->
 
     import uvloop
 
-    from sclsd.api import FrameServer
+    from sclsd.daemon.sockets import FrameServer
 
     path = str(tmp_path / "a.sock")
     n = 300

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sclsd.bench.cli import main as bench_main
-from sclsd.bench.metrics import SUMMARY_KEYS
+from sclsd.eval.metrics import SUMMARY_KEYS
 
 from .harness import start_daemon
 

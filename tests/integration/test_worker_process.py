@@ -88,10 +88,15 @@ def daemon(ipc_dir: Path) -> Iterator[Daemon]:
 def spawn(ipc_dir: Path) -> Iterator:
     procs: list[subprocess.Popen[bytes]] = []
 
-    def start(endpoint: str, wid: str = "w0", *extra: str) -> subprocess.Popen[bytes]:
+    def start(
+        endpoint: str, wid: str = "w0", *extra: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         log = open(ipc_dir / f"{wid}.log", "wb")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
-            worker_command(endpoint, wid, *extra), stdout=log, stderr=subprocess.STDOUT
+            worker_command(endpoint, wid, *extra),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=None if env is None else {**os.environ, **env},
         )
         proc.log_path = ipc_dir / f"{wid}.log"  # type: ignore[attr-defined]
         procs.append(proc)
@@ -129,10 +134,11 @@ def register(daemon: Daemon, hb: float = 0.2) -> tuple[bytes, P.Register]:
 def test_register_batch_heartbeat_shutdown(daemon, spawn):
     proc = spawn(daemon.endpoint, "w0", "--mem-budget", "12345", "--opt", "kv_bytes_per_token=99")
     ident, reg = register(daemon)
-    assert ident == b"w0"
+    assert ident != b"w0"  # the ROUTER assigns routing ids; the worker id is in the messages
     assert (reg.worker_id, reg.engine, reg.model, reg.device) == ("w0", "fake", "fake", "cpu")
     assert reg.kv_bytes_per_token == 99 and reg.mem_available == 12345
     assert reg.pid == proc.pid and reg.eos_token_ids == [2]
+    assert reg.vocab_size == 1000 and reg.auth == ""
 
     hb = daemon.recv(P.Heartbeat)[1]
     assert hb.worker_id == "w0"
@@ -212,6 +218,8 @@ def test_results_in_order_and_drain_refuses_new_batches(daemon, spawn):
     for b in batches:  # queued before Drain: served
         assert got[b.batch_id].error is None and got[b.batch_id].outputs == expected(b)
     assert got[99].error and "draining" in got[99].error
+    # Every queued batch was acknowledged; the refused one was answered instead.
+    assert sorted(m.batch_id for _, m in daemon.backlog if isinstance(m, P.BatchAck)) == [0, 1, 2]
     # Still alive and beating while drained.
     assert daemon.recv(P.Heartbeat)[1].worker_id == "w2"
     proc.send_signal(signal.SIGINT)
@@ -226,7 +234,7 @@ def test_waits_for_daemon_and_registers_when_it_appears(ipc_dir, spawn):
     late = Daemon(endpoint)
     try:
         ident, reg = register(late)
-        assert ident == b"w3" and reg.worker_id == "w3"
+        assert reg.worker_id == "w3"
         late.send(ident, P.Shutdown())
         assert wait_exit(proc) == 0, log_of(proc)
     finally:
@@ -272,6 +280,7 @@ def test_hf_engine_worker_serves_tiny_model(daemon, spawn):
     ident, reg = register(daemon)
     assert (reg.engine, reg.model, reg.kv_bytes_per_token) == ("hf", "tiny-random", 512)
     assert reg.mem_available == 1_000_000 and reg.eos_token_ids == [2]
+    assert reg.vocab_size == 49152  # the SmolLM2 tokenizer tiny-random shares
     batch = P.BatchMsg(
         batch_id=3,
         slice_len=4,
@@ -333,3 +342,94 @@ def test_registers_again_after_daemon_restart(ipc_dir, spawn):
         assert wait_exit(proc) == 0, log_of(proc)
     finally:
         second.close()
+
+
+# --------------------------------------------------------------------------- auth, parent
+
+
+def secret_file(d: Path, text: str, mode: int) -> Path:
+    path = d / f"secret-{mode:o}"
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+def test_secret_file_is_sent_as_auth(daemon, spawn, ipc_dir):
+    path = secret_file(ipc_dir, "  00ff10ab\n", 0o600)
+    proc = spawn(daemon.endpoint, "w9", "--secret-file", str(path), "--vocab", "321")
+    ident, reg = register(daemon)
+    assert reg.auth == "00ff10ab" and reg.vocab_size == 321
+    daemon.send(ident, P.Shutdown())
+    assert wait_exit(proc) == 0, log_of(proc)
+
+
+def test_secret_file_from_the_environment(daemon, spawn, ipc_dir):
+    path = secret_file(ipc_dir, "beef", 0o400)
+    proc = spawn(daemon.endpoint, "w10", env={"SCLSD_WORKER_SECRET_FILE": str(path)})
+    ident, reg = register(daemon)
+    assert reg.auth == "beef"
+    daemon.send(ident, P.Shutdown())
+    assert wait_exit(proc) == 0, log_of(proc)
+
+
+def test_secret_file_open_to_others_is_refused(daemon, spawn, ipc_dir):
+    path = secret_file(ipc_dir, "00ff10ab", 0o644)
+    proc = spawn(daemon.endpoint, "w11", "--secret-file", str(path))
+    assert wait_exit(proc) == 2
+    assert "mode 0644" in log_of(proc) and str(path) in log_of(proc)
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie counts: it runs no more, its reaper may be slow)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+
+PARENT = """
+import os, signal, subprocess, sys
+log = open(sys.argv[1], "wb")
+subprocess.Popen(sys.argv[2:] + ["--parent-pid", str(os.getpid())],
+                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+signal.pause()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_worker_dies_with_its_parent(daemon, ipc_dir):
+    log_path = ipc_dir / "orphan.log"
+    cmd = worker_command(daemon.endpoint, "w12")
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(log_path), *cmd])
+    worker_pid = 0
+    try:
+        ident, reg = register(daemon)
+        worker_pid = reg.pid
+        assert worker_pid != parent.pid
+        parent.kill()  # SIGKILL: the parent gets no chance to clean up
+        parent.wait(PATIENCE)
+        deadline = time.monotonic() + PATIENCE
+        while not gone(worker_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)  # a bounded poll of the pid, not a synchronisation
+        assert gone(worker_pid), log_path.read_text(errors="replace")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if worker_pid and not gone(worker_pid):
+            os.kill(worker_pid, signal.SIGKILL)
+
+
+def test_parent_already_gone_exits_at_once(daemon, spawn):
+    done = subprocess.Popen(["true"])
+    done.wait()  # a pid that is nobody's parent any more
+    proc = spawn(daemon.endpoint, "w13", "--parent-pid", str(done.pid))
+    assert wait_exit(proc) == 1
+    assert f"parent process {done.pid} is gone" in log_of(proc)

@@ -124,6 +124,8 @@ def test_info():
         1000,
     )
     assert info.eos_token_ids == [EOS_ID]
+    assert info.vocab_size == 1000
+    assert FakeEngine(vocab=77).info().vocab_size == 77
 
 
 def test_errors(eng):

@@ -5,14 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sclsd.bench.metrics import (
+from sclsd.eval.metrics import (
     SLO,
     SUMMARY_KEYS,
     BatchStats,
     RequestRecord,
     ct_std,
     percentile,
-    slice_histogram,
     summarize,
     tpot_of,
 )
@@ -76,8 +75,7 @@ def test_ct_std_counts_idle_workers_at_start() -> None:
     assert ct_std({"a": 3.0, "b": 3.0}) == 0.0
 
 
-def test_tpot_and_slice_histogram() -> None:
+def test_tpot() -> None:
     recs = records()
     assert tpot_of(recs[0]) == pytest.approx(3 / 8)
     assert tpot_of(recs[1]) is None and tpot_of(recs[3]) is None
-    assert slice_histogram(recs) == {1: 1, 2: 1, 3: 1}

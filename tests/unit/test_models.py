@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from sclsd import models
+from sclsd.defaults import OFFLINE_ENV
 
 
 def test_default_resolves_to_packaged_gguf_without_importing_it():
@@ -101,3 +103,24 @@ def test_import_is_light():
     code = "import sys, sclsd.models, worker.engines; print('torch' in sys.modules or 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _run(code: str, env: dict[str, str] | None = None) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    return out.stdout.strip()
+
+
+def test_import_changes_no_environment_and_loading_goes_offline():
+    env = {k: v for k, v in os.environ.items() if k not in OFFLINE_ENV}
+    code = ("import os, sclsd.models as m; print(os.environ.get('HF_HUB_OFFLINE')); "
+            "m.load_config('tiny-random'); print(os.environ.get('HF_HUB_OFFLINE'))")
+    assert _run(code, env).split() == ["None", "1"]
+
+
+@pytest.mark.slow  # reads the default model's GGUF (a few seconds)
+def test_default_tokenizer_loads_without_torch():
+    """The daemon tokenizes: reading the GGUF tokenizer must not pull torch in."""
+    code = ("import sys; from sclsd import tokenizer; t = tokenizer.load('smollm2-135m-instruct'); "
+            "ids = t.encode_chat([{'role': 'user', 'content': 'hi'}]); "
+            "print(t.vocab_size, ids[0], 'torch' in sys.modules)")
+    assert _run(code).split() == [str(models.SMOLLM2_VOCAB), "1", "False"]

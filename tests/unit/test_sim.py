@@ -12,7 +12,8 @@ from sclsd.core.policy import POLICIES, Policy, RoundRobin, make_policy
 from sclsd.core.profiles import Profile
 from sclsd.core.request import Request
 from sclsd.core.scheduler import Batch
-from sclsd.sim.engine import ALL_POLICIES, SimConfig, StaticSimulation, simulate
+from sclsd.sim.common import ALL_POLICIES, SimConfig
+from sclsd.sim.engine import StaticSimulation, simulate
 from sclsd.sim.workers import Noise, SimPayload, ragged_decode_time, serve_ragged, serve_static
 from sclsd.sim.workload import Workload
 

@@ -11,7 +11,8 @@ import pytest
 from sclsd.core.estimator import Estimator
 from sclsd.core.profiles import Profile
 from sclsd.core.request import Request
-from sclsd.sim.engine import SimConfig, StaticSimulation, simulate
+from sclsd.sim.common import SimConfig
+from sclsd.sim.engine import StaticSimulation, simulate
 from sclsd.sim.ils import ILSSimulation, ILSWorker
 from sclsd.sim.oracle import OracleBatcher
 from sclsd.sim.workers import SimPayload, serve_ragged
@@ -186,7 +187,7 @@ def test_oracle_dp_is_optimal_over_contiguous_partitions(seed: int) -> None:
 
 def test_rule_table_profiles_give_continuous_engines_the_tables_token_budget() -> None:
     from sclsd.core.profiles import load_profile
-    from sclsd.sim.engine import rules_token_budget
+    from sclsd.sim.common import rules_token_budget
 
     table = ((1024, 12), (512, 22), (0, 28))
     assert rules_token_budget(table, 2048) == 12 * 2048

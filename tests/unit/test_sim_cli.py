@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from sclsd.bench.cli import main
-from sclsd.bench.traces import load_trace
-from sclsd.sim.engine import ALL_POLICIES
+from sclsd.eval.traces import load_trace
+from sclsd.sim.common import ALL_POLICIES
 from sclsd.sim.workload import make_workload
 
 CONTRACT = (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -46,3 +47,85 @@ def test_profile_subcommand_dispatches(monkeypatch):
     monkeypatch.setattr(worker, "profile", fake, raising=False)
     wm.main(["profile", "--budget", "5"])
     assert seen["argv"] == ["--budget", "5"]
+
+
+def test_new_flags_parse_with_defaults():
+    args = wm.build_parser().parse_args(["--connect", "x", "--id", "w"])
+    assert (args.secret_file, args.daemon_timeout, args.parent_pid) == (None, 30.0, None)
+    args = wm.build_parser().parse_args(
+        ["--connect", "x", "--id", "w", "--secret-file", "/s", "--daemon-timeout", "0",
+         "--parent-pid", "42"]
+    )  # fmt: skip
+    assert (str(args.secret_file), args.daemon_timeout, args.parent_pid) == ("/s", 0.0, 42)
+    for bad in (["--daemon-timeout", "-1"], ["--parent-pid", "0"]):
+        with pytest.raises(SystemExit):
+            wm.build_parser().parse_args(["--connect", "x", "--id", "w", *bad])
+
+
+def write(path, text, mode):
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+def test_read_secret_strips_a_private_hex_file(tmp_path):
+    assert wm.read_secret(write(tmp_path / "s", " 0a1B2c\n", 0o600)) == "0a1B2c"
+
+
+@pytest.mark.parametrize(
+    ("text", "mode", "why"),
+    [
+        ("abcd", 0o644, "mode 0644"),
+        ("abcd", 0o640, "mode 0640"),
+        ("abcd", 0o602, "mode 0602"),
+        (" \n", 0o600, "empty"),
+        ("not hex", 0o600, "hex"),
+        ("a" * 257, 0o600, "hex"),
+    ],
+)
+def test_read_secret_refuses(tmp_path, text, mode, why):
+    with pytest.raises(wm.SecretError, match=why):
+        wm.read_secret(write(tmp_path / "s", text, mode))
+
+
+def test_read_secret_refuses_missing_file_and_directory(tmp_path):
+    with pytest.raises(wm.SecretError, match="does not exist"):
+        wm.read_secret(tmp_path / "nope")
+    d = tmp_path / "d"
+    d.mkdir(mode=0o700)
+    with pytest.raises(wm.SecretError, match="not a regular file"):
+        wm.read_secret(d)
+
+
+def test_secret_path_falls_back_to_the_environment(monkeypatch):
+    parse = wm.build_parser().parse_args
+    monkeypatch.setenv(wm.SECRET_FILE_ENV, "/from/env")
+    assert str(wm.secret_path(parse(["--connect", "x", "--id", "w"]))) == "/from/env"
+    flag = parse(["--connect", "x", "--id", "w", "--secret-file", "/flag"])
+    assert str(wm.secret_path(flag)) == "/flag"
+    monkeypatch.setenv(wm.SECRET_FILE_ENV, "")
+    assert wm.secret_path(parse(["--connect", "x", "--id", "w"])) is None
+
+
+def test_bad_secret_file_exits_2_before_the_engine_loads(tmp_path, monkeypatch):
+    import worker.engines
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine must not load")
+
+    monkeypatch.setattr(worker.engines, "create_engine", no_engine)
+    # main() is a process entry: keep its logging and signal set-up out of pytest's process.
+    monkeypatch.setattr(wm, "setup_logging", lambda *a: None)
+    monkeypatch.setattr(wm.signal, "signal", lambda *a: None)
+    path = write(tmp_path / "s", "abcd", 0o644)
+    argv = ["--connect", "ipc:///nowhere", "--id", "w", "--engine", "fake", "--secret-file", str(path)]
+    assert wm.main(argv) == 2
+
+
+def test_parent_pid_unsupported_platform_logs_and_still_checks(monkeypatch, caplog):
+    # Never run prctl in the test process itself: it would tie pytest to its parent.
+    monkeypatch.setattr(wm.sys, "platform", "darwin")
+    with caplog.at_level("WARNING", logger="worker"):
+        assert wm.die_with_parent(os.getppid()) is True
+        assert wm.die_with_parent(os.getppid() + 100_000_000) is False
+    assert "not supported" in caplog.text

@@ -7,15 +7,18 @@ of the worker process import it without a model.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 from worker.engines.base import Engine, EngineInfo
 
-#: Known engines. "deepspeed" joins here once it exists.
+#: Known engines, in the order of ``sclsd.defaults.ENGINES`` (the config and the command
+#: lines read that tuple; tests/unit/test_config.py checks the two agree). "deepspeed"
+#: joins both once it exists.
 ENGINES: dict[str, str] = {
     "hf": "worker.engines.hf:HFEngine",
-    "fake": "worker.engines.fake:FakeEngine",
     "hf-cb": "worker.engines.hf_cb:HFCBEngine",
+    "fake": "worker.engines.fake:FakeEngine",
 }
 
 __all__ = ["ENGINES", "Engine", "EngineInfo", "create_engine", "engine_class"]
@@ -38,7 +41,8 @@ def create_engine(name: str, model: str | None = None, device: str = "cpu", **op
 
     ``model=None`` keeps the engine's own default (SmolLM2 for ``hf``).
     """
-    cls = engine_class(name)
+    # Engines share no constructor signature: each takes its own options.
+    cls: Callable[..., Engine] = engine_class(name)
     if model is not None:
         opts["model"] = model
     return cls(device=device, **opts)

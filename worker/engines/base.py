@@ -21,6 +21,9 @@ class EngineInfo:
     mem_available: int
     """M_ava: bytes available for KV cache after weights and engine overhead."""
     eos_token_ids: list[int] = field(default_factory=list)
+    vocab_size: int = 0
+    """Token ids the model accepts (0: unknown); the daemon checks its tokenizer against it,
+    so engines report what ``len(tokenizer)`` gives for their model."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 

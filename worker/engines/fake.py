@@ -74,6 +74,7 @@ class FakeEngine(Engine):
             kv_bytes_per_token=self.kv_bytes,
             mem_available=self.mem_budget,
             eos_token_ids=[EOS_ID],
+            vocab_size=self.vocab,
             extra={"vocab": self.vocab},
         )
 

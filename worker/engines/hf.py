@@ -99,9 +99,35 @@ class HFEngine(Engine):
         # Pad id only fills masked slots; any valid id works.
         self.pad_id = int(pad) if isinstance(pad, int) else (self.eos[0] if self.eos else 0)
         self.delta = models.kv_bytes_per_token(self.config, self.dtype)
+        self.vocab_size = self._vocab_size()
         log.info("loaded %s on %s in %.1f s", self.spec.name, self.device, self.load_s)
 
     # ------------------------------------------------------------------ facts
+
+    def _vocab_size(self) -> int:
+        """``len(tokenizer)`` (added tokens included), as the daemon's tokenizer counts it.
+
+        Capped at the config's ``vocab_size``: a model whose embedding is smaller than
+        its tokenizer cannot take every id, and the daemon's check should see that.
+        Loaded here, with the model, so that registering never waits on it.
+        ``tiny-random`` is built with exactly the SmolLM2 tokenizer's size, so its
+        config answers without the seconds a GGUF tokenizer takes to load. Without a
+        tokenizer the config's ``vocab_size`` is the best guess.
+        """
+        config_vocab = int(getattr(self.config, "vocab_size", 0) or 0)
+        if self.spec.kind == "tiny":
+            return config_vocab
+        try:
+            tok_vocab = len(models.load_tokenizer(self.spec))
+        except Exception as exc:  # a model may come without any tokenizer: still servable
+            log.warning("no tokenizer for %s (%s): reporting the config's vocab_size %d",
+                        self.spec.name, exc, config_vocab)  # fmt: skip
+            return config_vocab
+        if config_vocab and tok_vocab > config_vocab:
+            log.warning("%s: tokenizer has %d tokens, the model only %d",
+                        self.spec.name, tok_vocab, config_vocab)  # fmt: skip
+            return config_vocab
+        return tok_vocab
 
     def info(self) -> EngineInfo:
         """Δ from the config; M_ava is CUDA's free memory, or ``mem_budget`` (4 GiB) on the CPU."""
@@ -119,6 +145,7 @@ class HFEngine(Engine):
             kv_bytes_per_token=self.delta,
             mem_available=int(mem),
             eos_token_ids=list(self.eos),
+            vocab_size=self.vocab_size,
             extra={
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "max_context": int(getattr(self.config, "max_position_embeddings", 0) or 0),

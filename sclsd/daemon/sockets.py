@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import protocol as P
+from .. import protocol as P
+from .errors import StartupError
 
 log = logging.getLogger("sclsd.api")
 
@@ -38,6 +39,19 @@ def _has_group(gid: int) -> bool:
         return True
     except KeyError:
         return False
+
+
+def _answers(path: str) -> bool:
+    """Does a process accept connections on the Unix socket at ``path``?"""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
 
 
 @dataclass(frozen=True)
@@ -145,6 +159,7 @@ class FrameServer:
         group: str = "",
         allowed_uids: list[int] | None = None,
         backlog: int = 4096,
+        frame_timeout: float = 10.0,
     ) -> None:
         self.name = name
         self.path = path
@@ -157,20 +172,24 @@ class FrameServer:
         self.group = group
         self.allowed_uids = set(allowed_uids or [])
         self.backlog = backlog
+        self.frame_timeout = frame_timeout
         self.conns: set[Conn] = set()
         self._listener: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._accept_paused = False
         self._next_cid = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._inode: int | None = None
 
     async def start(self) -> None:
         p = Path(self.path)
         p.parent.mkdir(parents=True, exist_ok=True)
         if p.exists() or p.is_symlink():
             if not stat.S_ISSOCK(p.lstat().st_mode):
-                raise RuntimeError(f"{self.name} socket path {p} exists and is not a socket")
-            p.unlink()  # stale socket of a previous run; we hold the only daemon lock (systemd)
+                raise StartupError(f"{self.name} socket path {p} exists and is not a socket")
+            if _answers(str(p)):
+                raise StartupError(f"{self.name} socket {p} is in use by another process")
+            p.unlink()  # stale socket of a previous run: nobody answers on it
         # We accept ourselves instead of asyncio.start_unix_server: under load uvloop's
         # server accepts about one connection per loop turn, so thousands of clients
         # connecting to a busy daemon waited seconds for their first byte to be read.
@@ -184,6 +203,7 @@ class FrameServer:
             lsock.close()
             raise
         self._listener = lsock
+        self._inode = os.stat(p).st_ino
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(lsock.fileno(), self._on_acceptable)
         os.chmod(p, self.mode)
@@ -215,7 +235,9 @@ class FrameServer:
         if tasks:
             await asyncio.wait(tasks, timeout=2.0)
         try:
-            os.unlink(self.path)
+            # Only our own socket: never one another process bound at the same path.
+            if self._inode is not None and os.stat(self.path).st_ino == self._inode:
+                os.unlink(self.path)
         except FileNotFoundError:
             pass
 
@@ -306,15 +328,23 @@ class FrameServer:
 
     async def _read_loop(self, reader: asyncio.StreamReader, conn: Conn) -> None:
         while not conn.closed:
-            header = await reader.readexactly(P.FRAME_HEADER.size)
-            (size,) = P.FRAME_HEADER.unpack(header)
-            if size > self.max_frame:
-                conn.send(P.Error(code="frame_too_large",
-                                  message=f"frame of {size} bytes exceeds the limit of {self.max_frame}"))
-                log.warning("%s conn=%d frame of %d bytes refused", self.name, conn.cid, size)
-                await self._flush_and_close(conn)
-                return
-            body = await reader.readexactly(size)
+            # An idle connection may wait as long as it likes for its next frame; once a
+            # frame's first byte arrived, the rest must follow within frame_timeout, so a
+            # peer cannot hold a half-sent frame (and its buffer) open forever.
+            first = await reader.readexactly(1)
+            timer = asyncio.get_running_loop().call_later(self.frame_timeout, self._frame_expired, conn)
+            try:
+                header = first + await reader.readexactly(P.FRAME_HEADER.size - 1)
+                (size,) = P.FRAME_HEADER.unpack(header)
+                if size > self.max_frame:
+                    conn.send(P.Error(code="frame_too_large",
+                                      message=f"frame of {size} bytes exceeds the limit of {self.max_frame}"))
+                    log.warning("%s conn=%d frame of %d bytes refused", self.name, conn.cid, size)
+                    await self._flush_and_close(conn)
+                    return
+                body = await reader.readexactly(size)
+            finally:
+                timer.cancel()
             try:
                 msg = self.decoder.decode(body)
             except P.DecodeError as exc:
@@ -324,6 +354,16 @@ class FrameServer:
             result = self.handle(conn, msg)
             if result is not None:
                 await result
+
+    def _frame_expired(self, conn: Conn) -> None:
+        """A frame's rest did not arrive within ``frame_timeout``: tell the peer, drop it
+        (the pending read then fails and the connection's requests are cancelled)."""
+        log.warning("%s conn=%d frame incomplete %.1fs after its first byte; closing", self.name,
+                    conn.cid, self.frame_timeout)
+        conn.send(P.Error(code="bad_frame", message=f"frame not complete within "
+                          f"{self.frame_timeout:g}s of its first byte; closing"))
+        conn.flush()
+        conn.abort()
 
     async def _flush_and_close(self, conn: Conn) -> None:
         conn.flush()

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.request import FinishReason
+
 #: Keys every summary has (the ``sclsd-bench sim`` JSON contract relies on them).
 SUMMARY_KEYS = (
     "requests",
@@ -69,7 +71,7 @@ class RequestRecord:
     """Tokens generated (the useful ones: up to EOS or max_tokens)."""
     first_token: float | None = None
     finished: float | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     slices: int = 0
     pad_tokens: int = 0
     invalid_tokens: int = 0
@@ -105,8 +107,8 @@ class SLO:
     def met(self, r: RequestRecord) -> bool:
         if not r.completed:
             return False
-        e2e = r.finished - r.arrival  # type: ignore[operator]
-        if self.e2e_s is not None and e2e > self.e2e_s:
+        e2e = e2e_of(r)
+        if self.e2e_s is not None and (e2e is None or e2e > self.e2e_s):
             return False
         ttft = ttft_of(r)
         if self.ttft_s is not None and (ttft is None or ttft > self.ttft_s):
@@ -117,7 +119,13 @@ class SLO:
         return True
 
 
+def e2e_of(r: RequestRecord) -> float | None:
+    """Arrival to completion; None when the request never completed."""
+    return None if r.finished is None else r.finished - r.arrival
+
+
 def ttft_of(r: RequestRecord) -> float | None:
+    """Arrival to first token; None when no token came."""
     return None if r.first_token is None else r.first_token - r.arrival
 
 
@@ -158,9 +166,9 @@ def summarize(
     reqs = list(requests)
     done = [r for r in reqs if r.completed]
     start = min((r.arrival for r in reqs), default=0.0)
-    end = max((r.finished for r in done), default=start)  # type: ignore[type-var]
+    end = max((r.finished for r in done if r.finished is not None), default=start)
     duration = end - start
-    e2e = np.array([r.finished - r.arrival for r in done], dtype=float)  # type: ignore[operator]
+    e2e = np.array([t for r in done if (t := e2e_of(r)) is not None], dtype=float)
     ttft = np.array([t for r in done if (t := ttft_of(r)) is not None], dtype=float)
     tpot = np.array([t for r in done if (t := tpot_of(r)) is not None], dtype=float)
     out_tokens = sum(r.output_len for r in done)
@@ -193,12 +201,3 @@ def summarize(
         good = sum(1 for r in done if slo.met(r))
         out["goodput_rps"] = good / duration if duration > 0 else 0.0
     return out
-
-
-def slice_histogram(requests: Iterable[RequestRecord]) -> dict[int, int]:
-    """Completed requests by number of slices (paper Fig. 12a)."""
-    hist: dict[int, int] = {}
-    for r in requests:
-        if r.completed:
-            hist[r.slices] = hist.get(r.slices, 0) + 1
-    return dict(sorted(hist.items()))

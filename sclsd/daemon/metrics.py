@@ -1,8 +1,9 @@
 """Prometheus metrics of the daemon, named after vLLM's (``sclsd:`` prefix).
 
 Counters and histograms are updated as events happen; gauges (and the
-per-worker series) are read from the scheduler at scrape time by a custom
-collector. The exposition is served on the status socket (``metrics``
+per-worker series) are read at scrape time from the status snapshot
+(:class:`~sclsd.protocol.StatusSnapshot`, built in :mod:`.status`), so the
+status socket, ``sclsctl`` and Prometheus show the same numbers. The exposition is served on the status socket (``metrics``
 message) and, when ``daemon.metrics_http`` is set, over HTTP by
 prometheus_client's own server, whose thread hands every scrape to the event
 loop so the daemon's state is only ever read on the loop.
@@ -17,10 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -31,9 +31,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
-if TYPE_CHECKING:
-    from .daemon import Daemon, ReqCtx
-    from .protocol import Result, Timings
+from ..protocol import StatusSnapshot, Timings
 
 log = logging.getLogger("sclsd.metrics")
 
@@ -110,39 +108,38 @@ class _Events:
 
 
 class _Gauges:
-    """Scrape-time view of the scheduler, the pool and the workers."""
+    """Scrape-time view of the pool, the scheduler and the workers, from the snapshot."""
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
+    def __init__(self, snapshot: Callable[[], StatusSnapshot]) -> None:
+        self.snapshot = snapshot
 
     def describe(self) -> list[Any]:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        d = self.d
-        s = d.sched
+        st = self.snapshot()
         yield GaugeMetricFamily("sclsd:num_requests_waiting", "Requests in the pool, waiting for a slice",
-                                len(s.pool))
+                                st.pool_size)
         yield GaugeMetricFamily("sclsd:num_requests_running", "Requests in batches on workers",
-                                len(s.live) - len(s.pool))
-        yield GaugeMetricFamily("sclsd:num_queued_tokens", "Prompt tokens of live requests",
-                                d.queued_tokens)
+                                st.running_requests)
+        yield GaugeMetricFamily("sclsd:num_queued_tokens", "Prompt tokens of live requests", st.queued_tokens)
         yield GaugeMetricFamily("sclsd:schedule_interval_seconds", "Current scheduling interval T",
-                                s.interval)
-        yield GaugeMetricFamily("sclsd:num_workers", "Registered workers", len(s.workers))
-        yield GaugeMetricFamily("sclsd:num_connections", "Open client API connections", len(d.api.conns))
-        yield GaugeMetricFamily("sclsd:draining", "1 while the daemon drains (SIGTERM)", int(d.draining))
-        recent = list(s.recent)
-        err = [m - e for e, m in recent]
+                                st.interval_s)
+        yield GaugeMetricFamily("sclsd:num_workers", "Registered workers", len(st.workers))
+        yield GaugeMetricFamily("sclsd:num_connections", "Open client API connections", st.connections)
+        yield GaugeMetricFamily("sclsd:draining", "1 while the daemon drains (SIGTERM)", int(st.draining))
+        yield GaugeMetricFamily("sclsd:serving", "1 while the daemon can serve (0: no workers left)",
+                                int(st.serving))
+        err = st.estimator_error
         yield GaugeMetricFamily("sclsd:estimator_abs_error_seconds",
                                 "Mean |measured - estimated| batch time over recent batches",
-                                sum(abs(x) for x in err) / len(err) if err else 0.0)
+                                err.mean_abs_error_s or 0.0)
         yield GaugeMetricFamily("sclsd:estimator_error_seconds",
                                 "Mean (measured - estimated) batch time over recent batches",
-                                sum(err) / len(err) if err else 0.0)
+                                err.mean_error_s or 0.0)
         events = CounterMetricFamily("sclsd:scheduler_events", "Scheduler counters (status counters)",
                                      labels=["event"])
-        for k, v in sorted(s.counters.items()):
+        for k, v in sorted(st.counters.items()):
             events.add_metric([k], v)
         yield events
         load = GaugeMetricFamily("sclsd:worker_load_seconds", "Estimated queued work per worker",
@@ -158,18 +155,15 @@ class _Gauges:
                                       "registered", labels=["worker"])
         tokens = CounterMetricFamily("sclsd:worker_generation_tokens", "Tokens generated by the worker "
                                      "since it registered", labels=["worker"])
-        now = time.monotonic()
-        for wid, ws in sorted(s.workers.items()):
-            info = d.hub.workers.get(wid)
-            load.add_metric([wid], ws.load)
-            inflight.add_metric([wid], len(ws.batches))
-            queue.add_metric([wid], info.queued_batches if info else 0)
-            age.add_metric([wid], now - info.last_seen if info else 0.0)
-            current = d.worker_state(wid)
-            for st in _STATES:
-                state.add_metric([wid, st], int(st == current))
-            batches.add_metric([wid], ws.batches_done)
-            tokens.add_metric([wid], ws.tokens_done)
+        for w in st.workers:
+            load.add_metric([w.id], w.load_s)
+            inflight.add_metric([w.id], w.batches_inflight)
+            queue.add_metric([w.id], w.queued_batches)
+            age.add_metric([w.id], w.heartbeat_age_s)
+            for name in _STATES:
+                state.add_metric([w.id, name], int(name == w.state))
+            batches.add_metric([w.id], w.batches_done)
+            tokens.add_metric([w.id], w.tokens_done)
         yield from (load, inflight, queue, age, state, batches, tokens)
 
 
@@ -223,7 +217,7 @@ class HttpServer:
 class Metrics:
     """The daemon's Prometheus registry; the daemon calls the event methods below."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.refused_total = 0
         self.requests = _Counter("sclsd:request_success", "Finished requests by reason", "finished_reason")
@@ -251,25 +245,27 @@ class Metrics:
             self.requests, self.refusals, self.prompt_tokens, self.gen_tokens, self.batches, self.ttft,
             self.tpot, self.e2e, self.queue, self.req_prompt, self.req_gen, self.slices, self.batch_size,
             self.batch_time]))
-        self.registry.register(_Gauges(daemon))  # type: ignore[arg-type]
+
+    def watch(self, snapshot: Callable[[], StatusSnapshot]) -> None:
+        """Serve the gauges from ``snapshot`` (the status view), read at each scrape."""
+        self.registry.register(_Gauges(snapshot))  # type: ignore[arg-type]
 
     def refused(self, code: str) -> None:
         self.refused_total += 1
         self.refusals.inc(1, code)
 
-    def dispatched(self, batch: Any) -> None:
+    def dispatched(self, size: int) -> None:
         self.batches.inc()
-        self.batch_size.observe(batch.size)
+        self.batch_size.observe(size)
 
-    def batch_done(self, res: Result) -> None:
-        self.batch_time.observe(res.stats.prefill_s + res.stats.decode_s)
+    def batch_done(self, seconds: float) -> None:
+        self.batch_time.observe(seconds)
 
-    def finished(self, c: ReqCtx, reason: str, t: Timings) -> None:
-        out = len(c.out_ids)
+    def finished(self, reason: str, prompt: int, out: int, t: Timings) -> None:
         self.requests.inc(1, reason)
-        self.prompt_tokens.inc(len(c.prompt_ids))
+        self.prompt_tokens.inc(prompt)
         self.gen_tokens.inc(out)
-        self.req_prompt.observe(len(c.prompt_ids))
+        self.req_prompt.observe(prompt)
         self.req_gen.observe(out)
         self.e2e.observe(t.e2e_s)
         self.queue.observe(t.queued_s)
@@ -286,7 +282,7 @@ class Metrics:
         """Serve ``/metrics`` over HTTP on ``host:port`` (prometheus_client's server)."""
         from prometheus_client import start_http_server
 
-        from .config import parse_host_port
+        from ..config import parse_host_port
 
         host, port = parse_host_port(address)
         server, thread = start_http_server(port, addr=host, registry=_OnLoop(self.registry, loop))  # type: ignore[arg-type]

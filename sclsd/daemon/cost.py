@@ -13,16 +13,16 @@ import logging
 
 import numpy as np
 
-from . import protocol as P
-from .config import Config
-from .core.memory import KVMemory
-from .core.profiles import DEFAULT_PROFILE, Profile, ProfileCost, load_profile
+from .. import protocol as P
+from ..config import Config
+from ..core.memory import KVMemory
+from ..core.profiles import DEFAULT_PROFILE, Profile, ProfileCost, load_profile
 
 log = logging.getLogger("sclsd.cost")
 
 
 class DaemonCost:
-    """Implements :class:`sclsd.core.policy.CostModel` (and the batcher's linear fast path)
+    """Implements :class:`sclsd.core.interfaces.CostModel` (and the batcher's linear fast path)
     by delegating to a :class:`ProfileCost` rebuilt whenever the set of workers changes."""
 
     def __init__(self, profile: Profile, zeta: float, pinned: bool = False) -> None:

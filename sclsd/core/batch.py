@@ -1,0 +1,52 @@
+"""A batch and a worker's answer for it: what passes between the scheduler and a worker.
+
+These are plain data, shared by the scheduler (which makes batches and
+applies outcomes), the offloaders (which place batches) and every driver of
+the scheduler (the daemon, the simulator).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .request import FinishReason, Request
+
+
+@dataclass(slots=True, eq=False)
+class Batch:
+    """Requests served together on one worker for at most ``slice_len`` iterations."""
+
+    bid: int
+    requests: list[Request]
+    slice_len: int
+    input_len: int
+    """Batch input length L_i: the longest context in the batch (others are left-padded)."""
+    est_time: float = 0.0
+    worker: str | None = None
+
+    @property
+    def size(self) -> int:
+        """Number of requests in the batch."""
+        return len(self.requests)
+
+
+@dataclass(slots=True)
+class RowOutcome:
+    """What one request got out of a slice."""
+
+    rid: str
+    new_tokens: int
+    finish_reason: FinishReason | None = None
+    """``stop`` or ``length`` when the request is done; None when the slice ended first."""
+
+
+@dataclass(slots=True)
+class BatchOutcome:
+    """A worker's answer for one batch."""
+
+    batch_id: int
+    rows: list[RowOutcome] = field(default_factory=list)
+    ok: bool = True
+    """False when the engine failed: the batch's requests go back to the pool."""
+    elapsed: float | None = None
+    """Measured serving time of the batch, for estimator error tracking."""

@@ -1,0 +1,80 @@
+"""What policies plug into: the cost model, batcher, offloader and interval protocols.
+
+The scheduler, the named policies and their parts (batchers, offloaders,
+interval rules) all speak these protocols, and this module depends on none of
+them, so the policy modules never need one another for their types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .batch import Batch
+    from .request import Request
+
+__all__ = ["Batcher", "CostModel", "Interval", "LinearCost", "Offloader"]
+
+
+class CostModel(Protocol):
+    """Serving time and memory predicate of a worker (homogeneous workers)."""
+
+    def t_serve(self, n: int, input_len: int, slice_len: int) -> float:
+        """Estimated seconds to serve a batch of ``n`` requests padded to ``input_len``."""
+        ...
+
+    def oom(self, n: int, input_len: int, slice_len: int) -> bool:
+        """True when such a batch would not fit in memory."""
+        ...
+
+
+@runtime_checkable
+class LinearCost(Protocol):
+    """Optional fast path of a :class:`CostModel`, which the DP batcher looks for.
+
+    Both methods take a numpy array of input lengths and must agree with
+    ``t_serve`` and ``oom``: ``t_serve(n, L, S) == a·n + b`` and
+    ``oom(n, L, S)`` exactly when ``n > max_batch`` (memory is monotone in n).
+    """
+
+    def linear_terms(self, L: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(a, b)`` per input length with ``t_serve(n, L, S) = a·n + b``."""
+        ...
+
+    def max_batch(self, L: np.ndarray, S: int) -> np.ndarray:
+        """Largest batch size that fits, per input length."""
+        ...
+
+
+class Batcher(Protocol):
+    """Decides what to batch: a partition of the pool."""
+
+    def __call__(
+        self, reqs: Sequence[Request], slice_len: int, cost: CostModel
+    ) -> list[list[Request]]:
+        """Split the pool into batches; every request in exactly one batch."""
+        ...
+
+
+class Offloader(Protocol):
+    """Decides where each batch goes."""
+
+    def assign(self, batches: Sequence[Batch], loads: Mapping[str, float]) -> list[str]:
+        """Pick a worker for each batch (same order as ``batches``); never mutates ``loads``."""
+        ...
+
+
+class Interval(Protocol):
+    """Decides when the next scheduling round runs."""
+
+    @property
+    def initial(self) -> float:
+        """Seconds until the first round."""
+        ...
+
+    def next(self, loads: Mapping[str, float]) -> float:
+        """Seconds until the next scheduling round, given the active workers' loads."""
+        ...

@@ -1,0 +1,171 @@
+"""Admission: validate a ``generate``, tokenize it off the loop, check the bounds, accept.
+
+A request is refused (an ``error`` with its code, nothing queued) rather than
+accepted when it cannot be served: a malformed prompt, one longer than
+``model.max_input`` (checked on its character count before any tokenizing
+when even the longest tokens could not make it fit), the daemon draining or
+without workers, or a bound passed: ``daemon.max_queued_requests`` /
+``max_queued_tokens`` for everyone, ``daemon.uid_share`` of them per client uid.
+Tokenizing runs in the thread pool, at most ``daemon.max_tokenizing`` prompts at
+once; a connection's frames are handled one after another, so one client cannot
+queue more than one prompt there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any
+
+from .. import protocol as P
+from ..config import Config
+from ..core.request import Request
+from ..tokenizer import Tokenizer
+from .metrics import Metrics
+from .requests import LiveRequests
+from .sockets import Conn
+
+log = logging.getLogger("sclsd")
+
+
+def max_token_chars(tok: Tokenizer) -> int:
+    """The most characters one token of ``tok`` can stand for (an upper bound): a prompt
+    longer than ``max_input`` times this cannot fit and is refused without tokenizing."""
+    inner: Any = getattr(tok, "tok", None)
+    if inner is None or not hasattr(inner, "get_vocab"):
+        return 1  # the byte tokenizer: a character is at least one byte, one token
+    # Byte-level BPE and sentencepiece vocab strings spell a token with at least as many
+    # characters as it decodes to (one per byte, or "▁" for a space).
+    return max((len(s) for s in inner.get_vocab()), default=1) or 1
+
+
+class Admission:
+    """Turns ``generate`` frames into live requests or refusals."""
+
+    def __init__(self, cfg: Config, live: LiveRequests, tok: Tokenizer, pool: Executor,
+                 metrics: Metrics, clock: Callable[[], float], wake: Callable[[], None],
+                 is_draining: Callable[[], bool], not_serving: Callable[[], str | None]) -> None:
+        self.cfg = cfg
+        self.live = live
+        self.tok = tok
+        self.pool = pool
+        self.metrics = metrics
+        self.clock = clock
+        self.wake = wake
+        self.is_draining = is_draining
+        self.not_serving = not_serving
+        d = cfg.daemon
+        self.max_chars = cfg.model.max_input * max_token_chars(tok)
+        self.tokenizing = asyncio.Semaphore(d.max_tokenizing)
+        #: Requests between frame and admission: counted against the bounds so a flood
+        #: of text prompts cannot queue unbounded tokenizer work.
+        self.admitting = 0
+
+    def refuse(self, conn: Conn, code: P.ErrorCode, message: str, rid: str | None) -> None:
+        self.metrics.refused(code)
+        log.info("refused id=%s conn=%d code=%s: %s", rid, conn.cid, code, message)
+        conn.send(P.Error(code=code, message=message, id=rid))
+
+    async def on_generate(self, conn: Conn, g: P.Generate) -> None:
+        self.admitting += 1
+        try:
+            await self._admit(conn, g)
+        finally:
+            self.admitting -= 1
+
+    def _overloaded(self, uid: int | None, prompt_tokens: int) -> str | None:
+        d = self.cfg.daemon
+        live = self.live
+        # ``admitting`` includes the request being checked.
+        if len(live) + self.admitting > d.max_queued_requests:
+            return (f"{len(live)} requests queued (+{self.admitting - 1} being admitted), "
+                    f"the limit is {d.max_queued_requests}; retry later")
+        if live.queued_tokens + prompt_tokens > d.max_queued_tokens:
+            return (f"{live.queued_tokens} prompt tokens queued, +{prompt_tokens} exceeds the limit "
+                    f"of {d.max_queued_tokens}; retry later")
+        if d.uid_share < 1.0:
+            reqs, toks = live.by_uid.get(uid, (0, 0))
+            cap_r = max(1, int(d.uid_share * d.max_queued_requests))
+            cap_t = max(1, int(d.uid_share * d.max_queued_tokens))
+            if reqs + 1 > cap_r or toks + prompt_tokens > cap_t:
+                return (f"uid {uid} holds {reqs} requests / {toks} prompt tokens; one uid may hold "
+                        f"{cap_r} / {cap_t} (daemon.uid_share); retry later")
+        return None
+
+    def _check_state(self, rid: str) -> tuple[P.ErrorCode, str] | None:
+        if self.is_draining():
+            return "draining", "the daemon is shutting down"
+        why = self.not_serving()
+        if why is not None:
+            return "no_workers", why
+        if rid in self.live:
+            return "duplicate_id", f"request id {rid!r} is already live"
+        return None
+
+    async def _admit(self, conn: Conn, g: P.Generate) -> None:
+        m = self.cfg.model
+        rid = g.id or uuid.uuid4().hex[:16]
+        uid = conn.peer.uid if conn.peer is not None else None
+        if len(self.live) + self.admitting > self.cfg.daemon.max_queued_requests:
+            # Refuse before any tokenizing work.
+            return self.refuse(conn, "overloaded", self._overloaded(uid, 0) or "overloaded", g.id)
+        forms = sum(x is not None for x in (g.prompt, g.prompt_ids, g.messages))
+        if forms != 1:
+            return self.refuse(conn, "bad_request", "give exactly one of prompt, prompt_ids, messages",
+                               g.id)
+        bad = self._check_state(rid)
+        if bad is not None:
+            return self.refuse(conn, *bad, g.id)
+        if g.prompt_ids is not None:
+            ids = g.prompt_ids
+            vocab = self.tok.vocab_size
+            if any(i >= vocab for i in ids):
+                return self.refuse(conn, "bad_request", f"prompt_ids must be < vocab size {vocab}", g.id)
+        else:
+            chars = len(g.prompt) if g.prompt is not None else sum(len(x.content) for x in g.messages or ())
+            if chars > self.max_chars:
+                return self.refuse(conn, "prompt_too_long", f"prompt has {chars} characters: more than "
+                                   f"{m.max_input} tokens whatever the tokenizer does", g.id)
+            try:
+                ids = await self._tokenize(g)
+            except Exception as exc:  # noqa: BLE001 - a tokenizer error is the request's fault
+                return self.refuse(conn, "bad_request", f"cannot tokenize: {exc}", g.id)
+            if conn.closed:
+                return
+            bad = self._check_state(rid)  # the world may have changed while we tokenized
+            if bad is not None:
+                return self.refuse(conn, *bad, g.id)
+        if not ids:
+            return self.refuse(conn, "bad_request", "empty prompt", g.id)
+        if len(ids) > m.max_input:
+            return self.refuse(conn, "prompt_too_long",
+                               f"prompt has {len(ids)} tokens, the limit is {m.max_input}", g.id)
+        why = self._overloaded(uid, len(ids))
+        if why is not None:
+            return self.refuse(conn, "overloaded", why, g.id)
+        now = self.clock()
+        req = Request(
+            rid=rid,
+            prompt_len=len(ids),
+            max_tokens=min(g.max_tokens, m.max_gen),
+            arrival=now,
+            priority=g.priority,
+            deadline=None if g.timeout is None else now + g.timeout,
+        )
+        self.live.add(conn, g, req, list(ids))
+        log.debug("accepted id=%s conn=%d prompt_tokens=%d max_tokens=%d timeout=%s", rid, conn.cid,
+                  len(ids), req.max_tokens, g.timeout)
+        self.wake()
+
+    async def _tokenize(self, g: P.Generate) -> list[int]:
+        """Blocking work: in the thread pool, at most ``daemon.max_tokenizing`` at once."""
+        loop = asyncio.get_running_loop()
+        async with self.tokenizing:
+            if g.messages is not None:
+                msgs = [{"role": x.role, "content": x.content} for x in g.messages]
+                return await loop.run_in_executor(self.pool, self.tok.encode_chat, msgs)
+            assert g.prompt is not None
+            return await loop.run_in_executor(self.pool, self.tok.encode, g.prompt)

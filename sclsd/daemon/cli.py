@@ -1,0 +1,96 @@
+"""``sclsd``: parse the command line, load the config, run the server.
+
+Exit codes: 0 after a drain, 1 when the daemon fails while serving, 2 for a bad
+config or a start-up error (one line on stderr naming the key or the cause).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import resource
+import sys
+
+from ..config import ConfigError, load, override
+from ..defaults import ENGINES, force_offline
+from .errors import StartupError
+from .logs import setup_logging
+
+log = logging.getLogger("sclsd")
+
+
+def raise_nofile(want: int) -> None:
+    """Raise the soft limit on open files towards ``want`` (capped by the hard limit):
+    every client connection is a descriptor, and the default soft limit is often 1024."""
+    if want <= 0:
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
+            return
+    log.info("open-file limit %s (hard %s)", resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sclsd", description="LLM serving daemon with slice-level scheduling")
+    p.add_argument("--config", help="TOML config file (default: built-in defaults)")
+    p.add_argument("--socket", help="client API Unix socket path")
+    p.add_argument("--status-socket", help="status Unix socket path")
+    p.add_argument("--worker-endpoint", help="ZeroMQ endpoint for workers (ipc:// or tcp://)")
+    p.add_argument("--engine", choices=list(ENGINES), help="engine of spawned workers")
+    p.add_argument("--model", help="model spec or path")
+    p.add_argument("--workers", type=int, help="number of local workers to spawn")
+    p.add_argument("--slice-len", type=int, help="slice length S")
+    p.add_argument("--policy", help="sls, so, pm, ab, lb or scls")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point of ``sclsd``."""
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load(args.config)
+        cfg = override(
+            cfg,
+            daemon__socket=args.socket,
+            daemon__status_socket=args.status_socket,
+            daemon__worker_endpoint=args.worker_endpoint,
+            daemon__log_level=args.log_level,
+            workers__engine=args.engine,
+            workers__spawn=args.workers,
+            model__name=args.model,
+            scheduler__slice_len=args.slice_len,
+            scheduler__policy=args.policy,
+        )
+    except ConfigError as exc:
+        print(f"sclsd: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.daemon.log_level)
+    raise_nofile(cfg.daemon.nofile_limit)
+    force_offline()
+    from .server import Server  # after logging: importing it pulls in zmq and the core
+
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        runner = asyncio.run
+
+    async def _main() -> int:
+        return await Server(cfg).run()
+
+    try:
+        return runner(_main())
+    except StartupError as exc:
+        print(f"sclsd: {exc}", file=sys.stderr)
+        return 2
+    except Exception:
+        log.exception("sclsd failed")
+        return 1

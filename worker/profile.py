@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 
 from sclsd.core.estimator import Estimator, batch_rmse, decode_rmse, fit, prefill_rmse
 from sclsd.core.profiles import DEFAULT_PROFILE, Profile, load_profile, save_profile
+from sclsd.defaults import force_offline
 from sclsd.protocol import BatchMsg, BatchRequest
 
 log = logging.getLogger("worker.profile")
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.slice_len < 2 or args.decode_steps < 1 or args.budget_s <= 0:
         print("error: --slice-len >= 2, --decode-steps >= 1 and --budget-s > 0", file=sys.stderr)
         return 2
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    force_offline()
     threads = args.threads
     if threads is None and args.device == "cpu":
         threads = 1  # profiles must match how a CPU worker serves: one thread unless told

@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "replay": ("sclsd.bench.replay", "replay a trace against a running daemon"),
     "live": ("sclsd.bench.live", "sls vs ils (hf-cb) vs scls on real CPU workers"),
     "api": ("sclsd.bench.api_bench", "daemon request throughput with a zero-time fake engine"),
+    "pipeline": ("sclsd.bench.pipeline", "many requests pipelined on one connection: none lost"),
     "figures": ("sclsd.bench.figures", "regenerate the figures of docs/benchmarks.md"),
 }
 

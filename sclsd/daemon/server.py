@@ -309,5 +309,6 @@ class Server:
             await asyncio.get_running_loop().run_in_executor(None, self._metrics_http.shutdown)
         self.pool.shutdown(wait=False, cancel_futures=True)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.notifier.close()
         self.lock.release()
         log.info("sclsd stopped")

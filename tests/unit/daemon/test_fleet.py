@@ -1,0 +1,188 @@
+"""Worker membership and nothing lost: deaths, refused sends, unacknowledged and overdue
+batches, registration checks, drain, and the status snapshot, all in-process."""
+
+from __future__ import annotations
+
+from sclsd import protocol as P
+
+from .conftest import Harness, RecConn, held, until
+
+
+async def _one_batch_on(h: Harness, wid: str, conn: RecConn, rid: str = "r") -> None:
+    await h.submit(conn, id=rid, max_tokens=32)
+    await held(h.transport.workers[h.server.fleet.workers[wid].peer])
+
+
+def test_dead_worker_gives_its_requests_back(daemon) -> None:
+    async def body(h: Harness) -> None:
+        w0 = h.worker("w0", hold=True)
+        await h.registered("w0")
+        conn = RecConn()
+        await _one_batch_on(h, "w0", conn)
+        w0.kill()
+        h.server.fleet.tick(h.server.clock() + 60)  # heartbeats long overdue
+        assert "w0" not in h.server.fleet.workers and h.server.sched.pool  # back in the pool
+        h.worker("w1")
+        await h.finished(conn, "r")
+        (done,) = conn.terminal("r")
+        assert isinstance(done, P.Done) and done.worker == "w1"
+
+    daemon(body)
+
+
+def test_refused_send_requeues_instead_of_losing(daemon) -> None:
+    async def body(h: Harness) -> None:
+        w0 = h.worker("w0")
+        await h.registered("w0")
+        h.transport.refuse_sends.add(w0.peer)  # as a full or vanished ZeroMQ pipe would
+        conn = RecConn()
+        await h.submit(conn, id="r", max_tokens=8)
+        await conn.wait_for(lambda: "w0" not in h.server.fleet.workers)
+        assert not w0.batches()
+        h.worker("w1")
+        await h.finished(conn, "r")
+        assert isinstance(conn.terminal("r")[0], P.Done)
+
+    daemon(body)
+
+
+def test_unacknowledged_batch_drops_the_worker(daemon) -> None:
+    async def body(h: Harness) -> None:
+        h.worker("w0", hold=True, ack=False)
+        await h.registered("w0")
+        conn = RecConn()
+        await _one_batch_on(h, "w0", conn)
+        d = h.server.dispatcher
+        d.check(h.server.clock() + 1.0)  # within daemon.batch_ack_timeout_s: nothing happens
+        assert "w0" in h.server.fleet.workers
+        d.check(h.server.clock() + h.server.cfg.daemon.batch_ack_timeout_s + 1)
+        assert "w0" not in h.server.fleet.workers
+        h.worker("w1")
+        await h.finished(conn, "r")
+        assert conn.terminal("r")[0].worker == "w1"
+
+    daemon(body)
+
+
+def test_overdue_batch_drops_the_worker_even_when_acknowledged(daemon) -> None:
+    async def body(h: Harness) -> None:
+        h.worker("w0", hold=True)
+        await h.registered("w0")
+        conn = RecConn()
+        await _one_batch_on(h, "w0", conn)
+        d = h.server.dispatcher
+        await conn.wait_for(lambda: not d.unacked)  # the ack went through the loop
+        d.check(h.server.clock() + h.server.cfg.daemon.batch_overdue_min_s - 1)
+        assert "w0" in h.server.fleet.workers
+        d.check(h.server.clock() + h.server.cfg.daemon.batch_overdue_min_s + 1)
+        assert "w0" not in h.server.fleet.workers
+
+    daemon(body, daemon={"batch_overdue_factor": 1.0, "batch_overdue_min_s": 10.0})
+
+
+def test_registration_needs_the_secret_and_cannot_take_over(daemon) -> None:
+    async def body(h: Harness) -> None:
+        real = h.worker("w0", hold=True)
+        await h.registered("w0")
+        forged = h.worker("w0", auth="guess")
+        await forged.got.wait()
+        assert isinstance(forged.received[-1], P.Shutdown)
+        assert h.server.fleet.workers["w0"].peer == real.peer  # the real one stays
+        assert h.server.fleet.refused == 1
+        conn = RecConn()
+        await _one_batch_on(h, "w0", conn)
+        assert not forged.batches()
+
+    daemon(body)
+
+
+def test_registration_refuses_a_model_that_does_not_fit_the_tokenizer(daemon) -> None:
+    async def body(h: Harness) -> None:
+        small = h.worker("w0", vocab=100)  # the byte tokenizer needs 256 ids
+        await small.got.wait()
+        assert isinstance(small.received[-1], P.Shutdown) and "w0" not in h.server.fleet.workers
+
+    daemon(body)
+
+
+def test_reregistration_with_the_secret_replaces_the_old_connection(daemon) -> None:
+    async def body(h: Harness) -> None:
+        old = h.worker("w0", hold=True)
+        await h.registered("w0")
+        conn = RecConn()
+        await _one_batch_on(h, "w0", conn)
+        new = h.worker("w0")  # restarted: a new connection, the same secret
+        await conn.wait_for(lambda: h.server.fleet.workers["w0"].peer == new.peer)
+        await h.finished(conn, "r")  # the held batch was re-queued and served by the new one
+        assert len(conn.terminal("r")) == 1
+        old.release()  # the old connection's late result is ignored
+        assert len(conn.terminal("r")) == 1
+
+    daemon(body)
+
+
+def test_drain_then_resume(daemon) -> None:
+    async def body(h: Harness) -> None:
+        w0 = h.worker("w0", hold=True)
+        h.worker("w1")
+        await h.registered("w0", "w1")
+        admin = RecConn(uid=0)
+        h.server.frontend.handle(admin, P.DrainWorker(worker="w0"))
+        assert admin.sent[-1] == P.WorkerStateReply(worker="w0", state="drained", batches_inflight=0)
+        await until(w0.got, lambda: isinstance(w0.received[-1], P.Drain))
+        conn = RecConn(uid=1000)
+        for i in range(5):
+            await h.submit(conn, id=f"r{i}")
+        await h.finished(conn, *[f"r{i}" for i in range(5)])
+        assert not w0.batches() and {m.worker for m in conn.sent if isinstance(m, P.Done)} == {"w1"}
+        h.server.frontend.handle(conn, P.DrainWorker(worker="w0", resume=True))
+        assert conn.sent[-1].code == "forbidden"  # uid 1000 is no admin
+        h.server.frontend.handle(admin, P.DrainWorker(worker="w0", resume=True))
+        assert admin.sent[-1].state == "active"
+
+    daemon(body)
+
+
+def test_status_snapshot_and_gauges_agree(daemon) -> None:
+    async def body(h: Harness) -> None:
+        w0 = h.worker("w0", hold=True)
+        await h.registered("w0")
+        conn = RecConn()
+        await _one_batch_on(h, "w0", conn)
+        st = h.server.view.snapshot()
+        assert isinstance(st, P.StatusSnapshot)
+        assert st.live_requests == 1 and st.running_requests == 1 and st.pool_size == 0
+        (ws,) = st.workers
+        assert ws.id == "w0" and ws.state == "active" and ws.batches_inflight == 1
+        assert st.serving and st.why is None
+        text = h.server.metrics.exposition()
+        assert "sclsd:num_requests_running 1.0" in text
+        assert 'sclsd:worker_batches_inflight{worker="w0"} 1.0' in text
+        w0.hold = False  # serve this batch and the request's next slices at once
+        w0.release()
+        await h.finished(conn, "r")
+        st = h.server.view.snapshot()
+        assert st.live_requests == 0 and st.counters["finished"] == 1
+        assert st.estimator_error.batches >= 1
+        # The snapshot survives the wire as the typed struct.
+        assert P.status_reply_decoder.decode(P.encode(P.StatusReply(status=st))).status == st
+
+    daemon(body)
+
+
+def test_no_workers_left_ends_queued_requests_and_refuses_new_ones(daemon) -> None:
+    async def body(h: Harness) -> None:
+        conn = RecConn()
+        await h.submit(conn, id="queued")
+        sup = h.server.supervisor
+        sup.gave_up["w0"] = "local worker w0 exited 5 times in a row"
+        object.__setattr__(h.server.cfg.workers, "spawn", 1)  # as if one local worker was configured
+        h.server._gave_up(sup.gave_up["w0"])
+        (err,) = conn.terminal("queued")
+        assert err.code == "no_workers"
+        await h.submit(conn, id="new")
+        assert conn.terminal("new")[0].code == "no_workers"
+        st = h.server.view.snapshot()
+        assert not st.serving and "w0" in (st.why or "")
+
+    daemon(body)

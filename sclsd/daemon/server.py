@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import secrets
 import shutil
 import signal
 import tempfile
@@ -37,6 +35,7 @@ from ..tokenizer import Tokenizer
 from .admission import Admission
 from .cost import DaemonCost
 from .dispatch import Dispatcher
+from .drain import Drain
 from .errors import StartupError
 from .fleet import Fleet
 from .frontend import Frontend
@@ -45,6 +44,7 @@ from .metrics import HttpServer, Metrics
 from .requests import LiveRequests
 from .results import Results
 from .rounds import Rounds
+from .secret import worker_secret
 from .sockets import FrameServer
 from .status import StatusHandler, StatusView
 from .supervisor import Supervisor
@@ -82,46 +82,23 @@ class Server:
         self.cost = DaemonCost.initial(cfg)
         self.sched = make_scheduler(cfg, self.cost)
         self.live = LiveRequests(self.sched, self.metrics, clock)
-        self.draining = False
         self.wake = asyncio.Event()
         """Set when something changed that the scheduling loop should look at."""
-        self.stopped = asyncio.Event()
+        self.notifier = Notifier.from_env()
+        self.drain = Drain(self.live, cfg.daemon.drain_timeout_s, self.notifier.stopping)
         self.run_dir = tempfile.mkdtemp(prefix="sclsd-run-")
-        self._signals = 0
-        self._drain_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics_http: HttpServer | None = None
         self.lock = DaemonLock(cfg.daemon.lock_path)
-        self.notifier = Notifier.from_env()
 
     # ------------------------------------------------------------------ wiring
-
-    def _secret(self) -> tuple[str | None, str | None]:
-        """The worker secret and the file spawned workers read it from."""
-        d = self.cfg.daemon
-        if d.worker_secret_file and os.path.exists(d.worker_secret_file):
-            with open(d.worker_secret_file) as f:
-                secret = f.read().strip()
-            if not secret:
-                raise StartupError(f"daemon.worker_secret_file {d.worker_secret_file} is empty")
-            return secret, d.worker_secret_file
-        if self.transport.authenticated and self.cfg.workers.spawn == 0:
-            return None, None
-        # A new secret for this run: in the configured file (for workers started apart,
-        # e.g. sclsd-worker@.service) or in our private run directory (mkdtemp: 0700).
-        secret = secrets.token_hex(32)
-        path = d.worker_secret_file or os.path.join(self.run_dir, "worker.secret")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secret + "\n")
-        return secret, path
 
     def wire(self, tok: Tokenizer) -> None:
         """Build the parts that need the tokenizer, and connect them."""
         cfg, clock = self.cfg, self.clock
         self.tok = tok
         wake = self.wake.set
-        secret, secret_file = self._secret()
+        secret, secret_file = worker_secret(cfg, self.run_dir, self.transport.authenticated)
         self.fleet = Fleet(cfg, self.transport, self.sched, self.cost, tok, clock, wake, secret)
         self.dispatcher = Dispatcher(cfg, self.sched, self.live, self.fleet, self.metrics, clock)
         self.rounds = Rounds(self.sched, self.live, self.dispatcher, clock, self.wake)
@@ -133,7 +110,7 @@ class Server:
                                      on_exit=self.fleet.declare_dead, on_give_up=self._gave_up)
         self.fleet.on_dead.append(lambda wid, why: self.supervisor.kill(wid))
         self.admission = Admission(cfg, self.live, tok, self.pool, self.metrics, clock, wake,
-                                   is_draining=lambda: self.draining, not_serving=self.not_serving)
+                                   is_draining=lambda: self.drain.draining, not_serving=self.not_serving)
         self.frontend = Frontend(cfg, self.admission, self.live, self.fleet)
         d = cfg.daemon
         common: dict[str, Any] = dict(max_frame=d.max_frame_bytes, max_buffer=d.max_conn_buffer_bytes,
@@ -165,7 +142,7 @@ class Server:
     def _status_extra(self) -> dict[str, Any]:
         why = self.not_serving()
         return {
-            "draining": self.draining,
+            "draining": self.drain.draining,
             "metrics_http": self._metrics_http.address if self._metrics_http is not None else None,
             "serving": why is None,
             "why": why,
@@ -225,7 +202,7 @@ class Server:
             raise
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.begin_drain, sig)
+            loop.add_signal_handler(sig, self.drain.begin, sig)
         # systemd's ExecReload convention is SIGHUP, whose default action would kill us.
         loop.add_signal_handler(signal.SIGHUP, lambda: log.warning(
             "SIGHUP ignored: configuration changes take effect on restart"))
@@ -245,53 +222,19 @@ class Server:
         """Raise the error of any background task that died (never swallow it)."""
         self.transport.check()
         self.supervisor.check()
-        drain = self._drain_task
-        if drain is not None and drain.done() and not drain.cancelled() and drain.exception():
-            raise RuntimeError("the drain failed") from drain.exception()
+        self.drain.check()
         for t in self._tasks:
             if t.done() and not t.cancelled() and t.exception() is not None:
                 raise RuntimeError(f"background task {t.get_name()} failed") from t.exception()
 
     async def _run_until_stopped(self) -> None:
-        stop = asyncio.create_task(self.stopped.wait())
+        stop = asyncio.create_task(self.drain.stopped.wait())
         while not stop.done():
             await asyncio.wait([stop, *[t for t in self._tasks if not t.done()]], timeout=1.0,
                                return_when=asyncio.FIRST_COMPLETED)
             self.check()
 
-    # ------------------------------------------------------------------ drain / stop
-
-    def begin_drain(self, sig: int | None = None) -> None:
-        """Stop accepting, finish what is in flight (SIGTERM/SIGINT). A second signal
-        ends the drain at once: what is left gets ``error: shutdown``."""
-        self._signals += 1
-        name = signal.Signals(sig).name if sig else "request"
-        if self.draining:
-            if self._signals > 1 and sig is not None:
-                log.warning("second %s: ending %d requests now", name, len(self.live))
-                self._finish_drain()
-            return
-        self.draining = True
-        t = self.cfg.daemon.drain_timeout_s
-        log.info("draining (%s): refusing new requests, finishing %d in flight within %.0fs",
-                 name, len(self.live), t)
-        self.notifier.stopping(f"draining {len(self.live)} requests (up to {t:.0f}s)")
-        self._drain_task = asyncio.get_running_loop().create_task(self._drain(), name="drain")
-
-    async def _drain(self) -> None:
-        try:
-            await asyncio.wait_for(self.live.idle.wait(), self.cfg.daemon.drain_timeout_s)
-        except asyncio.TimeoutError:
-            pass
-        self._finish_drain()
-
-    def _finish_drain(self) -> None:
-        if self.stopped.is_set():
-            return
-        left = self.live.fail_all("shutdown", "the daemon stopped before this request finished")
-        if left:
-            log.warning("drain ended with %d requests unfinished: ids=%s", len(left), ",".join(left))
-        self.stopped.set()
+    # ------------------------------------------------------------------ stop
 
     async def stop(self) -> None:
         """Close the sockets, stop the workers and the transport, release the lock."""

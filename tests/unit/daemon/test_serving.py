@@ -141,13 +141,13 @@ def test_draining_refuses_new_requests(daemon) -> None:
         await h.registered("w0")
         conn = RecConn()
         await h.submit(conn, id="live", max_tokens=4)
-        h.server.begin_drain()
+        h.server.drain.begin()
         await h.submit(conn, id="late")
         assert conn.events("late", P.Error)[0].code == "draining"
         await held(w)
         w.release()
         await h.finished(conn, "live")
-        await h.server.stopped.wait()  # the drain ends once nothing is live
+        await h.server.drain.stopped.wait()  # the drain ends once nothing is live
         assert conn.terminal("live")[0].finish_reason in ("stop", "length")
 
     daemon(body)

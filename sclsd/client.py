@@ -17,6 +17,13 @@ asyncio (many concurrent requests over one connection)::
 
 A stream yields :class:`Accepted`, then :class:`Delta` events, and ends with
 exactly one :class:`Done`; a refusal or failure raises :class:`RequestError`.
+Leaving an :class:`AsyncClient` stream early (``break``, or the task cancelled)
+cancels the request in the daemon.
+
+``n=K`` fans one request out as ``K`` requests (ids ``ID-0`` .. ``ID-{K-1}``, seeds
+``seed + i`` when a seed is given, so sampled choices differ but stay
+reproducible): ``complete(n=K)`` returns the ``K`` :class:`Done` in order and a
+stream yields the events of all of them, each with its id.
 """
 
 from __future__ import annotations
@@ -62,6 +69,26 @@ def _generate_msg(kw: dict[str, Any]) -> P.Generate:
     return P.Generate(**kw)
 
 
+def generate_msgs(kw: dict[str, Any]) -> list[P.Generate]:
+    """The ``generate`` messages for one call: one, or ``n`` (see the module docstring)."""
+    kw = dict(kw)
+    n = kw.pop("n", None)
+    if n is None:
+        return [_generate_msg(kw)]
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
+        raise ValueError(f"n must be an integer in 1..128, got {n!r}")
+    base = kw.pop("id", None) or uuid.uuid4().hex[:16]
+    seed = kw.pop("seed", None)
+    if n == 1:
+        return [_generate_msg({**kw, "id": base, "seed": seed})]
+    return [_generate_msg({**kw, "id": f"{base}-{i}", "seed": None if seed is None else seed + i})
+            for i in range(n)]
+
+
+def _in_order(msgs: list[P.Generate], dones: dict[str, Done]) -> list[Done]:
+    return [dones[m.id] for m in msgs if m.id is not None]
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
@@ -105,30 +132,48 @@ class Client:
                 return ev
 
     def generate(self, **params: Any) -> Iterator[Accepted | Delta | Done]:
-        """Submit one request and yield its events up to and including ``Done``."""
-        msg = _generate_msg(params)
-        self.send(msg)
-        while True:
+        """Submit one request (``n`` of them with ``n``) and yield its events up to and
+        including ``Done`` (of each). A refusal or failure of one cancels the others."""
+        yield from self._events(generate_msgs(params))
+
+    @overload
+    def complete(self, *, n: int, **params: Any) -> list[Done]: ...
+
+    @overload
+    def complete(self, **params: Any) -> Done: ...
+
+    def complete(self, **params: Any) -> Done | list[Done]:
+        """Submit one non-streaming request and return its ``Done`` (with text and ids);
+        with ``n``, the list of the ``n`` choices' ``Done`` in order."""
+        params.setdefault("stream", False)
+        fan_out = "n" in params
+        msgs = generate_msgs(params)
+        dones: dict[str, Done] = {}
+        for ev in self._events(msgs):
+            if isinstance(ev, Done):
+                dones[ev.id] = ev
+        out = _in_order(msgs, dones)
+        return out if fan_out else out[0]
+
+    def _events(self, msgs: list[P.Generate]) -> Iterator[Accepted | Delta | Done]:
+        """:meth:`generate` for messages already built."""
+        ids = {m.id for m in msgs}
+        for m in msgs:
+            self.send(m)
+        left = set(ids)
+        while left:
             ev = self.recv()
             if isinstance(ev, Error):
-                if ev.id in (None, msg.id):
+                if ev.id is None or ev.id in left:
+                    for rid in left - {ev.id}:
+                        self.send(P.Cancel(id=rid))  # type: ignore[arg-type]
                     raise RequestError(ev)
                 continue
-            if getattr(ev, "id", None) != msg.id:
+            if getattr(ev, "id", None) not in ids:
                 continue
             yield ev
             if isinstance(ev, Done):
-                return
-
-    def complete(self, **params: Any) -> Done:
-        """Submit one non-streaming request and return its ``Done`` (with text and ids)."""
-        params.setdefault("stream", False)
-        done = None
-        for ev in self.generate(**params):
-            if isinstance(ev, Done):
-                done = ev
-        assert done is not None
-        return done
+                left.discard(ev.id)
 
     def drain_worker(self, worker: str, resume: bool = False) -> P.WorkerStateReply:
         """Admin: take ``worker`` out of rotation (or put it back with ``resume``)."""
@@ -171,6 +216,12 @@ class AsyncClient:
         self._nonce = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
+        self._out: list[bytes] = []
+
+    @property
+    def connected(self) -> bool:
+        """Connected, and the connection has not been lost since."""
+        return self._task is not None and not self._task.done()
 
     async def connect(self) -> AsyncClient:
         self._reader, self._writer = await asyncio.open_unix_connection(self.path, limit=1 << 20)
@@ -185,6 +236,7 @@ class AsyncClient:
 
     async def close(self) -> None:
         if self._writer is not None:
+            self._flush()
             self._writer.close()
             try:
                 await self._writer.wait_closed()
@@ -228,9 +280,18 @@ class AsyncClient:
                     fut.set_exception(err)
 
     def _send(self, msg: Any) -> None:
-        if self._writer is None:
+        """Queue a frame; the frames of one loop turn go out in one write (one system call
+        for many concurrent requests, as the daemon does for its replies)."""
+        if self._writer is None or self._writer.is_closing():
             raise ConnectionError("not connected")
-        self._writer.write(P.frame(msg))
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._out.append(P.frame(msg))
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(b"".join(out))
 
     async def ping(self) -> Pong:
         nonce = next(self._nonce)
@@ -240,35 +301,64 @@ class AsyncClient:
         return await fut
 
     async def stream(self, **params: Any) -> AsyncIterator[Accepted | Delta | Done]:
-        """Submit one request; yield its events up to and including ``Done``."""
-        msg = _generate_msg(params)
+        """Submit one request (``n`` with ``n``); yield its events up to and including
+        ``Done`` (of each). Leaving early cancels what has not finished."""
+        async for ev in self.events(generate_msgs(params)):
+            yield ev
+
+    async def events(self, msgs: list[P.Generate]) -> AsyncIterator[Accepted | Delta | Done]:
+        """Send these ``generate`` messages (each with an ``id``) and yield their events as they
+        come until each has its ``Done``. A refusal or failure of one raises
+        :class:`RequestError` and cancels the others; so does leaving early."""
         q: asyncio.Queue[Any] = asyncio.Queue()
-        self._queues[msg.id] = q  # type: ignore[index]
+        left: set[str] = set()
+        for m in msgs:
+            assert m.id is not None, "events() needs messages with ids"
+            self._queues[m.id] = q
+            left.add(m.id)
         try:
-            self._send(msg)
+            for m in msgs:
+                self._send(m)
             assert self._writer is not None
             await self._writer.drain()
-            while True:
+            while left:
                 ev = await q.get()
                 if isinstance(ev, BaseException):
+                    left.clear()  # the connection is gone: nothing to cancel
                     raise ev
                 if isinstance(ev, Error):
+                    left.discard(ev.id or "")
                     raise RequestError(ev)
                 yield ev
                 if isinstance(ev, Done):
-                    return
+                    left.discard(ev.id)
         finally:
-            self._queues.pop(msg.id, None)  # type: ignore[arg-type]
+            for m in msgs:
+                self._queues.pop(m.id, None)  # type: ignore[arg-type]
+            for rid in left:
+                try:
+                    self._send(P.Cancel(id=rid))
+                except (ConnectionError, RuntimeError):
+                    break  # not connected: the daemon cancels a lost connection's requests
 
-    async def complete(self, **params: Any) -> Done:
-        """Submit one non-streaming request and return its ``Done``."""
+    @overload
+    async def complete(self, *, n: int, **params: Any) -> list[Done]: ...
+
+    @overload
+    async def complete(self, **params: Any) -> Done: ...
+
+    async def complete(self, **params: Any) -> Done | list[Done]:
+        """Submit one non-streaming request and return its ``Done``; with ``n``, the list of
+        the ``n`` choices' ``Done`` in order."""
         params.setdefault("stream", False)
-        done = None
-        async for ev in self.stream(**params):
+        fan_out = "n" in params
+        msgs = generate_msgs(params)
+        dones: dict[str, Done] = {}
+        async for ev in self.events(msgs):
             if isinstance(ev, Done):
-                done = ev
-        assert done is not None
-        return done
+                dones[ev.id] = ev
+        out = _in_order(msgs, dones)
+        return out if fan_out else out[0]
 
     def cancel(self, rid: str) -> None:
         self._send(P.Cancel(id=rid))

@@ -77,9 +77,15 @@ class DaemonConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """``[model]``: the model spec and the length limits."""
+    """``[model]``: the model spec, how it is loaded, and the length limits."""
 
     name: str = "smollm2-135m-instruct"
+    dtype: str = "auto"
+    """Weights' dtype on the workers (``sclsd.models.DTYPES``; ``auto``: ``models.auto_dtype``)."""
+    allow_download: bool = False
+    """Download a hub id missing from the local Hugging Face cache at start (else: config error)."""
+    cache_dir: str = ""
+    """Cache of converted GGUF models (``sclsd.modelcache``); "": ``$XDG_CACHE_HOME/sclsd``."""
     max_input: int = 1024
     max_gen: int = 1024
 
@@ -96,7 +102,14 @@ class SchedulerConfig:
     lam: float = 0.5
     zeta: float = 0.9
     profile: str = ""
+    memory: str = "kv"
+    """OOM judgement: ``kv`` (eq. 8 with the workers' Δ and M_ava) or ``rules`` (a rule
+    table, Algorithm 2: the profile's, else the paper's DeepSpeed table)."""
     max_failures: int = 3
+    work_conserving: bool = True
+    """An idle worker gets work at once instead of waiting out the interval (DESIGN §8)."""
+    kv_reuse: bool = True
+    """Batch requests by the worker keeping their KV and estimate only the uncached prefill."""
 
     def effective_gamma(self, profile_gamma_s: float | None = None) -> float:
         """Γ in effect: ``gamma_s`` if set, else the profile's recommended ``gamma_s``,
@@ -128,6 +141,18 @@ class WorkersConfig:
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    """``[http]``: the OpenAI-compatible front end, ``sclsd-http`` (read by it, not the daemon)."""
+
+    listen: str = "127.0.0.1:8000"
+    api_key_file: str = ""
+    model_name: str = ""
+    connections: int = 4
+    max_choices: int = 64
+    log_level: str = "info"
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole validated config; ``source`` is the file it came from."""
 
@@ -135,6 +160,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
     source: str = "<defaults>"
 
 
@@ -143,8 +169,11 @@ _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "scheduler": SchedulerConfig,
     "workers": WorkersConfig,
+    "http": HttpConfig,
 }
 _LOG_LEVELS = ("debug", "info", "warning", "error")
+#: ``scheduler.memory`` values: the KV-cache model or a profiled rule table.
+MEMORY_MODELS = ("kv", "rules")
 #: Keys given as file modes: an octal string ("0660") or an integer.
 _MODE_KEYS = ("socket_mode", "worker_socket_mode")
 _UID_KEYS = ("allowed_uids", "status_allowed_uids", "admin_uids")
@@ -289,12 +318,24 @@ def _check_daemon(d: DaemonConfig) -> None:
 
 
 def _is_model_path(name: str) -> bool:
-    """Whether a model spec names a file or directory (see :func:`sclsd.models.resolve`)."""
+    """Whether a model spec names a file or directory (see :func:`sclsd.models.resolve`);
+    ``random:llama2-7b`` and the other shipped architectures do not, nor does a hub id
+    (``ORG/NAME``) that is no local path."""
+    from .hub import is_hub_id
+    from .models import RANDOM_CONFIGS
+
+    if name.startswith("random:") and name[len("random:") :].strip().lower() in RANDOM_CONFIGS:
+        return False
+    if is_hub_id(name) and not _path_check("model.name", name, Path(name).exists):
+        return False
     return "/" in name or name.endswith(".gguf") or name.startswith("random:")
 
 
 def _check_model(m: ModelConfig) -> None:
+    from .models import DTYPES
+
     _need(bool(m.name), "model.name", m.name, "must name a model")
+    _need(m.dtype in DTYPES, "model.dtype", m.dtype, f"must be one of {', '.join(DTYPES)}")
     if _is_model_path(m.name):
         from .models import resolve
 
@@ -320,6 +361,7 @@ def _check_scheduler(s: SchedulerConfig) -> None:
     need(0 < s.lam <= 1, "scheduler.lam", s.lam, "must be in (0, 1]")
     need(0 < s.zeta <= 1, "scheduler.zeta", s.zeta, "must be in (0, 1]")
     need(s.max_failures >= 0, "scheduler.max_failures", s.max_failures, "must be >= 0")
+    need(s.memory in MEMORY_MODELS, "scheduler.memory", s.memory, f"must be one of {', '.join(MEMORY_MODELS)}")
     if s.profile:
         from .core.profiles import load_profile
 
@@ -341,7 +383,12 @@ def _check_workers(w: WorkersConfig, cfg: Config) -> None:
     need(w.engine == "fake" or cfg.model.name != "fake" or w.spawn == 0, "workers.engine", w.engine,
          "model.name = 'fake' needs engine 'fake'")
     need(w.device == "cpu" or w.device.startswith("cuda"), "workers.device", w.device, "must be cpu or cuda")
+    # [workers.options] dtype predates [model] dtype; both set and different is ambiguous.
+    old_dtype = w.options.get("dtype")
+    need(old_dtype is None or cfg.model.dtype in ("auto", old_dtype), "workers.options.dtype", old_dtype,
+         f"conflicts with model.dtype = {cfg.model.dtype!r}: set model.dtype only")
     need(w.threads >= 1, "workers.threads", w.threads, "must be >= 1")
+    _check_kernel_inject(w)
     need(w.mem_budget_bytes >= 1, "workers.mem_budget_bytes", w.mem_budget_bytes, "must be >= 1")
     need(w.restart_backoff_s >= 0, "workers.restart_backoff_s", w.restart_backoff_s, "must be >= 0")
     need(w.restart_backoff_max_s >= w.restart_backoff_s, "workers.restart_backoff_max_s",
@@ -355,8 +402,58 @@ def _check_workers(w: WorkersConfig, cfg: Config) -> None:
          w.daemon_timeout_s, f"must be 0 (off) or > daemon.heartbeat_interval_s ({hb})")
 
 
+def _check_kernel_inject(w: WorkersConfig) -> None:
+    """``workers.options.kernel_inject``: a boolean, for the deepspeed engine, and refused when
+    true (CPU: DeepSpeed's kernels are CUDA-only; CUDA: see worker/engines/deepspeed.py)."""
+    if "kernel_inject" not in w.options:
+        return
+    key, value = "workers.options.kernel_inject", w.options["kernel_inject"]
+    _need(isinstance(value, bool), key, value, "must be true or false")
+    _need(w.engine == "deepspeed", key, value, "only the deepspeed engine takes it")
+    _need(not value or w.device.startswith("cuda"), key, value,
+          "DeepSpeed kernel injection needs CUDA (workers.device is cpu)")
+    _need(not value, key, value,
+          "not supported: DeepSpeed's injected Llama layers keep their own KV cache and rotary "
+          "positions, which the slice loop's per-row cache and left padding cannot use "
+          "(docs/operations.md, Engines)")
+
+
+def _check_http(h: HttpConfig) -> None:
+    try:
+        parse_host_port(h.listen)
+    except ValueError as exc:
+        raise ConfigError("http.listen", h.listen, str(exc)) from None
+    _need(1 <= h.connections <= 256, "http.connections", h.connections, "must be in 1..256")
+    _need(1 <= h.max_choices <= 1024, "http.max_choices", h.max_choices, "must be in 1..1024")
+    _need(h.log_level in _LOG_LEVELS, "http.log_level", h.log_level, f"must be one of {_LOG_LEVELS}")
+
+
+def check_model(cfg: Config) -> None:
+    """Resolve ``model.name`` as the daemon and its workers will (built-in names, paths, hub
+    ids in the local Hugging Face cache); :class:`ConfigError` if it names nothing usable.
+
+    The daemon calls this after :func:`load`; other readers of the file (``sclsd-http``,
+    which may run as another user with another Hugging Face cache) do not need the model.
+    A hub id missing from the cache passes when ``model.allow_download`` is set: the
+    daemon downloads it at start.
+    """
+    m = cfg.model
+    if m.name == "fake":  # the fake engine's model: no files
+        return
+    from .models import ModelNotCached, resolve
+
+    try:
+        resolve(m.name)
+    except ModelNotCached as exc:
+        if not m.allow_download:
+            raise ConfigError("model.name", m.name, str(exc)) from None
+    except (ValueError, OSError) as exc:
+        raise ConfigError("model.name", m.name, str(exc)) from None
+
+
 def _check(cfg: Config) -> None:
     _check_finite(cfg)
+    _check_http(cfg.http)
     _check_daemon(cfg.daemon)
     _check_model(cfg.model)
     _check_scheduler(cfg.scheduler)

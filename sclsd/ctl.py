@@ -2,13 +2,17 @@
 
 ::
 
-    sclsctl submit PROMPT [--stream]       one request
-    sclsctl status [--json]                workers, pool, interval, counters
+    sclsctl submit PROMPT [--stream] [--n K] one request (K choices)
+    sclsctl status [--json]                workers (and those loading), pool, interval, counters
+    sclsctl wait-ready [--timeout S]       exit 0 once the daemon serves with a worker registered
     sclsctl top [--interval S]             live view of the same, with rates
     sclsctl metrics                        Prometheus text exposition
     sclsctl drain WORKER [--resume|--wait] take a worker out of rotation (admin)
     sclsctl cancel ID                      cancel any client's request (admin)
     sclsctl keygen DIR --worker NAME ...   CURVE key pairs for workers on tcp://
+
+Output piped into a command that stops reading early (``sclsctl status | head``)
+ends sclsctl quietly with exit code 141, as a tool killed by SIGPIPE would.
 """
 
 from __future__ import annotations
@@ -43,14 +47,46 @@ def _status_error(args: argparse.Namespace, exc: Exception) -> int:
     return 1
 
 
-def _submit(args: argparse.Namespace) -> int:
-    params: dict[str, Any] = dict(max_tokens=args.max_tokens, temperature=args.temperature)
+def _submit_params(args: argparse.Namespace) -> dict[str, Any]:
+    params: dict[str, Any] = dict(max_tokens=args.max_tokens, temperature=args.temperature,
+                                  top_p=args.top_p, stop=list(args.stop))
     if args.seed is not None:
         params["seed"] = args.seed
+    if args.logprobs is not None:
+        params.update(logprobs=True, top_logprobs=args.logprobs)
     if args.raw:
+        if args.system is not None:
+            raise ValueError("--system needs a chat prompt (drop --raw)")
         params["prompt"] = args.prompt
     else:
-        params["messages"] = [{"role": "user", "content": args.prompt}]
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        params["messages"] = [*system, {"role": "user", "content": args.prompt}]
+    return params
+
+
+def _print_logprobs(done: Done) -> None:
+    """One line per token: its text, log-probability and the alternatives asked for."""
+    for e in done.logprobs or []:
+        alts = "  ".join(f"{a.token!r}:{a.logprob:.3f}" for a in e.top)
+        print(f"  {e.chosen.token!r:>16} {e.chosen.logprob:9.4f}   {alts}")
+
+
+def _summary(done: Done) -> str:
+    t = done.timings
+    ttft = f"{t.ttft_s:.2f}s" if t.ttft_s is not None else "-"
+    return (f"[{done.finish_reason}] prompt={done.usage.prompt_tokens} output={done.usage.completion_tokens} "
+            f"slices={t.slices} queued={t.queued_s:.2f}s ttft={ttft} e2e={t.e2e_s:.2f}s")
+
+
+def _submit(args: argparse.Namespace) -> int:
+    try:
+        params = _submit_params(args)
+    except ValueError as exc:
+        print(f"sclsctl: {exc}", file=sys.stderr)
+        return 2
+    if args.n > 1 and args.stream:
+        print("sclsctl: --stream shows one answer as it comes; drop --stream for --n > 1", file=sys.stderr)
+        return 2
     try:
         with Client(args.socket) as c:
             if args.stream:
@@ -62,16 +98,19 @@ def _submit(args: argparse.Namespace) -> int:
                     elif isinstance(ev, Done):
                         done = ev
                 print()
+                assert done is not None
+                dones = [done]
             else:
-                done = c.complete(**params)
-                print(done.text)
+                dones = c.complete(n=args.n, **params)
+                for i, d in enumerate(dones):
+                    if args.n > 1:
+                        print(f"--- choice {i}")
+                    print(d.text)
+                    _print_logprobs(d)
     except (RequestError, OSError) as exc:
         return _client_error(args, exc)
-    assert done is not None
-    t = done.timings
-    ttft = f"{t.ttft_s:.2f}s" if t.ttft_s is not None else "-"
-    print(f"[{done.finish_reason}] prompt={done.usage.prompt_tokens} output={done.usage.completion_tokens} "
-          f"slices={t.slices} queued={t.queued_s:.2f}s ttft={ttft} e2e={t.e2e_s:.2f}s", file=sys.stderr)
+    for i, d in enumerate(dones):
+        print(("" if args.n == 1 else f"choice {i}: ") + _summary(d), file=sys.stderr)
     return 0
 
 
@@ -83,7 +122,9 @@ def format_status(st: StatusSnapshot, rates: dict[str, float] | None = None) -> 
         f"pool={st.pool_size}  running={st.running_requests}  live={st.live_requests}  "
         f"admitting={st.admitting}  queued_tokens={st.queued_tokens}  connections={st.connections}",
     ]
-    if not st.serving:
+    if st.starting:
+        lines.append(f"STARTING: {st.why or 'not serving yet'}")
+    elif not st.serving:
         lines.append(f"NOT SERVING: {st.why or 'no worker can serve'}")
     if rates is not None:
         lines.append("  ".join(f"{k}={v:.1f}/s" for k, v in rates.items()))
@@ -97,6 +138,9 @@ def format_status(st: StatusSnapshot, rates: dict[str, float] | None = None) -> 
                      f"{w.load_s:>8.2f} {w.queued_batches:>5} "
                      f"{w.batches_inflight:>8} {w.batches_done:>8} {w.tokens_done:>9} "
                      f"{w.heartbeat_age_s:>7.1f}")
+    for lw in st.loading:
+        lines.append(f"{lw.id:<10} {'':<6} {'':<22} {'loading':<9} {lw.age_s:>7.0f}s  pid={lw.pid}  "
+                     f"{lw.step or 'starting'}")
     e = st.estimator_error
     if e.batches and e.mean_error_s is not None and e.mean_abs_error_s is not None:
         lines.append(f"\nestimator: {e.batches} batches, mean error {e.mean_error_s:+.3f}s, "
@@ -115,6 +159,52 @@ def _status(args: argparse.Namespace) -> int:
     else:
         print(format_status(st))
     return 0
+
+
+def readiness(st: StatusSnapshot, want: int) -> tuple[bool | None, str]:
+    """(True: ready, False: still coming, None: will not come without help; what it is doing).
+
+    Ready: the daemon serves and at least ``want`` workers are registered. A daemon that
+    drains, or that gave up on its local workers with none registered and none loading,
+    will not become ready by waiting.
+    """
+    n = len(st.workers)
+    loading = ", ".join(f"{w.id}: {w.step or 'starting'} ({w.age_s:.0f}s)" for w in st.loading)
+    doing = f"{n}/{want} workers registered" + (f"; loading {loading}" if loading else "")
+    if st.draining:
+        return None, "the daemon is draining"
+    if st.serving and n >= want:
+        return True, doing
+    if st.starting:
+        return False, f"{st.why or 'starting'}; {doing}"
+    if not st.serving and not st.loading:
+        return None, st.why or "no worker can serve"
+    return False, doing
+
+
+def _wait_ready(args: argparse.Namespace) -> int:
+    """Poll the status socket until :func:`readiness` says ready (0), never (1) or time is up (1)."""
+    deadline = time.monotonic() + args.timeout
+    last = "no answer yet"
+    while True:
+        try:
+            ready, last = readiness(status(args.status_socket, timeout=max(0.5, min(5.0, args.timeout))),
+                                    args.workers)
+        except RequestError as exc:  # refused (forbidden): waiting does not help
+            return _status_error(args, exc)
+        except OSError as exc:  # not listening yet (or any more): a starting daemon, maybe
+            ready, last = False, f"cannot reach sclsd status at {args.status_socket}: {exc}"
+        if ready:
+            if not args.quiet:
+                print(f"ready: {last}")
+            return 0
+        if ready is None:
+            print(f"sclsctl: not ready and will not be: {last}", file=sys.stderr)
+            return 1
+        if time.monotonic() >= deadline:
+            print(f"sclsctl: not ready after {args.timeout:g}s: {last}", file=sys.stderr)
+            return 1
+        time.sleep(min(args.interval, max(0.0, deadline - time.monotonic())))
 
 
 def _rates(prev: StatusSnapshot, cur: StatusSnapshot, dt: float) -> dict[str, float]:
@@ -166,19 +256,22 @@ def _drain(args: argparse.Namespace) -> int:
     try:
         with Client(args.socket, timeout=30) as c:
             rep = c.drain_worker(args.worker, resume=args.resume)
-        print(f"worker {rep.worker}: {rep.state} ({rep.batches_inflight} batches in flight)")
-        if args.wait and rep.state == "draining":
-            deadline = time.monotonic() + args.timeout
-            while time.monotonic() < deadline:
-                w = {x.id: x for x in status(args.status_socket).workers}.get(args.worker)
-                if w is None or w.state == "drained":
-                    print(f"worker {args.worker}: drained" if w else f"worker {args.worker}: gone")
-                    return 0
-                time.sleep(0.2)
-            print(f"sclsctl: worker {args.worker} still has batches after {args.timeout:.0f}s", file=sys.stderr)
-            return 1
     except (RequestError, OSError) as exc:
         return _client_error(args, exc)
+    print(f"worker {rep.worker}: {rep.state} ({rep.batches_inflight} batches in flight)")
+    if args.wait and rep.state == "draining":
+        deadline = time.monotonic() + args.timeout
+        while time.monotonic() < deadline:
+            try:  # the wait watches the status socket: report that one if it fails
+                w = {x.id: x for x in status(args.status_socket).workers}.get(args.worker)
+            except (RequestError, OSError) as exc:
+                return _status_error(args, exc)
+            if w is None or w.state == "drained":
+                print(f"worker {args.worker}: drained" if w else f"worker {args.worker}: gone")
+                return 0
+            time.sleep(0.2)
+        print(f"sclsctl: worker {args.worker} still has batches after {args.timeout:.0f}s", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -226,17 +319,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--socket", default=DEFAULT_SOCKET, help="client API socket (env SCLSD_SOCKET)")
     p.add_argument("--status-socket", default=DEFAULT_STATUS_SOCKET, help="status socket (env SCLSD_STATUS_SOCKET)")
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("submit", help="send one prompt and print the answer")
+    s = sub.add_parser("submit", help="send one prompt and print the answer",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("prompt")
     s.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     s.add_argument("--raw", action="store_true", help="send as plain text, not as a chat message")
-    s.add_argument("--max-tokens", type=int, default=128)
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--seed", type=int)
+    s.add_argument("--system", help="system message before the prompt (chat only)")
+    s.add_argument("--max-tokens", type=int, default=128,
+                   help="most tokens to generate (the daemon caps it at model.max_gen)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    s.add_argument("--seed", type=int, help="sampling seed (same seed, same answer)")
+    s.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string (repeatable); the answer ends before it")
+    s.add_argument("--n", type=int, default=1, help="number of answers (choices) to generate")
+    s.add_argument("--logprobs", type=int, nargs="?", const=0, metavar="K",
+                   help="print each token's log-probability and the K most likely alternatives")
     s.set_defaults(func=_submit)
     st = sub.add_parser("status", help="workers, pool, interval, counters")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=_status)
+    wr = sub.add_parser("wait-ready", help="wait until the daemon serves with a worker registered (for scripts)",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    wr.add_argument("--timeout", type=float, default=300.0, help="seconds to wait; then exit 1 saying why")
+    wr.add_argument("--workers", type=int, default=1, help="registered workers to wait for")
+    wr.add_argument("--interval", type=float, default=0.2, help="seconds between status polls")
+    wr.add_argument("--quiet", "-q", action="store_true", help="print nothing when ready")
+    wr.set_defaults(func=_wait_ready)
     m = sub.add_parser("metrics", help="Prometheus text exposition")
     m.set_defaults(func=_metrics)
     t = sub.add_parser("top", help="live view of status, with request and token rates")
@@ -263,7 +372,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        rc = int(args.func(args))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (``| head``): no traceback, and no second error when Python
+        # flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+    return rc
 
 
 if __name__ == "__main__":

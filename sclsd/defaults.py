@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 #: Engines a worker can run (``workers.engine``, ``sclsd --engine``, ``sclsd-worker
 #: --engine``); ``worker.engines.ENGINES`` registers exactly these.
-ENGINES: tuple[str, ...] = ("hf", "hf-cb", "fake")
+ENGINES: tuple[str, ...] = ("hf", "hf-cb", "deepspeed", "fake")
 
 #: Client API socket of a system install (``daemon.socket``; ``sclsctl --socket``).
 SOCKET = "/run/sclsd/sclsd.sock"

@@ -1,20 +1,25 @@
 """``make demo``: the daemon with two CPU workers on the embedded model, serving real prompts.
 
-Starts ``sclsd`` in a temporary directory, waits for its workers, sends the
-chat prompts of ``sclsd/data/prompts.txt`` concurrently, streams the first
-answer to the terminal, prints a table per request and shuts everything down.
+Starts ``sclsd`` in a temporary directory and ``sclsd-http`` in front of it
+(http://127.0.0.1:8000 unless that port is taken; the URL is printed), waits for
+its workers, sends the chat prompts of ``sclsd/data/prompts.txt`` concurrently,
+streams the first answer to the terminal and prints a table per request. Run from
+a terminal (or with ``--serve``) it then keeps serving, so the README's ``curl``
+and ``openai`` examples can be tried against it, until Ctrl-C; otherwise it shuts
+everything down.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import subprocess
 import sys
 import time
 from importlib import resources
 
 from .client import AsyncClient, Delta, Done, RequestError
-from .launch import launch
+from .launch import DaemonProcess, launch
 
 
 def _prompts() -> list[str]:
@@ -56,6 +61,56 @@ async def _run_requests(sock: str, prompts: list[str], max_tokens: int) -> list[
         return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
 
+def _wait_ready(d: DaemonProcess, n: int, timeout: float) -> None:
+    """Wait for ``n`` registered workers, printing each loading step as the workers report it
+    (the first start converts the model once, the later ones read it from the cache)."""
+    t0 = time.monotonic()
+    shown: set[tuple[str, str]] = set()
+    while time.monotonic() - t0 < timeout:
+        if d.proc.poll() is not None:
+            raise RuntimeError(f"sclsd exited with code {d.proc.returncode} during start-up")
+        try:
+            st = d.status(timeout=2.0)
+        except OSError:  # not listening yet
+            time.sleep(0.1)
+            continue
+        lines = [(w.id, w.step) for w in st.loading if w.step]
+        lines += [(w.id, "registered") for w in st.workers]
+        for wid, step in lines:
+            if (wid, step) not in shown:
+                shown.add((wid, step))
+                print(f"  {time.monotonic() - t0:5.1f}s  {wid}: {step}", flush=True)
+        if len(st.workers) >= n:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"{n} workers not registered within {timeout:.0f}s")
+
+
+def _start_http(sock: str, status_sock: str, listen: str) -> tuple[subprocess.Popen[bytes], str]:
+    """``sclsd-http`` in front of the daemon, on ``listen`` or, if that is taken, a free port."""
+    for address in (listen, "127.0.0.1:0"):
+        proc = subprocess.Popen([sys.executable, "-m", "sclsd.http", "--socket", sock, "--status-socket",
+                                 status_sock, "--listen", address, "--log-level", "warning"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        assert proc.stdout is not None
+        for raw in proc.stdout:  # its first line says where it listens, or why it cannot
+            line = raw.decode(errors="replace")
+            if line.startswith("sclsd-http listening on "):
+                return proc, line.split()[3]
+            if "cannot listen" in line:
+                break
+        proc.wait()
+    raise RuntimeError("sclsd-http did not start")
+
+
+def _try_it(url: str, model: str) -> str:
+    """A request to paste into another terminal."""
+    body = ('{"model": "' + model + '", "messages": [{"role": "user", "content": "Hi!"}], '
+            '"max_tokens": 32}')
+    return (f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"    -d '{body}'")
+
+
 def _table(results: list[tuple[str, Done | str]]) -> str:
     head = f"{'#':>2}  {'prompt':<42} {'in':>4} {'out':>4} {'slices':>6} {'queue':>7} {'ttft':>7} {'e2e':>7}  finish"
     rows = [head, "-" * len(head)]
@@ -81,15 +136,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=80)
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--ready-timeout", type=float, default=240.0)
+    ap.add_argument("--http-listen", default="127.0.0.1:8000", help="where sclsd-http listens")
+    ap.add_argument("--serve", action=argparse.BooleanOptionalAction, default=None,
+                    help="keep serving after the prompts until Ctrl-C (default: when run from a terminal)")
     args = ap.parse_args(argv)
+    serve = sys.stdin.isatty() if args.serve is None else args.serve
     prompts = _prompts()[: args.prompts]
     t_start = time.monotonic()
     print(f"starting sclsd: {args.workers} {args.engine} workers on {args.model}, policy {args.policy}, "
           f"slice length {args.slice_len}", flush=True)
     d = launch(_sections(args))
     rc = 1
+    http: subprocess.Popen[bytes] | None = None
     try:
-        d.wait_workers(args.workers, args.ready_timeout, progress=True)
+        http, url = _start_http(d.sock, d.status_sock, args.http_listen)
+        print(f"OpenAI-compatible API: {url}/v1 (sclsd-http)", flush=True)
+        _wait_ready(d, args.workers, args.ready_timeout)
         t_ready = time.monotonic()
         print(f"\nsending {len(prompts)} chat prompts; streaming the first answer:\n")
         print(f"> {prompts[0]}\n")
@@ -108,10 +170,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"batches: {st.counters.get('batches', 0)}, estimator mean |error| "
                   f"{e.mean_abs_error_s:.2f}s over the last {e.batches}")
         rc = 0 if len(ok) == len(results) else 1
+        if serve:
+            print(f"\nstill serving at {url}/v1 (model {st.model!r}) until Ctrl-C; try:\n"
+                  + _try_it(url, st.model), flush=True)
+            try:
+                while d.proc.poll() is None and http.poll() is None:
+                    time.sleep(0.5)
+            except KeyboardInterrupt:
+                print()
     except Exception as exc:  # noqa: BLE001 - report, show the log, clean up
         print(f"demo failed: {exc}", file=sys.stderr)
         print(d.log_text(), file=sys.stderr)
     finally:
+        if http is not None and http.poll() is None:
+            http.terminate()
+            http.wait(timeout=30)
         code = d.stop(timeout=60)
         print(f"sclsd stopped (exit code {code}); total {time.monotonic() - t_start:.1f}s")
         if code != 0:

@@ -11,9 +11,9 @@ Three channels share this schema:
   :class:`StatusRequest` / :class:`MetricsRequest` answered by
   :class:`StatusReply` / :class:`MetricsReply`.
 * **Daemon <-> worker** (ZeroMQ ROUTER/DEALER, one msgpack map per message):
-  :class:`Register`, :class:`Heartbeat`, :class:`Result` (worker -> daemon) and
-  :class:`Welcome`, :class:`BatchMsg`, :class:`Drain`, :class:`Resume`,
-  :class:`Reregister`, :class:`Shutdown` (daemon -> worker).
+  :class:`Register`, :class:`Heartbeat`, :class:`Tokens`, :class:`Result` (worker ->
+  daemon) and :class:`Welcome`, :class:`BatchMsg`, :class:`Release`, :class:`Drain`,
+  :class:`Resume`, :class:`Reregister`, :class:`Shutdown` (daemon -> worker).
 
 Every message is a msgpack map whose ``type`` field names the struct. Decoding
 validates types and value ranges and rejects unknown types and unknown fields,
@@ -32,12 +32,18 @@ from .core.request import FinishReason
 
 #: Bumped on any incompatible change to a message below. 2: workers authenticate
 #: (``Register.auth``), acknowledge batches (:class:`BatchAck`) and hear
-#: :class:`Keepalive`; the status reply is the typed :class:`StatusSnapshot`.
-PROTOCOL_VERSION = 2
+#: :class:`Keepalive`; the status reply is the typed :class:`StatusSnapshot`. 3: workers
+#: stream tokens during a slice (:class:`Tokens`), keep KV across slices (``kv_tokens``,
+#: ``kv_evicted``) and hear :class:`Release`. 4: ``generate`` grows the parameters of
+#: OpenAI-style clients (``min_p``, the penalties, ``logprobs``/``top_logprobs``, ``user``,
+#: ``max_tokens = None`` and ``cap_max_tokens``), ``delta``/``done`` carry ``logprobs`` and
+#: batch rows/results the same. Older clients are still served: every new field has a
+#: default, and the daemon sends a new field only to a request that asked for it.
+PROTOCOL_VERSION = 4
 
 #: Default cap on one client / status frame (bytes of msgpack).
 DEFAULT_MAX_FRAME = 4 * 1024 * 1024
-#: Cap on nesting depth accepted from a peer (msgspec validates shapes, this is belt and braces).
+#: A stream frame's header: the body's length, 4 bytes big-endian.
 FRAME_HEADER = struct.Struct(">I")
 
 NonNegFloat = Annotated[float, Meta(ge=0.0)]
@@ -50,7 +56,7 @@ RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
 ErrorCode = Literal[
     "bad_request", "bad_frame", "frame_too_large", "unknown_type", "prompt_too_long",
     "duplicate_id", "unknown_id", "overloaded", "draining", "shutdown", "forbidden",
-    "unknown_worker", "no_workers", "timeout", "internal",
+    "unknown_worker", "no_workers", "timeout", "internal", "starting",
 ]
 WorkerStateName = Literal["active", "draining", "drained"]
 
@@ -80,22 +86,41 @@ class Generate(_Msg, tag="generate"):
     """Chat turns, rendered with the model's chat template."""
     id: RequestId | None = None
     """Client-chosen request id (unique per daemon); assigned when absent."""
-    max_tokens: PosInt = 128
-    """Most new tokens to generate."""
+    max_tokens: PosInt | None = 128
+    """Most new tokens to generate; None: up to the daemon's limit ``model.max_gen``."""
+    cap_max_tokens: bool = True
+    """A ``max_tokens`` above ``model.max_gen`` is lowered to it (True; the ``done`` then ends
+    with ``length`` at the limit) or refused with ``bad_request`` naming max_tokens (False)."""
     temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 1.0
     """0 means greedy decoding."""
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     top_k: NonNegInt = 0
     """0 disables top-k."""
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    """Drop tokens less likely than ``min_p`` times the most likely one (0: off)."""
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    """Subtracted from the logit of every token already generated (OpenAI's definition)."""
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    """Subtracted from a token's logit once per time it was already generated."""
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
+    """Divides positive (multiplies negative) logits of tokens in the prompt or the output
+    (transformers' and vLLM's definition; 1: off)."""
     seed: int | None = None
     """Seed for sampling; the same seed gives the same output."""
     stop: list[Annotated[str, Meta(min_length=1, max_length=256)]] = []
-    """Stop strings: generation ends when the text contains one (it is cut off)."""
+    """Stop strings: generation ends when the text contains one (it is cut off, and the
+    tokens after the one that completed it are dropped from the output and the usage)."""
     stop_token_ids: list[TokenId] = []
     """Extra token ids that end generation (the model's EOS always does unless ignore_eos)."""
     ignore_eos: bool = False
+    logprobs: bool = False
+    """Return the log-probability of each generated token (``delta``/``done`` ``logprobs``)."""
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0
+    """Also return this many most likely tokens at each position (implies ``logprobs``)."""
+    user: Annotated[str, Meta(max_length=256)] | None = None
+    """An end-user id, logged with the request (OpenAI's ``user``)."""
     stream: bool = True
-    """Send :class:`Delta` events as tokens arrive (one per slice or finer)."""
+    """Send :class:`Delta` events as tokens are generated (coalesced to about 20 ms)."""
     priority: int = 0
     timeout: NonNegFloat | None = None
     """Seconds from acceptance after which the request ends with finish_reason ``timeout``."""
@@ -138,12 +163,35 @@ class Accepted(_Msg, tag="accepted"):
     prompt_tokens: int
 
 
+class Logprob(msgspec.Struct, array_like=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A token and its log-probability (an array ``[id, logprob, token?]`` on the wire).
+    Workers send ids; the daemon adds ``token``, the token's text, for its clients."""
+
+    id: int
+    logprob: float
+    token: str = ""
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, forbid_unknown_fields=True, omit_defaults=True):
+    """One generated position: the chosen token and the ``top_logprobs`` most likely ones.
+
+    Log-probabilities are the log-softmax of the model's logits at that position (the row
+    the engine samples from, before penalties, temperature and truncation; vLLM's default).
+    """
+
+    chosen: Logprob
+    top: list[Logprob] = []
+
+
 class Delta(_Msg, tag="delta"):
     """New tokens of a streaming request."""
 
     id: str
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprobs] | None = None
+    """With ``logprobs``: those of ``token_ids`` (or of tokens streamed earlier, when a
+    worker sent their tokens before their log-probabilities), in order."""
 
 
 class Usage(msgspec.Struct, forbid_unknown_fields=True):
@@ -177,6 +225,8 @@ class Done(_Msg, tag="done"):
     """Whole output token ids (non-streaming requests)."""
     worker: str | None = None
     """Worker that served the last slice."""
+    logprobs: list[TokenLogprobs] | None = None
+    """Non-streaming requests with ``logprobs``: one entry per token of ``token_ids``."""
 
 
 class Error(_Msg, tag="error"):
@@ -242,6 +292,17 @@ class WorkerStatus(msgspec.Struct, forbid_unknown_fields=True):
     """Seconds since the worker was last heard from."""
 
 
+class LoadingWorker(msgspec.Struct, forbid_unknown_fields=True):
+    """A worker the daemon spawned that has not registered yet (it is loading its model)."""
+
+    id: str
+    pid: int
+    age_s: float
+    """Seconds since it was spawned."""
+    step: str = ""
+    """Its latest loading step, as it logged it ("" before the first)."""
+
+
 class EstimatedVsMeasured(msgspec.Struct, forbid_unknown_fields=True):
     est_s: float
     measured_s: float
@@ -293,8 +354,14 @@ class StatusSnapshot(msgspec.Struct, forbid_unknown_fields=True):
     counters: dict[str, int]
     """Scheduler and daemon event counts since start (docs/operations.md lists them)."""
     serving: bool = True
-    """False when no worker can serve (e.g. local workers crash-looping): see ``why``."""
+    """False when no worker can serve (e.g. local workers crash-looping) or while the daemon
+    is ``starting``: see ``why``."""
     why: str | None = None
+    starting: bool = False
+    """The daemon listens but does not serve yet (loading the tokenizer, downloading the
+    model): ``generate`` is answered with error ``starting``."""
+    loading: list[LoadingWorker] = []
+    """Spawned workers that have not registered yet."""
 
 
 class StatusReply(_Msg, tag="status_reply"):
@@ -372,6 +439,16 @@ class BatchRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     """Tokens generated in earlier slices (keeps sampling streams reproducible)."""
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    """Both over the tokens generated so far: the last ``generated`` of ``token_ids`` and
+    those of this slice."""
+    repetition_penalty: float = 1.0
+    """Over the whole context (prompt and generated tokens)."""
+    logprobs: bool = False
+    """Send ``RequestOutput.logprobs`` for this row."""
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0
 
 
 class BatchMsg(_Msg, tag="batch"):
@@ -380,6 +457,9 @@ class BatchMsg(_Msg, tag="batch"):
     batch_id: int
     slice_len: PosInt
     requests: list[BatchRequest]
+    kv_reuse: bool = True
+    """Use KV kept from the rows' earlier slices and keep theirs after this one (the daemon's
+    ``scheduler.kv_reuse``); False: prefill in full and keep nothing (the paper's slicing)."""
 
 
 class RequestOutput(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -388,6 +468,11 @@ class RequestOutput(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     """Tokens generated in this slice."""
     finish_reason: Literal["stop", "length"] | None = None
     """``stop``: EOS or a stop token; ``length``: its max_new_tokens reached; None: slice ended."""
+    logprobs: list[TokenLogprobs] = []
+    """Rows asked for ``logprobs``: one entry per token of ``token_ids``."""
+    kv_tokens: NonNegInt = 0
+    """In a :class:`Result`: tokens of this request's context whose KV the worker keeps after
+    the slice (its next slice there prefills only the rest); 0: none kept."""
 
 
 class BatchStats(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -404,6 +489,10 @@ class BatchStats(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     """Batch input length L_i (longest context in the batch)."""
     queue_wait_s: float = 0.0
     """Time the batch waited in the worker's local queue."""
+    prefill_tokens: int = 0
+    """Context tokens the prefill computed (padding excluded)."""
+    reused_tokens: int = 0
+    """Context tokens whose KV came from the worker's retained caches instead."""
 
 
 class Result(_Msg, tag="result"):
@@ -413,6 +502,28 @@ class Result(_Msg, tag="result"):
     stats: BatchStats = msgspec.field(default_factory=BatchStats)
     error: str | None = None
     """Set when the engine failed: the batch's requests go back to the pool."""
+    kv_evicted: list[str] = []
+    """Requests whose retained KV the worker dropped to make room since its last result."""
+
+
+class Tokens(_Msg, tag="tokens"):
+    """Tokens of a running batch, sent as they are generated (coalesced: at most one per
+    batch every ~20 ms, the first as soon as the prefill produced the first tokens).
+
+    Each output holds only the tokens generated since the previous ``tokens`` of this
+    batch; ``finish_reason`` is set once a row has finished. Advisory: the batch's
+    :class:`Result` still carries every token of the slice and is authoritative.
+    """
+
+    worker_id: str
+    batch_id: int
+    outputs: list[RequestOutput]
+
+
+class Release(_Msg, tag="release"):
+    """Drop the retained KV of these requests (they ended or moved to another worker)."""
+
+    rids: list[str]
 
 
 class Drain(_Msg, tag="drain"):
@@ -433,8 +544,8 @@ class Reregister(_Msg, tag="reregister"):
     Batches the worker still holds were already given back to the pool."""
 
 
-WorkerMsg = Register | Heartbeat | Result | BatchAck
-DaemonToWorkerMsg = Welcome | BatchMsg | Drain | Shutdown | Resume | Reregister | Keepalive
+WorkerMsg = Register | Heartbeat | Result | BatchAck | Tokens
+DaemonToWorkerMsg = Welcome | BatchMsg | Drain | Shutdown | Resume | Reregister | Keepalive | Release
 
 
 # --------------------------------------------------------------------------- codecs

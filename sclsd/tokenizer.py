@@ -5,6 +5,7 @@ The daemon calls these from a thread pool, never on the event loop.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,13 +36,14 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A transformers tokenizer loaded through :mod:`sclsd.models`."""
+    """A transformers tokenizer loaded through :mod:`sclsd.models` (a GGUF's from the model
+    cache under ``cache_dir``: :mod:`sclsd.modelcache`)."""
 
-    def __init__(self, spec: str) -> None:
+    def __init__(self, spec: str, cache_dir: str | os.PathLike[str] | None = None) -> None:
         from .models import load_tokenizer
 
         self.spec = spec
-        self.tok: Any = load_tokenizer(spec)
+        self.tok: Any = load_tokenizer(spec, cache_dir=cache_dir)
         self.vocab_size = len(self.tok)
 
     def encode(self, text: str) -> list[int]:
@@ -59,11 +61,11 @@ class HFTokenizer:
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
-def load(spec: str) -> Tokenizer:
+def load(spec: str, cache_dir: str | os.PathLike[str] | None = None) -> Tokenizer:
     """Tokenizer for a model spec (``fake`` gets the byte tokenizer)."""
     if spec == "fake":
         return ByteTokenizer()
-    return HFTokenizer(spec)
+    return HFTokenizer(spec, cache_dir)
 
 
 @dataclass

@@ -4,7 +4,8 @@
 
     sclsd-worker --connect ENDPOINT --id ID [--engine hf|fake] [--model SPEC]
                  [--device cpu] [--threads N] [--mem-budget BYTES] [--heartbeat S]
-                 [--dtype float32] [--decode-s S] [--prefill-s-per-token S] [--vocab N]
+                 [--dtype auto|float32|bfloat16|float16] [--cache-dir DIR] [--progress-file FILE]
+                 [--decode-s S] [--prefill-s-per-token S] [--vocab N]
                  [--opt KEY=VALUE ...] [--profile FILE] [--log-level info]
                  [--secret-file FILE] [--daemon-timeout S] [--parent-pid PID]
                  [--curve-server-key KEY | --curve-server-key-file FILE] [--curve-keypair FILE]
@@ -14,6 +15,11 @@ Start-up order: tie the process's life to ``--parent-pid`` (the daemon that
 spawned it), read the worker secret, load the engine (model), then register;
 see :mod:`worker.runtime` for the threads and the protocol. SIGTERM and SIGINT
 finish the running batch, hand queued ones back and exit 0.
+
+Loading logs each step (reading and dequantising a GGUF, loading from the cache,
+ready) with the worker's id; ``--progress-file`` also keeps the latest step in a
+file, which the daemon that spawned the worker shows in its status until the
+worker registers.
 
 Authentication: the daemon accepts a worker that proves it holds the daemon's
 worker secret (``--secret-file``, or ``$SCLSD_WORKER_SECRET_FILE``; hex text in
@@ -182,12 +188,55 @@ def build_parser() -> argparse.ArgumentParser:
         "--mem-budget", type=int, default=None, help="KV memory budget in bytes (CPU engines)"
     )
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
-    p.add_argument("--dtype", default=None, help="model dtype (hf): float32, float16, bfloat16")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="model dtype (hf, hf-cb, deepspeed): auto, float32, bfloat16, float16; auto is "
+        "float32 on the CPU and the model's own half precision (else bfloat16) on CUDA "
+        "(default: float32)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where converted GGUF models are cached (default: $SCLSD_CACHE_DIR, else "
+        "$XDG_CACHE_HOME/sclsd or ~/.cache/sclsd)",
+    )
+    p.add_argument(
+        "--progress-file",
+        type=Path,
+        default=None,
+        help="keep the latest loading step in this file (for the daemon's status)",
+    )
     p.add_argument("--decode-s", type=float, default=None, help="fake: seconds per iteration")
     p.add_argument(
         "--prefill-s-per-token", type=float, default=None, help="fake: prefill seconds per token"
     )
     p.add_argument("--vocab", type=int, default=None, help="fake: vocabulary size")
+    p.add_argument(
+        "--kv-reuse",
+        type=parse_value,
+        default=None,
+        help="hf, fake: keep unfinished requests' KV across slices (true/false; default true)",
+    )
+    p.add_argument(
+        "--kv-retain-bytes",
+        type=int,
+        default=None,
+        help="hf, fake: most bytes of KV kept across slices (default: the memory budget)",
+    )
+    p.add_argument(
+        "--kv-host-bytes",
+        type=int,
+        default=None,
+        help="hf: bytes of host memory for kept KV that does not fit beside a batch "
+        "(default: the memory budget on CUDA, 0 on the CPU)",
+    )
+    p.add_argument(
+        "--kernel-inject",
+        type=parse_value,
+        default=None,
+        help="deepspeed: DeepSpeed kernel injection (true/false; true is refused, with the reason)",
+    )
     p.add_argument(
         "--opt",
         action="append",
@@ -242,12 +291,46 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Constructor options for the engine: the explicit flags given, then ``--opt``s."""
     opts: dict[str, Any] = {}
-    for name in ("threads", "mem_budget", "dtype", "decode_s", "prefill_s_per_token", "vocab"):
+    for name in ("threads", "mem_budget", "dtype", "decode_s", "prefill_s_per_token", "vocab",
+                 "kernel_inject", "kv_reuse", "kv_retain_bytes", "kv_host_bytes"):
         value = getattr(args, name)
         if value is not None:
             opts[name] = value
     opts.update(dict(args.opt))
     return opts
+
+
+class ProgressFile(logging.Handler):
+    """Keeps the latest loading step logged at info level in a file, replaced atomically
+    so that a reader never sees half a line."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(logging.INFO)
+        self.path = path
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            tmp.write_text(record.getMessage()[:200] + "\n")
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # progress is a courtesy: never fail a load over it
+
+
+def report_progress(path: Path | None) -> ProgressFile | None:
+    """Send the loading steps (this module's and ``sclsd.models``') to ``path`` too."""
+    if path is None:
+        return None
+    handler = ProgressFile(path)
+    for name in ("worker", "sclsd.models"):
+        logging.getLogger(name).addHandler(handler)
+    return handler
+
+
+def stop_progress(handler: ProgressFile | None) -> None:
+    if handler is not None:
+        for name in ("worker", "sclsd.models"):
+            logging.getLogger(name).removeHandler(handler)
 
 
 def setup_logging(worker_id: str, level: str) -> None:
@@ -257,6 +340,24 @@ def setup_logging(worker_id: str, level: str) -> None:
         format=f"%(asctime)s sclsd-worker[{worker_id}] %(levelname)s %(name)s: %(message)s",
         force=True,
     )
+
+
+def load_engine(args: argparse.Namespace) -> Any:
+    """The engine the command line asks for, its model loaded (``--dtype auto`` resolved
+    here, where the device is known; ``--cache-dir`` applied to this process)."""
+    if args.cache_dir:
+        from sclsd.modelcache import CACHE_ENV
+
+        os.environ[CACHE_ENV] = args.cache_dir
+    if args.dtype == "auto":
+        from sclsd import models
+
+        args.dtype = models.auto_dtype(args.model or models.DEFAULT_MODEL, args.device)
+    log.info("loading engine %s: model %s on %s%s", args.engine, args.model or "(default)",
+             args.device, f" in {args.dtype}" if args.dtype else "")
+    from worker.engines import create_engine
+
+    return create_engine(args.engine, args.model, args.device, **engine_options(args))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,19 +423,21 @@ def main(argv: list[str] | None = None) -> int:
             SECRET_FILE_ENV,
         )
 
-    from worker.engines import create_engine
-    from worker.runtime import RuntimeOptions, WorkerRuntime
-
+    progress = report_progress(args.progress_file)
     t0 = time.perf_counter()
     try:
-        engine = create_engine(args.engine, args.model, args.device, **engine_options(args))
+        engine = load_engine(args)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         log.error("cannot start engine %s: %s", args.engine, exc)
         return 2
-    log.info("engine %s ready in %.1fs", args.engine, time.perf_counter() - t0)
+    log.info("engine %s ready in %.1fs: registering with the daemon", args.engine,
+             time.perf_counter() - t0)
+    stop_progress(progress)
     if stop["reason"] is not None:
         log.info("%s during start-up: exiting", stop["reason"])
         return 0
+
+    from worker.runtime import RuntimeOptions, WorkerRuntime
 
     runtime = WorkerRuntime(
         engine,

@@ -12,6 +12,15 @@ the receive thread (the caller of :meth:`WorkerRuntime.run`), the sending end
 of the PAIR to the serve thread. The PAIR wakes the receive thread's poll the
 moment a result is ready, so a result is never delayed by a poll timeout.
 
+Tokens stream while a batch runs: the engine hands each step's new tokens to a
+:class:`TokenStream`, which coalesces them into :class:`~sclsd.protocol.Tokens`
+messages (the first at once, then at most one per ``STREAM_INTERVAL_S``) sent
+through the same PAIR, so they always precede the batch's Result. Retained KV
+is the engine's: a :class:`~sclsd.protocol.Release` from the daemon drops some
+at once (from the receive thread), every new registration drops all of it (the
+daemon has forgotten what this worker held), and each Result lists what the
+engine evicted.
+
 The receive thread acknowledges every batch it queues (:class:`~sclsd.protocol.BatchAck`),
 so the daemon knows which batches reached the worker. When the daemon falls
 silent for ``daemon_timeout_s`` the queued batches are dropped (the daemon has
@@ -26,6 +35,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,12 +46,53 @@ from sclsd import protocol as P
 from worker.engines.base import Engine
 from worker.link import DaemonLink, RuntimeOptions
 
-__all__ = ["MAX_ERROR_CHARS", "RuntimeOptions", "WorkerRuntime"]
+__all__ = ["MAX_ERROR_CHARS", "STREAM_INTERVAL_S", "RuntimeOptions", "TokenStream", "WorkerRuntime"]
 
 log = logging.getLogger("worker")
 
 #: Longest engine error text sent back to the daemon.
 MAX_ERROR_CHARS = 2000
+#: Least time between two Tokens messages of one batch.
+STREAM_INTERVAL_S = 0.02
+
+
+class TokenStream:
+    """Coalesces one batch's ``emit`` calls into Tokens messages: the first goes at once,
+    later ones at most every ``interval`` seconds. Tokens still pending when the batch
+    ends are not sent: its Result carries every token anyway."""
+
+    def __init__(self, send: Callable[[bytes], None], worker_id: str, batch_id: int,
+                 interval: float = STREAM_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.send = send
+        self.worker_id = worker_id
+        self.batch_id = batch_id
+        self.interval = interval
+        self.clock = clock
+        self.pending: dict[str, P.RequestOutput] = {}
+        self.next_at = float("-inf")
+        self.sent = 0
+        """Tokens messages sent."""
+
+    def __call__(self, outputs: list[P.RequestOutput]) -> None:
+        for o in outputs:
+            acc = self.pending.get(o.rid)
+            if acc is None:
+                self.pending[o.rid] = P.RequestOutput(rid=o.rid, token_ids=list(o.token_ids),
+                                                      finish_reason=o.finish_reason,
+                                                      logprobs=list(o.logprobs))
+            else:
+                acc.token_ids.extend(o.token_ids)
+                acc.logprobs.extend(o.logprobs)
+                acc.finish_reason = o.finish_reason
+        now = self.clock()
+        if self.pending and now >= self.next_at:
+            msg = P.Tokens(worker_id=self.worker_id, batch_id=self.batch_id,
+                           outputs=list(self.pending.values()))
+            self.pending = {}
+            self.next_at = now + self.interval
+            self.sent += 1
+            self.send(P.encode(msg))
 
 
 @dataclass
@@ -80,6 +131,8 @@ class WorkerRuntime:
             self._abandon.set()
 
     def _register_msg(self) -> P.Register:
+        # A (re-)registration means the daemon knows nothing of what we hold.
+        self.engine.release()
         info = self.engine.info()
         return P.Register(
             worker_id=self.opts.worker_id,
@@ -112,7 +165,7 @@ class WorkerRuntime:
                 batch, queued_at = item
                 self.state.busy = True
                 try:
-                    res = self._serve_one(batch, time.monotonic() - queued_at)
+                    res = self._serve_one(batch, time.monotonic() - queued_at, pair.send)
                 finally:
                     self.state.busy = False
                 pair.send(P.encode(res))
@@ -145,14 +198,17 @@ class WorkerRuntime:
             self.state.busy = False
             pair.close()
 
-    def _serve_one(self, batch: P.BatchMsg, waited: float) -> P.Result:
+    def _serve_one(self, batch: P.BatchMsg, waited: float,
+                   send: Callable[[bytes], Any] | None = None) -> P.Result:
         wid = self.opts.worker_id
+        stream = TokenStream(send, wid, batch.batch_id) if send is not None else None
         try:
-            outputs, stats = self.engine.serve(batch)
+            outputs, stats = self.engine.serve(batch, stream)
         except Exception as exc:  # the worker outlives a failing batch
             log.exception("batch=%d failed", batch.batch_id)
             text = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
-            return P.Result(worker_id=wid, batch_id=batch.batch_id, error=text)
+            return P.Result(worker_id=wid, batch_id=batch.batch_id, error=text,
+                            kv_evicted=self.engine.take_evicted())
         stats = msgspec.structs.replace(stats, queue_wait_s=waited)
         log.debug(
             "batch=%d done: n=%d L=%d iterations=%d prefill=%.3fs decode=%.3fs",
@@ -163,7 +219,8 @@ class WorkerRuntime:
             stats.prefill_s,
             stats.decode_s,
         )
-        return P.Result(worker_id=wid, batch_id=batch.batch_id, outputs=outputs, stats=stats)
+        return P.Result(worker_id=wid, batch_id=batch.batch_id, outputs=outputs, stats=stats,
+                        kv_evicted=self.engine.take_evicted())
 
     # ------------------------------------------------------------------ receive thread
 
@@ -216,6 +273,8 @@ class WorkerRuntime:
                 # the outbox too, can only follow it.
                 ack = P.BatchAck(worker_id=self.opts.worker_id, batch_id=msg.batch_id)
                 self.link.send(ack, keep=True)
+        elif isinstance(msg, P.Release):
+            self.engine.release(msg.rids)
         elif isinstance(msg, P.Drain):
             if not st.draining:
                 log.info(

@@ -6,6 +6,8 @@ Steps (each is one ``sclsd-bench`` subcommand, run as its own process):
 
 - ``batcher``: DP batcher time for n = 64 … 16384 (target: 4096 in ≤ 50 ms median);
 - ``figures``: the paper's section 6 figures in simulation (docs/img/*.png);
+- ``slicing``: scls with work-conserving rounds and KV reuse against the baselines
+  and both oracles, in simulation (``python -m sclsd.sim.variants``, out/slicing.md);
 - ``sim``: simulator speed, 10 simulated minutes of 8 workers at 20 req/s;
 - ``api``: the daemon's own request rate with a zero-time fake engine;
 - ``live``: sls vs ILS (hf-cb) vs scls on real CPU workers (the longest step).
@@ -23,14 +25,16 @@ from pathlib import Path
 
 TRACE = str(Path("..") / "shared" / "traces" / "sharegpt_lengths.csv")
 
+#: Each step: a module run as ``python -m`` and its arguments.
 STEPS: dict[str, list[str]] = {
-    "batcher": ["batcher", "--sweep", "--trace", TRACE, "--json", "out/batcher.json"],
-    "figures": ["figures", "--trace", TRACE, "--data", "out/figures.json", "--img", "docs/img",
+    "batcher": ["sclsd.bench.cli", "batcher", "--sweep", "--trace", TRACE, "--json", "out/batcher.json"],
+    "figures": ["sclsd.bench.cli", "figures", "--trace", TRACE, "--data", "out/figures.json", "--img", "docs/img",
                 "--tables", "out/figures.md"],
-    "sim": ["sim", "--trace", TRACE, "--policy", "scls", "--profile", "a100-llama2-13b-hf",
+    "slicing": ["sclsd.sim.variants", "--out", "out/slicing.json", "--md", "out/slicing.md"],
+    "sim": ["sclsd.bench.cli", "sim", "--trace", TRACE, "--policy", "scls", "--profile", "a100-llama2-13b-hf",
             "--workers", "8", "--rate", "20", "--duration", "600", "--json", "out/sim-speed.json"],
-    "api": ["api", "--json", "out/api.json"],
-    "live": ["live", "--trace", TRACE, "--out", "out/live"],
+    "api": ["sclsd.bench.cli", "api", "--json", "out/api.json"],
+    "live": ["sclsd.bench.cli", "live", "--trace", TRACE, "--out", "out/live"],
 }
 
 
@@ -52,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     for i, name in enumerate(only or list(STEPS), 1):
         if name in skip:
             continue
-        cmd = [sys.executable, "-m", "sclsd.bench.cli", *STEPS[name]]
-        print(f"\n[{i}/{len(only or STEPS)}] {name}: sclsd-bench {' '.join(STEPS[name])}", flush=True)
+        cmd = [sys.executable, "-m", *STEPS[name]]
+        print(f"\n[{i}/{len(only or STEPS)}] {name}: python -m {' '.join(STEPS[name])}", flush=True)
         t0 = time.monotonic()
         rc = subprocess.call(cmd)
         print(f"[{name}] exit {rc} after {time.monotonic() - t0:.0f}s", flush=True)

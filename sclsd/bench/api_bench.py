@@ -24,6 +24,11 @@ The scheduler runs the real ``scls`` policy on a near-zero cost profile (a
 batch is estimated at tens of microseconds, so the adaptive interval is Γ,
 ``--gamma``). Requests are token ids (no tokenizer work) and non-streaming
 unless ``--stream``.
+
+``--http`` measures the same through one ``sclsd-http`` process in front of the
+daemon (started here, or the one at ``--http-url``): ``POST /v1/completions``
+with the prompt as token ids, HTTP/1.1 keep-alive, one request at a time per
+connection (``--connections`` × ``--inflight`` connections).
 """
 
 from __future__ import annotations
@@ -35,15 +40,18 @@ import os
 import platform
 import random
 import resource
+import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from .. import protocol as P
+from ..http.process import start_http, stop_http
 from ..launch import launch
 
 #: Cost profile of a zero-time engine: a few microseconds per batch and per row, so the
@@ -83,6 +91,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-dir", help="run the daemon in this directory and keep it (logs)")
     p.add_argument("--socket", help="measure an already running daemon at this client socket instead "
                    "(e.g. one under a profiler); its config is then yours to choose")
+    p.add_argument("--http", action="store_true",
+                   help="through one sclsd-http process (POST /v1/completions) instead of the Unix socket")
+    p.add_argument("--http-url", help="with --http: measure the sclsd-http at this URL instead of starting one")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -150,6 +161,11 @@ class _Bench:
         self.server_lat: list[float] = []
         self.wrong_length = 0
         self.idle = asyncio.Event()
+        body = msgspec.json.encode({"model": "fake", "prompt": self.prompt, "max_tokens": args.max_tokens,
+                                    "temperature": 0, "ignore_eos": True, "stream": False})
+        self.http_request = (b"POST /v1/completions HTTP/1.1\r\nHost: sclsd\r\n"
+                             b"Content-Type: application/json\r\nContent-Length: "
+                             + str(len(body)).encode() + b"\r\n\r\n" + body)
 
     def frame_for(self, rid: str) -> bytes:
         return P.frame(msgspec.structs.replace(self.template, id=rid))
@@ -167,14 +183,75 @@ class _Bench:
         elif not conn.sent:
             self.idle.set()
 
-    def failed(self, conn: _Conn, ev: P.Error) -> None:
+    def completed_http(self, conn: _HttpConn, seconds: float, tokens: int) -> None:
+        """An HTTP completion (the server's timings are not in OpenAI's response)."""
+        self.done += 1
+        if tokens != self.args.max_tokens:
+            self.wrong_length += 1
+        if self.measuring:
+            self.window_done += 1
+            self.lat.append(seconds)
+        if self.running:
+            conn.submit()
+        elif not conn.sent:
+            self.idle.set()
+
+    def failed(self, conn: _Conn | _HttpConn, ev: P.Error) -> None:
         self.errors[ev.code] = self.errors.get(ev.code, 0) + 1
         if not self.running and not conn.sent:
             self.idle.set()
 
-    def conn_lost(self, conn: _Conn, exc: Exception | None) -> None:
+    def conn_lost(self, conn: _Conn | _HttpConn, exc: Exception | None) -> None:
         if self.running:
             self.errors["connection_lost"] = self.errors.get("connection_lost", 0) + 1
+
+
+class _HttpConn(asyncio.Protocol):
+    """A keep-alive HTTP/1.1 connection to sclsd-http, one request at a time: the same
+    counting as :class:`_Conn` (ids are the server's, so completions are matched in order)."""
+
+    def __init__(self, bench: _Bench, cid: int) -> None:
+        self.bench = bench
+        self.cid = cid
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.sent: deque[float] = deque()
+        self.lost = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(exc)
+        self.bench.conn_lost(self, exc)
+
+    def submit(self) -> None:
+        self.sent.append(time.perf_counter())
+        assert self.transport is not None
+        self.transport.write(self.bench.http_request)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        while True:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = bytes(buf[:end]).lower()
+            i = head.find(b"content-length:")
+            size = int(head[i + 15:head.index(b"\r\n", i) if b"\r\n" in head[i:] else None]) if i >= 0 else 0
+            if len(buf) < end + 4 + size:
+                return
+            body = bytes(buf[end + 4:end + 4 + size])
+            del buf[:end + 4 + size]
+            status = int(head[9:12])
+            t0 = self.sent.popleft()
+            doc = msgspec.json.decode(body)
+            if status == 200:
+                self.bench.completed_http(self, time.perf_counter() - t0, doc["usage"]["completion_tokens"])
+            else:
+                self.bench.failed(self, P.Error(code=doc["error"]["code"], message=doc["error"]["message"]))  # type: ignore[arg-type]
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -184,18 +261,28 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-async def _connect(bench: _Bench, path: str, cid: int) -> _Conn:
+async def _connect(bench: _Bench, path: str, cid: int) -> Any:
+    """A connection to the daemon's socket, or to sclsd-http when ``path`` is a URL."""
     loop = asyncio.get_running_loop()
+    if path.startswith("http://"):
+        host, _, port = path.removeprefix("http://").rstrip("/").rpartition(":")
+        _, hconn = await loop.create_connection(lambda: _HttpConn(bench, cid), host.strip("[]"), int(port))
+        return hconn
     _, conn = await loop.create_unix_connection(lambda: _Conn(bench, cid), path)
     return conn
 
 
 async def _throughput(args: argparse.Namespace, sock: str) -> dict[str, Any]:
     bench = _Bench(args)
-    conns = [await _connect(bench, sock, i) for i in range(args.connections)]
-    for c in conns:
-        for _ in range(args.inflight):
+    if sock.startswith("http://"):  # one request at a time per HTTP connection
+        conns = [await _connect(bench, sock, i) for i in range(args.connections * args.inflight)]
+        for c in conns:
             c.submit()
+    else:
+        conns = [await _connect(bench, sock, i) for i in range(args.connections)]
+        for c in conns:
+            for _ in range(args.inflight):
+                c.submit()
     say = (lambda *_: None) if args.no_progress else (lambda m: print(m, file=sys.stderr, flush=True))
     t_start = time.perf_counter()
     await asyncio.sleep(args.warmup)
@@ -260,6 +347,15 @@ async def _overhead_phase(args: argparse.Namespace, sock: str) -> dict[str, Any]
     }
 
 
+def _cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _raise_nofile(want: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < want:
@@ -268,7 +364,7 @@ def _raise_nofile(want: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Start a daemon with zero-time fake workers, measure, print and write the JSON."""
-    _raise_nofile(args.connections + 64)
+    _raise_nofile(args.connections * (args.inflight if args.http else 1) + 64)
     profile_dir = tempfile.TemporaryDirectory(prefix="sclsd-api-")
     profile = Path(profile_dir.name) / "zero.json"
     profile.write_text(json.dumps(ZERO_PROFILE))
@@ -287,24 +383,40 @@ def run(args: argparse.Namespace) -> int:
         runner = uvloop.run
     except ImportError:  # pragma: no cover
         runner = asyncio.run
-    if args.socket:
+    http: subprocess.Popen[str] | None = None
+    if args.socket or (args.http and args.http_url):
         profile_dir.cleanup()
-        thr = runner(_throughput(args, args.socket))
-        ovh = runner(_overhead_phase(args, args.socket))
+        target = args.http_url if args.http else args.socket
+        thr = runner(_throughput(args, target))
+        ovh = runner(_overhead_phase(args, target))
         st, rc = {"live_requests": None, "counters": {}}, 0
     else:
         d = launch(sections, dir=args.keep_dir)
         try:
             say(f"sclsd-bench api: daemon in {d.dir}, {args.workers} zero-time fake workers")
             d.wait_workers(args.workers, timeout=120, progress=not args.no_progress)
+            target = d.sock
+            if args.http:
+                http, target = start_http(d.sock, d.status_sock)
+                say(f"through sclsd-http at {target}: {args.connections * args.inflight} connections, "
+                    "one request at a time each")
             say(f"throughput: {args.connections} connections x {args.inflight} in flight, "
                 f"{args.duration:.0f}s after {args.warmup:.0f}s warm-up")
-            thr = runner(_throughput(args, d.sock))
+            cpu0 = _cpu_s(http.pid) if http is not None else None
+            thr = runner(_throughput(args, target))
+            cpu1 = _cpu_s(http.pid) if http is not None else None
+            if cpu0 is not None and cpu1 is not None and thr["total_requests"]:
+                # What one request costs sclsd-http: its ceiling on one core is 1e6 / this.
+                thr["http_cpu_us_per_request"] = (cpu1 - cpu0) / thr["total_requests"] * 1e6
             say(f"overhead: {args.latency_requests} sequential requests on one connection")
-            ovh = runner(_overhead_phase(args, d.sock))
+            ovh = runner(_overhead_phase(args, target))
             st = msgspec.to_builtins(d.status())
+            if http is not None and stop_http(http) != 0:
+                thr["errors"]["http_exit"] = http.returncode
             rc = d.stop()
         finally:
+            if http is not None and http.poll() is None:
+                http.kill()
             d.stop()
             profile_dir.cleanup()
     result: dict[str, Any] = {
@@ -314,12 +426,16 @@ def run(args: argparse.Namespace) -> int:
         "max_overhead_ms": round(ovh["max_overhead_ms"], 3),
         "saturated_p50_ms": round(thr["saturated_p50_ms"], 3),
         "saturated_p99_ms": round(thr["saturated_p99_ms"], 3),
-        "saturated_daemon_p99_ms": round(thr["saturated_daemon_p99_ms"], 3),
+        # None over HTTP: OpenAI's response carries no server-side timings.
+        "saturated_daemon_p99_ms": (None if thr["saturated_daemon_p99_ms"] != thr["saturated_daemon_p99_ms"]
+                                    else round(thr["saturated_daemon_p99_ms"], 3)),
         "measured_requests": thr["measured_requests"],
         "measured_s": round(thr["measured_s"], 3),
         "total_requests": thr["total_requests"] + ovh["latency_requests"],
         "errors": {**thr["errors"], **{f"latency_{k}": v for k, v in ovh["latency_errors"].items()}},
         "lost": thr["lost"],
+        "http_cpu_us_per_request": (round(thr["http_cpu_us_per_request"], 1)
+                                    if "http_cpu_us_per_request" in thr else None),
         "wrong_length": thr["wrong_length"],
         "daemon_live_after": st["live_requests"],
         "daemon_finished": st["counters"].get("finished"),
@@ -328,6 +444,7 @@ def run(args: argparse.Namespace) -> int:
             "workers": args.workers, "connections": args.connections, "inflight": args.inflight,
             "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "slice_len": args.slice_len,
             "gamma_s": args.gamma, "stream": args.stream, "daemon_log_level": args.log_level,
+            "via": "http" if args.http else "unix",
         },
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "platform": platform.platform()},

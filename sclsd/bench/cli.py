@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "api": ("sclsd.bench.api_bench", "daemon request throughput with a zero-time fake engine"),
     "pipeline": ("sclsd.bench.pipeline", "many requests pipelined on one connection: none lost"),
     "figures": ("sclsd.bench.figures", "regenerate the figures of docs/benchmarks.md"),
+    "gpu-check": ("sclsd.bench.gpu_check", "profile hf and deepspeed, check the fit, replay live"),
 }
 
 

@@ -29,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--keep-dir", default=None, help="run the daemon in this directory and keep it (log)")
 
 
 async def _pipeline(sock: str, frames: list[bytes], n: int, timeout: float) -> dict[str, Any]:
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         "workers": {"spawn": args.workers, "engine": "fake", "options": {"decode_s": 0.0}},
     }
     print(f"starting sclsd with {args.workers} zero-time fake workers ...", file=sys.stderr)
-    with launch(sections, wait_workers=args.workers, progress=True) as d:
+    with launch(sections, dir=args.keep_dir, wait_workers=args.workers, progress=True) as d:
         result = asyncio.run(_pipeline(d.sock, frames, args.requests, args.timeout))
         st = d.status()
         result["daemon_live_after"] = st.live_requests

@@ -22,7 +22,15 @@ class Batch:
     input_len: int
     """Batch input length L_i: the longest context in the batch (others are left-padded)."""
     est_time: float = 0.0
+    """Estimated serving time; once the batch is placed, on its worker."""
     worker: str | None = None
+    est_on: dict[str, float] = field(default_factory=dict)
+    """Estimated serving time on the workers where it is not ``est_time``: those holding
+    some rows' KV (KV reuse). Empty: the same estimate everywhere (the paper's model)."""
+
+    def est_for(self, worker: str) -> float:
+        """Estimated serving time of this batch on ``worker``."""
+        return self.est_on.get(worker, self.est_time)
 
     @property
     def size(self) -> int:
@@ -38,6 +46,8 @@ class RowOutcome:
     new_tokens: int
     finish_reason: FinishReason | None = None
     """``stop`` or ``length`` when the request is done; None when the slice ended first."""
+    kv_tokens: int = 0
+    """Tokens of this row's context whose KV the worker keeps after the slice (0: none)."""
 
 
 @dataclass(slots=True)

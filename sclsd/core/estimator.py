@@ -12,6 +12,16 @@ Because tau_decode is linear in ``l``, the sum has a closed form (see
 :meth:`Estimator.t_decode`), so one estimate costs a handful of flops: the DP
 batcher calls it O(n · batch) times per round.
 
+KV reuse (DESIGN section 8): when the worker holds part of every row's KV, a
+batch's padded context is ``past + new`` positions, of which only the ``new``
+ones are computed::
+
+    T_prefill_cached(n, new, past) = T_prefill(n, new) + (d1·n + d3)·past
+
+i.e. eq. 3 over the new positions plus one read of the held KV, which is what
+a decode step at context ``past`` spends on it (the d1, d3 terms of eq. 4).
+With ``past = 0`` it is eq. 3 exactly. docs/estimator.md has the derivation.
+
 The fitting helpers use scipy, imported lazily so that importing the policy
 core stays cheap (the daemon and the simulator never fit).
 """
@@ -77,6 +87,18 @@ class Estimator:
         """Estimated seconds to serve a batch: prefill plus ``S`` decoding iterations (eq. 1)."""
         return self.t_prefill(n, L) + self.t_decode(n, L, S)
 
+    def t_prefill_cached(self, n: float, new: float, past: float) -> float:
+        """Seconds to prefill ``new`` positions of ``n`` rows over ``past`` held (cached) ones."""
+        return self.t_prefill(n, new) + (self.d1 * n + self.d3) * past
+
+    def t_serve_cached(self, n: float, past: float, new: float, S: float) -> float:
+        """A batch whose rows hold ``past`` positions of KV and prefill ``new`` more, then
+        decode ``S`` iterations over the padded context ``past + new``.
+
+        ``t_serve_cached(n, 0, L, S) == t_serve(n, L, S)``.
+        """
+        return self.t_prefill_cached(n, new, past) + self.t_decode(n, past + new, S)
+
     def linear_terms(self, L: Lengths, S: float) -> tuple[Lengths, Lengths]:
         """``(a, b)`` with ``t_serve(n, L, S) = a·n + b`` for every n.
 
@@ -88,6 +110,15 @@ class Estimator:
         s = S if S > 0 else 0
         a = self.p1 * L + self.p2 + self.d1 * sum_l + self.d2 * s
         b = self.p3 * L + self.p4 + self.d3 * sum_l + self.d4 * s
+        return a, b
+
+    def linear_terms_cached(self, past: Lengths, new: Lengths, S: float) -> tuple[Lengths, Lengths]:
+        """``(a, b)`` with ``t_serve_cached(n, past, new, S) = a·n + b`` (elementwise on arrays)."""
+        a, b = self.linear_terms(past + new, S)
+        # linear_terms priced a prefill of past + new positions; only `new` are computed,
+        # and the held `past` is read once instead.
+        a = a - self.p1 * past + self.d1 * past
+        b = b - self.p3 * past + self.d3 * past
         return a, b
 
     # ----------------------------------------------------------------- (de)serialise

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from .batch import Batch
     from .request import Request
 
-__all__ = ["Batcher", "CostModel", "Interval", "LinearCost", "Offloader"]
+__all__ = ["Batcher", "CachedCost", "CostModel", "Interval", "LinearCost", "Offloader"]
 
 
 class CostModel(Protocol):
@@ -46,6 +46,48 @@ class LinearCost(Protocol):
 
     def max_batch(self, L: np.ndarray, S: int) -> np.ndarray:
         """Largest batch size that fits, per input length."""
+        ...
+
+
+@runtime_checkable
+class CachedCost(Protocol):
+    """Optional part of a :class:`CostModel` that KV reuse needs (every built-in profile has it).
+
+    A batch whose rows are partly cached on its worker: each row's first positions
+    are held there (its retained KV), the rest are new. The worker lays the batch
+    out as ``past`` positions (the longest held prefix, others left-padded) then
+    ``new`` positions (the longest uncached tail, others left-padded) and prefills
+    only the ``new`` ones. Without KV held, ``past = 0`` and ``new`` is the input
+    length: ``t_serve_cached(n, 0, L, S) == t_serve(n, L, S)``.
+    """
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Δ, bytes of KV per token."""
+        ...
+
+    @property
+    def device_kv_bytes(self) -> float:
+        """KV bytes a worker's device may hold (the running batch and retained KV beside it)."""
+        ...
+
+    @property
+    def retain_bytes(self) -> float:
+        """KV bytes one worker can hold for the requests it serves, device and host together."""
+        ...
+
+    def t_serve_cached(self, n: int, past: int, new: int, slice_len: int) -> float:
+        """Estimated seconds of a batch holding ``past`` positions per row and prefilling ``new``."""
+        ...
+
+    def linear_terms_cached(
+        self, past: np.ndarray, new: np.ndarray, S: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(a, b)`` per (held, new) pair with ``t_serve_cached(n, past, new, S) = a·n + b``."""
+        ...
+
+    def copy_s(self, nbytes: float) -> float:
+        """Seconds to bring ``nbytes`` of retained KV back from host memory (0: no host tier)."""
         ...
 
 

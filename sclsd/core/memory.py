@@ -94,5 +94,19 @@ class RuleTable:
         """True when ``n`` exceeds the rule for total length ``L + S``."""
         return n > self.max_batch(L, S)
 
+    def token_budget(self, max_total: int) -> int:
+        """Most tokens one batch may hold under the table, totals capped at ``max_total``.
+
+        Rule k covers totals in (min_k, upper_k], upper_k being the next rule's
+        threshold (``max_total`` for the top one); it allows max_batch_k · upper_k
+        tokens. For the paper's table and 2048: 12 × 2048 = 24,576.
+        """
+        best, upper = 0, max_total
+        for min_len, limit in self.rules:  # decreasing thresholds
+            if min_len < upper:
+                best = max(best, limit * upper)
+                upper = min_len
+        return best
+
     def to_list(self) -> list[list[int]]:
         return [[a, b] for a, b in self.rules]

@@ -17,10 +17,20 @@ if TYPE_CHECKING:
 
 
 class MaxMin:
-    """Max-min offloading (paper section 4.5).
+    """Max-min offloading (paper section 4.5), with a KV affinity term.
 
     Batches in decreasing estimated serving time, each to the least-loaded
     worker, counting the batches already placed in this call (eq. 11).
+
+    KV reuse makes a batch cheaper on a worker that holds some of its rows' KV
+    (``Batch.est_on``). Such a batch goes to the worker where it would *finish*
+    first, ``load(w) + estimate on w``: it stays with its KV unless another
+    worker's load is lower by more than the prefill the KV saves. The loads it
+    is weighed against are those of the whole round: batches with KV are first
+    counted where their KV is, the batches free to go anywhere (no ``est_on``)
+    are placed max-min around them, and then each batch with KV, largest
+    first, takes the worker where it finishes first. Without KV reuse only
+    the middle step runs: the paper's rule, literally.
 
     Ties between equally loaded workers rotate (the worker after the last
     one chosen, in name order, goes first): at light load every worker is
@@ -32,21 +42,42 @@ class MaxMin:
         self._after: str | None = None  # the worker chosen last, across calls
 
     def assign(self, batches: Sequence[Batch], loads: Mapping[str, float]) -> list[str]:
-        """Each batch, longest estimate first, to the least-loaded worker so far."""
+        """Each batch to a worker (see the class docstring); never mutates ``loads``."""
         if not loads:
             raise ValueError("no worker to assign batches to")
         local = dict(loads)  # the scheduler applies the real update after we return
         names = sorted(local)
-        order = sorted(range(len(batches)), key=lambda k: -batches[k].est_time)
         out: list[str] = [""] * len(batches)
-        for k in order:
-            start = _rotation_start(names, self._after)
-            rank = {w: (i - start) % len(names) for i, w in enumerate(names)}
-            w = min(names, key=lambda w: (local[w], rank[w]))
+        held = sorted((k for k, b in enumerate(batches) if b.est_on), key=lambda k: -_size(batches[k]))
+        free = sorted((k for k, b in enumerate(batches) if not b.est_on), key=lambda k: -batches[k].est_time)
+        for k in held:  # provisionally where the KV is (the cheapest holder among ``loads``)
+            b = batches[k]
+            here = [w for w in b.est_on if w in local] or names
+            out[k] = min(here, key=lambda w: (b.est_for(w), w))
+            local[out[k]] += b.est_for(out[k])
+        for k in free:
+            w = min(names, key=lambda w: (local[w], self._rank(names, w)))
             out[k] = w
             local[w] += batches[k].est_time
             self._after = w
+        for k in held:
+            b = batches[k]
+            local[out[k]] -= b.est_for(out[k])
+            w = min(names, key=lambda w: (local[w] + b.est_for(w), self._rank(names, w)))
+            out[k] = w
+            local[w] += b.est_for(w)
+            self._after = w
         return out
+
+    def _rank(self, names: list[str], w: str) -> int:
+        """Tie-break: workers in name order starting after the one chosen last."""
+        start = _rotation_start(names, self._after)
+        return (names.index(w) - start) % len(names)
+
+
+def _size(b: Batch) -> float:
+    """A batch's estimate where it is cheapest: what max-min orders by."""
+    return min(b.est_time, *b.est_on.values()) if b.est_on else b.est_time
 
 
 def _rotation_start(names: list[str], after: str | None) -> int:

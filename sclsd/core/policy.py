@@ -42,6 +42,18 @@ class Policy:
     batcher: Batcher
     offloader: Offloader
     interval: Interval
+    work_conserving: bool = False
+    """An idle worker triggers a round at once, and a round with idle workers splits
+    batches while that lowers its estimated makespan (DESIGN section 8)."""
+    kv_reuse: bool = False
+    """Rounds batch requests by the worker holding their KV, estimate only the prefill
+    of uncached tokens, weigh KV affinity when placing, and admit requests without
+    KV only while the fleet can keep the KV of everything in progress."""
+    first_slice_len: int = 0
+    """With both switches: newcomers that a work-conserving round places on a worker
+    with other work waiting run this many iterations first (0: a whole slice), so
+    they give their first tokens without holding that work up for a whole slice (KV
+    reuse makes the extra slice boundary cheap). See :mod:`sclsd.core.rounds`."""
 
 
 # --------------------------------------------------------------------------- the ablation ladder
@@ -56,6 +68,12 @@ DEFAULT_POLICY = "scls"
 #: for HF / DS on A100s, and profiles may recommend their own ``gamma_s``).
 DEFAULT_GAMMA = 1.0
 
+#: Newcomers' first slice under both switches is S / 8 iterations (16 at S = 128):
+#: long enough that its fixed cost (one more prefill forward) stays small against
+#: it, short enough that the batch it delays waits about a second on the A100
+#: profiles (docs/benchmarks.md, "Making slicing pay").
+FIRST_SLICE_DIVISOR = 8
+
 
 def make_policy(
     name: str = DEFAULT_POLICY,
@@ -65,6 +83,8 @@ def make_policy(
     batch_size: int = 16,
     gamma: float = DEFAULT_GAMMA,
     lam: float = 0.5,
+    work_conserving: bool = False,
+    kv_reuse: bool = False,
 ) -> Policy:
     """Build a named policy of the ablation ladder.
 
@@ -75,19 +95,35 @@ def make_policy(
     - ``ab``: adaptive batching: the full DP under the memory predicate.
     - ``lb``: load balancing: ab plus max-min offloading.
     - ``scls``: lb plus the adaptive interval ``max(lam · min load, gamma)``.
+
+    ``work_conserving`` and ``kv_reuse`` go past the paper (DESIGN section 8; both
+    off reproduces it) and apply to any of them; see :class:`Policy`.
     """
     if slice_len < 1 or max_gen < 1 or batch_size < 1:
         raise ValueError("slice_len, max_gen and batch_size must be >= 1")
+    parts: tuple[int, Batcher, Offloader, Interval]
     if name == "sls":
-        return Policy(name, max_gen, FCFSBatcher(batch_size), RoundRobin(), FixedInterval(gamma))
-    if name == "so":
-        return Policy(name, slice_len, FCFSBatcher(batch_size), RoundRobin(), FixedInterval(gamma))
-    if name == "pm":
-        return Policy(name, slice_len, DPBatcher(batch_size), RoundRobin(), FixedInterval(gamma))
-    if name == "ab":
-        return Policy(name, slice_len, DPBatcher(), RoundRobin(), FixedInterval(gamma))
-    if name == "lb":
-        return Policy(name, slice_len, DPBatcher(), MaxMin(), FixedInterval(gamma))
-    if name == "scls":
-        return Policy(name, slice_len, DPBatcher(), MaxMin(), AdaptiveInterval(lam, gamma))
-    raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+        parts = (max_gen, FCFSBatcher(batch_size), RoundRobin(), FixedInterval(gamma))
+    elif name == "so":
+        parts = (slice_len, FCFSBatcher(batch_size), RoundRobin(), FixedInterval(gamma))
+    elif name == "pm":
+        parts = (slice_len, DPBatcher(batch_size), RoundRobin(), FixedInterval(gamma))
+    elif name == "ab":
+        parts = (slice_len, DPBatcher(), RoundRobin(), FixedInterval(gamma))
+    elif name == "lb":
+        parts = (slice_len, DPBatcher(), MaxMin(), FixedInterval(gamma))
+    elif name == "scls":
+        parts = (slice_len, DPBatcher(), MaxMin(), AdaptiveInterval(lam, gamma))
+    else:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    S, batcher, offloader, interval = parts
+    return Policy(
+        name,
+        S,
+        batcher,
+        offloader,
+        interval,
+        work_conserving=work_conserving,
+        kv_reuse=kv_reuse,
+        first_slice_len=max(1, S // FIRST_SLICE_DIVISOR),
+    )

@@ -9,6 +9,7 @@ docs/estimator.md for their derivation)::
      "kv_bytes_per_token": 819200, "mem_available": 5.5e10,
      "rules": [[1024, 12], [512, 22], [0, 28]] | null,
      "gamma_s": 6.0, "slice_len": 128,
+     "host_link_bytes_per_s": 2.5e10 | null, "host_kv_bytes": 1.28e11 | null,
      "samples": {"prefill": [[n, L, s], ...], "decode": [[n, l, s], ...],
                  "batch": [[n, L, S, s], ...]},
      "notes": "..."}
@@ -50,11 +51,20 @@ class ProfileCost:
     """A :class:`~sclsd.core.interfaces.CostModel`: estimator time, KV or rule-table memory.
 
     Also implements the batcher's vectorised fast path
-    (:class:`~sclsd.core.interfaces.LinearCost`).
+    (:class:`~sclsd.core.interfaces.LinearCost`) and what KV reuse needs
+    (:class:`~sclsd.core.interfaces.CachedCost`).
     """
 
     estimator: Estimator
     memory: KVMemory | RuleTable
+    delta: int = 0
+    """Δ, KV bytes per token; read from ``memory`` when it is the KV model."""
+    host_link: float | None = None
+    """Bytes/s of the device-host link retained KV comes back over; None: no host tier."""
+    host_kv_bytes: float = 0.0
+    """Host memory a worker may keep retained KV in (with a host link)."""
+    max_total: int = 2048
+    """Longest context + slice a rule table is read at (its token budget)."""
 
     def t_serve(self, n: int, input_len: int, slice_len: int) -> float:
         """Estimated seconds for a batch of ``n`` padded to ``input_len``, ``slice_len`` iterations."""
@@ -82,6 +92,43 @@ class ProfileCost:
             return np.clip(out, 0, UNBOUNDED).astype(np.int64)
         return np.fromiter((mem.max_batch(int(x), S) for x in L), dtype=np.int64, count=L.size)
 
+    # ----------------------------------------------------------------- KV reuse (CachedCost)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Δ, bytes of KV per token."""
+        return self.memory.delta if isinstance(self.memory, KVMemory) else self.delta
+
+    @property
+    def device_kv_bytes(self) -> float:
+        """KV bytes a worker's device may hold: ζ · M_ava, or the rule table's token budget · Δ."""
+        mem = self.memory
+        if isinstance(mem, KVMemory):
+            return mem.zeta * mem.m_avail
+        return float(mem.token_budget(self.max_total) * self.delta)
+
+    @property
+    def retain_bytes(self) -> float:
+        """KV bytes one worker can hold for the requests it serves: device plus host memory."""
+        host = self.host_kv_bytes if self.host_link else 0.0
+        return self.device_kv_bytes + host
+
+    def t_serve_cached(self, n: int, past: int, new: int, slice_len: int) -> float:
+        """A batch holding ``past`` positions of KV per row and prefilling ``new`` more."""
+        return self.estimator.t_serve_cached(n, past, new, slice_len)
+
+    def linear_terms_cached(
+        self, past: np.ndarray, new: np.ndarray, S: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(a, b)`` per (held, new) pair with ``t_serve_cached(n, past, new, S) = a·n + b``."""
+        return self.estimator.linear_terms_cached(
+            np.asarray(past, dtype=np.float64), np.asarray(new, dtype=np.float64), S
+        )
+
+    def copy_s(self, nbytes: float) -> float:
+        """Seconds to bring ``nbytes`` of retained KV back from host memory (0 without a host tier)."""
+        return nbytes / self.host_link if self.host_link else 0.0
+
 
 @dataclass(frozen=True)
 class Profile:
@@ -103,21 +150,39 @@ class Profile:
     """Recommended minimal scheduling interval Γ for this worker kind, seconds."""
     slice_len: int | None = None
     """Slice length the profile was validated at (the batch RMSE's S)."""
+    host_link_bytes_per_s: float | None = None
+    """Device-host link bandwidth, bytes/s: retained KV that does not fit beside the running
+    batch waits in host memory and comes back over it (None: no host tier, e.g. a CPU)."""
+    host_kv_bytes: float | None = None
+    """Host memory one worker may keep retained KV in, bytes (with a host link)."""
     samples: dict[str, list[list[float]]] = field(default_factory=dict)
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def cost(self, zeta: float = 0.9, mem_available: float | None = None) -> ProfileCost:
+    def cost(
+        self, zeta: float = 0.9, mem_available: float | None = None, max_total: int = 2048
+    ) -> ProfileCost:
         """The cost model for the scheduler.
 
         ``mem_available`` overrides the profile's M_ava (a worker reports its
         own at register); ``zeta`` is the KV model's safety factor. Profiles
-        with a rule table ignore both: the table is the memory predicate.
+        with a rule table ignore both: the table is the memory predicate
+        (``max_total``, the longest input + generation, bounds its token budget).
         """
+        mem: KVMemory | RuleTable
         if self.rules is not None:
-            return ProfileCost(self.estimator, self.rules)
-        m = self.mem_available if mem_available is None else mem_available
-        return ProfileCost(self.estimator, KVMemory(self.kv_bytes_per_token, m, zeta))
+            mem = self.rules
+        else:
+            m = self.mem_available if mem_available is None else mem_available
+            mem = KVMemory(self.kv_bytes_per_token, m, zeta)
+        return ProfileCost(
+            self.estimator,
+            mem,
+            delta=self.kv_bytes_per_token,
+            host_link=self.host_link_bytes_per_s,
+            host_kv_bytes=self.host_kv_bytes or 0.0,
+            max_total=max_total,
+        )
 
     # ----------------------------------------------------------------- (de)serialise
 
@@ -136,6 +201,8 @@ class Profile:
             "rules": self.rules.to_list() if self.rules is not None else None,
             "gamma_s": self.gamma_s,
             "slice_len": self.slice_len,
+            "host_link_bytes_per_s": self.host_link_bytes_per_s,
+            "host_kv_bytes": self.host_kv_bytes,
             "notes": self.notes,
         }
         if self.extra:
@@ -161,6 +228,8 @@ class Profile:
                 rules=RuleTable(rules) if rules else None,
                 gamma_s=None if d.get("gamma_s") is None else float(d["gamma_s"]),
                 slice_len=None if d.get("slice_len") is None else int(d["slice_len"]),
+                host_link_bytes_per_s=_opt_float(d, "host_link_bytes_per_s"),
+                host_kv_bytes=_opt_float(d, "host_kv_bytes"),
                 samples={k: [list(map(float, s)) for s in v] for k, v in (d.get("samples") or {}).items()},
                 notes=str(d.get("notes", "")),
                 extra=dict(d.get("extra") or {}),
@@ -169,6 +238,17 @@ class Profile:
             raise ValueError(f"profile lacks key {exc.args[0]!r}") from None
         except (TypeError, ValueError) as exc:
             raise ValueError(f"bad profile: {exc}") from None
+
+
+def _opt_float(d: dict[str, Any], key: str) -> float | None:
+    """``d[key]`` as a positive float, None when absent or null."""
+    v = d.get(key)
+    if v is None:
+        return None
+    f = float(v)
+    if not f > 0:
+        raise ValueError(f"{key} must be > 0, got {v!r}")
+    return f
 
 
 def builtin_profiles() -> list[str]:

@@ -53,11 +53,26 @@ class Request:
     finish_reason: FinishReason | None = None
     worker: str | None = None
     batch_id: int | None = None
+    pooled_at: float | None = None
+    """When it last entered the pool (accepted, or back from a slice)."""
+    kv_worker: str | None = None
+    """The worker holding this request's KV from its last slice (None: no worker holds it)."""
+    kv_tokens: int = 0
+    """Tokens of context that KV covers (at most ``input_len - 1``: the last sampled
+    token was never fed, so its KV does not exist yet)."""
 
     @property
     def input_len(self) -> int:
         """Context length of the next slice: prompt plus everything generated so far."""
         return self.prompt_len + self.num_generated
+
+    @property
+    def uncached_tail(self) -> int:
+        """Tokens of the context ``kv_worker`` does not hold: what a batch there must prefill.
+
+        At least 1: a forward needs one token to produce logits from.
+        """
+        return max(1, self.input_len - self.kv_tokens) if self.kv_worker is not None else self.input_len
 
     @property
     def remaining(self) -> int:

@@ -18,11 +18,14 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .batch import Batch, BatchOutcome, RowOutcome
+from .kvreuse import KVLedger
 from .request import FinishReason, Request, State
+from .rounds import one_each, plan_round
 
 if TYPE_CHECKING:
     from .interfaces import CostModel
@@ -66,6 +69,10 @@ class Scheduler:
         self.workers: dict[str, WorkerState] = {}
         self.interval = policy.interval.initial
         self.next_at = float("-inf")
+        #: Something changed since the last round (a request, a result, a worker): a
+        #: work-conserving round is worth running; cleared by each round.
+        self._changed = True
+        self.kv = KVLedger()
         self._bids = itertools.count(1)
         self._deadlines: list[tuple[float, str]] = []
         #: (estimated, measured) serving time of the latest batches.
@@ -85,12 +92,15 @@ class Scheduler:
     # ------------------------------------------------------------------ workers
 
     def add_worker(self, wid: str) -> None:
-        """A worker (re)joined: it starts with no load."""
+        """A worker (re)joined: it starts with no load and holds no KV."""
+        self.kv.forget(wid, self.live.values())
         self.workers[wid] = WorkerState(wid)
+        self._changed = True
 
     def set_active(self, wid: str, active: bool) -> None:
         """Take a worker in or out of rotation (drain) without touching its batches."""
         self.workers[wid].active = active
+        self._changed = True
 
     def remove_worker(self, wid: str, now: float) -> list[Request]:
         """A worker died: its batches' requests go back to the pool.
@@ -101,6 +111,8 @@ class Scheduler:
         ws = self.workers.pop(wid, None)
         if ws is None:
             return []
+        self._changed = True
+        self.kv.forget(wid, self.live.values())
         back: list[Request] = []
         for bid in sorted(ws.batches):
             batch = self.batches.pop(bid, None)
@@ -108,12 +120,16 @@ class Scheduler:
                 continue
             for r in batch.requests:
                 if not r.state.terminal:
-                    self._requeue(r)
+                    self._requeue(r, now)
                     back.append(r)
         return back
 
     def active_workers(self) -> list[str]:
         return [w for w, s in self.workers.items() if s.active]
+
+    def idle_workers(self) -> list[str]:
+        """Active workers with no batch in flight."""
+        return [w for w, s in self.workers.items() if s.active and not s.batches]
 
     def loads(self) -> dict[str, float]:
         return {w: s.load for w, s in self.workers.items()}
@@ -123,9 +139,11 @@ class Scheduler:
     def add(self, req: Request, now: float) -> None:
         """Accept a request into the pool."""
         req.state = State.QUEUED
+        req.pooled_at = now
         self.pool[req.rid] = req
         self.live[req.rid] = req
         self.counters["accepted"] += 1
+        self._changed = True
         if req.deadline is not None:
             heapq.heappush(self._deadlines, (req.deadline, req.rid))
 
@@ -140,6 +158,7 @@ class Scheduler:
         if req is None:
             return None
         self.pool.pop(rid, None)
+        self._release_kv(req)
         req.state = State.CANCELLED
         req.finish_reason = reason
         req.finished_at = now
@@ -164,34 +183,54 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
 
     def due(self, now: float) -> bool:
-        """True when a scheduling round should run now."""
-        return bool(self.pool) and now >= self.next_at and bool(self.active_workers())
+        """True when a scheduling round should run now.
+
+        The interval rule: ``now`` has reached ``next_at``. Work-conserving
+        policies also run a round at once when an active worker is idle and
+        something changed since the last round.
+        """
+        if not self.pool or not self.active_workers():
+            return False
+        if now >= self.next_at:
+            return True
+        return self.policy.work_conserving and self._changed and bool(self.idle_workers())
 
     def schedule(self, now: float) -> list[Batch]:
-        """Batch the whole pool and assign every batch to a worker."""
+        """Batch the pool and assign the batches to workers (:mod:`sclsd.core.rounds`).
+
+        The paper's round batches and places the whole pool; with workers idle and
+        no more batches than idle workers, a work-conserving round starts one batch
+        on each idle worker (a backlog gets the paper's round).
+        """
         active = self.active_workers()
         if not self.pool or not active:
             return []
-        reqs = list(self.pool.values())
-        groups = self.policy.batcher(reqs, self.policy.slice_len, self.cost)
-        batches: list[Batch] = []
-        for group in groups:
-            if not group:
-                continue
-            L = max(r.input_len for r in group)
-            S = self.policy.slice_len
-            batches.append(
-                Batch(
-                    bid=next(self._bids),
-                    requests=group,
-                    slice_len=S,
-                    input_len=L,
-                    est_time=self.cost.t_serve(len(group), L, S),
-                )
-            )
-        loads = {w: self.workers[w].load for w in active}
+        self._changed = False
+        idle = self.idle_workers() if self.policy.work_conserving else []
+        loads = {w: self.workers[w].load for w in (idle or active)}
+        pool = list(self.pool.values())
+        planned = plan_round(self.policy, self.cost, pool, self.live.values(), active,
+                             loads if idle else None)
+        if idle and len(planned) > len(idle):
+            # A backlog (more batches than idle workers): place the whole pool as the
+            # paper's round does, rather than one batch per idle worker and a fresh DP
+            # over the same backlog at every slice end.
+            idle = []
+            loads = {w: self.workers[w].load for w in active}
+            planned = plan_round(self.policy, self.cost, pool, self.live.values(), active, None)
+        batches = [
+            Batch(0, p.requests, p.slice_len, max(r.input_len for r in p.requests),
+                  est_time=p.est_time, est_on=p.est_on)
+            for p in planned
+        ]
         targets = self.policy.offloader.assign(batches, loads)
-        for batch, wid in zip(batches, targets, strict=True):
+        placed = list(zip(batches, targets, strict=True))
+        if idle:  # each idle worker starts one batch now; the rest waits for a fuller round
+            placed = one_each(list(zip(batches, targets, planned, strict=True)))
+        batches = [b for b, _ in placed]
+        for batch, wid in placed:
+            batch.bid = next(self._bids)
+            batch.est_time = batch.est_for(wid)
             ws = self.workers[wid]
             ws.load += batch.est_time
             ws.batches.add(batch.bid)
@@ -202,6 +241,8 @@ class Scheduler:
                 r.state = State.SCHEDULED
                 r.worker = wid
                 r.batch_id = batch.bid
+                if r.kv_worker is not None and r.kv_worker != wid:
+                    self._release_kv(r)  # it moved: the KV left behind is of no use
                 if r.first_dispatch is None:
                     r.first_dispatch = now
         self.counters["batches"] += len(batches)
@@ -210,6 +251,20 @@ class Scheduler:
         )
         self.next_at = now + self.interval
         return batches
+
+    # ------------------------------------------------------------------ retained KV
+
+    def kv_evicted(self, wid: str, rids: Iterable[str]) -> None:
+        """Worker ``wid`` dropped these requests' KV on its own (to make room)."""
+        if self.kv.evicted(wid, rids, self.live):
+            self._changed = True
+
+    def take_released(self) -> dict[str, list[str]]:
+        """KV the policy no longer counts on, by worker, since the last call: tell them to drop it."""
+        return self.kv.take_released()
+
+    def _release_kv(self, r: Request) -> None:
+        self.kv.drop(r, self.workers)
 
     def on_result(self, outcome: BatchOutcome, now: float) -> list[Request]:
         """Apply a worker's result. Returns the requests that reached a terminal state.
@@ -228,6 +283,7 @@ class Scheduler:
             ws.last_completion = now
         if outcome.ok and outcome.elapsed is not None:
             self.recent.append((batch.est_time, outcome.elapsed))
+        self._changed = True
         rows = {row.rid: row for row in outcome.rows}
         done: list[Request] = []
         early = outcome.ok and bool(rows)
@@ -236,11 +292,12 @@ class Scheduler:
                 continue  # cancelled or timed out while its batch ran
             row = rows.get(r.rid)
             if not outcome.ok or row is None:
+                self._release_kv(r)  # whatever the worker kept is not known to be consistent
                 r.failures += 1
                 if r.failures > self.max_failures:
                     done.append(self._finish(r, now, "error", State.FAILED))
                 else:
-                    self._requeue(r)
+                    self._requeue(r, now)
                 early = False
                 continue
             r.slices += 1
@@ -255,10 +312,15 @@ class Scheduler:
             if reason is None and r.remaining <= 0:
                 reason = "length"
             if reason is not None:
+                r.kv_worker, r.kv_tokens = None, 0  # a finished row's KV is not kept
                 done.append(self._finish(r, now, reason, State.FINISHED))
             else:
                 early = False
-                self._requeue(r)
+                if row.kv_tokens > 0 and batch.worker in self.workers:
+                    r.kv_worker, r.kv_tokens = batch.worker, min(row.kv_tokens, r.input_len - 1)
+                else:
+                    self._release_kv(r)
+                self._requeue(r, now)
         # Early return: every row finished before the slice's last iteration (paper 4.2).
         if early and max((row.new_tokens for row in outcome.rows), default=0) < batch.slice_len:
             self.counters["early_returns"] += 1
@@ -266,8 +328,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ internals
 
-    def _requeue(self, r: Request) -> None:
+    def _requeue(self, r: Request, now: float) -> None:
         r.state = State.QUEUED
+        r.pooled_at = now
         r.batch_id = None
         self.pool[r.rid] = r
         self.counters["requeued"] += 1

@@ -6,6 +6,10 @@ accepted when it cannot be served: a malformed prompt, one longer than
 when even the longest tokens could not make it fit), the daemon draining or
 without workers, or a bound passed: ``daemon.max_queued_requests`` /
 ``max_queued_tokens`` for everyone, ``daemon.uid_share`` of them per client uid.
+A ``max_tokens`` above ``model.max_gen`` is lowered to it, or refused when the
+request says ``cap_max_tokens = false`` (the HTTP front end does, as vLLM
+refuses); chat messages for a model whose tokenizer has no chat template are
+refused rather than rendered in a made-up format.
 Tokenizing runs in the thread pool, at most ``daemon.max_tokenizing`` prompts at
 once; a connection's frames are handled one after another, so one client cannot
 queue more than one prompt there.
@@ -40,6 +44,13 @@ def max_token_chars(tok: Tokenizer) -> int:
     # Byte-level BPE and sentencepiece vocab strings spell a token with at least as many
     # characters as it decodes to (one per byte, or "▁" for a space).
     return max((len(s) for s in inner.get_vocab()), default=1) or 1
+
+
+def has_chat_template(tok: Tokenizer) -> bool:
+    """Whether chat messages can be rendered as the model expects: a transformers tokenizer
+    with a chat template, or a tokenizer with a format of its own (the ``fake`` model's)."""
+    inner: Any = getattr(tok, "tok", None)
+    return inner is None or bool(getattr(inner, "chat_template", None))
 
 
 class Admission:
@@ -116,6 +127,12 @@ class Admission:
         if forms != 1:
             return self.refuse(conn, "bad_request", "give exactly one of prompt, prompt_ids, messages",
                                g.id)
+        if g.max_tokens is not None and g.max_tokens > m.max_gen and not g.cap_max_tokens:
+            return self.refuse(conn, "bad_request", f"max_tokens: {g.max_tokens} is more than this "
+                               f"daemon's limit of {m.max_gen} tokens (model.max_gen)", g.id)
+        if g.messages is not None and not has_chat_template(self.tok):
+            return self.refuse(conn, "bad_request", "messages: the model's tokenizer has no chat "
+                               "template; send a prompt instead", g.id)
         bad = self._check_state(rid)
         if bad is not None:
             return self.refuse(conn, *bad, g.id)
@@ -150,14 +167,14 @@ class Admission:
         req = Request(
             rid=rid,
             prompt_len=len(ids),
-            max_tokens=min(g.max_tokens, m.max_gen),
+            max_tokens=m.max_gen if g.max_tokens is None else min(g.max_tokens, m.max_gen),
             arrival=now,
             priority=g.priority,
             deadline=None if g.timeout is None else now + g.timeout,
         )
-        self.live.add(conn, g, req, list(ids))
-        log.debug("accepted id=%s conn=%d prompt_tokens=%d max_tokens=%d timeout=%s", rid, conn.cid,
-                  len(ids), req.max_tokens, g.timeout)
+        self.live.add(conn, g, req, list(ids), self.tok)
+        log.debug("accepted id=%s conn=%d prompt_tokens=%d max_tokens=%d timeout=%s user=%s", rid,
+                  conn.cid, len(ids), req.max_tokens, g.timeout, g.user)
         self.wake()
 
     async def _tokenize(self, g: P.Generate) -> list[int]:

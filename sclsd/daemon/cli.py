@@ -12,7 +12,7 @@ import logging
 import resource
 import sys
 
-from ..config import ConfigError, load, override
+from ..config import ConfigError, check_model, load, override
 from ..defaults import ENGINES, force_offline
 from .errors import StartupError
 from .logs import setup_logging
@@ -43,10 +43,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--status-socket", help="status Unix socket path")
     p.add_argument("--worker-endpoint", help="ZeroMQ endpoint for workers (ipc:// or tcp://)")
     p.add_argument("--engine", choices=list(ENGINES), help="engine of spawned workers")
-    p.add_argument("--model", help="model spec or path")
+    p.add_argument("--model", help="model: smollm2-135m-instruct (default), tiny-random, random:CONFIG, "
+                   "a Hugging Face hub id (ORG/NAME) in the local cache, a model directory or a .gguf file")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights' dtype on the workers (auto: float32 on cpu, half precision on cuda)")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="device of spawned workers (cuda: worker i on cuda:i)")
     p.add_argument("--workers", type=int, help="number of local workers to spawn")
     p.add_argument("--slice-len", type=int, help="slice length S")
     p.add_argument("--policy", help="sls, so, pm, ab, lb or scls")
+    p.add_argument("--work-conserving", action=argparse.BooleanOptionalAction, default=None,
+                   help="idle workers get work at once (scheduler.work_conserving)")
+    p.add_argument("--kv-reuse", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse KV kept across slices (scheduler.kv_reuse)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -65,9 +73,14 @@ def main(argv: list[str] | None = None) -> int:
             workers__engine=args.engine,
             workers__spawn=args.workers,
             model__name=args.model,
+            model__dtype=args.dtype,
+            workers__device=args.device,
             scheduler__slice_len=args.slice_len,
             scheduler__policy=args.policy,
+            scheduler__work_conserving=args.work_conserving,
+            scheduler__kv_reuse=args.kv_reuse,
         )
+        check_model(cfg)  # here, not in load(): sclsd-http reads the same file without the model
     except ConfigError as exc:
         print(f"sclsd: {exc}", file=sys.stderr)
         return 2

@@ -2,9 +2,12 @@
 
 The estimator comes from the configured profile, else from the profile a worker
 sends at register, else from the built-in profile of the CPU default model. The
-memory predicate is eq. 8 with the Δ and M_ava the workers report, taking the
-tightest worker so a batch fits wherever it lands; a profile with a rule table
-(DeepSpeed, Algorithm 2) uses the table instead.
+memory predicate is ``[scheduler] memory``:
+
+- ``kv``: eq. 8 with the Δ and M_ava the workers report, taking the tightest
+  worker so a batch fits wherever it lands (the profile's facts until one registers);
+- ``rules``: a rule table (Algorithm 2), the profile's if it has one, else the
+  paper's DeepSpeed table; the workers' reports do not change it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import numpy as np
 
 from .. import protocol as P
 from ..config import Config
-from ..core.memory import KVMemory
+from ..core.memory import KVMemory, RuleTable
 from ..core.profiles import DEFAULT_PROFILE, Profile, ProfileCost, load_profile
 
 log = logging.getLogger("sclsd.cost")
@@ -25,10 +28,14 @@ class DaemonCost:
     """Implements :class:`sclsd.core.interfaces.CostModel` (and the batcher's linear fast path)
     by delegating to a :class:`ProfileCost` rebuilt whenever the set of workers changes."""
 
-    def __init__(self, profile: Profile, zeta: float, pinned: bool = False) -> None:
+    def __init__(self, profile: Profile, zeta: float, pinned: bool = False,
+                 memory_model: str = "kv") -> None:
+        if memory_model not in ("kv", "rules"):
+            raise ValueError(f"memory model must be 'kv' or 'rules', got {memory_model!r}")
         self.profile = profile
         self.zeta = zeta
         self.pinned = pinned  # a configured profile is never replaced by a worker's
+        self.memory_model = memory_model
         self.memory: dict[str, tuple[int, int]] = {}
         self.inner: ProfileCost = profile.cost(zeta)
         self._rebuild()
@@ -36,7 +43,8 @@ class DaemonCost:
     @classmethod
     def initial(cls, cfg: Config) -> DaemonCost:
         name = cfg.scheduler.profile or DEFAULT_PROFILE
-        return cls(load_profile(name), cfg.scheduler.zeta, pinned=bool(cfg.scheduler.profile))
+        return cls(load_profile(name), cfg.scheduler.zeta, pinned=bool(cfg.scheduler.profile),
+                   memory_model=cfg.scheduler.memory)
 
     @property
     def estimator(self):  # noqa: ANN201 - the core's Estimator
@@ -59,11 +67,20 @@ class DaemonCost:
         self._rebuild()
 
     def _rebuild(self) -> None:
-        if self.profile.rules is not None or not self.memory:
-            self.inner = self.profile.cost(self.zeta)
-            return
-        delta, m_avail = min(self.memory.values(), key=lambda dm: dm[1] / dm[0])
-        self.inner = ProfileCost(self.profile.estimator, KVMemory(delta, m_avail, self.zeta))
+        p = self.profile
+        est = p.estimator
+        delta, m_avail = p.kv_bytes_per_token, p.mem_available
+        if self.memory:
+            # The tightest worker, so a batch fits wherever it lands.
+            delta, m_avail = min(self.memory.values(), key=lambda dm: dm[1] / dm[0])
+        mem: KVMemory | RuleTable
+        if self.memory_model == "rules":
+            mem = p.rules or RuleTable.deepspeed()
+        else:
+            mem = KVMemory(delta, m_avail, self.zeta)
+        # Δ and the host tier feed what KV reuse needs (CachedCost), under either predicate.
+        self.inner = ProfileCost(est, mem, delta=delta, host_link=p.host_link_bytes_per_s,
+                                 host_kv_bytes=p.host_kv_bytes or 0.0)
 
     def t_serve(self, n: int, input_len: int, slice_len: int) -> float:
         return self.inner.t_serve(n, input_len, slice_len)
@@ -76,3 +93,26 @@ class DaemonCost:
 
     def max_batch(self, L: np.ndarray, S: int) -> np.ndarray:
         return self.inner.max_batch(L, S)
+
+    # ------------------------------------------------------------------ CachedCost (KV reuse)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.inner.kv_bytes_per_token
+
+    @property
+    def device_kv_bytes(self) -> float:
+        return self.inner.device_kv_bytes
+
+    @property
+    def retain_bytes(self) -> float:
+        return self.inner.retain_bytes
+
+    def t_serve_cached(self, n: int, past: int, new: int, slice_len: int) -> float:
+        return self.inner.t_serve_cached(n, past, new, slice_len)
+
+    def linear_terms_cached(self, past: np.ndarray, new: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.inner.linear_terms_cached(past, new, S)
+
+    def copy_s(self, nbytes: float) -> float:
+        return self.inner.copy_s(nbytes)

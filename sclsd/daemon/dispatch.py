@@ -7,6 +7,10 @@ acknowledge within ``daemon.batch_ack_timeout_s``, or that stays in flight
 longer than ``max(daemon.batch_overdue_min_s, daemon.batch_overdue_factor ×``
 the worker's estimated queue at dispatch``)``, does the same: the worker is
 dropped (a local one is restarted) and every request it held is re-queued.
+
+Dispatch also keeps workers from holding KV nobody will use: when the
+scheduler lets go of a request's retained KV (the request moved to another
+worker, ended, or its batch failed), that worker is told to ``release`` it.
 """
 
 from __future__ import annotations
@@ -50,8 +54,12 @@ class Dispatcher:
                 rid=r.rid, token_ids=c.prompt_ids + c.out_ids, max_new_tokens=max(1, r.remaining),
                 temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, seed=g.seed,
                 generated=r.num_generated, stop_token_ids=list(g.stop_token_ids), ignore_eos=g.ignore_eos,
+                min_p=g.min_p, presence_penalty=g.presence_penalty, frequency_penalty=g.frequency_penalty,
+                repetition_penalty=g.repetition_penalty, logprobs=g.logprobs or g.top_logprobs > 0,
+                top_logprobs=g.top_logprobs,
             ))
-        return P.BatchMsg(batch_id=batch.bid, slice_len=batch.slice_len, requests=rows)
+        return P.BatchMsg(batch_id=batch.bid, slice_len=batch.slice_len, requests=rows,
+                          kv_reuse=self.sched.policy.kv_reuse)
 
     def dispatch(self, batch: Batch) -> None:
         wid = batch.worker
@@ -64,9 +72,25 @@ class Dispatcher:
         self.due[batch.bid] = (wid, now + max(d.batch_overdue_min_s, d.batch_overdue_factor * ahead))
         log.debug("batch=%d -> worker=%s n=%d L=%d est=%.3fs ids=%s", batch.bid, wid, batch.size,
                   batch.input_len, batch.est_time, ",".join(r.rid for r in batch.requests))
+        self.flush_released()  # the round may have moved requests away from their KV
         self.metrics.dispatched(batch.size)
         # A refused send declares the worker dead, which re-queues this batch too.
         self.fleet.send(wid, self.message(batch))
+
+    # ------------------------------------------------------------------ retained KV
+
+    def release(self, wid: str, rids: list[str]) -> None:
+        """Tell worker ``wid`` to drop the KV it keeps for ``rids``."""
+        if rids and wid in self.fleet.workers:
+            log.debug("release worker=%s ids=%s", wid, ",".join(rids))
+            self.fleet.send(wid, P.Release(rids=rids))
+
+    def flush_released(self) -> None:
+        """Send the releases the scheduler decided since the last call."""
+        for wid, rids in self.sched.take_released().items():
+            self.release(wid, rids)
+
+    # ------------------------------------------------------------------ tracking
 
     def acked(self, wid: str, batch_id: int) -> None:
         entry = self.unacked.get(batch_id)

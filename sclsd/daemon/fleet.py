@@ -59,9 +59,9 @@ class Fleet:
         self.by_peer: dict[bytes, str] = {}
         self.refused = 0
         self._unknown_asked: dict[bytes, float] = {}
-        # Set by the server: what a result / an acknowledgement means, and who kills a
-        # local process of a dead worker.
-        self.on_result: Callable[[P.Result], None] = lambda res: None
+        # Set by the server: what a result (or a running batch's tokens) / an acknowledgement
+        # means, and who kills a local process of a dead worker.
+        self.on_result: Callable[[P.Result | P.Tokens], None] = lambda res: None
         self.on_ack: Callable[[str, int], None] = lambda wid, bid: None
         self.on_dead: list[Callable[[str, str], None]] = []
 
@@ -85,7 +85,7 @@ class Fleet:
             info.busy = msg.busy
         elif isinstance(msg, P.BatchAck):
             self.on_ack(wid, msg.batch_id)
-        elif isinstance(msg, P.Result):
+        elif isinstance(msg, (P.Result, P.Tokens)):
             self.on_result(msg)
 
     def _ask_reregister(self, peer: bytes, wid: str, what: str) -> None:

@@ -5,6 +5,12 @@ terminal event: ``done`` (:meth:`LiveRequests.finish`) or ``error``
 (:meth:`LiveRequests.fail`); :meth:`LiveRequests.cancel` ends one on the
 client's wish. Each of them removes the request from the table and from the
 scheduler, so no second terminal event can follow.
+
+A request that ends at a stop string keeps only the tokens up to the one that
+completed it: its ``delta`` token ids, its ``done`` token ids and logprobs and
+its usage count those (the text is cut where the stop string starts). The
+count is found when the stop appears, with a few decodes of a window of at most
+a slice plus the stop string's length.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from dataclasses import dataclass, field
 from .. import protocol as P
 from ..core.request import FinishReason, Request
 from ..core.scheduler import Scheduler
-from ..tokenizer import Detokenizer
+from ..tokenizer import Detokenizer, Tokenizer
 from .metrics import Metrics
 from .sockets import Conn
 
@@ -34,6 +40,25 @@ class ReqCtx:
     prompt_ids: list[int]
     out_ids: list[int] = field(default_factory=list)
     detok: Detokenizer = field(default_factory=Detokenizer)
+    tok: Tokenizer | None = None
+    """The daemon's tokenizer: token texts for logprobs, the tokens kept at a stop string."""
+    logprobs: list[P.TokenLogprobs] = field(default_factory=list)
+    """Of ``out_ids``, in order, as far as workers sent them (requests with logprobs)."""
+    sent_logprobs: int = 0
+    """Entries of ``logprobs`` already sent in deltas."""
+    stop_free: int = 0
+    """Leading tokens of ``out_ids`` known not to complete a stop string."""
+    kept: int | None = None
+    """Tokens kept once a stop string ended the request (None: none did)."""
+    inbound: list[tuple[list[int], list[P.TokenLogprobs]]] = field(default_factory=list)
+    """Streamed tokens (and logprobs) on their way to ``out_ids`` (being detokenized), one
+    chunk per ``tokens`` message."""
+    streamed: int = 0
+    """Tokens of the running slice (batch ``streamed_bid``) taken from its ``tokens``
+    messages; its result adds only what follows them."""
+    streamed_bid: int | None = None
+    streamed_reason: FinishReason | None = None
+    """The worker said the row finished in a ``tokens`` message (kept in case no result comes)."""
 
     @property
     def rid(self) -> str:
@@ -60,6 +85,11 @@ class LiveRequests:
         #: Set while no request is live (the drain waits for it).
         self.idle = asyncio.Event()
         self.idle.set()
+        #: Token id -> text, for logprobs (bounded by the vocabulary).
+        self._texts: dict[int, str] = {}
+        #: Called with each request as it ends, after its terminal event (dispatch releases
+        #: the KV a worker keeps for it).
+        self.on_end: list[Callable[[ReqCtx], None]] = []
 
     def __len__(self) -> int:
         return len(self.ctx)
@@ -70,9 +100,10 @@ class LiveRequests:
     def get(self, rid: str) -> ReqCtx | None:
         return self.ctx.get(rid)
 
-    def add(self, conn: Conn, gen: P.Generate, req: Request, prompt_ids: list[int]) -> ReqCtx:
+    def add(self, conn: Conn, gen: P.Generate, req: Request, prompt_ids: list[int],
+            tok: Tokenizer | None = None) -> ReqCtx:
         """Accept: the request is live, the client hears ``accepted``, the pool has it."""
-        c = ReqCtx(req, conn, gen, prompt_ids, detok=Detokenizer(stop=list(gen.stop)))
+        c = ReqCtx(req, conn, gen, prompt_ids, detok=Detokenizer(stop=list(gen.stop)), tok=tok)
         self.ctx[req.rid] = c
         self.idle.clear()
         self._count(c, +1)
@@ -82,9 +113,21 @@ class LiveRequests:
         return c
 
     def delta(self, c: ReqCtx, ids: list[int], text: str) -> None:
-        """New tokens of a streaming request (nothing for a non-streaming one)."""
-        if c.gen.stream and (ids or text) and self.ctx.get(c.rid) is c:
-            c.conn.send(P.Delta(id=c.rid, token_ids=ids, text=text))
+        """New tokens ``ids`` (the tail of ``c.out_ids``) and text: sent to a streaming
+        request's client (trimmed at a stop string); notes where a stop string ended it."""
+        if self.ctx.get(c.rid) is not c:
+            return
+        if c.detok.stop:
+            ids = self._stop_cut(c, ids)
+        if not c.gen.stream:
+            return
+        lps = None
+        if c.gen.logprobs or c.gen.top_logprobs:
+            upto = len(c.logprobs) if c.kept is None else min(c.kept, len(c.logprobs))
+            lps = self._named(c, c.logprobs[c.sent_logprobs:upto]) or None
+            c.sent_logprobs = max(c.sent_logprobs, upto)
+        if ids or text or lps:
+            c.conn.send(P.Delta(id=c.rid, token_ids=ids, text=text, logprobs=lps))
 
     # ------------------------------------------------------------------ terminal events
 
@@ -93,8 +136,14 @@ class LiveRequests:
         finished, failed for good, timed out or was cancelled there)."""
         if self.ctx.get(c.rid) is not c:
             return
+        if c.detok.stopped and c.detok.stop:
+            self._stop_cut(c, [])
+            assert c.kept is not None
+            del c.out_ids[c.kept:]
+            del c.logprobs[c.kept:]
         now = self.clock()
         r = c.req
+        wants_lps = (c.gen.logprobs or c.gen.top_logprobs) and not c.gen.stream
         done = P.Done(
             id=r.rid,
             finish_reason=reason,
@@ -103,11 +152,13 @@ class LiveRequests:
             text=None if c.gen.stream else c.detok.text,
             token_ids=None if c.gen.stream else list(c.out_ids),
             worker=r.worker,
+            logprobs=self._named(c, c.logprobs) if wants_lps else None,
         )
         c.conn.send(done)
         self._end(c, reason, done.timings)
-        log.info("done id=%s reason=%s prompt=%d out=%d slices=%d e2e=%.3fs worker=%s",
-                 r.rid, reason, len(c.prompt_ids), len(c.out_ids), r.slices, done.timings.e2e_s, r.worker)
+        log.info("done id=%s reason=%s prompt=%d out=%d slices=%d e2e=%.3fs worker=%s%s",
+                 r.rid, reason, len(c.prompt_ids), len(c.out_ids), r.slices, done.timings.e2e_s, r.worker,
+                 "" if c.gen.user is None else f" user={c.gen.user!r}")
 
     def fail(self, rid: str, code: P.ErrorCode, message: str) -> None:
         """End a live request with ``error`` (a daemon-side failure or shutdown)."""
@@ -146,6 +197,31 @@ class LiveRequests:
 
     # ------------------------------------------------------------------ internals
 
+    def _stop_cut(self, c: ReqCtx, ids: list[int]) -> list[int]:
+        """Of the newest tokens ``ids``, those before or completing a stop string."""
+        n = len(c.out_ids)
+        if not c.detok.stopped:
+            c.stop_free = n
+            return ids
+        if c.kept is None:
+            c.kept = kept_tokens(c.out_ids, c.detok.stop, c.stop_free, c.tok)
+        return ids[: max(0, c.kept - (n - len(ids)))]
+
+    def _named(self, c: ReqCtx, lps: list[P.TokenLogprobs]) -> list[P.TokenLogprobs]:
+        """``lps`` with each token's text filled in (cached per id: a vocabulary's worth)."""
+        if c.tok is None:
+            return lps
+        texts = self._texts
+        decode = c.tok.decode
+
+        def named(x: P.Logprob) -> P.Logprob:
+            t = texts.get(x.id)
+            if t is None:
+                t = texts[x.id] = decode([x.id])
+            return P.Logprob(x.id, x.logprob, t)
+
+        return [P.TokenLogprobs(named(e.chosen), [named(a) for a in e.top]) for e in lps]
+
     def _timings(self, c: ReqCtx, now: float) -> P.Timings:
         r = c.req
         return P.Timings(
@@ -162,6 +238,8 @@ class LiveRequests:
                 self.idle.set()
         c.conn.rids.discard(c.rid)
         self.metrics.finished(reason, len(c.prompt_ids), len(c.out_ids), t)
+        for hook in self.on_end:
+            hook(c)
 
     def _count(self, c: ReqCtx, sign: int) -> None:
         n = len(c.prompt_ids)
@@ -172,3 +250,32 @@ class LiveRequests:
             self.by_uid[c.uid] = (reqs, toks)
         else:
             self.by_uid.pop(c.uid, None)
+
+
+def kept_tokens(ids: list[int], stops: list[str], stop_free: int, tok: Tokenizer | None) -> int:
+    """How many of ``ids`` to keep when the text of ``ids`` contains a stop string: up to and
+    including the token that completed it (the first ``stop_free`` are known not to).
+
+    Binary search over decodes of a window that starts a stop string's worth of tokens
+    before ``stop_free`` (the stop cannot start earlier): cheap, and monotone in its end.
+    """
+    n = len(ids)
+    if tok is None or n <= stop_free:
+        return n
+    # A character is at most 4 byte-level tokens; special tokens decode to nothing.
+    start = max(0, stop_free - 4 * max(len(s) for s in stops) - 8)
+
+    def hit(k: int) -> bool:
+        text = tok.decode(ids[start:k])
+        return any(s in text for s in stops)
+
+    lo, hi = stop_free, n
+    if not hit(hi):
+        return n  # a tokenizer that rewrites earlier text: keep everything rather than guess
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if hit(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi

@@ -72,10 +72,20 @@ def peer_cred(sock: socket.socket | None) -> PeerCred | None:
     return PeerCred(*_PEERCRED.unpack(raw))
 
 
+#: Seconds a connection may stay above its output bound without reading anything.
+SLOW_GRACE_S = 1.0
+#: Above this many times its output bound a connection is dropped at once, read or not.
+HARD_CAP_FACTOR = 16
+
+
 @dataclass(eq=False)
 class Conn:
-    """One client connection. ``send`` never blocks: a client that reads too slowly
-    is disconnected once its buffered output passes ``max_buffer`` bytes.
+    """One client connection. ``send`` never blocks, and a client that does not read
+    cannot make the daemon hang or grow: once its unread output passes ``max_buffer``
+    bytes it must drain some of it every ``SLOW_GRACE_S`` seconds, or it is
+    disconnected; past ``HARD_CAP_FACTOR × max_buffer`` it is disconnected at once.
+    A burst (thousands of requests finishing in one round) is fine for a client that
+    keeps reading.
 
     Frames sent during one turn of the event loop are joined and written with one
     call at the end of the turn: a batch's results for a pipelining client cost one
@@ -90,6 +100,17 @@ class Conn:
     closed: bool = False
     _pending: list[bytes] = field(default_factory=list)
     _pending_bytes: int = 0
+    _watch: asyncio.TimerHandle | None = None
+    _written: int = 0
+    _taken_at_watch: int = 0
+
+    def unread(self) -> int:
+        """Bytes sent to this client and not yet taken by it."""
+        return self._pending_bytes + self.writer.transport.get_write_buffer_size()
+
+    def taken(self) -> int:
+        """Bytes the client (or the kernel's socket buffer on its behalf) has taken so far."""
+        return self._written - self.writer.transport.get_write_buffer_size()
 
     def send(self, msg: Any) -> None:
         if self.closed:
@@ -99,8 +120,8 @@ class Conn:
             asyncio.get_running_loop().call_soon(self.flush)
         self._pending.append(body)
         self._pending_bytes += len(body)
-        if self._pending_bytes + self.writer.transport.get_write_buffer_size() > self.max_buffer:
-            self._slow()
+        if self._pending_bytes > self.max_buffer:
+            self._over()
 
     def flush(self) -> None:
         """Write what ``send`` queued (called once per loop turn; safe to call any time)."""
@@ -111,19 +132,44 @@ class Conn:
         data = b"".join(self._pending) if len(self._pending) > 1 else self._pending[0]
         self._pending.clear()
         self._pending_bytes = 0
+        self._written += len(data)
         self.writer.write(data)
         if self.writer.transport.get_write_buffer_size() > self.max_buffer:
-            self._slow()
+            self._over()
 
-    def _slow(self) -> None:
-        log.warning("conn=%d slow client: %d bytes unread, disconnecting", self.cid,
-                    self._pending_bytes + self.writer.transport.get_write_buffer_size())
+    def _over(self) -> None:
+        """Unread output passed the bound: watch whether the client drains it."""
+        size = self.unread()
+        if size > HARD_CAP_FACTOR * self.max_buffer:
+            self._slow(size)
+        elif self._watch is None:
+            self._taken_at_watch = self.taken()
+            self._watch = asyncio.get_running_loop().call_later(SLOW_GRACE_S, self._check)
+
+    def _check(self) -> None:
+        self._watch = None
+        if self.closed:
+            return
+        size = self.unread()
+        if size <= self.max_buffer:
+            return
+        taken = self.taken()
+        if taken <= self._taken_at_watch:
+            self._slow(size)  # read nothing for SLOW_GRACE_S while over the bound
+        else:
+            self._taken_at_watch = taken
+            self._watch = asyncio.get_running_loop().call_later(SLOW_GRACE_S, self._check)
+
+    def _slow(self, size: int) -> None:
+        log.warning("conn=%d slow client: %d bytes unread, disconnecting", self.cid, size)
         self.abort()
 
     def abort(self) -> None:
         if not self.closed:
             self.closed = True
             self._pending.clear()
+            if self._watch is not None:
+                self._watch.cancel()
             self.writer.transport.abort()
 
     def close(self) -> None:
@@ -162,6 +208,8 @@ class FrameServer:
         frame_timeout: float = 10.0,
     ) -> None:
         self.name = name
+        # ``sclsctl top`` opens a status connection per frame: log those at debug level.
+        self.conn_log_level = logging.DEBUG if name == "status" else logging.INFO
         self.path = path
         self.decoder = decoder
         self.handle = handle
@@ -290,9 +338,10 @@ class FrameServer:
         peer = peer_cred(writer.get_extra_info("socket"))
         conn = Conn(writer, self._next_cid, self.max_buffer, peer)
         if peer:
-            log.info("%s conn=%d open pid=%d uid=%d gid=%d", self.name, conn.cid, peer.pid, peer.uid, peer.gid)
+            log.log(self.conn_log_level, "%s conn=%d open pid=%d uid=%d gid=%d", self.name, conn.cid,
+                    peer.pid, peer.uid, peer.gid)
         else:
-            log.info("%s conn=%d open (no peer credentials)", self.name, conn.cid)
+            log.log(self.conn_log_level, "%s conn=%d open (no peer credentials)", self.name, conn.cid)
         if self.allowed_uids and (peer is None or peer.uid not in self.allowed_uids):
             log.warning("%s conn=%d refused: uid %s not in the allow-list", self.name, conn.cid,
                         peer and peer.uid)
@@ -324,7 +373,7 @@ class FrameServer:
             conn.close()
             if self.on_close is not None:
                 self.on_close(conn)
-            log.info("%s conn=%d %s", self.name, conn.cid, why)
+            log.log(self.conn_log_level, "%s conn=%d %s", self.name, conn.cid, why)
 
     async def _read_loop(self, reader: asyncio.StreamReader, conn: Conn) -> None:
         while not conn.closed:

@@ -26,19 +26,21 @@ from .sockets import Conn, FrameServer
 class StatusView:
     """Reads the daemon's parts (given explicitly) into a :class:`~sclsd.protocol.StatusSnapshot`."""
 
-    def __init__(self, cfg: Config, sched: Scheduler, live: LiveRequests, admission: Admission,
-                 fleet: Fleet, cost: DaemonCost, api: FrameServer, clock: Callable[[], float],
+    def __init__(self, cfg: Config, sched: Scheduler, live: LiveRequests, admission: Admission | None,
+                 fleet: Fleet | None, cost: DaemonCost, api: FrameServer, clock: Callable[[], float],
                  started: float, extra: Callable[[], dict[str, Any]]) -> None:
         self.cfg = cfg
         self.sched = sched
         self.live = live
+        #: None while the daemon starts (the server sets both once it is wired).
         self.admission = admission
         self.fleet = fleet
         self.cost = cost
         self.api = api
         self.clock = clock
         self.started = started
-        #: ``draining``, ``metrics_http``, ``serving``, ``why`` and extra counters, from the server.
+        #: ``draining``, ``metrics_http``, ``serving``, ``why``, ``starting``, ``loading`` and
+        #: extra counters, from the server.
         self.extra = extra
 
     def snapshot(self) -> P.StatusSnapshot:
@@ -46,7 +48,7 @@ class StatusView:
         now = self.clock()
         workers = []
         for wid, ws in sorted(s.workers.items()):
-            info = self.fleet.workers.get(wid)
+            info = self.fleet.workers.get(wid) if self.fleet is not None else None
             if info is None:
                 continue
             reg = info.reg
@@ -72,7 +74,7 @@ class StatusView:
             pool_size=len(s.pool),
             live_requests=len(s.live),
             running_requests=len(s.live) - len(s.pool),
-            admitting=self.admission.admitting,
+            admitting=self.admission.admitting if self.admission is not None else 0,
             queued_tokens=self.live.queued_tokens,
             limits=P.Limits(max_queued_requests=d.max_queued_requests, max_queued_tokens=d.max_queued_tokens),
             connections=len(self.api.conns),
@@ -88,6 +90,8 @@ class StatusView:
             counters={**s.counters, **x["counters"]},
             serving=x["serving"],
             why=x["why"],
+            starting=x.get("starting", False),
+            loading=x.get("loading", []),
         )
 
 

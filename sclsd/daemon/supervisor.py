@@ -9,16 +9,23 @@ signal). A worker that exits within ``workers.quick_failure_s`` of its start
 ``workers.max_quick_failures`` times in a row is not restarted again: the
 daemon says why in its status and, with no worker left, refuses new requests
 with ``no_workers``.
+
+A spawned worker is *loading* from its spawn until it registers: the status
+shows it with its age and its latest loading step, which the worker keeps in
+``<run dir>/<id>.progress`` (``sclsd-worker --progress-file``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..config import Config
 from ..defaults import offline_env
@@ -35,6 +42,18 @@ def _absolute(value: str) -> str:
     return os.path.abspath(value) if value and not os.path.isabs(value) and os.path.exists(value) else value
 
 
+@dataclass(frozen=True)
+class Loading:
+    """A local worker process that runs and has not registered (yet)."""
+
+    id: str
+    pid: int
+    age_s: float
+    """Seconds since it was spawned."""
+    step: str
+    """Its latest loading step ("" before it logged one)."""
+
+
 class Supervisor:
     """Runs ``workers.spawn`` local workers (see the module docstring)."""
 
@@ -48,6 +67,8 @@ class Supervisor:
         self.on_exit = on_exit
         self.on_give_up = on_give_up
         self.procs: dict[str, asyncio.subprocess.Process] = {}
+        #: ``time.monotonic()`` of each worker's latest spawn.
+        self.spawned_at: dict[str, float] = {}
         #: Workers not restarted any more, with the reason.
         self.gave_up: dict[str, str] = {}
         self.restarts = 0
@@ -73,7 +94,12 @@ class Supervisor:
             "--heartbeat", str(d.heartbeat_interval_s),
             "--daemon-timeout", str(w.daemon_timeout_s),
             "--parent-pid", str(os.getpid()),
+            "--progress-file", self.progress_file(wid),
         ]
+        if w.engine != "fake":  # the fake engine has no weights, hence no dtype
+            cmd += ["--dtype", self.cfg.model.dtype]
+        if self.cfg.model.cache_dir:
+            cmd += ["--cache-dir", _absolute(self.cfg.model.cache_dir)]
         if self.secret_file is not None:
             cmd += ["--secret-file", self.secret_file]
         cmd += self.spawn_args(wid)
@@ -81,6 +107,27 @@ class Supervisor:
         for key, value in sorted(w.options.items()):
             cmd += [f"--{key.replace('_', '-')}", _absolute(str(value))]
         return cmd
+
+    def progress_file(self, wid: str) -> str:
+        return os.path.join(self.run_dir, f"{wid}.progress")
+
+    def loading(self, registered: set[str] | dict[str, object]) -> list[Loading]:
+        """Local workers whose process runs and that are not in ``registered``, oldest first.
+
+        Reads each one's progress file: a few bytes, and only while workers load.
+        """
+        now = time.monotonic()
+        out = []
+        for wid, proc in sorted(self.procs.items()):
+            if proc.returncode is not None or wid in registered:
+                continue
+            try:
+                with open(self.progress_file(wid), encoding="utf-8", errors="replace") as f:
+                    step = f.read(256).strip()
+            except OSError:
+                step = ""
+            out.append(Loading(wid, proc.pid, round(now - self.spawned_at.get(wid, now), 1), step))
+        return out
 
     @property
     def serving(self) -> bool:
@@ -96,9 +143,13 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         while not self._stopping:
             started = loop.time()
+            # A restarted worker must not show the previous process's last step.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.progress_file(wid))
             proc = await asyncio.create_subprocess_exec(*self.command(wid, index), env=env,
                                                         cwd=self.run_dir, start_new_session=True)
             self.procs[wid] = proc
+            self.spawned_at[wid] = time.monotonic()
             log.info("worker=%s spawned pid=%d", wid, proc.pid)
             rc = await proc.wait()
             if self._stopping:

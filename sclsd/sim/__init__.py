@@ -1,8 +1,9 @@
 """Discrete-event simulator: core's scheduler on a virtual clock, cost-model workers.
 
 ``simulate(SimConfig(policy, profile, ...), workload)`` runs a policy of the
-ablation ladder, a continuous-batching baseline or the oracle until every
-request completes; ``sclsd-bench sim`` is its command line. See the
+ablation ladder (optionally with work-conserving rounds and KV reuse), a
+continuous-batching baseline or one of the two oracles until every request
+completes; ``sclsd-bench sim`` is its command line. See the
 "Simulation" section of docs/benchmarks.md for the model and the baselines.
 """
 

@@ -2,6 +2,7 @@
 
     sclsd-bench sim --trace ../shared/traces/sharegpt_lengths.csv --policy scls \\
         --profile a100-llama2-13b-hf --workers 8 --rate 20 --duration 600 --json out.json
+    sclsd-bench sim ... --policy scls --work-conserving --kv-reuse   # past the paper
 
 Writes the metrics of :mod:`sclsd.eval.metrics` (plus the run's settings)
 as JSON and prints a short summary table. Exit status 2 on bad arguments.
@@ -36,6 +37,7 @@ _TABLE = (
     ("pad_tokens_per_req", "pad tokens / req", "{:.1f}"),
     ("invalid_tokens_per_req", "invalid tokens / req", "{:.1f}"),
     ("slices_per_req", "slices / req", "{:.2f}"),
+    ("reprefill_tokens_per_req", "re-prefilled tok / req", "{:.1f}"),
     ("early_return_ratio", "early-return ratio", "{:.3f}"),
     ("ct_std_s", "CT STD (s)", "{:.2f}"),
     ("oom_events", "OOM events", "{:d}"),
@@ -65,6 +67,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--noise", type=float, default=0.0, help="lognormal σ on serving times")
     p.add_argument("--seed", type=int, default=0, help="seeds arrivals and noise")
     p.add_argument("--block-size", type=int, default=16, help="ils-paged KV block, tokens")
+    p.add_argument(
+        "--work-conserving",
+        action="store_true",
+        help="an idle worker triggers a round at once; rounds spread work over idle workers",
+    )
+    p.add_argument(
+        "--kv-reuse",
+        action="store_true",
+        help="workers keep KV across slices; the policy batches by KV holder and reuses it",
+    )
+    p.add_argument(
+        "--host-kv-bytes",
+        type=float,
+        help="host memory per worker for retained KV (default: the profile's host_kv_bytes)",
+    )
     p.add_argument("--slo-ttft", type=float, help="goodput SLO on TTFT, s")
     p.add_argument("--slo-tpot", type=float, help="goodput SLO on TPOT, s")
     p.add_argument("--slo-e2e", type=float, help="goodput SLO on end-to-end latency, s")
@@ -91,6 +108,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.duration is not None and args.duration <= 0:
         raise ValueError("--duration must be > 0")
+    if args.host_kv_bytes is not None and args.host_kv_bytes < 0:
+        raise ValueError("--host-kv-bytes must be >= 0")
     profile = load_profile(args.profile)
     trace = load_trace(args.trace)
     workload = make_workload(
@@ -117,13 +136,16 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         noise=args.noise,
         seed=args.seed,
         block_size=args.block_size,
+        work_conserving=args.work_conserving,
+        kv_reuse=args.kv_reuse,
+        host_kv_bytes=args.host_kv_bytes,
         progress=not args.no_progress and sys.stderr.isatty(),
     )
     slo = None
     if any(x is not None for x in (args.slo_ttft, args.slo_tpot, args.slo_e2e)):
         slo = SLO(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot, e2e_s=args.slo_e2e)
     res = simulate(cfg, workload)
-    if args.policy in ("sls", "oracle"):
+    if args.policy in ("sls", "oracle", "oracle-static"):
         effective_slice: int | None = args.max_gen  # one batch runs to the generation limit
     elif args.policy.startswith("ils-"):
         effective_slice = None  # continuous batching has no slices
@@ -146,6 +168,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "zeta": args.zeta,
         "noise": args.noise,
         "seed": args.seed,
+        "work_conserving": args.work_conserving,
+        "kv_reuse": args.kv_reuse,
+        "host_kv_bytes": cfg.effective_profile.host_kv_bytes,
     }
     out.update(res.summary(slo))
     out["worker_completion_s"] = res.worker_completion
@@ -155,8 +180,11 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 def format_table(r: dict[str, Any]) -> str:
     """A short human summary of one run."""
     rate = "trace arrivals" if r["rate"] is None else f"{r['rate']:g} req/s"
+    switches = "".join(
+        f" +{name}" for name in ("work_conserving", "kv_reuse") if r.get(name)
+    )
     lines = [
-        f"{r['policy']} on {r['profile']}, {r['workers']} workers, {rate}, "
+        f"{r['policy']}{switches} on {r['profile']}, {r['workers']} workers, {rate}, "
         f"{r['requests']} requests (simulated in {r['wall_s']:.2f} s)"
     ]
     for key, label, fmt in _TABLE:

@@ -7,9 +7,10 @@ baselines) both build on this module and on no part of each other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..core.memory import RuleTable
 from ..core.policy import DEFAULT_GAMMA, POLICIES
 from ..core.profiles import Profile
 from ..core.request import Request
@@ -17,8 +18,8 @@ from ..eval.metrics import SLO, BatchStats, RequestRecord, summarize
 from .workers import SimPayload
 from .workload import Workload
 
-#: Continuous-batching baselines (sclsd.sim.ils) and the oracle, beside core's policies.
-BASELINES = ("ils-conservative", "ils-paged", "oracle")
+#: Continuous-batching baselines (sclsd.sim.ils) and the two oracles, beside core's policies.
+BASELINES = ("ils-conservative", "ils-paged", "oracle", "oracle-static")
 ALL_POLICIES = POLICIES + BASELINES
 
 @dataclass
@@ -43,6 +44,12 @@ class SimConfig:
     """ils-paged: tokens per KV block."""
     watermark: float = 0.01
     """ils-paged: fraction of blocks kept free when admitting (vLLM's default)."""
+    work_conserving: bool = False
+    """Core's work-conserving rounds (slice-level policies and the oracles)."""
+    kv_reuse: bool = False
+    """Workers keep KV across slices and the policy reuses it (slice-level policies)."""
+    host_kv_bytes: float | None = None
+    """Host memory per worker for retained KV; None: the profile's ``host_kv_bytes``."""
     progress: bool = False
 
     def __post_init__(self) -> None:
@@ -58,6 +65,13 @@ class SimConfig:
         if self.gamma is not None:
             return self.gamma
         return self.profile.gamma_s if self.profile.gamma_s is not None else DEFAULT_GAMMA
+
+    @property
+    def effective_profile(self) -> Profile:
+        """The profile with ``host_kv_bytes`` overridden when given."""
+        if self.host_kv_bytes is None:
+            return self.profile
+        return replace(self.profile, host_kv_bytes=self.host_kv_bytes)
 
     @property
     def kv_token_budget(self) -> float:
@@ -86,17 +100,9 @@ class SimConfig:
 
 
 def rules_token_budget(rules: tuple[tuple[int, int], ...], max_total: int) -> int:
-    """Most tokens one batch may hold under a rule table ``((min_total_len, max_batch), ...)``.
-
-    Rule k covers totals in (min_k, upper_k], upper_k being the next rule's
-    threshold (``max_total`` for the top one); it allows max_batch_k · upper_k tokens.
-    """
-    best, upper = 0, max_total
-    for min_len, limit in sorted(rules, reverse=True):
-        if min_len < upper:
-            best = max(best, limit * upper)
-            upper = min_len
-    return best
+    """Most tokens one batch may hold under a rule table ``((min_total_len, max_batch), ...)``
+    (:meth:`sclsd.core.memory.RuleTable.token_budget`)."""
+    return RuleTable(rules).token_budget(max_total)
 
 
 @dataclass
@@ -164,6 +170,7 @@ def record_of(r: Request) -> RequestRecord:
         pad_tokens=p.pad_tokens,
         invalid_tokens=p.invalid_tokens,
         preemptions=p.preemptions,
+        reprefill_tokens=p.reprefill_tokens,
     )
 
 

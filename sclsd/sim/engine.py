@@ -7,10 +7,16 @@ event the loop asks the scheduler ``due(now)`` and, when it is, runs
 what the daemon does with a real clock. A completion feeds
 ``on_result(outcome, now)`` and starts the worker's next batch.
 
-The policies of the ablation ladder (sls, so, pm, ab, lb, scls) and the
-oracle run here; the continuous-batching baselines have their own loop in
+The policies of the ablation ladder (sls, so, pm, ab, lb, scls) and the two
+oracles run here; the continuous-batching baselines have their own loop in
 :mod:`sclsd.sim.ils` because they bypass the slice scheduler by definition.
 The settings and the result of a run are in :mod:`sclsd.sim.common`.
+
+With KV reuse each worker keeps its unfinished rows' KV after a slice
+(:class:`~sclsd.sim.kvstore.KVStore`: device room beside the running batch,
+then host memory, LRU evictions reported to the scheduler) and a batch
+prefills only what its worker does not hold. A request's first token is
+recorded when the prefill that produces it ends (tokens are streamed).
 """
 
 from __future__ import annotations
@@ -18,13 +24,15 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from dataclasses import replace
 from typing import Any
 
 from ..core.policy import Policy, make_policy
 from ..core.scheduler import Batch, BatchOutcome, Scheduler
 from ..eval.metrics import BatchStats
 from .common import SimConfig, SimResult, make_requests, progress_bar, record_of
-from .oracle import make_oracle_policy
+from .kvstore import KVStore
+from .oracle import make_oracle_policy, make_static_oracle_policy
 from .workers import Noise, Served, SimPayload, SimWorker, serve_ragged, serve_static
 from .workload import Workload
 
@@ -36,33 +44,24 @@ class StaticSimulation:
 
     def __init__(self, cfg: SimConfig, workload: Workload, policy: Policy | None = None) -> None:
         self.cfg = cfg
-        prof = cfg.profile
+        prof = cfg.effective_profile
         self.est = prof.estimator
         if policy is None:
-            if cfg.policy == "oracle":
-                policy = make_oracle_policy(
-                    self.est,
-                    token_budget=cfg.kv_token_budget,
-                    max_gen=cfg.max_gen,
-                    gamma=cfg.gamma_s,
-                    lam=cfg.lam,
-                )
-            else:
-                policy = make_policy(
-                    cfg.policy,
-                    slice_len=cfg.slice_len,
-                    max_gen=cfg.max_gen,
-                    batch_size=cfg.batch_size,
-                    gamma=cfg.gamma_s,
-                    lam=cfg.lam,
-                )
+            policy = _policy(cfg)
         self.ragged = cfg.policy == "oracle"
-        self.sched = Scheduler(policy, prof.cost(cfg.zeta))
+        max_total = cfg.max_input + cfg.max_gen
+        self.sched = Scheduler(policy, prof.cost(cfg.zeta, max_total=max_total))
         # The physical memory: the same predicate with no safety margin (ζ = 1).
-        self.real_mem = prof.cost(zeta=1.0)
+        self.real_mem = prof.cost(zeta=1.0, max_total=max_total)
+        self.delta = prof.kv_bytes_per_token
+        self.host_link = prof.host_link_bytes_per_s
         self.workers = {f"w{k}": SimWorker(f"w{k}") for k in range(cfg.workers)}
-        for wid in self.workers:
+        for wid, w in self.workers.items():
             self.sched.add_worker(wid)
+            if policy.kv_reuse:
+                host = (prof.host_kv_bytes or 0.0) if self.host_link else 0.0
+                w.store = KVStore(self.delta, cfg.kv_token_capacity * self.delta, host)
+        self.host_copy_s = 0.0
         self.requests = make_requests(workload, cfg.max_gen)
         self.noise = Noise(cfg.noise, cfg.seed)
         self.stats = BatchStats()
@@ -92,7 +91,12 @@ class StaticSimulation:
             elif kind == _DONE:
                 bar.update(self._complete(obj, now))
             if sched.due(now):
-                for batch in sched.schedule(now):
+                batches = sched.schedule(now)
+                if not batches and not sched.batches and sched.pool:
+                    # Nothing runs and nothing was started: no later event can change that.
+                    raise RuntimeError(f"the policy stalled at t={now:.3f} with {len(sched.pool)} queued")
+                self._release(sched.take_released())
+                for batch in batches:
                     self._dispatch(batch, now)
                 if sched.next_at != tick_at:
                     # One pending tick per round: a round that finds the pool empty pushes none,
@@ -113,6 +117,8 @@ class StaticSimulation:
             extra={
                 "busy_s": {w: s.busy_time for w, s in self.workers.items()},
                 "prefill_share": self.prefill_s / self.model_s if self.model_s else 0.0,
+                "kv_evictions": sum(w.store.evictions for w in self.workers.values() if w.store is not None),
+                "host_copy_share": self.host_copy_s / self.model_s if self.model_s else 0.0,
             },
         )
 
@@ -126,20 +132,66 @@ class StaticSimulation:
 
     def _start(self, w: SimWorker, now: float) -> None:
         batch = w.queue.popleft()
-        served = serve_ragged(batch, self.est) if self.ragged else serve_static(batch, self.est)
+        if self.ragged:
+            served = serve_ragged(batch, self.est)
+        elif w.store is not None:
+            held, copy_s = self._checkout(w, batch)
+            served = serve_static(batch, self.est, held, copy_s)
+            self.host_copy_s += copy_s
+        else:
+            served = serve_static(batch, self.est)
         if self._would_oom(batch, served):
             self.oom_events += 1
         self.model_s += served.time
         self.prefill_s += served.prefill
-        elapsed = served.time * self.noise()
+        factor = self.noise()
+        elapsed = served.time * factor
+        first = now + served.prefill * factor  # the prefill's end: every row's first token
+        for r, own in zip(batch.requests, served.prefill_tokens, strict=True):
+            r.payload.count_prefill(own)
+            if r.first_token is None:
+                r.first_token = first
         w.busy = True
         w.busy_time += elapsed
         self._push(now + elapsed, _DONE, (w, batch, served, elapsed))
 
+    def _checkout(self, w: SimWorker, batch: Batch) -> tuple[list[int], float]:
+        """The KV ``w`` holds for the batch's rows, and the seconds to copy it back from host.
+
+        As the real worker does, a batch whose re-assembled cache (longest held
+        prefix + longest new part + the slice) would not fit prefills in full.
+        """
+        store = w.store
+        assert store is not None
+        reqs = batch.requests
+        n, S = len(reqs), batch.slice_len
+        held = [min(store.tokens(r.rid), r.input_len - 1) for r in reqs]
+        width = batch.input_len
+        if any(held):
+            new = max(1, max(r.input_len - h for r, h in zip(reqs, held, strict=True)))
+            if max(held) + new + S > self.cfg.kv_token_capacity / n:
+                for r in reqs:
+                    store.drop(r.rid)
+                held = [0] * n
+            else:
+                width = max(held) + new
+        co = store.checkout([r.rid for r in reqs], (width + S) * n * self.delta)
+        self.sched.kv_evicted(w.wid, co.evicted)
+        copy_s = co.host_bytes / self.host_link if self.host_link else 0.0
+        return held, copy_s
+
+    def _release(self, released: dict[str, list[str]]) -> None:
+        """Workers drop the KV the scheduler no longer counts on (its request moved)."""
+        for wid, rids in released.items():
+            store = self.workers[wid].store
+            if store is not None:
+                for rid in rids:
+                    store.drop(rid)
+
     def _would_oom(self, batch: Batch, served: Served) -> bool:
         if self.ragged:
             return served.kv_tokens > self.cfg.kv_token_capacity
-        return self.real_mem.oom(batch.size, batch.input_len, served.iterations)
+        return self.real_mem.oom(batch.size, served.width, served.iterations)
 
     def _complete(self, item: tuple[SimWorker, Batch, Served, float], now: float) -> int:
         w, batch, served, elapsed = item
@@ -150,10 +202,44 @@ class StaticSimulation:
             p.pad_tokens += pad
             p.invalid_tokens += inv
         self.stats.add(batch.size, served.early_return)
+        evicted: list[str] = []
+        if w.store is not None:
+            # Keep each unfinished row's KV: its context but the token sampled last.
+            keep = []
+            for r, row in zip(batch.requests, served.rows, strict=True):
+                if row.finish_reason is None:
+                    row.kv_tokens = r.input_len + row.new_tokens - 1
+                    keep.append((r.rid, row.kv_tokens))
+            evicted = w.store.put(keep)
         done = self.sched.on_result(BatchOutcome(batch.bid, served.rows, elapsed=elapsed), now)
+        self.sched.kv_evicted(w.wid, evicted)
         if w.queue:
             self._start(w, now)
         return len(done)
+
+
+def _policy(cfg: SimConfig) -> Policy:
+    """The policy ``cfg`` names, with its switches."""
+    est = cfg.profile.estimator
+    if cfg.policy == "oracle":
+        policy = make_oracle_policy(
+            est, token_budget=cfg.kv_token_budget, max_gen=cfg.max_gen, gamma=cfg.gamma_s, lam=cfg.lam
+        )
+    elif cfg.policy == "oracle-static":
+        policy = make_static_oracle_policy(est, max_gen=cfg.max_gen, gamma=cfg.gamma_s, lam=cfg.lam)
+    else:
+        return make_policy(
+            cfg.policy,
+            slice_len=cfg.slice_len,
+            max_gen=cfg.max_gen,
+            batch_size=cfg.batch_size,
+            gamma=cfg.gamma_s,
+            lam=cfg.lam,
+            work_conserving=cfg.work_conserving,
+            kv_reuse=cfg.kv_reuse,
+        )
+    # The oracles never slice, so there is no KV to reuse; rounds may still be work-conserving.
+    return replace(policy, work_conserving=cfg.work_conserving)
 
 
 def simulate(cfg: SimConfig, workload: Workload) -> SimResult:

@@ -8,6 +8,10 @@
 share of serving time spent in prefill (re-prefills of later slices and
 recomputation after preemption included). Every cell is one ``sclsd-bench sim`` run (same defaults: 8 workers,
 a100-llama2-13b-hf, S = 128, 600 s of Poisson arrivals, limits 1024/1024).
+
+A policy may carry switches after ``+``: ``scls+wc`` (work-conserving rounds),
+``scls+kv`` (KV reuse), ``scls+wc+kv`` (both), as ``sclsd-bench sim
+--work-conserving --kv-reuse`` would run it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,19 @@ from .common import SimConfig
 from .engine import simulate
 from .workload import make_workload
 
+#: Switches a grid policy name may carry after "+", and the SimConfig field each sets.
+SWITCHES = {"wc": "work_conserving", "kv": "kv_reuse"}
+
+
+def parse_variant(name: str) -> tuple[str, dict[str, bool]]:
+    """``"scls+wc+kv"`` -> ``("scls", {"work_conserving": True, "kv_reuse": True})``."""
+    base, *flags = name.split("+")
+    unknown = [f for f in flags if f not in SWITCHES]
+    if unknown:
+        raise ValueError(f"unknown switch {'+'.join(unknown)!r} in {name!r}; known: {', '.join(SWITCHES)}")
+    return base, {SWITCHES[f]: True for f in flags}
+
+
 #: Columns of the printed tables: (key, header, format).
 COLUMNS = (
     ("throughput_rps", "req/s", "{:.2f}"),
@@ -35,6 +52,7 @@ COLUMNS = (
     ("pad_tokens_per_req", "pad/req", "{:.0f}"),
     ("invalid_tokens_per_req", "invalid/req", "{:.0f}"),
     ("slices_per_req", "slices/req", "{:.2f}"),
+    ("reprefill_tokens_per_req", "re-prefill/req", "{:.0f}"),
     ("early_return_ratio", "early ret", "{:.3f}"),
     ("ct_std_s", "CT STD s", "{:.1f}"),
     ("util", "util", "{:.2f}"),
@@ -64,7 +82,10 @@ def run_grid(
         wl = make_workload(trace, rate=rate, duration=duration, seed=seed)
         for pol in policies:
             for S in slice_lens:
-                cfg = SimConfig(pol, prof, workers=workers, slice_len=S, noise=noise, seed=seed)
+                base, switches = parse_variant(pol)
+                cfg = SimConfig(
+                    base, prof, workers=workers, slice_len=S, noise=noise, seed=seed, **switches
+                )
                 t0 = time.perf_counter()
                 s = simulate(cfg, wl).summary()
                 s.update(policy=pol, rate=rate, slice_len=S, wall_s=time.perf_counter() - t0)

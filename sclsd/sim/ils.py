@@ -16,7 +16,8 @@ worker:
    (no padding in paged / continuous engines). Every running request gets
    one token; the ones reaching their true length (EOS) or max_tokens leave.
 
-The first token of a request is the end of its first iteration. Memory:
+The first token of a request comes when the prefill of its admission
+iteration ends (tokens are streamed). Memory:
 
 - ``ils-conservative`` (DeepSpeed-FastGen's conservative management, as the
   paper describes it): admit only when the KV of prompt + the whole
@@ -86,7 +87,9 @@ class ILSWorker:
     """Heap of (iteration at which it finishes, seq, rid); stale entries skipped."""
     busy: bool = False
     new: list[_Running] = field(default_factory=list)
-    """Admitted in the iteration under way (they get their first token at its end)."""
+    """Admitted in the iteration under way (their first token comes when its prefill ends)."""
+    first_at: float = 0.0
+    """When the prefill of the iteration under way ends."""
     last_completion: float | None = None
     busy_time: float = 0.0
 
@@ -224,12 +227,15 @@ class ILSSimulation:
         if ctx + n > self.capacity:
             self.oom_events += 1
         t = self.est.tau_decode(ctx / n + 1, n)
+        pre = 0.0
         if k:
             pre = self.est.t_prefill(k, len_sum / k)
             t += pre
             self.prefill_s += pre
         self.model_s += t
-        t *= self.noise()
+        factor = self.noise()
+        t *= factor
+        w.first_at = now + pre * factor
         self.stats.add(n)
         w.busy = True
         w.busy_time += t
@@ -255,8 +261,10 @@ class ILSSimulation:
         w.it += 1
         w.last_completion = now
         for fresh in w.new:
+            # Its prefill ran (after a preemption, a recompute of prompt + generated).
+            fresh.req.payload.count_prefill(fresh.c0)
             if fresh.req.first_token is None:
-                fresh.req.first_token = now
+                fresh.req.first_token = w.first_at
         w.new.clear()
         while w.finish and w.finish[0][0] <= w.it:
             _, _, rid = heapq.heappop(w.finish)

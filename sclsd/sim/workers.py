@@ -17,6 +17,7 @@ import numpy as np
 from ..core.batch import Batch, RowOutcome
 from ..core.estimator import Estimator
 from ..core.request import FinishReason, Request
+from .kvstore import KVStore
 
 
 @dataclass(slots=True)
@@ -31,6 +32,19 @@ class SimPayload:
     pad_tokens: int = 0
     invalid_tokens: int = 0
     preemptions: int = 0
+    prefilled: bool = False
+    """Its first prefill has run."""
+    reprefill_tokens: int = 0
+    """Tokens whose KV an earlier prefill or decode step had computed, computed again."""
+
+    def count_prefill(self, own_tokens: int) -> None:
+        """A prefill computed ``own_tokens`` of this request's context.
+
+        Past the first, all of them but the newest (sampled last, never fed) are recomputed.
+        """
+        if self.prefilled:
+            self.reprefill_tokens += max(0, own_tokens - 1)
+        self.prefilled = True
 
 
 def target_len(r: Request) -> int:
@@ -76,7 +90,7 @@ class Served:
     time: float
     """Seconds, before noise."""
     prefill: float
-    """The prefill part of ``time``."""
+    """The prefill part of ``time`` (host copies of retained KV included): first tokens come then."""
     iterations: int
     rows: list[RowOutcome]
     pad: list[int]
@@ -84,9 +98,15 @@ class Served:
     early_return: bool
     kv_tokens: int
     """Peak KV-cache tokens the batch really holds."""
+    width: int = 0
+    """Padded context positions of every row (static batches; held + new with KV reuse)."""
+    prefill_tokens: list[int] = field(default_factory=list)
+    """Per row, tokens of its own context the prefill computed (the rest of a window is pad)."""
 
 
-def serve_static(batch: Batch, est: Estimator) -> Served:
+def serve_static(
+    batch: Batch, est: Estimator, held: list[int] | None = None, copy_s: float = 0.0
+) -> Served:
     """A padded static batch (HF / DS engines) with early return.
 
     Every row is left-padded to the batch input length L. The batch decodes
@@ -94,9 +114,21 @@ def serve_static(batch: Batch, est: Estimator) -> Served:
     whichever comes first; finished rows keep computing (invalid tokens)
     while others go on. Time = T_prefill(n, L) + T_decode(n, L, k) for the k
     iterations run.
+
+    With ``held`` (tokens of KV the worker holds per row), the batch is laid out
+    as ``past = max held`` positions then ``new = max (L_r - held_r)``, and only
+    ``new`` are prefilled (:meth:`~sclsd.core.estimator.Estimator.t_serve_cached`),
+    after ``copy_s`` seconds bringing retained KV back from host memory.
     """
     reqs = batch.requests
-    n, L, S = len(reqs), batch.input_len, batch.slice_len
+    n, S = len(reqs), batch.slice_len
+    hold = held if held is not None and any(held) else [0] * n
+    if any(hold):
+        past = max(hold)
+        fresh = max(1, max(r.input_len - h for r, h in zip(reqs, hold, strict=True)))
+    else:
+        past, fresh = 0, batch.input_len
+    L = past + fresh
     remaining = [target_len(r) - r.num_generated for r in reqs]
     k = min(S, max(remaining))
     rows: list[RowOutcome] = []
@@ -107,7 +139,7 @@ def serve_static(batch: Batch, est: Estimator) -> Served:
         rows.append(RowOutcome(r.rid, new, finish_reason(r, r.num_generated + new)))
         pad.append(L - r.input_len)
         invalid.append(k - new)
-    prefill = est.t_prefill(n, L)
+    prefill = est.t_prefill_cached(n, fresh, past) + copy_s
     return Served(
         time=prefill + est.t_decode(n, L, k),
         prefill=prefill,
@@ -117,6 +149,8 @@ def serve_static(batch: Batch, est: Estimator) -> Served:
         invalid=invalid,
         early_return=k < S,
         kv_tokens=(L + k) * n,
+        width=L,
+        prefill_tokens=[r.input_len - h for r, h in zip(reqs, hold, strict=True)],
     )
 
 
@@ -149,6 +183,7 @@ def serve_ragged(batch: Batch, est: Estimator) -> Served:
         invalid=[0] * n,
         early_return=False,
         kv_tokens=sum(lens) + sum(rem),
+        prefill_tokens=lens,
     )
 
 
@@ -179,3 +214,5 @@ class SimWorker:
     busy: bool = False
     last_completion: float | None = None
     busy_time: float = 0.0
+    store: KVStore | None = None
+    """Retained KV across slices (KV reuse); None: nothing is kept."""

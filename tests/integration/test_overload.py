@@ -231,3 +231,28 @@ def test_a_busy_loop_still_accepts_every_pending_connection_at_once(tmp_path) ->
     used = uvloop.run(run())
     assert used < 50, f"{n} pending connections took {used} loop turns to be served"
     assert not os.path.exists(path)
+
+
+def test_a_burst_beyond_the_bound_reaches_a_client_that_reads(tmp_path) -> None:
+    """Output over max_conn_buffer_bytes in one go (thousands of requests ending in one
+    round, here pongs) is fine for a client that keeps reading: only one that stops
+    reading is dropped."""
+    d = start(tmp_path, daemon={"max_frame_bytes": 65536, "max_conn_buffer_bytes": 65536},
+              workers={"spawn": 0})
+    try:
+        async def run() -> int:
+            c = await Raw.open(d.sock)
+            n = 20_000  # ~300 KB of pongs, produced within a loop turn or two
+            c.writer.write(b"".join(P.frame(P.Ping(nonce=i)) for i in range(n)))
+            got = 0
+            while got < n:
+                ev = await c.recv(30)
+                assert isinstance(ev, P.Pong), ev
+                got += 1
+            await c.close()
+            return got
+
+        assert asyncio.run(run()) == 20_000
+        assert "slow client" not in d.log.read_text()
+    finally:
+        assert stop(d) == 0, d.log_text()

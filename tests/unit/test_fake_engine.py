@@ -148,3 +148,40 @@ def test_fake_profile_predicts_its_own_serving_time() -> None:
     est = Profile.from_dict(eng.profile()).estimator
     # A batch of 3 padded to 10 tokens, 4 iterations: 3·10·1 ms + 4·10 ms.
     assert est.t_serve(3, 10, 4) == pytest.approx(0.03 + 0.04)
+
+
+def test_emits_each_iteration_after_its_sleep():
+    import time
+
+    eng = FakeEngine(decode_s=0.01)
+    t0 = time.perf_counter()
+    calls: list[tuple[float, list]] = []
+    outs, stats = eng.serve(
+        BatchMsg(batch_id=1, slice_len=5, requests=[req("a", [5, 6], 3, ignore_eos=True),
+                                                    req("b", [7], 8, ignore_eos=True)]),
+        lambda o: calls.append((time.perf_counter() - t0, o)),
+    )
+    assert len(calls) == stats.iterations == 5
+    # The first tokens exist after one step, long before the slice's five.
+    assert 0.01 <= calls[0][0] < stats.decode_s
+    streamed = {o.rid: [] for o in outs}
+    for _, c in calls:
+        for o in c:
+            streamed[o.rid] += o.token_ids
+    assert streamed == {o.rid: o.token_ids for o in outs}
+    assert [o.rid for o in calls[3][1]] == ["b"]  # a finished after 3
+
+
+def test_modelled_kv_reuse_prefills_only_what_is_new():
+    eng = FakeEngine(prefill_s_per_token=0.0)
+    plain = FakeEngine(kv_reuse=False)
+    gen, _ = run_sliced(eng, PROMPTS, 4, max_new=12, ignore_eos=True)
+    assert gen == run_sliced(plain, PROMPTS, 4, max_new=12, ignore_eos=True)[0]
+    outs, _ = serve(eng, 4, [req("x", PROMPTS[3], 10, ignore_eos=True)])
+    assert outs[0].kv_tokens == len(PROMPTS[3]) + 3
+    cont = req("x", PROMPTS[3] + outs[0].token_ids, 6, generated=4, ignore_eos=True)
+    outs2, stats = serve(eng, 4, [cont, req("y", [8, 9], 6, ignore_eos=True)])
+    assert stats.reused_tokens == len(PROMPTS[3]) + 3 and stats.prefill_tokens == 1 + 2
+    assert serve(plain, 4, [req("x", PROMPTS[3], 10, ignore_eos=True)])[0][0].kv_tokens == 0
+    eng.release(["x", "y"])
+    assert eng.kv is not None and eng.kv.store.held() == {}

@@ -43,3 +43,7 @@ def test_collect_runs_short_grids(tmp_path: Path) -> None:
     for grid in ("main-hf", "main-ds", "ablation", "slices"):
         assert f"### {grid}" in text
     assert len(list((tmp_path / "img").glob("*.png"))) == 13
+
+
+def test_the_papers_figures_run_without_the_switches():
+    assert not [p for p in (*figures.MAIN, *figures.LADDER) if "+" in p]

@@ -72,3 +72,10 @@ def test_rule_table_configurable_and_order_free():
     assert rt.to_list() == [[2000, 1], [500, 3], [100, 5]]
     with pytest.raises(ValueError):
         RuleTable([])
+
+
+def test_rule_table_token_budget():
+    t = RuleTable.deepspeed()
+    assert t.token_budget(2048) == 12 * 2048
+    assert t.token_budget(1000) == 22 * 1000
+    assert RuleTable([(0, 4)]).token_budget(100) == 400

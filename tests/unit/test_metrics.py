@@ -79,3 +79,14 @@ def test_tpot() -> None:
     recs = records()
     assert tpot_of(recs[0]) == pytest.approx(3 / 8)
     assert tpot_of(recs[1]) is None and tpot_of(recs[3]) is None
+
+
+def test_reprefill_tokens_are_averaged_over_completed_requests() -> None:
+    recs = [
+        RequestRecord("a", 0.0, 10, 5, 1.0, 2.0, "stop", reprefill_tokens=30),
+        RequestRecord("b", 0.0, 10, 5, 1.0, 3.0, "length", reprefill_tokens=10),
+        RequestRecord("c", 0.0, 10, reprefill_tokens=99),  # never completed: not counted
+    ]
+    s = summarize(recs)
+    assert "reprefill_tokens_per_req" in SUMMARY_KEYS
+    assert s["reprefill_tokens_per_req"] == 20.0

@@ -124,3 +124,131 @@ def test_default_tokenizer_loads_without_torch():
             "ids = t.encode_chat([{'role': 'user', 'content': 'hi'}]); "
             "print(t.vocab_size, ids[0], 'torch' in sys.modules)")
     assert _run(code).split() == [str(models.SMOLLM2_VOCAB), "1", "False"]
+
+
+# --------------------------------------------------------------------------- hub ids
+
+HUB_REV = "0123456789abcdef0123456789abcdef01234567"
+TINY_WORDS = ["<unk>", "<s>", "</s>", "hello", "world", "why", "is", "the", "sky", "blue", "?", "!"]
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over :data:`TINY_WORDS` with a chat template (no download)."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(WordLevel({w: i for i, w in enumerate(TINY_WORDS)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return tok
+
+
+def make_hub_snapshot(cache: Path, repo_id: str, rev: str = HUB_REV, ref: bool = True) -> Path:
+    """The hub cache's layout for ``repo_id``: the tiny-random architecture's config (with the
+    tiny vocabulary) and a tokenizer, as ``huggingface-cli download`` would leave them."""
+    from transformers import LlamaConfig
+
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / rev
+    snap.mkdir(parents=True)
+    LlamaConfig(**{**models.TINY_RANDOM_CONFIG, "vocab_size": len(TINY_WORDS)}).save_pretrained(snap)
+    tiny_tokenizer().save_pretrained(snap)
+    if ref:
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(rev)
+    return snap
+
+
+@pytest.fixture
+def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty hub cache in ``HF_HUB_CACHE``, offline."""
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return cache
+
+
+def test_hub_id_resolves_to_its_snapshot_in_the_local_cache(hub: Path):
+    snap = make_hub_snapshot(hub, "acme/tiny-chat")
+    ms = models.resolve("acme/tiny-chat")
+    assert ms == models.ModelSpec("dir", "acme/tiny-chat", snap)
+    assert models.load_config(ms).vocab_size == len(TINY_WORDS)
+    tok = models.load_tokenizer(ms)
+    assert len(tok) == len(TINY_WORDS) and tok.encode("why is the sky blue ?", add_special_tokens=False) == [5, 6, 7, 8, 9, 10]
+    assert models.eos_token_ids("acme/tiny-chat") == [2]
+
+
+def test_hub_cache_location_follows_hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    snap = make_hub_snapshot(tmp_path / "hf" / "hub", "acme/tiny-chat")
+    assert models.resolve("acme/tiny-chat").path == snap
+
+
+def test_hub_snapshot_without_ref_and_missing_models(hub: Path):
+    snap = make_hub_snapshot(hub, "acme/pinned", ref=False)  # fetched at one revision only
+    assert models.resolve("acme/pinned").path == snap
+    with pytest.raises(models.ModelNotCached, match=r"'acme/missing' is neither a local path nor in the local "
+                       rf"Hugging Face cache {hub}: download it .*allow_download = true"):
+        models.resolve("acme/missing")
+    gguf_only = hub / "models--acme--q-GGUF" / "snapshots" / HUB_REV
+    gguf_only.mkdir(parents=True)
+    (gguf_only / "q.Q4_0.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match=r"has no config.json \(it holds q.Q4_0.gguf: give that file's path\)"):
+        models.resolve("acme/q-GGUF")
+
+
+def test_a_local_directory_wins_over_a_hub_id(hub: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    make_hub_snapshot(hub, "acme/tiny-chat")
+    local = tmp_path / "acme" / "tiny-chat"
+    local.mkdir(parents=True)
+    (local / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    monkeypatch.chdir(tmp_path)
+    assert models.resolve("acme/tiny-chat") == models.ModelSpec("dir", str(local.resolve()), local.resolve())
+
+
+@pytest.mark.parametrize(("spec", "hub_like"), [
+    ("acme/tiny-chat", True), ("gpt2", True), ("Org_1/model.v2", True), ("/abs/path", False),
+    ("./rel", False), ("a/b/c", False), ("x.gguf", False), ("acme/../etc", False), ("random:x", False),
+])
+def test_is_hub_id(spec: str, hub_like: bool):
+    from sclsd.hub import is_hub_id
+
+    assert is_hub_id(spec) is hub_like
+
+
+def test_fetch_downloads_only_what_is_missing(hub: Path, monkeypatch: pytest.MonkeyPatch):
+    from sclsd import hub as hubmod
+
+    calls: list[str] = []
+
+    def download(repo_id: str, timeout: float | None = None) -> None:
+        calls.append(repo_id)
+        make_hub_snapshot(hub, repo_id)
+
+    monkeypatch.setattr(hubmod, "download", download)
+    assert models.fetch("acme/new").name == "acme/new" and calls == ["acme/new"]
+    assert models.fetch("acme/new").name == "acme/new" and calls == ["acme/new"]  # cached now
+
+
+def test_download_runs_online_in_a_child_and_reports_its_last_words(monkeypatch: pytest.MonkeyPatch):
+    from sclsd import hub as hubmod
+
+    seen: dict[str, object] = {}
+
+    def run(cmd: list[str], env: dict[str, str], **kw: object) -> subprocess.CompletedProcess[str]:
+        seen.update(cmd=cmd, env=env)
+        return subprocess.CompletedProcess(cmd, 1, "", "Traceback ...\nLocalEntryNotFoundError: no network\n")
+
+    monkeypatch.setattr(hubmod.subprocess, "run", run)
+    with pytest.raises(ValueError, match=r"cannot download 'acme/x': LocalEntryNotFoundError: no network$"):
+        hubmod.download("acme/x")
+    env = seen["env"]
+    assert isinstance(env, dict) and "HF_HUB_OFFLINE" not in env and "TRANSFORMERS_OFFLINE" not in env
+    assert os.environ["HF_HUB_OFFLINE"] == "1"  # this process stays offline
+    cmd = seen["cmd"]
+    assert isinstance(cmd, list) and cmd[3:] == ["acme/x", *hubmod.PATTERNS]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import given
@@ -14,6 +14,10 @@ from sclsd.core.offloader import AdaptiveInterval, FixedInterval, MaxMin, RoundR
 @dataclass
 class B:
     est_time: float
+    est_on: dict[str, float] = field(default_factory=dict)
+
+    def est_for(self, w: str) -> float:
+        return self.est_on.get(w, self.est_time)
 
 
 def test_maxmin_longest_batch_to_least_loaded_worker():

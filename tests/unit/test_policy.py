@@ -148,3 +148,31 @@ def test_scls_interval_is_adaptive_and_others_fixed():
             assert s.interval == pytest.approx(0.5 * min_load)
         else:
             assert s.interval == 1.0
+
+
+def test_switches_are_off_by_default_and_apply_to_every_policy():
+    for n in POLICIES:
+        p = make_policy(n, slice_len=64)
+        assert not p.work_conserving and not p.kv_reuse  # the paper
+        q = make_policy(n, slice_len=64, work_conserving=True, kv_reuse=True)
+        assert q.work_conserving and q.kv_reuse and q.batcher == p.batcher
+    assert make_policy("scls", slice_len=128).first_slice_len == 16
+    assert make_policy("scls", slice_len=4).first_slice_len == 1
+
+
+def test_daemon_config_and_command_line_reach_the_policy():
+    from sclsd.config import load, override
+    from sclsd.daemon.cli import build_parser
+    from sclsd.daemon.cost import DaemonCost
+    from sclsd.daemon.server import make_scheduler
+
+    cfg = load(None)
+    assert cfg.scheduler.work_conserving and cfg.scheduler.kv_reuse  # shipped defaults
+    sched = make_scheduler(cfg, DaemonCost.initial(cfg))
+    assert sched.policy.work_conserving and sched.policy.kv_reuse
+    args = build_parser().parse_args(["--no-work-conserving", "--kv-reuse"])
+    off = override(cfg, scheduler__work_conserving=args.work_conserving,
+                   scheduler__kv_reuse=args.kv_reuse)
+    sched = make_scheduler(off, DaemonCost.initial(off))
+    assert not sched.policy.work_conserving and sched.policy.kv_reuse
+    assert build_parser().parse_args([]).work_conserving is None  # not given: the config's

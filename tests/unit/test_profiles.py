@@ -124,3 +124,33 @@ def test_profile_cost_is_a_cost_model():
     cost = load_profile("a100-llama2-13b-hf").cost()
     assert isinstance(cost, ProfileCost)
     assert cost.t_serve(3, 100, 16) == pytest.approx(cost.estimator.t_serve(3, 100, 16))
+
+
+def test_host_link_of_the_a100_profiles_and_none_on_the_cpu():
+    for name in ("a100-llama2-13b-hf", "a100-llama2-13b-ds"):
+        p = load_profile(name)
+        assert p.host_link_bytes_per_s == 25e9 and p.host_kv_bytes == 128e9
+        c = p.cost()
+        # 1 GB of retained KV comes back over the link in 40 ms.
+        assert c.copy_s(1e9) == pytest.approx(0.04)
+        assert c.retain_bytes == pytest.approx(c.device_kv_bytes + 128e9)
+    ds = load_profile("a100-llama2-13b-ds").cost(max_total=2048)
+    assert ds.device_kv_bytes == 12 * 2048 * 819_200  # the rule table's token budget
+    cpu = load_profile("cpu-smollm2-135m")
+    assert cpu.host_link_bytes_per_s is None and cpu.cost().copy_s(1e9) == 0.0
+    assert cpu.cost().retain_bytes == pytest.approx(0.9 * cpu.mem_available)
+
+
+def test_host_fields_round_trip_and_are_checked(tmp_path):
+    p = load_profile("a100-llama2-13b-hf")
+    path = tmp_path / "h.json"
+    save_profile(p, path)
+    assert load_profile(path).host_link_bytes_per_s == 25e9
+    d = json.loads(path.read_text())
+    d["host_link_bytes_per_s"] = -1
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="host_link_bytes_per_s"):
+        load_profile(path)
+    del d["host_link_bytes_per_s"], d["host_kv_bytes"]
+    path.write_text(json.dumps(d))
+    assert load_profile(path).host_link_bytes_per_s is None

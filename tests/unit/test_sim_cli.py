@@ -16,7 +16,8 @@ from sclsd.sim.workload import make_workload
 CONTRACT = (
     "requests completed duration_s throughput_rps output_tps avg_latency_s p95_latency_s "
     "avg_ttft_s p95_ttft_s avg_batch_size pad_tokens_per_req invalid_tokens_per_req "
-    "slices_per_req early_return_ratio ct_std_s oom_events policy profile rate workers slice_len"
+    "slices_per_req early_return_ratio ct_std_s oom_events policy profile rate workers slice_len "
+    "reprefill_tokens_per_req work_conserving kv_reuse"
 ).split()
 
 
@@ -45,6 +46,21 @@ def test_json_contract(tmp_path: Path, policy: str, capsys: pytest.CaptureFixtur
     assert d["policy"] == policy and d["workers"] == 2 and d["rate"] == 4.0
     assert d["completed"] == d["requests"] > 0
     assert "throughput (req/s)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_json_contract_with_both_switches(tmp_path: Path, policy: str) -> None:
+    trace = write_trace(tmp_path / "t.csv", arrivals=False)
+    out = tmp_path / "o.json"
+    rc = main(
+        ["sim", "--trace", str(trace), "--policy", policy, "--work-conserving", "--kv-reuse"]
+        + ["--workers", "2", "--rate", "4", "--duration", "5", "--json", str(out), "--no-progress"]
+    )
+    assert rc == 0
+    d = json.loads(out.read_text())
+    assert not [k for k in CONTRACT if k not in d]
+    assert d["work_conserving"] is True and d["kv_reuse"] is True
+    assert d["completed"] == d["requests"] > 0 and d["reprefill_tokens_per_req"] >= 0
 
 
 def test_trace_without_arrivals_needs_rate(

@@ -182,3 +182,53 @@ def test_refused_batch_gets_an_error_result_and_no_ack(router, start):
     assert res.batch_id == 5 and res.error is None
     acks = [m.batch_id for _, m in router.backlog if isinstance(m, P.BatchAck)]
     assert acks == [5]
+
+
+def wait_until(pred, what: str) -> None:
+    """Poll ``pred`` (state another thread changes) until it holds, within PATIENCE."""
+    deadline = time.monotonic() + PATIENCE
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not within {PATIENCE}s")
+        time.sleep(0.01)
+
+
+def unfinished(batch_id: int, iterations: int) -> P.BatchMsg:
+    """A batch whose one row outlives the slice (its worker keeps its KV)."""
+    req = P.BatchRequest(rid=f"r{batch_id}", token_ids=[5, 6], max_new_tokens=100, ignore_eos=True,
+                         temperature=0.0)
+    return P.BatchMsg(batch_id=batch_id, slice_len=iterations, requests=[req])
+
+
+def test_tokens_stream_before_the_result_and_release_drops_kept_kv(router, start):
+    eng = FakeEngine(decode_s=0.01)
+    start(eng)
+    ident, _ = router.welcome()
+    router.send(ident, unfinished(9, 12))
+    streamed: list[list[int]] = []
+    while True:
+        _, msg = router.recv((P.Tokens, P.Result), keepalive=ident)
+        if isinstance(msg, P.Result):
+            break
+        assert msg.batch_id == 9 and msg.worker_id == "w0" and [o.rid for o in msg.outputs] == ["r9"]
+        streamed.append(msg.outputs[0].token_ids)
+    (out,) = msg.outputs
+    assert len(streamed) >= 3  # 12 steps of 10 ms, at most one message per 20 ms
+    flat = [t for ts in streamed for t in ts]
+    assert flat == out.token_ids[: len(flat)]  # what was still pending comes with the result
+    assert out.finish_reason is None and out.kv_tokens == 2 + 12 - 1
+    assert eng.kv is not None and eng.kv.store.held() == {"r9": 13}
+    router.send(ident, P.Release(rids=["r9"]))
+    wait_until(lambda: eng.kv.store.held() == {}, "release")
+
+
+def test_registering_again_drops_all_kept_kv(router, start):
+    eng = FakeEngine()
+    start(eng)
+    ident, _ = router.welcome()
+    router.send(ident, unfinished(3, 4))
+    router.recv(P.Result)
+    assert eng.kv is not None and set(eng.kv.store.held()) == {"r3"}
+    router.send(ident, P.Reregister())  # the daemon forgot us, and what we hold
+    router.welcome()
+    assert eng.kv.store.held() == {}

@@ -13,11 +13,11 @@ from typing import Any
 from worker.engines.base import Engine, EngineInfo
 
 #: Known engines, in the order of ``sclsd.defaults.ENGINES`` (the config and the command
-#: lines read that tuple; tests/unit/test_config.py checks the two agree). "deepspeed"
-#: joins both once it exists.
+#: lines read that tuple; tests/unit/test_config.py checks the two agree).
 ENGINES: dict[str, str] = {
     "hf": "worker.engines.hf:HFEngine",
     "hf-cb": "worker.engines.hf_cb:HFCBEngine",
+    "deepspeed": "worker.engines.deepspeed:DeepSpeedEngine",
     "fake": "worker.engines.fake:FakeEngine",
 }
 

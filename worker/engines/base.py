@@ -1,12 +1,29 @@
-"""The Engine interface every worker engine implements (hf, hf-cb, deepspeed, fake)."""
+"""The Engine interface every worker engine implements (hf, hf-cb, deepspeed, fake).
+
+Two optional capabilities beyond serving a batch:
+
+* **Streaming.** ``serve(batch, emit)`` calls ``emit(outputs)`` from its decode
+  loop with the tokens generated since the previous call, one
+  :class:`~sclsd.protocol.RequestOutput` per row that has new tokens
+  (:class:`TokenCursor` does that bookkeeping). The returned outputs still hold
+  every token of the slice and are authoritative.
+* **Retained KV.** An engine may keep an unfinished request's KV after its slice
+  (reported per row as ``RequestOutput.kv_tokens``); :meth:`Engine.release` drops
+  it on the daemon's word and :meth:`Engine.take_evicted` lists what the engine
+  dropped by itself to make room.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from sclsd.protocol import BatchMsg, BatchStats, RequestOutput
+
+#: Receives the tokens a running batch generated since the last call (see the module docstring).
+Emit = Callable[[list[RequestOutput]], None]
 
 
 @dataclass
@@ -41,12 +58,15 @@ class Engine(ABC):
         """Describe the loaded model and the memory it leaves for KV cache."""
 
     @abstractmethod
-    def serve(self, batch: BatchMsg) -> tuple[list[RequestOutput], BatchStats]:
+    def serve(
+        self, batch: BatchMsg, emit: Emit | None = None
+    ) -> tuple[list[RequestOutput], BatchStats]:
         """Run the batch; return one output per request (same order) and stats.
 
         Each row stops at EOS (unless ignore_eos), at a stop token, or after
         its ``max_new_tokens``; the batch stops after ``slice_len`` iterations
-        or when every row has stopped.
+        or when every row has stopped. ``emit``, when given, hears new tokens as
+        they are generated (an engine may also call it never, or only at the end).
         """
 
     @staticmethod
@@ -65,5 +85,44 @@ class Engine(ABC):
         exactly, sent at register when none is given on the command line; None otherwise."""
         return None
 
+    def release(self, rids: Iterable[str] | None = None) -> None:  # noqa: B027 - optional hook
+        """Drop the retained KV of ``rids`` (None: of every request). Called from the worker's
+        receive thread while a batch may be running: engines that retain KV make it safe."""
+
+    def take_evicted(self) -> list[str]:
+        """Requests whose retained KV the engine dropped by itself since the last call."""
+        return []
+
     def close(self) -> None:  # noqa: B027 - optional hook, deliberately not abstract
         """Release resources (optional)."""
+
+
+class TokenCursor:
+    """Turns a batch's growing per-row outputs into ``emit`` calls of only the new tokens."""
+
+    __slots__ = ("rids", "emit", "sent")
+
+    def __init__(self, rids: list[str], emit: Emit | None) -> None:
+        self.rids = rids
+        self.emit = emit
+        self.sent = [0] * len(rids)
+
+    def push(
+        self, outs: list[list[int]], reasons: list[Any], logprobs: list[list[Any]] | None = None
+    ) -> None:
+        """Emit what each row generated beyond what was already emitted (no call if nothing).
+
+        ``logprobs``: per row, aligned with ``outs`` (rows that asked for them).
+        """
+        if self.emit is None:
+            return
+        new: list[RequestOutput] = []
+        for i, toks in enumerate(outs):
+            k = self.sent[i]
+            if len(toks) > k:
+                lps = logprobs[i][k : len(toks)] if logprobs is not None else []
+                new.append(RequestOutput(rid=self.rids[i], token_ids=toks[k:],
+                                         finish_reason=reasons[i], logprobs=lps))  # fmt: skip
+                self.sent[i] = len(toks)
+        if new:
+            self.emit(new)

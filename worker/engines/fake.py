@@ -7,7 +7,15 @@ Each request "naturally" ends with EOS after ``1 + H(prompt) % max_natural``
 tokens (the prompt being ``token_ids`` minus the ``generated`` tail), unless
 ``ignore_eos``. The engine sleeps ``prefill_s_per_token · N · L`` for the
 prefill and ``decode_s`` per iteration, and reports the KV memory the batch
-would take, ``(L + iterations) · N · Δ``, as its peak memory.
+would take, ``(L + iterations) · N · Δ``, as its peak memory. Rows that ask for
+log-probabilities get made-up, stable ones; penalties and min-p do not change its tokens.
+
+Like ``hf`` it hands each iteration's tokens to ``emit`` as they come (after that
+iteration's sleep, so time to first token is measurable) and, with ``kv_reuse``
+(on by default), models KV kept across slices: unfinished rows' context sizes
+are retained (:class:`~worker.engines.kvstore.KVStore`, LRU within the memory
+budget) and a batch whose rows are held sleeps only for the prefill of what is
+new, ``prefill_s_per_token · N · max(new tokens)``.
 """
 
 from __future__ import annotations
@@ -15,11 +23,13 @@ from __future__ import annotations
 import hashlib
 import struct
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from sclsd.protocol import BatchMsg, BatchStats, RequestOutput
-from worker.engines.base import Engine, EngineInfo
-from worker.engines.sampling import mix_seed, random_seed
+from worker.engines.base import Emit, Engine, EngineInfo, TokenCursor
+from worker.engines.kvstore import KVReuse, KVStore, Retained
+from worker.engines.sampling import mix_seed, random_seed, synthetic_logprobs
 
 DEFAULT_BUDGET = 4 * 1024**3
 #: Δ of SmolLM2-135M in fp32, so fake and hf workers look alike to the scheduler.
@@ -52,6 +62,8 @@ class FakeEngine(Engine):
         kv_bytes_per_token: int = DEFAULT_KV_BYTES,
         max_natural: int = 64,
         threads: int | None = None,
+        kv_reuse: bool = True,
+        kv_retain_bytes: int | None = None,
     ) -> None:
         if vocab <= FIRST_ORDINARY_ID:
             raise ValueError(f"vocab must exceed {FIRST_ORDINARY_ID}, got {vocab}")
@@ -64,6 +76,8 @@ class FakeEngine(Engine):
         self.kv_bytes = int(kv_bytes_per_token)
         self.max_natural = int(max_natural)
         del threads  # accepted for CLI symmetry with the torch engines
+        budget = self.mem_budget if kv_retain_bytes is None else int(kv_retain_bytes)
+        self.kv = KVReuse(KVStore(budget), self.kv_bytes, self.mem_budget) if kv_reuse else None
 
     def info(self) -> EngineInfo:
         """Configured Δ and budget; EOS is id 2 (SmolLM2's ``<|im_end|>``)."""
@@ -94,7 +108,9 @@ class FakeEngine(Engine):
         """Tokens after which a request with this prompt emits EOS (EOS included)."""
         return 1 + _hash_ids(prompt) % self.max_natural
 
-    def serve(self, batch: BatchMsg) -> tuple[list[RequestOutput], BatchStats]:
+    def serve(
+        self, batch: BatchMsg, emit: Emit | None = None
+    ) -> tuple[list[RequestOutput], BatchStats]:
         """Generate deterministic tokens for at most ``slice_len`` iterations."""
         reqs = batch.requests
         if not reqs:
@@ -105,14 +121,28 @@ class FakeEngine(Engine):
                 raise ValueError(f"request {r.rid!r}: generated exceeds its context")
 
         n = len(reqs)
+        used = self.kv.take(batch)[1] if self.kv is not None else [0] * n
+        try:
+            return self._serve(batch, emit, used)
+        finally:
+            if self.kv is not None:
+                self.kv.store.done(r.rid for r in reqs)
+
+    def _serve(
+        self, batch: BatchMsg, emit: Emit | None, used: list[int]
+    ) -> tuple[list[RequestOutput], BatchStats]:
+        reqs = batch.requests
+        n = len(reqs)
         width = max(len(r.token_ids) for r in reqs)
-        prefill_s = self.prefill_s_per_token * n * width
+        fresh = [len(r.token_ids) - u for r, u in zip(reqs, used, strict=True)]
+        prefill_s = self.prefill_s_per_token * n * max(fresh)
         t0 = time.perf_counter()
         if prefill_s > 0:
             time.sleep(prefill_s)
         t1 = time.perf_counter()
 
         outs: list[list[int]] = [[] for _ in reqs]
+        lps: list[list[Any]] = [[] for _ in reqs]
         reasons: list[str | None] = [None] * n
         # The prompt is the context minus the tokens of earlier slices.
         hashes = [_hash_ids(r.token_ids[: len(r.token_ids) - r.generated]) for r in reqs]
@@ -123,11 +153,14 @@ class FakeEngine(Engine):
             for h, r in zip(hashes, reqs, strict=True)
         ]
         span = self.vocab - FIRST_ORDINARY_ID
+        cursor = TokenCursor([r.rid for r in reqs], emit)
         iterations = invalid = 0
         while iterations < batch.slice_len and any(x is None for x in reasons):
             if iterations:  # the first token comes from the prefill
                 invalid += sum(x is not None for x in reasons)
             iterations += 1
+            if self.decode_s > 0:
+                time.sleep(self.decode_s)
             for i, r in enumerate(reqs):
                 if reasons[i] is not None:
                     continue
@@ -137,17 +170,20 @@ class FakeEngine(Engine):
                 else:
                     tok = FIRST_ORDINARY_ID + mix_seed(states[i], g) % span
                 outs[i].append(tok)
+                if r.logprobs or r.top_logprobs:  # made up, but stable: see synthetic_logprobs
+                    lps[i].append(synthetic_logprobs(tok, r.top_logprobs, mix_seed(states[i] ^ 0x5EED, g),
+                                                     FIRST_ORDINARY_ID, self.vocab))
                 if (tok == EOS_ID and not r.ignore_eos) or tok in r.stop_token_ids:
                     reasons[i] = "stop"
                 elif len(outs[i]) >= r.max_new_tokens:
                     reasons[i] = "length"
-        decode_s = self.decode_s * iterations
-        if decode_s > 0:
-            time.sleep(decode_s)
+            cursor.push(outs, reasons, lps)
         t2 = time.perf_counter()
+        kept = self._keep(reqs, outs, reasons) if batch.kv_reuse else [0] * n
 
         outputs = [
-            RequestOutput(rid=r.rid, token_ids=outs[i], finish_reason=reasons[i])  # type: ignore[arg-type]
+            RequestOutput(rid=r.rid, token_ids=outs[i], finish_reason=reasons[i],  # type: ignore[arg-type]
+                          logprobs=lps[i], kv_tokens=kept[i])
             for i, r in enumerate(reqs)
         ]
         stats = BatchStats(
@@ -159,5 +195,30 @@ class FakeEngine(Engine):
             peak_memory=(width + iterations) * n * self.kv_bytes,
             batch_size=n,
             input_len=width,
+            prefill_tokens=sum(fresh),
+            reused_tokens=sum(used),
         )
         return outputs, stats
+
+    # ------------------------------------------------------------------ retained KV (modelled)
+
+    def _keep(self, reqs: list[Any], outs: list[list[int]], reasons: list[str | None]) -> list[int]:
+        """Retain the (modelled) KV of unfinished rows; returns the tokens kept per row."""
+        kept = [0] * len(reqs)
+        if self.kv is None:
+            return kept
+        for i, r in enumerate(reqs):
+            if reasons[i] is None and outs[i]:
+                tokens = list(r.token_ids) + outs[i][:-1]
+                if self.kv.store.put(r.rid, Retained(tokens, len(tokens) * self.kv_bytes)):
+                    kept[i] = len(tokens)
+        return kept
+
+    def release(self, rids: Iterable[str] | None = None) -> None:
+        """Drop retained KV (the daemon's ``release``; None: all of it)."""
+        if self.kv is not None:
+            self.kv.store.release(rids)
+
+    def take_evicted(self) -> list[str]:
+        """Requests whose retained KV was evicted since the last call."""
+        return self.kv.store.take_evicted() if self.kv is not None else []

@@ -11,6 +11,15 @@ Greedy output served in slices equals greedy output served in one pass: the
 attention mask hides the padding and position ids count real tokens only, so a
 row's logits do not depend on its padding or its batch neighbours beyond
 floating-point reduction order.
+
+KV across slices (``kv_reuse``, on by default): the KV of each unfinished row is
+kept after its slice (:mod:`worker.engines.kvstore`), within ``kv_retain_bytes``
+(default: the memory budget), least recently used evicted first, and always
+shrunk before a batch to what fits beside it; what does not fit waits in host
+memory, within ``kv_host_bytes`` (default: the memory budget on CUDA, none on
+the CPU), and is copied back when its request returns. A batch whose rows' KV is held
+prefills only the tokens beyond it. New tokens are handed to ``emit`` after the
+prefill and after every decode step.
 """
 
 from __future__ import annotations
@@ -18,12 +27,14 @@ from __future__ import annotations
 import logging
 import resource
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from sclsd import models
-from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, RequestOutput
-from worker.engines.base import Engine, EngineInfo
-from worker.engines.sampling import random_seed, sample_row
+from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, RequestOutput, TokenLogprobs
+from worker.engines.base import Emit, Engine, EngineInfo, TokenCursor
+from worker.engines.kvstore import KVReuse, KVStore, Retained, assemble_past, supports_reuse
+from worker.engines.sampling import RowSampler, random_seed, select
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +45,7 @@ DEFAULT_CPU_BUDGET = 4 * 1024**3
 class RowState:
     """Per-row bookkeeping of one batch."""
 
-    __slots__ = ("req", "stops", "seed", "out", "reason")
+    __slots__ = ("req", "stops", "seed", "out", "reason", "sampler", "logprobs")
 
     def __init__(self, req: BatchRequest, eos: list[int]) -> None:
         self.req = req
@@ -45,18 +56,34 @@ class RowState:
         self.seed = req.seed if req.seed is not None else random_seed()
         self.out: list[int] = []
         self.reason: str | None = None
+        self.sampler = RowSampler(req, self.seed)
+        self.logprobs: list[TokenLogprobs] = []
 
     @property
     def done(self) -> bool:
         return self.reason is not None
 
-    def push(self, token: int) -> None:
+    def push(self, token: int, logprobs: TokenLogprobs | None = None) -> None:
         """Record a generated token and decide whether the row has finished."""
         self.out.append(token)
+        self.sampler.push(token)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
         if token in self.stops:
             self.reason = "stop"
         elif len(self.out) >= self.req.max_new_tokens:
             self.reason = "length"
+
+
+def to_host(entry: Retained) -> Retained:
+    """``entry`` copied to host memory (pinned when it comes from a GPU, so the copy back
+    before its next slice runs at the link's speed)."""
+    pin = any(k.is_cuda for k, _ in entry.kv)
+
+    def host(t: Any) -> Any:
+        return t.to("cpu").pin_memory() if pin else t.to("cpu", copy=True)
+
+    return Retained(entry.tokens, entry.nbytes, [(host(k), host(v)) for k, v in entry.kv], True)
 
 
 def peak_memory(device: Any) -> int:
@@ -81,6 +108,9 @@ class HFEngine(Engine):
         dtype: Any = None,
         mem_budget: int | None = None,
         threads: int | None = None,
+        kv_reuse: bool = True,
+        kv_retain_bytes: int | None = None,
+        kv_host_bytes: int | None = None,
     ) -> None:
         import torch
 
@@ -101,6 +131,9 @@ class HFEngine(Engine):
         self.delta = models.kv_bytes_per_token(self.config, self.dtype)
         self.vocab_size = self._vocab_size()
         log.info("loaded %s on %s in %.1f s", self.spec.name, self.device, self.load_s)
+        self.kv_limit = self.info().mem_available
+        """Bytes of KV a batch and the retained caches share (M_ava, measured once)."""
+        self.kv = self._kv_store(kv_reuse, kv_retain_bytes, kv_host_bytes)
 
     # ------------------------------------------------------------------ facts
 
@@ -155,7 +188,9 @@ class HFEngine(Engine):
 
     # ------------------------------------------------------------------ serving
 
-    def serve(self, batch: BatchMsg) -> tuple[list[RequestOutput], BatchStats]:
+    def serve(
+        self, batch: BatchMsg, emit: Emit | None = None
+    ) -> tuple[list[RequestOutput], BatchStats]:
         """Serve one batch for at most ``batch.slice_len`` iterations."""
         import torch
 
@@ -165,99 +200,155 @@ class HFEngine(Engine):
         self.check_batch(batch)
         try:
             with torch.inference_mode():
-                return self._serve(batch)
+                return self._serve(batch, emit)
         except torch.OutOfMemoryError:
             # The batch's cache is garbage now; hand its blocks back before the next batch.
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             raise
 
-    def _serve(self, batch: BatchMsg) -> tuple[list[RequestOutput], BatchStats]:
+    def _serve(self, batch: BatchMsg, emit: Emit | None) -> tuple[list[RequestOutput], BatchStats]:
         import torch
-        from transformers import DynamicCache
 
         dev = self.device
-        rows = [RowState(r, self.eos) for r in batch.requests]
+        reqs = batch.requests
+        rows = [RowState(r, self.eos) for r in reqs]
         n = len(rows)
-        lens = [len(r.token_ids) for r in batch.requests]
-        width = max(lens)
+        lens = [len(r.token_ids) for r in reqs]
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-
-        # Left padding: every row's last real token sits in the last column, so one
-        # logits column serves the whole batch.
-        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, r in enumerate(batch.requests):
-            ids[i, width - lens[i] :] = torch.tensor(r.token_ids, dtype=torch.long)
-            mask[i, width - lens[i] :] = 1
-        # Positions count real tokens only, so a row sees the same rotary phases
-        # whatever its padding (pads get 0; they are masked anyway).
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
-        cache = DynamicCache(config=self.config)
-
-        t0 = time.perf_counter()
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        self._pick(rows, out.logits[:, -1, :])
-        t1 = time.perf_counter()
-        iterations, invalid = 1, 0
-        last_pos = pos[:, -1:]
-        while iterations < batch.slice_len and not all(r.done for r in rows):
-            invalid += sum(r.done for r in rows)
-            step_ids = torch.tensor(
-                [[r.out[-1]] if r.out else [self.pad_id] for r in rows], dtype=torch.long
-            ).to(dev)
-            mask = torch.cat([mask, mask.new_ones((n, 1))], dim=1)
-            last_pos = last_pos + 1
+        taken, used = self._take_kv(batch)
+        try:
+            cache, ids, mask, pos = self._prefill_inputs(reqs, taken, used)
+            del taken  # the batch cache holds their KV now
+            cursor = TokenCursor([r.rid for r in reqs], emit)
+            t0 = time.perf_counter()
             out = self.model(
-                input_ids=step_ids,
+                input_ids=ids,
                 attention_mask=mask,
-                position_ids=last_pos,
+                position_ids=pos,
                 past_key_values=cache,
                 use_cache=True,
+                logits_to_keep=1,
             )
             self._pick(rows, out.logits[:, -1, :])
-            iterations += 1
-        t2 = time.perf_counter()
+            cursor.push([r.out for r in rows], [r.reason for r in rows], [r.logprobs for r in rows])
+            t1 = time.perf_counter()
+            iterations, invalid = 1, 0
+            last_pos = pos[:, -1:]
+            while iterations < batch.slice_len and not all(r.done for r in rows):
+                invalid += sum(r.done for r in rows)
+                step_ids = torch.tensor(
+                    [[r.out[-1]] if r.out else [self.pad_id] for r in rows], dtype=torch.long
+                ).to(dev)
+                mask = torch.cat([mask, mask.new_ones((n, 1))], dim=1)
+                last_pos = last_pos + 1
+                out = self.model(
+                    input_ids=step_ids,
+                    attention_mask=mask,
+                    position_ids=last_pos,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                self._pick(rows, out.logits[:, -1, :])
+                cursor.push([r.out for r in rows], [r.reason for r in rows], [r.logprobs for r in rows])
+                iterations += 1
+            t2 = time.perf_counter()
+            kept = self._keep_kv(rows, cache, mask) if batch.kv_reuse else [0] * n
+        finally:
+            if self.kv is not None:
+                self.kv.store.done(r.rid for r in reqs)
 
         outputs = [
-            RequestOutput(rid=r.req.rid, token_ids=r.out, finish_reason=r.reason) for r in rows
+            RequestOutput(rid=r.req.rid, token_ids=r.out, finish_reason=r.reason,  # type: ignore[arg-type]
+                          kv_tokens=k, logprobs=r.logprobs)
+            for r, k in zip(rows, kept, strict=True)
         ]
+        fresh = [x - u for x, u in zip(lens, used, strict=True)]
         stats = BatchStats(
             prefill_s=t1 - t0,
             decode_s=t2 - t1,
             iterations=iterations,
-            pad_tokens=sum(width - x for x in lens),
+            pad_tokens=sum(max(fresh) - x for x in fresh),
             invalid_tokens=invalid,
             peak_memory=peak_memory(dev),
             batch_size=n,
-            input_len=width,
+            input_len=max(lens),
+            prefill_tokens=sum(fresh),
+            reused_tokens=sum(used),
         )
         return outputs, stats
 
+    def _prefill_inputs(
+        self, reqs: list[BatchRequest], taken: list[Retained | None], used: list[int]
+    ) -> tuple[Any, Any, Any, Any]:
+        """The prefill's cache, input ids, 2-D attention mask and positions.
+
+        The mask spans ``[past | new]``: row ``i``'s ``used[i]`` held tokens sit at the
+        right of the past block, its new tokens at the right of the new block
+        (left padding in both), every pad slot masked. Positions count real tokens
+        only, so they continue where a row's held KV ends.
+        """
+        import torch
+        from transformers import DynamicCache
+
+        n = len(reqs)
+        past = max(used, default=0)
+        fresh = [len(r.token_ids) - u for r, u in zip(reqs, used, strict=True)]
+        width = max(fresh)
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, past + width), dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids[i, width - fresh[i] :] = torch.tensor(r.token_ids[used[i] :], dtype=torch.long)
+            mask[i, past - used[i] : past] = 1
+            mask[i, past + width - fresh[i] :] = 1
+        # Pads get position 0 (or repeat their left neighbour's); they are masked anyway.
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
+        cache = assemble_past(taken, used, self.config) if past else None
+        if cache is None:
+            cache = DynamicCache(config=self.config)
+        dev = self.device
+        return cache, ids.to(dev), mask.to(dev), pos.to(dev)
+
     def _pick(self, rows: list[RowState], logits: Any) -> None:
         """Choose the next token of every unfinished row from its last-position logits."""
-        # One argmax over the batch (a single device sync) serves the greedy rows.
-        greedy = logits.argmax(dim=-1).tolist()
-        for i, r in enumerate(rows):
-            if r.done:
-                continue
-            req = r.req
-            if req.temperature <= 0.0:
-                r.push(int(greedy[i]))
-            else:
-                position = req.generated + len(r.out)
-                r.push(
-                    sample_row(logits[i], req.temperature, req.top_k, req.top_p, r.seed, position)
-                )
+        picks = select(logits, [None if r.done else r.sampler for r in rows])
+        for r, p in zip(rows, picks, strict=True):
+            if p is not None:
+                r.push(p.token, p.logprobs)
+
+    # ------------------------------------------------------------------ retained KV
+
+    def _kv_store(self, reuse: bool, retain: int | None, host: int | None) -> KVReuse | None:
+        if not reuse:
+            return None
+        if not supports_reuse(self.config):
+            log.warning("%s: its cache layers cannot be split per request; KV is not kept "
+                        "across slices", self.spec.name)  # fmt: skip
+            return None
+        budget = self.kv_limit if retain is None else int(retain)
+        if host is None:
+            host = self.kv_limit if self.device.type == "cuda" else 0
+        log.info("KV kept across slices: up to %d bytes, %d more in host memory", budget, host)
+        return KVReuse(KVStore(budget, host, to_host), self.delta, self.kv_limit)
+
+    def _take_kv(self, batch: BatchMsg) -> tuple[list[Retained | None], list[int]]:
+        n = len(batch.requests)
+        return self.kv.take(batch) if self.kv is not None else ([None] * n, [0] * n)
+
+    def _keep_kv(self, rows: list[RowState], cache: Any, mask: Any) -> list[int]:
+        if self.kv is None:
+            return [0] * len(rows)
+        return self.kv.keep([(r.req.rid, r.req.token_ids, r.out, r.done) for r in rows], cache, mask)
+
+    def release(self, rids: Iterable[str] | None = None) -> None:
+        """Drop retained KV (the daemon's ``release``; None: all of it)."""
+        if self.kv is not None:
+            self.kv.store.release(rids)
+
+    def take_evicted(self) -> list[str]:
+        """Requests whose retained KV was evicted since the last call."""
+        return self.kv.store.take_evicted() if self.kv is not None else []
 
     def close(self) -> None:
         """Drop the model and give cached CUDA memory back."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sclsd.protocol import BatchMsg, BatchStats, RequestOutput
+from worker.engines.base import Emit as EngineEmit
 from worker.engines.hf import HFEngine, peak_memory
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ class HFCBEngine(HFEngine):
     continuous = True
 
     def __init__(self, *args: Any, poll_s: float = 0.005, **kwargs: Any) -> None:
+        # transformers' paged cache owns the KV here: nothing is kept across slices.
+        kwargs["kv_reuse"] = False
         super().__init__(*args, **kwargs)
         from transformers import GenerationConfig
 
@@ -70,18 +73,21 @@ class HFCBEngine(HFEngine):
 
     # ------------------------------------------------------------------ one batch
 
-    def serve(self, batch: BatchMsg) -> tuple[list[RequestOutput], BatchStats]:
-        """Serve one batch to completion (blocking)."""
+    def serve(
+        self, batch: BatchMsg, emit: EngineEmit | None = None
+    ) -> tuple[list[RequestOutput], BatchStats]:
+        """Serve one batch to completion (blocking). Tokens arrive with the result only:
+        ``emit`` is never called."""
         done: list[tuple[list[RequestOutput] | None, BatchStats | None, str | None]] = []
         items: list[Any] = [batch, None]
 
         def take(timeout: float | None) -> Any:
             return items.pop(0) if items else None
 
-        def emit(b: BatchMsg, outs: Any, stats: Any, error: str | None) -> None:
+        def collect(b: BatchMsg, outs: Any, stats: Any, error: str | None) -> None:
             done.append((outs, stats, error))
 
-        self.run_continuous(take, emit)
+        self.run_continuous(take, collect)
         outs, stats, error = done[0]
         if error is not None:
             raise RuntimeError(error)

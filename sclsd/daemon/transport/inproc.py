@@ -6,7 +6,10 @@ still go through the protocol codec both ways, so a test sees exactly what a
 ZeroMQ worker would send and receive. Engines run synchronously on the loop,
 which suits the ``fake`` engine with its zero-cost default profile; a test can
 hold a worker's batches and release them one by one, make it stop
-acknowledging, or kill it.
+acknowledging, or kill it. The engine's streamed tokens go out as ``tokens``
+messages (one per ``emit``, uncoalesced); with ``hold_results`` a batch's tokens
+are sent while its ``result`` waits for :meth:`InprocWorker.finish`, as if the
+slice were still running. ``release`` reaches the engine as it would a worker.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ class InprocWorker:
     """One in-process worker: an engine behind a peer id (see the module docstring)."""
 
     def __init__(self, transport: InprocTransport, peer: bytes, wid: str, engine: Any,
-                 auth: str, hold: bool, ack: bool) -> None:
+                 auth: str, hold: bool, ack: bool, hold_results: bool = False) -> None:
         self.transport = transport
         self.peer = peer
         self.wid = wid
@@ -37,6 +40,9 @@ class InprocWorker:
         self.received: list[P.DaemonToWorkerMsg] = []
         #: Batches held back (``hold=True``) until :meth:`release`.
         self.held: list[P.BatchMsg] = []
+        self.hold_results = hold_results
+        #: Results held back (``hold_results=True``) until :meth:`finish`.
+        self.held_results: list[P.Result] = []
         self.got = asyncio.Event()
         """Set whenever a message arrives (tests clear it and wait)."""
 
@@ -74,17 +80,35 @@ class InprocWorker:
                 self.held.append(msg)
             else:
                 self.serve(msg)
+        elif isinstance(msg, P.Release):
+            self.engine.release(msg.rids)
 
     def serve(self, batch: P.BatchMsg) -> None:
         """Run one batch on the engine and send its Result."""
         if not self.alive:
             return
+        def emit(outputs: list[P.RequestOutput]) -> None:
+            self.send(P.Tokens(worker_id=self.wid, batch_id=batch.batch_id, outputs=outputs))
+
         try:
-            outputs, stats = self.engine.serve(batch)
-            res = P.Result(worker_id=self.wid, batch_id=batch.batch_id, outputs=outputs, stats=stats)
+            outputs, stats = self.engine.serve(batch, emit)
+            res = P.Result(worker_id=self.wid, batch_id=batch.batch_id, outputs=outputs, stats=stats,
+                           kv_evicted=self.engine.take_evicted())
         except Exception as exc:  # noqa: BLE001 - reported to the daemon as the worker would
-            res = P.Result(worker_id=self.wid, batch_id=batch.batch_id, error=str(exc))
-        self.send(res)
+            res = P.Result(worker_id=self.wid, batch_id=batch.batch_id, error=str(exc),
+                           kv_evicted=self.engine.take_evicted())
+        if self.hold_results:
+            self.held_results.append(res)
+        else:
+            self.send(res)
+
+    def finish(self, n: int | None = None) -> int:
+        """Send up to ``n`` held results (all by default); returns how many."""
+        take = self.held_results[: n if n is not None else len(self.held_results)]
+        del self.held_results[: len(take)]
+        for res in take:
+            self.send(res)
+        return len(take)
 
     def release(self, n: int | None = None) -> int:
         """Serve up to ``n`` held batches (all by default); returns how many."""
@@ -118,10 +142,10 @@ class InprocTransport:
         self.sink = sink
 
     def connect(self, wid: str, engine: Any, *, auth: str = "", hold: bool = False, ack: bool = True,
-                register: bool = True) -> InprocWorker:
+                register: bool = True, hold_results: bool = False) -> InprocWorker:
         """A new worker connection (a fresh peer id), registering at once by default."""
         peer = f"inproc-{next(self._peers)}".encode()
-        w = InprocWorker(self, peer, wid, engine, auth, hold, ack)
+        w = InprocWorker(self, peer, wid, engine, auth, hold, ack, hold_results)
         self.workers[peer] = w
         if register:
             w.register()

@@ -77,9 +77,10 @@ class Harness:
         self.transport = transport
 
     def worker(self, wid: str, *, auth: str | None = None, hold: bool = False, ack: bool = True,
-               **engine: Any) -> InprocWorker:
+               hold_results: bool = False, **engine: Any) -> InprocWorker:
         secret = self.server.fleet.secret if auth is None else auth
-        return self.transport.connect(wid, FakeEngine(**engine), auth=secret or "", hold=hold, ack=ack)
+        return self.transport.connect(wid, FakeEngine(**engine), auth=secret or "", hold=hold, ack=ack,
+                                      hold_results=hold_results)
 
     async def registered(self, *wids: str, timeout: float = 5.0) -> None:
         """Wait until the workers are members (registration goes through the loop)."""

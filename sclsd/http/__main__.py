@@ -1,0 +1,5 @@
+"""``python -m sclsd.http``: the same as ``sclsd-http``."""
+
+from .cli import main
+
+raise SystemExit(main())

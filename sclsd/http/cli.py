@@ -1,0 +1,158 @@
+"""``sclsd-http``: the command line of the OpenAI-compatible front end.
+
+::
+
+    sclsd-http --config /etc/sclsd/sclsd.toml            # sockets from [daemon], the rest from [http]
+    sclsd-http --socket /tmp/sclsd.sock --status-socket /tmp/status.sock --listen 127.0.0.1:8000
+
+Flags override the config file; without ``--config`` the sockets are
+``$SCLSD_SOCKET`` / ``$SCLSD_STATUS_SOCKET`` or the system install's. The API key
+comes from ``--api-key``, else ``$SCLSD_API_KEY``, else ``[http] api_key_file``
+(the environment and the file keep it out of the process list). Once it listens
+it prints ``sclsd-http listening on http://HOST:PORT`` (``--listen HOST:0`` picks a
+free port) and tells systemd it is ready. SIGTERM stops it after the requests in
+flight. Exit code 2 for a bad config or an unreadable key file, 1 if it cannot
+listen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..client import DEFAULT_SOCKET, DEFAULT_STATUS_SOCKET
+from ..config import Config, ConfigError, load, override, parse_host_port
+from ..sdnotify import Notifier
+from .app import Settings, create_app
+
+log = logging.getLogger("sclsd.http")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sclsd-http", description="OpenAI-compatible HTTP front end to sclsd")
+    p.add_argument("--config", help="sclsd's TOML config: [daemon] sockets and the [http] section")
+    p.add_argument("--socket", help=f"the daemon's client socket (default: [daemon] socket, else {DEFAULT_SOCKET})")
+    p.add_argument("--status-socket",
+                   help=f"the daemon's status socket (default: [daemon] status_socket, else {DEFAULT_STATUS_SOCKET})")
+    p.add_argument("--listen", help="HOST:PORT to serve HTTP on (default: [http] listen, 127.0.0.1:8000)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (visible in ps: "
+                   "prefer $SCLSD_API_KEY or [http] api_key_file)")
+    p.add_argument("--model-name", help="model name to serve (default: [http] model_name, else the daemon's)")
+    p.add_argument("--connections", type=int, help="Unix-socket connections to the daemon (default 4)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _api_key(args: argparse.Namespace, cfg: Config) -> str | None:
+    key = args.api_key or os.environ.get("SCLSD_API_KEY")
+    if key:
+        return key
+    if cfg.http.api_key_file:
+        try:
+            key = Path(cfg.http.api_key_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError("http.api_key_file", cfg.http.api_key_file,
+                              f"cannot read it: {exc.strerror or exc}") from None
+        if not key:
+            raise ConfigError("http.api_key_file", cfg.http.api_key_file, "the file is empty")
+        return key
+    return None
+
+
+def settings_from(args: argparse.Namespace) -> tuple[Settings, str, str]:
+    """(settings, listen address, log level) from the flags and the config; raises ConfigError."""
+    cfg = load(args.config)
+    cfg = override(cfg, http__listen=args.listen, http__model_name=args.model_name,
+                   http__connections=args.connections, http__log_level=args.log_level)
+    sock = args.socket or (cfg.daemon.socket if args.config else DEFAULT_SOCKET)
+    status_sock = args.status_socket or (cfg.daemon.status_socket if args.config else DEFAULT_STATUS_SOCKET)
+    h = cfg.http
+    settings = Settings(socket=sock, status_socket=status_sock, api_key=_api_key(args, cfg),
+                        model_name=h.model_name, connections=h.connections, max_choices=h.max_choices)
+    return settings, h.listen, h.log_level
+
+
+def _listen(address: str) -> socket.socket:
+    host, port = parse_host_port(address)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(4096)
+    sock.setblocking(False)
+    return sock
+
+
+async def _serve(settings: Settings, sock: socket.socket, level: str) -> None:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises a captured SIGTERM after its graceful shutdown; a drained stop
+            # is a clean exit here (code 0, as sclsd's).
+            captured = getattr(self, "_captured_signals", None)
+            if sig == signal.SIGTERM and isinstance(captured, list) and sig in captured:
+                captured.remove(sig)
+
+    try:
+        import uvloop  # noqa: F401 - uvicorn picks it when installed
+
+        loop = "uvloop"
+    except ImportError:  # pragma: no cover
+        loop = "asyncio"
+    config = uvicorn.Config(create_app(settings), loop=loop, http="httptools", lifespan="on",
+                            log_level=level, access_log=level == "debug", server_header=False,
+                            proxy_headers=False,
+                            timeout_graceful_shutdown=30)
+    server = Server(config)
+    notifier = Notifier.from_env()
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+    async def announce() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.05)
+        print(f"sclsd-http listening on {url} (daemon at {settings.socket})", flush=True)
+        notifier.ready(f"listening on {url}")
+
+    task = asyncio.ensure_future(announce())
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        task.cancel()
+        notifier.stopping()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point of ``sclsd-http``."""
+    args = build_parser().parse_args(argv)
+    try:
+        settings, listen, level = settings_from(args)
+    except ConfigError as exc:
+        print(f"sclsd-http: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        sock = _listen(listen)
+    except OSError as exc:
+        print(f"sclsd-http: cannot listen on {listen}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    try:
+        import uvloop
+
+        uvloop.run(_serve(settings, sock, level))
+    except ImportError:  # pragma: no cover
+        asyncio.run(_serve(settings, sock, level))
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -1,0 +1,307 @@
+"""The parameters OpenAI-style clients send, from ``generate`` to the engine and back:
+logprobs, penalties, min-p, stop strings across slices, the max_tokens limit, chat
+templates, ``user``."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from typing import Any
+
+import pytest
+
+from sclsd import protocol as P
+from sclsd.daemon.requests import kept_tokens
+from sclsd.tokenizer import ByteTokenizer
+from worker.engines.fake import FakeEngine
+
+from .conftest import Harness, RecConn, held
+
+SLICE = 8  # conftest's scheduler.slice_len
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    """The fake engine's greedy tokens for ``prompt`` (the same in slices or in one pass)."""
+    outs, _ = FakeEngine().serve(P.BatchMsg(batch_id=1, slice_len=n, requests=[P.BatchRequest(
+        rid="r", token_ids=list(prompt), max_new_tokens=n, temperature=0.0, ignore_eos=True)]))
+    return outs[0].token_ids
+
+
+def first_hit(ids: list[int], stop: str) -> int:
+    """Smallest k with ``stop`` in the text of ``ids[:k]`` (the definition, by brute force)."""
+    tok = ByteTokenizer()
+    return next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k]))
+
+
+def straddling_stop() -> tuple[list[int], list[int], str]:
+    """A prompt whose output has printable ASCII at the last token of slice 1 and the first
+    of slice 2, and the stop string made of those two characters (first seen there)."""
+    rng = random.Random(5)
+    for _ in range(2000):
+        prompt = [rng.randrange(3, 256) for _ in range(6)]
+        ids = reference(prompt, 3 * SLICE)
+        a, b = ids[SLICE - 1] % 256, ids[SLICE] % 256
+        if 32 < a < 127 and 32 < b < 127:
+            stop = chr(a) + chr(b)
+            if first_hit(ids, stop) == SLICE + 1:
+                return prompt, ids, stop
+    raise AssertionError("no prompt found")  # pragma: no cover
+
+
+# ---------------------------------------------------------------------- daemon
+
+
+def test_logprobs_come_with_every_token_and_its_text(daemon) -> None:
+    async def body(h: Harness) -> None:
+        h.worker("w0")
+        await h.registered("w0")
+        conn = RecConn()
+        await h.submit(conn, id="a", prompt_ids=[5, 6, 7], max_tokens=20, ignore_eos=True,
+                       logprobs=True, top_logprobs=3)
+        await h.submit(conn, id="s", prompt_ids=[5, 6, 7], max_tokens=20, ignore_eos=True,
+                       logprobs=True, top_logprobs=2, stream=True)
+        await h.submit(conn, id="plain", prompt_ids=[5, 6, 7], max_tokens=20, ignore_eos=True)
+        await h.finished(conn, "a", "s", "plain")
+        (done,) = conn.terminal("a")
+        assert done.usage.completion_tokens == 20 and len(done.logprobs) == 20
+        tok = ByteTokenizer()
+        for tid, e in zip(done.token_ids, done.logprobs, strict=True):
+            assert e.chosen.id == tid and e.chosen.token == tok.decode([tid])
+            assert len(e.top) == 3 and e.top[0].id == tid  # the fake engine's chosen is its likeliest
+            assert [x.logprob for x in e.top] == sorted((x.logprob for x in e.top), reverse=True)
+        deltas = conn.events("s", P.Delta)
+        streamed = [e for d in deltas for e in d.logprobs or []]
+        assert [e.chosen.id for e in streamed] == [t for d in deltas for t in d.token_ids]
+        assert all(len(e.top) == 2 for e in streamed) and len(streamed) == 20
+        # Old clients never see the new field.
+        (plain,) = conn.terminal("plain")
+        assert plain.logprobs is None and b"logprobs" not in P.encode(plain)
+
+    daemon(body)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_across_a_slice_boundary_ends_there_and_usage_counts_kept_tokens(
+        daemon, stream: bool) -> None:
+    prompt, ids, stop = straddling_stop()
+    full = ByteTokenizer().decode(ids[: 2 * SLICE])
+    text = full[: full.find(stop)]
+
+    async def body(h: Harness) -> None:
+        h.worker("w0")
+        await h.registered("w0")
+        conn = RecConn()
+        await h.submit(conn, id="r", prompt_ids=prompt, max_tokens=3 * SLICE, ignore_eos=True,
+                       stop=[stop], stream=stream, logprobs=True)
+        await h.finished(conn, "r")
+        (done,) = conn.terminal("r")
+        assert done.finish_reason == "stop"
+        assert done.timings.slices == 2  # it did not end in the first slice
+        assert done.usage.completion_tokens == SLICE + 1  # up to the token completing the stop
+        if stream:
+            deltas = conn.events("r", P.Delta)
+            assert "".join(d.text for d in deltas) == text
+            assert [t for d in deltas for t in d.token_ids] == ids[: SLICE + 1]
+            assert len([e for d in deltas for e in d.logprobs or []]) == SLICE + 1
+        else:
+            assert done.text == text and done.token_ids == ids[: SLICE + 1]
+            assert len(done.logprobs) == SLICE + 1
+
+    daemon(body)
+
+
+def test_kept_tokens_matches_the_definition_for_any_known_prefix() -> None:
+    tok = ByteTokenizer()
+    rng = random.Random(3)
+    for _ in range(200):
+        ids = [rng.choice(b"abcab xyz") for _ in range(rng.randrange(1, 60))]
+        stop = rng.choice(["ab", "b x", "zz", "a"])
+        if stop not in tok.decode(ids):
+            continue
+        want = first_hit(ids, stop)
+        for known in range(0, want):
+            assert kept_tokens(ids, [stop], known, tok) == want
+    assert kept_tokens([1, 2, 3], ["x"], 0, None) == 3  # no tokenizer: keep everything
+
+
+def test_max_tokens_above_the_limit_is_refused_or_capped_as_asked(daemon) -> None:
+    async def body(h: Harness) -> None:
+        h.worker("w0")
+        await h.registered("w0")
+        conn = RecConn()
+        await h.submit(conn, id="strict", max_tokens=100, cap_max_tokens=False, ignore_eos=True)
+        await h.submit(conn, id="capped", max_tokens=100, ignore_eos=True)
+        await h.submit(conn, id="unset", max_tokens=None, ignore_eos=True)
+        await h.finished(conn, "strict", "capped", "unset")
+        (err,) = conn.terminal("strict")
+        assert isinstance(err, P.Error) and err.code == "bad_request"
+        assert err.message.startswith("max_tokens:") and "32" in err.message
+        for rid in ("capped", "unset"):
+            (done,) = conn.terminal(rid)
+            assert done.finish_reason == "length" and done.usage.completion_tokens == 32
+
+    daemon(body, model={"max_gen": 32})
+
+
+class _NoTemplate(ByteTokenizer):
+    """A transformers-like tokenizer whose ``tok`` has no chat template."""
+
+    class _Inner:
+        chat_template = None
+
+    tok = _Inner()
+
+
+def test_chat_messages_need_a_chat_template(daemon) -> None:
+    async def body(h: Harness) -> None:
+        h.worker("w0")
+        await h.registered("w0")
+        conn = RecConn()
+        msgs = [P.ChatMessage(role="user", content="hi")]
+        await h.submit(conn, id="ok", messages=msgs, max_tokens=4)  # the byte tokenizer's own format
+        await h.finished(conn, "ok")
+        h.server.admission.tok = _NoTemplate()
+        await h.submit(conn, id="no", messages=msgs, max_tokens=4)
+        await h.submit(conn, id="text", prompt="hi", max_tokens=4)
+        await h.finished(conn, "no", "text")
+        assert isinstance(conn.terminal("ok")[0], P.Done)
+        (err,) = conn.terminal("no")
+        assert err.code == "bad_request" and err.message.startswith("messages:")
+        assert "chat template" in err.message
+        assert isinstance(conn.terminal("text")[0], P.Done)
+
+    daemon(body)
+
+
+def test_user_is_logged_with_the_request(daemon, caplog: pytest.LogCaptureFixture) -> None:
+    async def body(h: Harness) -> None:
+        h.worker("w0")
+        await h.registered("w0")
+        conn = RecConn()
+        await h.submit(conn, id="u", max_tokens=4, user="alice@example")
+        await h.finished(conn, "u")
+
+    with caplog.at_level(logging.INFO, logger="sclsd"):
+        daemon(body)
+    assert any("done id=u " in r.getMessage() and "user='alice@example'" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_batch_rows_carry_the_sampling_parameters(daemon) -> None:
+    async def body(h: Harness) -> None:
+        w = h.worker("w0", hold=True)
+        await h.registered("w0")
+        conn = RecConn()
+        await h.submit(conn, id="p", max_tokens=4, temperature=0.7, min_p=0.1, presence_penalty=0.5,
+                       frequency_penalty=-0.25, repetition_penalty=1.2, top_logprobs=4,
+                       stop_token_ids=[9])
+        await held(w)
+        (row,) = w.held[0].requests
+        assert (row.min_p, row.presence_penalty, row.frequency_penalty, row.repetition_penalty) == (
+            0.1, 0.5, -0.25, 1.2)
+        assert row.logprobs and row.top_logprobs == 4 and row.stop_token_ids == [9]
+        w.release()
+        await h.finished(conn, "p")
+
+    daemon(body)
+
+
+# ---------------------------------------------------------------------- sampling
+
+torch = pytest.importorskip("torch")
+
+from worker.engines.sampling import RowSampler, filter_logits, select  # noqa: E402
+
+
+def row(ids: list[int], generated: int = 0, **kw: Any) -> RowSampler:
+    kw.setdefault("temperature", 0.0)
+    req = P.BatchRequest(rid="r", token_ids=ids, max_new_tokens=8, generated=generated, **kw)
+    return RowSampler(req, seed=1)
+
+
+def test_presence_and_frequency_penalties_count_every_generated_token_across_slices() -> None:
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0, 0.0]])
+    # Token 1 was generated twice in earlier slices (the tail of the context); token 3 is
+    # only in the prompt: the OpenAI penalties ignore the prompt.
+    s = row([3, 3, 1, 1], generated=2, presence_penalty=0.5, frequency_penalty=0.4)
+    # 3.0 - (2 * 0.4 + 0.5) = 1.7 < 2.0
+    assert select(logits, [s])[0].token == 2
+    s = row([3, 3, 1, 1], generated=2, presence_penalty=0.5, frequency_penalty=0.1)
+    assert select(logits, [s])[0].token == 1  # 3.0 - 0.7 = 2.3 > 2.0
+    # Tokens of this slice count too.
+    s = row([3], frequency_penalty=0.6)
+    s.push(1)
+    s.push(1)
+    assert select(logits, [s])[0].token == 2  # 3.0 - 1.2 = 1.8
+
+
+def test_repetition_penalty_covers_the_prompt_and_the_output() -> None:
+    logits = torch.tensor([[0.0, 3.0, 2.0, -1.0, 0.0]])
+    s = row([1, 4], repetition_penalty=2.0)  # 3.0 / 2 = 1.5 < 2.0
+    assert select(logits, [s])[0].token == 2
+    x = s.penalize(torch.tensor([0.0, 3.0, 2.0, -1.0, -2.0]))
+    assert x.tolist() == [0.0, 1.5, 2.0, -1.0, -4.0]  # negative logits are multiplied
+
+
+def test_min_p_drops_tokens_less_likely_than_a_share_of_the_best() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    x = filter_logits(torch.log(probs), temperature=1.0, top_k=0, top_p=1.0, min_p=0.2)
+    kept = [i for i, v in enumerate(x.tolist()) if v != float("-inf")]
+    assert kept == [0, 1, 2]  # 0.05 < 0.2 * 0.5
+
+
+def test_logprobs_are_the_log_softmax_of_the_model_logits() -> None:
+    logits = torch.tensor([[1.0, 4.0, 2.0, 3.0], [0.5, 0.5, 9.0, 0.0]])
+    picks = select(logits, [row([1], 1, logprobs=True, top_logprobs=2, presence_penalty=2.0), None])
+    assert picks[1] is None
+    p = picks[0]
+    assert p.token == 3  # the penalty moved the choice, not the reported distribution
+    lsm = torch.log_softmax(logits[0], dim=-1)
+    assert math.isclose(p.logprobs.chosen.logprob, float(lsm[3]), rel_tol=1e-6)
+    assert [a.id for a in p.logprobs.top] == [1, 3]
+    assert math.isclose(p.logprobs.top[0].logprob, float(lsm[1]), rel_tol=1e-6)
+    assert select(logits, [row([1]), row([1])])[0].logprobs is None
+
+
+@pytest.fixture(scope="module")
+def hf_engine() -> Any:
+    from worker.engines import create_engine
+
+    return create_engine("hf", "tiny-random", threads=1, mem_budget=123 * 1024**2, kv_reuse=False)
+
+
+def test_hf_penalties_in_slices_equal_one_pass(hf_engine: Any) -> None:
+    """The row carries its whole context and ``generated``: penalties see every earlier token,
+    so serving in slices gives what one pass gives."""
+    # Plain greedy output of this prompt repeats its first token at index 22; the penalties
+    # (counted across slices) must prevent that, in one pass and in slices of 7 alike.
+    prompt = [random.Random(2).randrange(3, 49152) for _ in range(9)]
+    n = 30
+
+    def serve(ctx: list[int], budget: int, gen: int, slice_len: int, **kw: Any) -> list[int]:
+        outs, _ = hf_engine.serve(P.BatchMsg(batch_id=1, slice_len=slice_len, requests=[P.BatchRequest(
+            rid="r", token_ids=ctx, max_new_tokens=budget, generated=gen, temperature=0.0,
+            ignore_eos=True, **kw)]))
+        return outs[0].token_ids
+
+    pen = dict(presence_penalty=2.0, frequency_penalty=2.0, repetition_penalty=1.3)
+    plain = serve(prompt, n, 0, n)
+    assert len(set(plain)) < n  # the premise: plain greedy repeats a token
+    whole = serve(prompt, n, 0, n, **pen)
+    assert len(set(whole)) == n and whole != plain
+    pieces: list[int] = []
+    while len(pieces) < n:
+        pieces += serve(prompt + pieces, n - len(pieces), len(pieces), 7, **pen)
+    assert pieces == whole
+
+
+def test_hf_logprobs_match_the_greedy_choice(hf_engine: Any) -> None:
+    outs, _ = hf_engine.serve(P.BatchMsg(batch_id=1, slice_len=6, requests=[P.BatchRequest(
+        rid="r", token_ids=[5, 6, 7, 8], max_new_tokens=6, temperature=0.0, ignore_eos=True,
+        logprobs=True, top_logprobs=5)]))
+    out = outs[0]
+    assert len(out.logprobs) == len(out.token_ids) == 6
+    for tid, e in zip(out.token_ids, out.logprobs, strict=True):
+        assert e.chosen.id == tid == e.top[0].id and e.chosen.logprob == e.top[0].logprob <= 0.0
+        assert len(e.top) == 5

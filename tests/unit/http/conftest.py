@@ -1,0 +1,76 @@
+"""The HTTP front end against an in-process daemon (fake engines, byte tokenizer) that
+listens on real Unix sockets; requests go through ASGI in the same event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx2
+import pytest
+
+from sclsd.daemon.server import Server
+from sclsd.daemon.transport.inproc import InprocTransport
+from sclsd.http.app import Settings, create_app
+from sclsd.launch import short_dir
+from sclsd.tokenizer import ByteTokenizer
+
+from ..daemon.conftest import Harness, make_config
+
+
+class Front:
+    """A started daemon, the app in front of it and an HTTP client for the app."""
+
+    def __init__(self, h: Harness, app: Any, http: httpx2.AsyncClient) -> None:
+        self.h = h
+        self.app = app
+        self.http = http
+
+    @property
+    def live(self) -> int:
+        return len(self.h.server.live)
+
+    def openai(self, **kw: Any) -> Any:
+        import openai
+
+        return openai.AsyncOpenAI(base_url="http://sclsd/v1", api_key=kw.pop("api_key", "none"),
+                                  http_client=self.http, max_retries=0, **kw)
+
+
+Body = Callable[[Front], Awaitable[None]]
+
+
+@pytest.fixture
+def front() -> Callable[..., None]:
+    """``front(body, settings=..., **config_sections)``: run ``await body(front)``."""
+
+    def run(body: Body, settings: dict[str, Any] | None = None, workers: int = 1,
+            **sections: dict[str, Any]) -> None:
+        d = short_dir("sclsd-http")
+
+        async def main() -> None:
+            cfg = make_config(d, **sections)
+            server = Server(cfg, transport=InprocTransport(), tokenizer=ByteTokenizer())
+            await server.start(sockets=True, spawn=False)
+            h = Harness(server, server.transport)  # type: ignore[arg-type]
+            for i in range(workers):
+                h.worker(f"w{i}")
+            await h.registered(*(f"w{i}" for i in range(workers)))
+            app = create_app(Settings(socket=cfg.daemon.socket, status_socket=cfg.daemon.status_socket,
+                                      **(settings or {})))
+            http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://sclsd")
+            try:
+                await body(Front(h, app, http))
+            finally:
+                await http.aclose()
+                await app.state.api.link.close()
+                await server.stop()
+
+        try:
+            asyncio.run(main())
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+
+    return run

@@ -1,0 +1,145 @@
+"""The retained-KV store (no torch: sizes only) and the worker's token stream coalescing."""
+
+from __future__ import annotations
+
+import threading
+
+from sclsd import protocol as P
+from worker.engines.kvstore import KVStore, Retained, common_prefix
+
+
+def entry(tokens: list[int], per_token: int = 10) -> Retained:
+    return Retained(list(tokens), len(tokens) * per_token)
+
+
+def test_common_prefix() -> None:
+    assert common_prefix([1, 2, 3], [1, 2, 3, 4], 3) == 3
+    assert common_prefix([1, 2, 3], [1, 2, 3], 2) == 2  # capped: the last token is recomputed
+    assert common_prefix([1, 9, 3], [1, 2, 3], 5) == 1
+    assert common_prefix([5], [6], 1) == 0
+    assert common_prefix([1, 2], [1, 2], -1) == 0
+
+
+def test_take_checks_out_the_usable_prefix() -> None:
+    s = KVStore(1000)
+    assert s.put("a", entry([1, 2, 3, 4]))
+    e, used = s.take("a", [1, 2, 3, 4, 5])
+    assert e is not None and used == 4
+    assert s.nbytes == 0 and s.held() == {}  # out for the batch
+    s.done(["a"])
+    assert s.put("a", entry([1, 2, 3, 4, 5, 6]))
+    assert s.take("a", [7, 8])[1] == 0  # another context under the same id: not usable
+    assert s.take("missing", [1]) == (None, 0)
+
+
+def test_lru_eviction_within_the_budget_reports_each_once() -> None:
+    s = KVStore(100)
+    s.put("a", entry([1] * 4))
+    s.put("b", entry([2] * 4))
+    s.take("a", [1] * 5)
+    s.done(["a"])
+    s.put("a", entry([1] * 5))  # a is now the most recently used
+    s.put("c", entry([3] * 4))  # 50 + 40 + 40 > 100: b goes
+    assert list(s.held()) == ["a", "c"] and s.nbytes == 90
+    assert s.take_evicted() == ["b"] and s.take_evicted() == []
+    assert not s.put("huge", entry([0] * 11))  # larger than the whole budget: not kept
+    assert list(s.held()) == ["a", "c"]
+
+
+def test_make_room_beside_a_batch() -> None:
+    s = KVStore(1000)
+    for rid in "abc":
+        s.put(rid, entry([ord(rid)] * 10))
+    s.make_room(150)
+    assert list(s.held()) == ["c"] and s.take_evicted() == ["a", "b"]
+    s.make_room(-5)
+    assert s.held() == {} and s.take_evicted() == ["c"]
+
+
+def test_release_reaches_entries_out_for_a_batch() -> None:
+    s = KVStore(1000)
+    s.put("a", entry([1, 2]))
+    s.put("b", entry([3, 4]))
+    s.take("a", [1, 2, 3])
+    s.release(["a", "b"])
+    assert s.held() == {}
+    assert not s.put("a", entry([1, 2, 3]))  # released while its batch ran
+    s.done(["a"])
+    assert s.put("a", entry([1, 2, 3]))  # a later batch may keep it again
+    s.take("a", [1, 2, 3, 4])
+    s.release()  # all, those out included
+    assert not s.put("a", entry([1, 2, 3, 4])) and s.held() == {}
+    assert s.take_evicted() == []  # released is not evicted
+
+
+def test_concurrent_release_and_put_keep_the_byte_count_exact() -> None:
+    s = KVStore(10**9)
+    stop = threading.Event()
+
+    def releaser() -> None:
+        while not stop.is_set():
+            s.release(["r3", "r7"])
+
+    t = threading.Thread(target=releaser)
+    t.start()
+    try:
+        for k in range(2000):
+            rid = f"r{k % 10}"
+            s.take(rid, [k, k + 1])
+            s.put(rid, entry([k]))
+            s.done([rid])
+    finally:
+        stop.set()
+        t.join()
+    assert s.nbytes == sum(v * 10 for v in s.held().values())
+
+
+def test_token_stream_coalesces() -> None:
+    from worker.runtime import TokenStream
+
+    now = [0.0]
+    sent: list[P.Tokens] = []
+    stream = TokenStream(lambda b: sent.append(P.worker_decoder.decode(b)), "w", 7,
+                         interval=0.02, clock=lambda: now[0])
+
+    def emit(rid: str, *ids: int, reason: str | None = None) -> None:
+        stream([P.RequestOutput(rid=rid, token_ids=list(ids), finish_reason=reason)])  # type: ignore[arg-type]
+
+    emit("a", 1)  # the first tokens go at once
+    assert [m.outputs for m in sent] == [[P.RequestOutput(rid="a", token_ids=[1])]]
+    now[0] = 0.005
+    emit("a", 2)
+    emit("b", 9)
+    now[0] = 0.015
+    emit("a", 3, reason="length")
+    assert len(sent) == 1  # within 20 ms of the last send: held
+    now[0] = 0.021
+    emit("b", 10)
+    assert len(sent) == 2 and sent[1].batch_id == 7 and sent[1].worker_id == "w"
+    assert sent[1].outputs == [P.RequestOutput(rid="a", token_ids=[2, 3], finish_reason="length"),
+                               P.RequestOutput(rid="b", token_ids=[9, 10])]
+    assert stream.sent == 2
+
+
+def test_host_tier_takes_what_does_not_fit_beside_a_batch() -> None:
+    moved: list[list[int]] = []
+
+    def to_host(e: Retained) -> Retained:
+        moved.append(e.tokens)
+        return Retained(e.tokens, e.nbytes, "copied")
+
+    s = KVStore(1000, host_budget=90, to_host=to_host)
+    for rid in "abc":
+        s.put(rid, entry([ord(rid)] * 4))  # 40 bytes each
+    s.make_room(50)  # a and b move out (a first: least recently used), c stays
+    assert s.on_host() == ["a", "b"] and s.nbytes == 40 and s.host_nbytes == 80
+    assert moved == [[97] * 4, [98] * 4] and s.take_evicted() == []
+    e, used = s.take("a", [97] * 5)
+    assert e is not None and e.kv == "copied" and e.on_host and used == 4
+    assert s.host_nbytes == 40
+    s.put("d", entry([100] * 5))
+    s.make_room(0)  # c and d go to the host; b, the oldest there, is evicted to fit them
+    assert s.on_host() == ["c", "d"] and s.nbytes == 0 and s.host_nbytes == 90
+    assert s.take_evicted() == ["b"]
+    s.release()
+    assert s.host_nbytes == 0 and s.held() == {}

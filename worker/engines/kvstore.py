@@ -1,0 +1,303 @@
+"""KV kept across slices: a per-request store with a byte budget, and the cache surgery.
+
+After a slice, the KV of every unfinished row is cut out of the batch's cache
+(its real tokens only, padding dropped) and kept in a :class:`KVStore` under the
+request id, least recently used evicted first when the store outgrows its
+budget. When a later batch holds that request again, its entry is checked out:
+the batch cache is re-assembled from the rows' entries, each left-padded to the
+longest one, and the prefill computes only the tokens beyond what is held
+(:func:`assemble_past`). One 2-D attention mask over ``[past | new]`` hides
+every pad slot, wherever it sits, and positions come from that mask, so a row
+sees exactly the keys and rotary phases it would have in one pass.
+
+Memory beside the running batch comes first: before a batch the store shrinks
+to what fits beside it. What does not fit moves to host memory when the store
+has a host tier (``host_budget`` with a ``to_host`` copy: GPU workers), else it
+is evicted; an entry in host memory is copied back into the batch cache when
+its request returns (:func:`assemble_past` copies across devices).
+
+The store itself needs no torch (the ``fake`` engine uses it with sizes only);
+the cache functions import torch when called. Thread safety: the serve thread
+takes and puts entries, the receive thread releases them (the daemon's
+``release``), so every operation holds one lock; an entry released while its
+batch runs is not put back afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "KVReuse", "KVStore", "Retained", "assemble_past", "common_prefix", "cut_row", "supports_reuse",
+]
+
+
+@dataclass(eq=False)
+class Retained:
+    """One request's kept KV."""
+
+    tokens: list[int]
+    """The context this KV covers: position ``i`` holds the KV of ``tokens[i]``."""
+    nbytes: int
+    """Memory the entry takes (its tensors, or the modelled size)."""
+    kv: Any = None
+    """Engine data: per layer ``(keys, values)``, each ``[1, heads, len(tokens), head_dim]``."""
+    on_host: bool = False
+    """Moved to host memory to make room on the device."""
+
+
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``, at most ``limit``."""
+    n = max(0, min(len(a), len(b), limit))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class KVStore:
+    """Retained KV by request id, LRU within ``budget`` bytes on the device and
+    ``host_budget`` bytes in host memory (see the module docstring)."""
+
+    def __init__(self, budget: int, host_budget: int = 0,
+                 to_host: Callable[[Retained], Retained] | None = None) -> None:
+        self.budget = max(0, int(budget))
+        self.host_budget = max(0, int(host_budget)) if to_host is not None else 0
+        self._to_host = to_host
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, Retained] = OrderedDict()  # least recently used first
+        self._bytes = 0
+        self._host_bytes = 0
+        self._out: set[str] = set()
+        """Checked out by the running batch."""
+        self._released_out: set[str] = set()
+        """Released while checked out: not to be put back."""
+        self._evicted: list[str] = []
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held on the device now."""
+        return self._bytes
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes held in host memory now."""
+        return self._host_bytes
+
+    def on_host(self) -> list[str]:
+        """Requests whose entry is in host memory."""
+        with self._lock:
+            return [rid for rid, e in self._entries.items() if e.on_host]
+
+    def held(self) -> dict[str, int]:
+        """Request id -> tokens held, least recently used first."""
+        with self._lock:
+            return {rid: len(e.tokens) for rid, e in self._entries.items()}
+
+    # ------------------------------------------------------------------ serve thread
+
+    def take(self, rid: str, context: list[int]) -> tuple[Retained | None, int]:
+        """Check out ``rid``'s entry for a batch whose row has ``context``.
+
+        Returns the entry and how many of its tokens the row can use: the common
+        prefix with ``context``, at most ``len(context) - 1`` (the last token must
+        be computed to give the next one's logits). The entry leaves the store either
+        way; :meth:`put` keeps the row's new KV after the batch.
+        """
+        with self._lock:
+            self._out.add(rid)
+            e = self._pop(rid)
+            if e is None:
+                return None, 0
+        used = common_prefix(e.tokens, context, len(context) - 1)
+        return (e, used) if used > 0 else (None, 0)
+
+    def make_room(self, limit: int) -> None:
+        """Move to host memory, or evict, least recently used entries until at most
+        ``limit`` bytes are held on the device (the running batch needs the rest)."""
+        with self._lock:
+            self._shrink_to(max(0, limit))
+
+    def put(self, rid: str, entry: Retained) -> bool:
+        """Keep ``entry`` as the most recently used; False when it is not kept (released
+        while its batch ran, or larger than the whole budget). Evicts to fit."""
+        with self._lock:
+            if rid in self._released_out or entry.nbytes > self.budget:
+                return False
+            self._pop(rid)
+            self._shrink_to(self.budget - entry.nbytes)
+            self._entries[rid] = entry
+            self._bytes += entry.nbytes
+            return True
+
+    def done(self, rids: Iterable[str]) -> None:
+        """The batch holding ``rids`` ended: they are no longer checked out."""
+        with self._lock:
+            for rid in rids:
+                self._out.discard(rid)
+                self._released_out.discard(rid)
+
+    def take_evicted(self) -> list[str]:
+        """Requests evicted since the last call (each once)."""
+        with self._lock:
+            out, self._evicted = self._evicted, []
+            return out
+
+    # ------------------------------------------------------------------ any thread
+
+    def release(self, rids: Iterable[str] | None = None) -> None:
+        """Drop the entries of ``rids`` (None: all), including ones a running batch holds."""
+        with self._lock:
+            targets = list(self._entries) + list(self._out) if rids is None else list(rids)
+            for rid in targets:
+                self._pop(rid)
+                if rid in self._out:
+                    self._released_out.add(rid)
+
+    # ------------------------------------------------------------------ internals (locked)
+
+    def _pop(self, rid: str) -> Retained | None:
+        e = self._entries.pop(rid, None)
+        if e is not None:
+            if e.on_host:
+                self._host_bytes -= e.nbytes
+            else:
+                self._bytes -= e.nbytes
+        return e
+
+    def _shrink_to(self, limit: int) -> None:
+        """Device bytes down to ``limit``: the least recently used device entries move to
+        the host tier while it has room (its own oldest evicted to make it), else go."""
+        while self._bytes > limit:
+            rid, e = next((k, v) for k, v in self._entries.items() if not v.on_host)
+            if e.nbytes > self.host_budget or self._to_host is None:
+                self._pop(rid)
+                self._evicted.append(rid)
+                continue
+            moved = self._to_host(e)
+            moved.on_host = True
+            self._entries[rid] = moved  # same place in the LRU order
+            self._bytes -= e.nbytes
+            self._host_bytes += moved.nbytes
+            while self._host_bytes > self.host_budget:
+                old = next(k for k, v in self._entries.items() if v.on_host)
+                self._pop(old)
+                self._evicted.append(old)
+
+
+# --------------------------------------------------------------------------- cache surgery
+
+
+def supports_reuse(config: Any) -> bool:
+    """True when the model's cache is plain full-attention layers (no sliding window, no
+    shared or linear-attention layers): only those can be cut into rows and re-joined."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    try:
+        layers = DynamicCache(config=config).layers
+    except Exception:  # noqa: BLE001 - an architecture we cannot inspect is not reused
+        return False
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def assemble_past(entries: list[Retained | None], used: list[int], config: Any) -> Any:
+    """A batch cache from the rows' retained KV: row ``i`` holds the first ``used[i]``
+    tokens of ``entries[i]``, left-padded with zeros to the longest; None when no row
+    holds any (the caller masks the pad slots)."""
+    from transformers import DynamicCache
+
+    width = max(used, default=0)
+    if width == 0:
+        return None
+    first = next(e for e, u in zip(entries, used, strict=True) if e is not None and u > 0)
+    n = len(entries)
+    data = []
+    for layer, (k0, v0) in enumerate(first.kv):
+        keys = k0.new_zeros((n, k0.shape[1], width, k0.shape[3]))
+        values = v0.new_zeros((n, v0.shape[1], width, v0.shape[3]))
+        for i, (e, u) in enumerate(zip(entries, used, strict=True)):
+            if e is not None and u > 0:
+                k, v = e.kv[layer]
+                keys[i, :, width - u :, :] = k[0, :, :u, :]
+                values[i, :, width - u :, :] = v[0, :, :u, :]
+        data.append((keys, values))
+    return DynamicCache(ddp_cache_data=data, config=config)
+
+
+def cut_row(cache: Any, row: int, mask_row: Any) -> tuple[list[tuple[Any, Any]], int]:
+    """Row ``row``'s KV from a batch cache, only at the columns ``mask_row`` marks real.
+
+    Returns per layer ``(keys, values)`` as new ``[1, heads, tokens, head_dim]`` tensors
+    (they do not keep the batch's tensors alive) and their size in bytes.
+    """
+    idx = mask_row.nonzero().squeeze(-1)
+    kv: list[tuple[Any, Any]] = []
+    nbytes = 0
+    for layer in cache.layers:
+        k = layer.keys[row : row + 1].index_select(2, idx)
+        v = layer.values[row : row + 1].index_select(2, idx)
+        kv.append((k, v))
+        nbytes += k.numel() * k.element_size() + v.numel() * v.element_size()
+    return kv, nbytes
+
+
+class KVReuse:
+    """A torch engine's use of a :class:`KVStore`: check rows out before a batch, keep the
+    unfinished rows' KV after it.
+
+    ``delta`` is the engine's KV bytes per token and ``limit`` the memory a batch and the
+    retained caches share (M_ava): before a batch the store shrinks to what fits beside it.
+    """
+
+    def __init__(self, store: KVStore, delta: int, limit: int) -> None:
+        self.store = store
+        self.delta = delta
+        self.limit = limit
+
+    def take(self, batch: Any) -> tuple[list[Retained | None], list[int]]:
+        """Check out the rows' retained KV: ``(entries, tokens usable per row)``.
+
+        When the re-assembled cache (longest held prefix + longest new part + the slice)
+        would need more than ``limit``, the batch prefills in full instead.
+        """
+        reqs = batch.requests
+        n = len(reqs)
+        got = [self.store.take(r.rid, r.token_ids) for r in reqs]
+        if not batch.kv_reuse:  # the daemon asks for full prefills: what was kept is dropped
+            got = [(None, 0)] * n
+        taken = [e for e, _ in got]
+        used = [u for _, u in got]
+        fresh = max(len(r.token_ids) - u for r, u in zip(reqs, used, strict=True))
+        need = (max(used) + fresh + batch.slice_len) * n * self.delta
+        if any(used) and need > self.limit:
+            taken, used = [None] * n, [0] * n
+            need = (max(len(r.token_ids) for r in reqs) + batch.slice_len) * n * self.delta
+        self.store.make_room(self.limit - need)
+        return taken, used
+
+    def keep(self, rows: list[tuple[str, list[int], list[int], bool]], cache: Any,
+             mask: Any) -> list[int]:
+        """Keep the KV of every unfinished row ``(rid, context, generated, done)``; returns
+        the tokens kept per row (0: none)."""
+        kept = [0] * len(rows)
+        for i, (rid, context, out, done) in enumerate(rows):
+            if done or not out:
+                continue
+            # The last token was sampled, never fed: its KV does not exist yet.
+            tokens = list(context) + out[:-1]
+            kv, nbytes = cut_row(cache, i, mask[i])
+            if kv and kv[0][0].shape[2] != len(tokens):
+                raise RuntimeError(f"row {rid!r}: the cache holds {kv[0][0].shape[2]} tokens, "
+                                   f"its context {len(tokens)}")
+            if self.store.put(rid, Retained(tokens, nbytes, kv)):
+                kept[i] = len(tokens)
+        return kept

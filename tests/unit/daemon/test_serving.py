@@ -151,3 +151,30 @@ def test_draining_refuses_new_requests(daemon) -> None:
         assert conn.terminal("live")[0].finish_reason in ("stop", "length")
 
     daemon(body)
+
+
+def test_a_burst_keeps_both_workers_busy(daemon) -> None:
+    """24 requests at once on 2 workers: the first round gives each worker work (the
+    batcher's one-batch answer is split over the idle workers), not one worker all."""
+
+    async def body(h: Harness) -> None:
+        w0 = h.worker("w0", hold=True)
+        w1 = h.worker("w1", hold=True)
+        await h.registered("w0", "w1")
+        conn = RecConn()
+        rids = [f"b{i}" for i in range(24)]
+        for i, rid in enumerate(rids):  # token ids: admitted without a loop turn, one pool
+            await h.submit(conn, id=rid, prompt_ids=[3 + i, 4, 5, 6, 7, 8], max_tokens=8)
+        await held(w0)
+        await held(w1)
+        assert w0.held and w1.held
+        for w in (w0, w1):
+            w.hold = False
+            w.release()
+        await h.finished(conn, *rids)
+        workers = {m.worker for m in conn.sent if isinstance(m, P.Done)}
+        assert workers == {"w0", "w1"}
+
+    # The CPU model's profile, where one batch of 24 is the cheapest in summed time (the
+    # DP's answer): without work-conserving rounds one worker would get it all.
+    daemon(body, scheduler={"profile": "cpu-smollm2-135m"})

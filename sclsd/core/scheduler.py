@@ -49,6 +49,12 @@ class WorkerState:
     last_completion: float | None = None
 
 
+#: A work-conserving round whose batcher answers with more than this many batches per
+#: idle worker places them all (the paper's round): one DP places the backlog instead of
+#: one DP per slice end starting a batch each (thousands of requests, zero-time workers).
+BACKLOG_BATCHES_PER_IDLE = 8
+
+
 class Scheduler:
     """Slice-level scheduler over a pool of requests and a set of workers."""
 
@@ -211,10 +217,10 @@ class Scheduler:
         pool = list(self.pool.values())
         planned = plan_round(self.policy, self.cost, pool, self.live.values(), active,
                              loads if idle else None)
-        if idle and len(planned) > len(idle):
-            # A backlog (more batches than idle workers): place the whole pool as the
-            # paper's round does, rather than one batch per idle worker and a fresh DP
-            # over the same backlog at every slice end.
+        if idle and len(planned) > BACKLOG_BATCHES_PER_IDLE * len(idle):
+            # A deep backlog (many more batches than idle workers): place the whole pool
+            # as the paper's round does, rather than one batch per idle worker and a fresh
+            # DP over the same backlog at every slice end.
             idle = []
             loads = {w: self.workers[w].load for w in active}
             planned = plan_round(self.policy, self.cost, pool, self.live.values(), active, None)

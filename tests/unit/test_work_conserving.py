@@ -139,3 +139,23 @@ def test_saturation_reduces_to_the_paper_exactly(lens: list[int], gens: list[int
             )
         )
     assert runs[0] == runs[1]
+
+
+def test_a_deep_backlog_is_placed_in_one_round() -> None:
+    """Far more batches than idle workers (thousands of requests behind zero-time workers):
+    one DP places them all, as the paper's round does, instead of one batch per idle worker
+    and a fresh DP over the whole backlog at every slice end."""
+    from sclsd.core.scheduler import BACKLOG_BATCHES_PER_IDLE
+
+    tiny = ProfileCost(EST, KVMemory(delta=1, m_avail=2_000, zeta=0.9))  # ~one request a batch
+    pol = make_policy("scls", slice_len=32, gamma=5.0, work_conserving=True)
+    s = Scheduler(pol, tiny)
+    for k in range(2):
+        s.add_worker(f"w{k}")
+    n = 64
+    assert n > BACKLOG_BATCHES_PER_IDLE * 2
+    for i in range(n):
+        s.add(req(i, plen=1000), 0.0)
+    placed = s.schedule(0.0)
+    assert len(placed) > BACKLOG_BATCHES_PER_IDLE * 2 and not s.pool
+    assert {b.worker for b in placed} == {"w0", "w1"}

@@ -8,7 +8,9 @@ stopped. Configurations, all on the same model and library (transformers):
   batches of ``--batch-size``, round-robin (the paper's SLS baseline);
 - ``ils``: the ``hf-cb`` engine (transformers' continuous batching), each
   request dispatched on arrival, round-robin (the paper's ILS baseline);
-- ``scls``: the full SCLS policy with slices of ``--slice-len``.
+- ``scls-paper``: the paper's SCLS policy with slices of ``--slice-len``;
+- ``scls``: the same with the shipped switches past the paper (work-conserving
+  rounds, KV kept across slices; tokens stream in every configuration).
 
 The workload is the trace's lengths multiplied by ``--scale`` and capped at
 ``--max-input`` / ``--max-gen`` (the paper's 1024/1024 and S = 128 scaled by
@@ -26,7 +28,7 @@ from typing import Any
 from ..launch import launch
 from . import replay
 
-CONFIGS = ("sls", "ils", "scls")
+CONFIGS = ("sls", "ils", "scls-paper", "scls")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,7 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _sections(name: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     engine = "hf-cb" if name == "ils" else "hf"
-    sched: dict[str, Any] = {"policy": "scls" if name == "scls" else "sls", "slice_len": args.slice_len}
+    sched: dict[str, Any] = {"policy": "scls" if name.startswith("scls") else "sls",
+                             "slice_len": args.slice_len,
+                             # The baselines and the paper's SCLS run without the switches
+                             # past the paper; ``scls`` runs with the shipped defaults (both on).
+                             "work_conserving": name == "scls", "kv_reuse": name == "scls"}
     if name == "sls":
         sched["batch_size"] = args.batch_size
     if name == "ils":

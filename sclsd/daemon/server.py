@@ -28,7 +28,6 @@ import logging
 import shutil
 import signal
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -56,6 +55,7 @@ from .results import Results
 from .rounds import Rounds
 from .secret import worker_secret
 from .sockets import FrameServer
+from .startup import EarlySink, in_thread
 from .status import StatusHandler, StatusView
 from .supervisor import Supervisor
 from .transport.base import WorkerTransport
@@ -72,60 +72,6 @@ def make_scheduler(cfg: Config, cost: DaemonCost) -> Scheduler:
                          batch_size=s.batch_size, gamma=gamma, lam=s.lam,
                          work_conserving=s.work_conserving, kv_reuse=s.kv_reuse)
     return Scheduler(policy, cost, max_failures=s.max_failures)
-
-
-async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` in a daemon thread: a start abandoned on SIGTERM exits without waiting
-    for a download or a conversion to end (a pool's threads are joined at exit)."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[Any] = loop.create_future()
-
-    def settle(ok: bool, value: Any) -> None:
-        if not fut.done():
-            fut.set_result(value) if ok else fut.set_exception(value)
-
-    def work() -> None:
-        try:
-            ok, value = True, fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            ok, value = False, exc
-        try:
-            loop.call_soon_threadsafe(settle, ok, value)
-        except RuntimeError:  # the loop is gone: nobody waits any more
-            pass
-
-    threading.Thread(target=work, name="sclsd-start", daemon=True).start()
-    return await fut
-
-
-class EarlySink:
-    """The transport's sink: worker messages that arrive before the fleet exists (workers
-    load while the daemon loads its tokenizer) wait here, in order, and go to the fleet
-    once it is attached; after that every message goes straight through."""
-
-    #: A worker sends one ``register`` and waits: more than this is no worker of ours.
-    MAX_EARLY = 1024
-
-    def __init__(self) -> None:
-        self.fleet: Fleet | None = None
-        self.early: list[tuple[bytes, P.WorkerMsg]] = []
-
-    def on_message(self, peer: bytes, msg: P.WorkerMsg) -> None:
-        if self.fleet is not None:
-            self.fleet.on_message(peer, msg)
-            return
-        if isinstance(msg, P.Register):
-            # A worker left unanswered registers again every few seconds: only its latest
-            # counts (the fleet takes a second register from a peer for a restart).
-            self.early = [(p, m) for p, m in self.early if p != peer or not isinstance(m, P.Register)]
-        if len(self.early) < self.MAX_EARLY:  # beyond: dropped; a worker registers again
-            self.early.append((peer, msg))
-
-    def attach(self, fleet: Fleet) -> None:
-        self.fleet = fleet
-        early, self.early = self.early, []
-        for peer, msg in early:
-            fleet.on_message(peer, msg)
 
 
 class Server:
@@ -302,7 +248,7 @@ class Server:
         name = self.cfg.model.name
         self.starting = f"downloading {name}"
         try:
-            await _in_thread(models.fetch, name)
+            await in_thread(models.fetch, name)
         except (ValueError, OSError) as exc:
             raise StartupError(f"cannot download model {name!r}: {exc}") from exc
 
@@ -313,7 +259,7 @@ class Server:
         t0 = time.monotonic()
         load = functools.partial(tokenizers.load, m.name, cache_dir=m.cache_dir or None)
         try:
-            tok = await _in_thread(load)
+            tok = await in_thread(load)
         except Exception as exc:  # noqa: BLE001 - any loading failure is a start-up error
             raise StartupError(f"cannot load the tokenizer of model {m.name!r}: {exc}") from exc
         log.info("tokenizer for %s loaded in %.1fs", m.name, time.monotonic() - t0)

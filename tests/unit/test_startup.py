@@ -463,7 +463,7 @@ def test_an_unusable_cache_falls_back_and_a_damaged_entry_is_removed(tmp_path, c
 
 
 def test_early_sink_hands_over_each_workers_latest_register_in_order():
-    from sclsd.daemon.server import EarlySink
+    from sclsd.daemon.startup import EarlySink
 
     def reg(wid: str, pid: int) -> P.Register:
         return P.Register(worker_id=wid, engine="fake", model="fake", device="cpu", kv_bytes_per_token=1,

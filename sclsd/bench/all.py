@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown steps {unknown}; choose from {', '.join(STEPS)}")
     if not Path(TRACE).is_file():
-        p.error(f"trace {TRACE} not found: run from the repository root, beside ../shared/")
+        p.error(f"trace {TRACE} not found: make bench replays the request traces of ../shared/traces/ "
+                "(see their README), so run it from a checkout that has ../shared beside it")
     Path("out").mkdir(exist_ok=True)
     failed = []
     for i, name in enumerate(only or list(STEPS), 1):

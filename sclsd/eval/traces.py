@@ -41,6 +41,10 @@ def load_trace(path: str | Path) -> Trace:
     arr: list[float] = []
     inp: list[int] = []
     out: list[int] = []
+    if not Path(path).is_file():
+        raise FileNotFoundError(
+            f"trace {path} not found: the request traces live in ../shared/traces/ beside the "
+            "repository (see their README); give another with --trace PATH")
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         need = {"arrival_s", "input_tokens", "output_tokens"}

@@ -16,6 +16,7 @@ from .offloader import AdaptiveInterval, FixedInterval, MaxMin, RoundRobin
 
 __all__ = [
     "POLICIES",
+    "GRANT_POLICIES",
     "DEFAULT_POLICY",
     "DEFAULT_GAMMA",
     "AdaptiveInterval",
@@ -61,6 +62,10 @@ class Policy:
 #: The paper's ablation ladder (section 6.5), each step adding one feature.
 POLICIES = ("sls", "so", "pm", "ab", "lb", "scls")
 DEFAULT_POLICY = "scls"
+
+#: Slice grants on continuous-batching workers (:class:`sclsd.core.grants.GrantPolicy`):
+#: not a composition of batcher, offloader and interval, so :func:`make_policy` builds none.
+GRANT_POLICIES = ("scls-cb",)
 
 #: Default minimal interval Γ in seconds, sized for the embedded CPU model
 #: (docs/estimator.md: a slice of one request there takes about 8 s, so a
@@ -114,6 +119,8 @@ def make_policy(
         parts = (slice_len, DPBatcher(), MaxMin(), FixedInterval(gamma))
     elif name == "scls":
         parts = (slice_len, DPBatcher(), MaxMin(), AdaptiveInterval(lam, gamma))
+    elif name in GRANT_POLICIES:
+        raise ValueError(f"{name!r} hands out slice grants: build sclsd.core.grants.GrantPolicy")
     else:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
     S, batcher, offloader, interval = parts

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..core.memory import RuleTable
-from ..core.policy import DEFAULT_GAMMA, POLICIES
+from ..core.policy import DEFAULT_GAMMA, GRANT_POLICIES, POLICIES
 from ..core.profiles import Profile
 from ..core.request import Request
 from ..eval.metrics import SLO, BatchStats, RequestRecord, summarize
@@ -20,7 +20,8 @@ from .workload import Workload
 
 #: Continuous-batching baselines (sclsd.sim.ils) and the two oracles, beside core's policies.
 BASELINES = ("ils-conservative", "ils-paged", "oracle", "oracle-static")
-ALL_POLICIES = POLICIES + BASELINES
+#: Core's policies, slice grants on continuous batching (sclsd.sim.cb), then the baselines.
+ALL_POLICIES = POLICIES + GRANT_POLICIES + BASELINES
 
 @dataclass
 class SimConfig:

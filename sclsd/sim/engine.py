@@ -27,7 +27,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from ..core.policy import Policy, make_policy
+from ..core.policy import GRANT_POLICIES, Policy, make_policy
 from ..core.scheduler import Batch, BatchOutcome, Scheduler
 from ..eval.metrics import BatchStats
 from .common import SimConfig, SimResult, make_requests, progress_bar, record_of
@@ -248,4 +248,8 @@ def simulate(cfg: SimConfig, workload: Workload) -> SimResult:
         from .ils import ILSSimulation
 
         return ILSSimulation(cfg, workload).run()
+    if cfg.policy in GRANT_POLICIES:
+        from .cb import CBSimulation
+
+        return CBSimulation(cfg, workload).run()
     return StaticSimulation(cfg, workload).run()

@@ -1,0 +1,334 @@
+"""Slice grants on continuous-batching workers (policy ``scls-cb``).
+
+Workers run continuous batching; the policy hands out *grants*: request r may
+generate up to S more tokens on worker w. Memory is reserved per grant:
+
+    reserved(w) = Σ over w's grants of (context at grant + granted tokens)
+                + Σ over requests back from a grant on w of their context (KV kept)
+
+in KV tokens, and a grant is admitted only while ``reserved(w)`` stays within
+the worker's budget ζ · M_ava / Δ. A granted request never needs more KV than
+its reservation, so no worker ever preempts or runs out of memory, while only
+S tokens per request are reserved ahead instead of its whole ``max_tokens``.
+
+When a grant ends (S tokens or EOS) the request comes back. The policy places
+it again with max-min over the workers' estimated loads plus the KV-affinity
+term: it stays on the worker holding its KV (no re-prefill) unless another
+worker with room finishes its work sooner by more than the re-prefill the KV
+saves. Staying where there is no room yet, it waits there (parked, its KV
+reserved) until grants there end; see :meth:`GrantPolicy.schedule`. Returning
+requests go before new ones; new requests are granted, FCFS, as soon as some
+worker has room (no scheduling interval).
+
+A worker's load is the estimated time to finish its granted slices under the
+continuous-batching cost model: an iteration of N requests with contexts l_i
+costs d1 · Σ l_i + d2 · N + d4, so a grant of s tokens from context c adds
+d1 · (c·s + s(s+1)/2) + d2 · s (plus its prefill, eq. 3 for one row, when the
+worker does not hold its KV), and a busy worker adds d4 per iteration for
+S iterations, whatever the number of grants (d3 is neglected). Loads rise
+when a grant is made and fall when it ends, as the paper's scheduler does
+with batches.
+
+Pure: no clock, no I/O. The driver (the simulator or the daemon) reports
+arrivals and grant ends and applies the grants :meth:`GrantPolicy.schedule`
+returns; :meth:`GrantPolicy.take_evictions` says which retained KV to free.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .estimator import Estimator
+
+__all__ = ["Grant", "GrantPolicy", "Placement"]
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Request ``rid`` may generate up to ``tokens`` more tokens on ``worker``."""
+
+    rid: str
+    worker: str
+    context: int
+    """Tokens of context when the grant starts (prompt plus tokens generated so far)."""
+    tokens: int
+    prefill: int
+    """Tokens the worker must prefill first: 0 when it holds the request's KV."""
+    cost: float
+    """The estimate added to the worker's load."""
+
+    @property
+    def reserve(self) -> int:
+        """KV tokens reserved for this grant."""
+        return self.context + self.tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Why a returning request went where it went (for tests and traces)."""
+
+    rid: str
+    holder: str
+    worker: str
+    gap: float
+    """load(holder) − load(worker) when decided (0 when it stayed)."""
+    reprefill_cost: float
+    fits_holder: bool
+
+
+@dataclass(slots=True)
+class _Pending:
+    rid: str
+    context: int
+    remaining: int
+    holder: str | None
+    """The worker holding its KV, if any."""
+
+
+@dataclass(slots=True)
+class _Worker:
+    reserved: int = 0
+    load: float = 0.0
+    grants: dict[str, Grant] = field(default_factory=dict)
+    parked: dict[str, int] = field(default_factory=dict)
+    """Returning requests waiting here for room, by the KV tokens they keep reserved."""
+
+
+class GrantPolicy:
+    """Grants of at most ``slice_len`` tokens under a per-worker KV budget; see the module docstring."""
+
+    def __init__(
+        self, est: Estimator, slice_len: int, token_budget: float, workers: Iterable[str] = ()
+    ) -> None:
+        if slice_len < 1:
+            raise ValueError("slice_len must be >= 1")
+        self.est = est
+        self.S = slice_len
+        self.budget = int(token_budget)
+        self._workers: dict[str, _Worker] = {}
+        self._returning: list[_Pending] = []
+        self._waiting: deque[_Pending] = deque()
+        self._evict: list[tuple[str, str]] = []
+        self._after: str | None = None
+        self.migrations = 0
+        self.placements: list[Placement] = []
+        self.record_placements = False
+        for w in workers:
+            self.add_worker(w)
+
+    # ------------------------------------------------------------------ fleet
+
+    def add_worker(self, wid: str) -> None:
+        self._workers.setdefault(wid, _Worker())
+
+    def remove_worker(self, wid: str) -> list[str]:
+        """Forget ``wid``; returns the ids of the requests it held grants for (their KV is lost)."""
+        w = self._workers.pop(wid, None)
+        if w is None:
+            return []
+        lost = list(w.grants)  # the driver re-submits them with arrive()
+        keep = [p for p in self._returning if p.holder != wid]
+        moved = [p for p in self._returning if p.holder == wid]
+        self._returning = keep
+        for p in reversed(moved):
+            p.holder = None
+            self._waiting.appendleft(p)
+        return lost
+
+    @property
+    def workers(self) -> list[str]:
+        return sorted(self._workers)
+
+    def load(self, wid: str) -> float:
+        """Estimated seconds to finish ``wid``'s granted slices (0 when it has none)."""
+        w = self._workers[wid]
+        return w.load + self._busy_cost() if w.grants else 0.0
+
+    def reserved(self, wid: str) -> int:
+        return self._workers[wid].reserved
+
+    def grants_on(self, wid: str) -> dict[str, Grant]:
+        return dict(self._workers[wid].grants)
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting) + len(self._returning)
+
+    # ------------------------------------------------------------------ costs
+
+    def decode_cost(self, context: int, tokens: int) -> float:
+        e = self.est
+        return e.d1 * (context * tokens + tokens * (tokens + 1) / 2.0) + e.d2 * tokens
+
+    def prefill_cost(self, tokens: int) -> float:
+        return self.est.t_prefill(1, tokens) if tokens > 0 else 0.0
+
+    def _busy_cost(self) -> float:
+        return self.est.d4 * self.S
+
+    # ------------------------------------------------------------------ events
+
+    def arrive(self, rid: str, context: int, remaining: int) -> None:
+        """A new request: ``context`` prompt tokens, at most ``remaining`` to generate."""
+        if remaining > 0:
+            self._waiting.append(_Pending(rid, context, remaining, None))
+
+    def end(self, rid: str, context: int, remaining: int) -> Grant:
+        """``rid``'s grant ended with ``context`` tokens and ``remaining`` left (0: finished).
+
+        Its reservation is freed but for the KV an unfinished request keeps on the worker.
+        """
+        for wid, w in self._workers.items():
+            g = w.grants.pop(rid, None)
+            if g is not None:
+                w.reserved -= g.reserve
+                w.load -= g.cost
+                if not w.grants:
+                    w.load = 0.0  # no drift: an idle worker has no load
+                if remaining > 0:  # its KV stays, reserved, until the policy decides
+                    w.parked[rid] = context
+                    w.reserved += context
+                    self._returning.append(_Pending(rid, context, remaining, wid))
+                return g
+        raise KeyError(f"no grant for {rid!r}")
+
+    def take_evictions(self) -> list[tuple[str, str]]:
+        """(worker, rid) pairs whose retained KV the policy no longer counts on."""
+        out, self._evict = self._evict, []
+        return out
+
+    # ------------------------------------------------------------------ decisions
+
+    def schedule(self) -> list[Grant]:
+        """Grant what fits: returning requests first (largest first), then new ones FCFS.
+
+        A returning request that does not fit on the worker holding its KV, and
+        that no less loaded worker with room takes, is *parked* there: its KV
+        stays reserved and it goes first when that worker's grants end. A worker
+        with parked requests takes no other new grant. A worker left with no
+        grant and parked requests that cannot fit drops the largest one's KV
+        (it queues again, to re-prefill wherever it goes) until one fits.
+        """
+        out: list[Grant] = []
+        back = sorted(self._returning, key=lambda p: -self.decode_cost(p.context, min(self.S, p.remaining)))
+        self._returning = []
+        for p in back:
+            g = self._place(p)
+            if g is None:
+                self._park(p)
+            else:
+                out.append(g)
+        self._unblock(out)
+        while self._waiting:
+            g = self._place(self._waiting[0])
+            if g is None:
+                break  # head-of-line: FCFS
+            self._waiting.popleft()
+            out.append(g)
+        return out
+
+    def _park(self, p: _Pending) -> None:
+        """``p`` keeps waiting where its KV is (reserved there since its grant ended)."""
+        self._returning.append(p)
+
+    def _unpark(self, p: _Pending) -> None:
+        w = self._workers.get(p.holder) if p.holder is not None else None
+        if w is not None and p.rid in w.parked:
+            w.reserved -= w.parked.pop(p.rid)
+
+    def _unblock(self, out: list[Grant]) -> None:
+        """Idle workers whose parked requests cannot fit drop KV until one does."""
+        for wid, w in self._workers.items():
+            while w.parked and not w.grants:
+                mine = [p for p in self._returning if p.holder == wid]
+                if not mine:
+                    break
+                granted = False
+                for p in mine:
+                    g = self._place(p)
+                    if g is not None:
+                        self._returning.remove(p)
+                        out.append(g)
+                        granted = True
+                if granted or not w.parked:
+                    continue
+                victim = max(mine, key=lambda p: p.context)
+                self._returning.remove(victim)
+                self._unpark(victim)
+                self._evict.append((wid, victim.rid))
+                victim.holder = None
+                self._waiting.appendleft(victim)
+
+    def _fits(self, w: _Worker, need: int, rid: str) -> bool:
+        return w.reserved - w.parked.get(rid, 0) + need <= self.budget
+
+    def _place(self, p: _Pending) -> Grant | None:
+        """Grant ``p`` on the worker where it finishes first (None: wait, parked where it is)."""
+        # A context near the budget gets a shorter grant rather than none.
+        tokens = min(self.S, p.remaining, max(1, self.budget - p.context))
+        need = p.context + tokens
+        names = sorted(self._workers)
+        if not names:
+            return None
+        decode = self.decode_cost(p.context, tokens)
+        pre = self.prefill_cost(p.context)
+        start = self._rotation(names)
+        best: tuple[float, int, str] | None = None
+        for k, wid in enumerate(names):
+            w = self._workers[wid]
+            held = wid == p.holder
+            # The holder always competes (it either has room or will, when its grants end);
+            # another worker only with room and nothing parked.
+            if not held and (w.parked or not self._fits(w, need, p.rid)):
+                continue
+            finish = self._finish(w) + (0.0 if held else pre)
+            # The holder wins ties; other ties rotate so idle workers share lone requests.
+            rank = -1 if held else (k - start) % len(names)
+            if best is None or (finish, rank) < best[:2]:
+                best = (finish, rank, wid)
+        if best is None:
+            return None
+        wid = best[2]
+        w = self._workers[wid]
+        held = wid == p.holder
+        if held and not self._fits(w, need, p.rid):
+            return None
+        if self.record_placements and p.holder is not None:
+            hw = self._workers[p.holder]
+            self.placements.append(
+                Placement(
+                    p.rid,
+                    p.holder,
+                    wid,
+                    0.0 if held else self._finish(hw) - self._finish(w),
+                    pre,
+                    self._fits(hw, need, p.rid),
+                )
+            )
+        self._unpark(p)
+        prefill = 0 if held else p.context
+        cost = decode + (0.0 if held else pre)
+        g = Grant(p.rid, wid, p.context, tokens, prefill, cost)
+        if p.holder is not None and not held:
+            self.migrations += 1
+            self._evict.append((p.holder, p.rid))
+        w.grants[p.rid] = g
+        w.reserved += g.reserve
+        w.load += cost
+        if not held:
+            self._after = wid
+        return g
+
+    def _finish(self, w: _Worker) -> float:
+        """When ``w`` would finish a slice given now: its grants' work plus S iterations' fixed cost."""
+        return w.load + self._busy_cost()
+
+    def _rotation(self, names: list[str]) -> int:
+        if self._after is None:
+            return 0
+        for k, n in enumerate(names):
+            if n > self._after:
+                return k
+        return 0

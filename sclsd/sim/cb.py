@@ -1,0 +1,227 @@
+"""Slice grants on continuous-batching workers (``scls-cb``) on the shared cost and memory model.
+
+Core's :class:`~sclsd.core.grants.GrantPolicy` decides; this loop plays the
+workers. Each worker runs continuous batching as in :mod:`sclsd.sim.ils` (one
+iteration: admit what was granted to it, one ragged prefill of the admitted
+requests that need one, one decode step of the whole running set), but it
+admits only the policy's grants: a request runs at most S iterations per
+grant, then returns to the policy, which re-grants it where it is (its KV
+kept: it joins the next iteration with no prefill) or on another worker
+(where it re-prefills prompt plus generated tokens), or queues it when no
+worker has room (its KV then dropped). The grant round trip costs no time
+here; the next iteration of its worker already runs the new grant.
+
+Counters beside the usual metrics: ``preemptions`` (none by construction),
+``oom_events`` (decode steps whose cached tokens exceed M_ava / Δ; none),
+``migrations`` (grants that moved a request away from its KV),
+``max_reserved_frac`` (the largest Σ reservations / budget seen on any worker
+at any step; at most 1) and ``grants``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.grants import Grant, GrantPolicy
+from ..core.request import Request, State
+from ..eval.metrics import BatchStats
+from .common import SimConfig, SimResult, make_requests, progress_bar, record_of
+from .workers import Noise, finish_reason, target_len
+from .workload import Workload
+
+_ARRIVAL, _DONE = 0, 1
+
+
+@dataclass(slots=True, eq=False)
+class _Running:
+    """A granted request in a worker's running set since iteration ``t0`` with ``c0`` tokens cached."""
+
+    req: Request
+    t0: int
+    c0: int
+    g0: int
+    end: int
+    """Iteration at which its grant ends (granted tokens or its true length)."""
+    reserve: int
+
+
+@dataclass(slots=True, eq=False)
+class CBWorker:
+    wid: str
+    pending: list[tuple[Request, Grant]] = field(default_factory=list)
+    running: dict[str, _Running] = field(default_factory=dict)
+    it: int = 0
+    ctx_base: int = 0
+    """Σ (c0 - t0) over the running set, so Σ contexts = ctx_base + n · it."""
+    reserved: int = 0
+    ends: list[tuple[int, int, str]] = field(default_factory=list)
+    busy: bool = False
+    new: list[_Running] = field(default_factory=list)
+    first_at: float = 0.0
+    last_completion: float | None = None
+    busy_time: float = 0.0
+
+
+class CBSimulation:
+    """``scls-cb``: see the module docstring."""
+
+    def __init__(self, cfg: SimConfig, workload: Workload) -> None:
+        if cfg.policy != "scls-cb":
+            raise ValueError(f"not a slice-grant policy: {cfg.policy!r}")
+        self.cfg = cfg
+        self.est = cfg.profile.estimator
+        self.budget = int(cfg.kv_token_budget)
+        self.capacity = cfg.kv_token_capacity
+        self.workers = {f"w{k}": CBWorker(f"w{k}") for k in range(cfg.workers)}
+        self.policy = GrantPolicy(self.est, cfg.slice_len, self.budget, self.workers)
+        self.requests = make_requests(workload, cfg.max_gen)
+        self.by_rid = {r.rid: r for r in self.requests}
+        self.noise = Noise(cfg.noise, cfg.seed)
+        self.stats = BatchStats()
+        self.oom_events = 0
+        self.grants = 0
+        self.max_reserved_frac = 0.0
+        self.model_s = 0.0
+        self.prefill_s = 0.0
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = itertools.count()
+        self._done = 0
+
+    def _push(self, t: float, kind: int, obj: Any) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), kind, obj))
+
+    def run(self) -> SimResult:
+        t_wall = time.perf_counter()
+        for r in self.requests:
+            self._push(r.arrival, _ARRIVAL, r)
+        bar = progress_bar(len(self.requests), self.cfg.progress, self.cfg.policy)
+        events = 0
+        heap = self._heap
+        while heap:
+            now, _, kind, obj = heapq.heappop(heap)
+            events += 1
+            if kind == _ARRIVAL:
+                r = obj
+                self.policy.arrive(r.rid, r.input_len, r.max_tokens - r.num_generated)
+                self._dispatch(now)
+            else:
+                before = self._done
+                self._end_step(obj, now)
+                bar.update(self._done - before)
+                self._dispatch(now)
+                if not obj.busy:
+                    self._step(obj, now)
+        bar.close()
+        left = [r.rid for r in self.requests if not r.state.terminal]
+        if left:
+            raise RuntimeError(f"simulation ended with {len(left)} unfinished requests")
+        return SimResult(
+            config=self.cfg,
+            requests=[record_of(r) for r in self.requests],
+            batches=self.stats,
+            worker_completion={w.wid: w.last_completion for w in self.workers.values()},
+            oom_events=self.oom_events,
+            preemptions=0,
+            events=events,
+            wall_s=time.perf_counter() - t_wall,
+            extra={
+                "busy_s": {w.wid: w.busy_time for w in self.workers.values()},
+                "prefill_share": self.prefill_s / self.model_s if self.model_s else 0.0,
+                "migrations": self.policy.migrations,
+                "grants": self.grants,
+                "max_reserved_frac": self.max_reserved_frac,
+            },
+        )
+
+    # ------------------------------------------------------------------ grants
+
+    def _dispatch(self, now: float) -> None:
+        """Apply the policy's grants; start the idle workers that got some."""
+        grants = self.policy.schedule()
+        self.policy.take_evictions()  # KV outside the running set is not modelled
+        for g in grants:
+            r = self.by_rid[g.rid]
+            self.workers[g.worker].pending.append((r, g))
+            r.state = State.SCHEDULED
+            r.worker = g.worker
+            r.slices += 1
+            if r.first_dispatch is None:
+                r.first_dispatch = now
+        self.grants += len(grants)
+        for wid in {g.worker for g in grants}:
+            w = self.workers[wid]
+            if not w.busy:
+                self._step(w, now)
+
+    # ------------------------------------------------------------------ iterations
+
+    def _step(self, w: CBWorker, now: float) -> None:
+        k, len_sum = 0, 0
+        for r, g in w.pending:
+            gen = r.num_generated
+            run = _Running(r, w.it, g.context, gen, w.it + min(g.tokens, target_len(r) - gen), g.reserve)
+            w.running[r.rid] = run
+            w.ctx_base += g.context - w.it
+            w.reserved += g.reserve
+            heapq.heappush(w.ends, (run.end, next(self._seq), r.rid))
+            if g.prefill:
+                w.new.append(run)
+                k += 1
+                len_sum += g.prefill
+        w.pending.clear()
+        if not w.running:
+            w.busy = False
+            return
+        booked = max(w.reserved, self.policy.reserved(w.wid))  # the policy adds parked KV
+        self.max_reserved_frac = max(self.max_reserved_frac, booked / self.budget)
+        n = len(w.running)
+        ctx = w.ctx_base + n * w.it
+        if ctx + n > self.capacity:
+            self.oom_events += 1
+        t = self.est.tau_decode(ctx / n + 1, n)
+        pre = 0.0
+        if k:
+            pre = self.est.t_prefill(k, len_sum / k)
+            t += pre
+            self.prefill_s += pre
+        self.model_s += t
+        factor = self.noise()
+        t *= factor
+        w.first_at = now + pre * factor
+        self.stats.add(n)
+        w.busy = True
+        w.busy_time += t
+        self._push(now + t, _DONE, w)
+
+    def _end_step(self, w: CBWorker, now: float) -> None:
+        w.busy = False
+        w.it += 1
+        w.last_completion = now
+        for fresh in w.new:
+            fresh.req.payload.count_prefill(fresh.c0)
+            if fresh.req.first_token is None:
+                fresh.req.first_token = w.first_at
+        w.new.clear()
+        while w.ends and w.ends[0][0] <= w.it:
+            _, _, rid = heapq.heappop(w.ends)
+            run = w.running.pop(rid)
+            r = run.req
+            r.num_generated = run.g0 + (w.it - run.t0)
+            w.ctx_base -= run.c0 - run.t0
+            w.reserved -= run.reserve
+            reason = finish_reason(r, r.num_generated)
+            if reason is not None:
+                if r.state.terminal:
+                    raise RuntimeError(f"{rid} finished twice")
+                r.state = State.FINISHED
+                r.finish_reason = reason
+                r.finished_at = now
+                self._done += 1
+                self.policy.end(rid, r.input_len, 0)
+            else:
+                r.state = State.QUEUED
+                self.policy.end(rid, r.input_len, r.max_tokens - r.num_generated)

@@ -157,8 +157,9 @@ def test_stop_string_across_a_slice_boundary(stack, tokenizer) -> None:
     assert upto.startswith(before)
     stop = upto[len(before):]
     full = tokenizer.decode(ids)
-    if not stop.strip() or full.find(stop) != len(before):
-        pytest.skip(f"the seeded output has no usable boundary text ({stop!r})")
+    # The seed is fixed, so this holds on every run; if the model or sampler changes and it
+    # does not, pick another seed rather than weaken the test.
+    assert stop.strip() and full.find(stop) == len(before), f"no usable boundary text ({stop!r})"
     c = client.completions.create(model="tiny-random", prompt=prompt, stop=[stop],
                                   extra_body={"ignore_eos": True}, **kw)
     ch = c.choices[0]

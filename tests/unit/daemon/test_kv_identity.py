@@ -50,10 +50,9 @@ def test_greedy_output_is_the_same_with_and_without_kept_kv(daemon) -> None:
     with_kv, on = serve_all(daemon, reuse=True, retain=None)
     assert with_kv == without
     assert off["reused_tokens"] == 0 and on["reused_tokens"] > 0
-    # Every context was served in full (prefilled or reused), and most of it was reused.
-    # (With reuse the policy may cut a request's first slice short to send its first token
-    # early, so the two runs need not serve the same number of slices.)
-    assert on["prefill_tokens"] + on["reused_tokens"] >= off["prefill_tokens"]
+    # Most of the context was reused rather than prefilled. (The two runs' totals need not
+    # match: with reuse a newcomer's first slice may be cut short, Policy.first_slice_len,
+    # so requests may be served in a different number of slices.)
     assert on["prefill_tokens"] < off["prefill_tokens"] / 2
     # Workers that can keep little (whether they evict depends on how rounds fall on the
     # real clock; tests/unit/test_hf_kv_reuse.py evicts deterministically): same output.

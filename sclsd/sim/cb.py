@@ -21,19 +21,17 @@ at any step; at most 1) and ``grants``.
 from __future__ import annotations
 
 import heapq
-import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..core.grants import Grant, GrantPolicy
 from ..core.request import Request, State
-from ..eval.metrics import BatchStats
-from .common import SimConfig, SimResult, make_requests, progress_bar, record_of
-from .workers import Noise, finish_reason, target_len
+from .cbsim import ARRIVAL, STEP_DONE, CBSimBase
+from .common import SimConfig, SimResult, progress_bar, record_of
+from .workers import finish_reason, target_len
 from .workload import Workload
 
-_ARRIVAL, _DONE = 0, 1
+_ARRIVAL, _DONE = ARRIVAL, STEP_DONE
 
 
 @dataclass(slots=True, eq=False)
@@ -66,33 +64,18 @@ class CBWorker:
     busy_time: float = 0.0
 
 
-class CBSimulation:
+class CBSimulation(CBSimBase):
     """``scls-cb``: see the module docstring."""
 
     def __init__(self, cfg: SimConfig, workload: Workload) -> None:
         if cfg.policy != "scls-cb":
             raise ValueError(f"not a slice-grant policy: {cfg.policy!r}")
-        self.cfg = cfg
-        self.est = cfg.profile.estimator
-        self.budget = int(cfg.kv_token_budget)
-        self.capacity = cfg.kv_token_capacity
+        super().__init__(cfg, workload)
         self.workers = {f"w{k}": CBWorker(f"w{k}") for k in range(cfg.workers)}
         self.policy = GrantPolicy(self.est, cfg.slice_len, self.budget, self.workers)
-        self.requests = make_requests(workload, cfg.max_gen)
         self.by_rid = {r.rid: r for r in self.requests}
-        self.noise = Noise(cfg.noise, cfg.seed)
-        self.stats = BatchStats()
-        self.oom_events = 0
         self.grants = 0
         self.max_reserved_frac = 0.0
-        self.model_s = 0.0
-        self.prefill_s = 0.0
-        self._heap: list[tuple[float, int, int, Any]] = []
-        self._seq = itertools.count()
-        self._done = 0
-
-    def _push(self, t: float, kind: int, obj: Any) -> None:
-        heapq.heappush(self._heap, (t, next(self._seq), kind, obj))
 
     def run(self) -> SimResult:
         t_wall = time.perf_counter()
@@ -178,24 +161,7 @@ class CBSimulation:
             return
         booked = max(w.reserved, self.policy.reserved(w.wid))  # the policy adds parked KV
         self.max_reserved_frac = max(self.max_reserved_frac, booked / self.budget)
-        n = len(w.running)
-        ctx = w.ctx_base + n * w.it
-        if ctx + n > self.capacity:
-            self.oom_events += 1
-        t = self.est.tau_decode(ctx / n + 1, n)
-        pre = 0.0
-        if k:
-            pre = self.est.t_prefill(k, len_sum / k)
-            t += pre
-            self.prefill_s += pre
-        self.model_s += t
-        factor = self.noise()
-        t *= factor
-        w.first_at = now + pre * factor
-        self.stats.add(n)
-        w.busy = True
-        w.busy_time += t
-        self._push(now + t, _DONE, w)
+        self._time_step(w, now, k, len_sum)
 
     def _end_step(self, w: CBWorker, now: float) -> None:
         w.busy = False

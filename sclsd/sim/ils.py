@@ -39,19 +39,17 @@ the context sum and the paged block demand are kept incrementally.
 from __future__ import annotations
 
 import heapq
-import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..core.request import Request, State
-from ..eval.metrics import BatchStats
-from .common import SimConfig, SimResult, make_requests, progress_bar, record_of
-from .workers import Noise, finish_reason, target_len
+from .cbsim import ARRIVAL, STEP_DONE, CBSimBase
+from .common import SimConfig, SimResult, progress_bar, record_of
+from .workers import finish_reason, target_len
 from .workload import Workload
 
-_ARRIVAL, _DONE = 0, 1
+_ARRIVAL, _DONE = ARRIVAL, STEP_DONE
 
 
 @dataclass(slots=True, eq=False)
@@ -94,34 +92,19 @@ class ILSWorker:
     busy_time: float = 0.0
 
 
-class ILSSimulation:
+class ILSSimulation(CBSimBase):
     """Continuous batching per worker, round-robin dispatch; see the module docstring."""
 
     def __init__(self, cfg: SimConfig, workload: Workload) -> None:
         if cfg.policy not in ("ils-conservative", "ils-paged"):
             raise ValueError(f"not a continuous-batching baseline: {cfg.policy!r}")
-        self.cfg = cfg
+        super().__init__(cfg, workload)  # prefill_s includes recomputation after preemption
         self.paged = cfg.policy == "ils-paged"
-        self.est = cfg.profile.estimator
-        self.budget = int(cfg.kv_token_budget)
-        self.capacity = cfg.kv_token_capacity
         self.B = cfg.block_size
         self.total_blocks = self.budget // self.B
         self.watermark_blocks = int(cfg.watermark * self.total_blocks)
         self.workers = [ILSWorker(f"w{k}", phase=[0] * self.B) for k in range(cfg.workers)]
-        self.requests = make_requests(workload, cfg.max_gen)
-        self.noise = Noise(cfg.noise, cfg.seed)
-        self.stats = BatchStats()
-        self.oom_events = 0
         self.preemptions = 0
-        self.model_s = 0.0  # noise-free serving seconds, all workers
-        self.prefill_s = 0.0  # ... of which prefill (recomputation after preemption included)
-        self._heap: list[tuple[float, int, int, Any]] = []
-        self._seq = itertools.count()
-        self._done = 0
-
-    def _push(self, t: float, kind: int, obj: Any) -> None:
-        heapq.heappush(self._heap, (t, next(self._seq), kind, obj))
 
     def run(self) -> SimResult:
         t_wall = time.perf_counter()
@@ -222,24 +205,7 @@ class ILSSimulation:
             return
         if self.paged:
             self._ensure_blocks(w)
-        n = len(w.running)
-        ctx = w.ctx_base + n * w.it  # Σ contexts before this step's token
-        if ctx + n > self.capacity:
-            self.oom_events += 1
-        t = self.est.tau_decode(ctx / n + 1, n)
-        pre = 0.0
-        if k:
-            pre = self.est.t_prefill(k, len_sum / k)
-            t += pre
-            self.prefill_s += pre
-        self.model_s += t
-        factor = self.noise()
-        t *= factor
-        w.first_at = now + pre * factor
-        self.stats.add(n)
-        w.busy = True
-        w.busy_time += t
-        self._push(now + t, _DONE, w)
+        self._time_step(w, now, k, len_sum)
 
     def _ensure_blocks(self, w: ILSWorker) -> None:
         """Find blocks for this decode step, preempting the newest requests if needed."""

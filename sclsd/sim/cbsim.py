@@ -1,0 +1,71 @@
+"""What the continuous-batching simulations share (``ils-*`` and ``scls-cb``): the event
+heap, the noise, the counters, and the timing of one iteration of a worker's batch."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Any, Protocol
+
+from ..eval.metrics import BatchStats
+from .common import SimConfig, make_requests
+from .workers import Noise
+from .workload import Workload
+
+#: Event kinds on the heap.
+ARRIVAL, STEP_DONE = 0, 1
+
+
+class StepWorker(Protocol):
+    """The fields of a worker that one iteration's timing reads and sets."""
+
+    running: Any
+    ctx_base: int
+    it: int
+    first_at: float
+    busy: bool
+    busy_time: float
+
+
+class CBSimBase:
+    """Event loop state and iteration timing for workers that run continuous batching."""
+
+    def __init__(self, cfg: SimConfig, workload: Workload) -> None:
+        self.cfg = cfg
+        self.est = cfg.profile.estimator
+        self.budget = int(cfg.kv_token_budget)
+        self.capacity = cfg.kv_token_capacity
+        self.requests = make_requests(workload, cfg.max_gen)
+        self.noise = Noise(cfg.noise, cfg.seed)
+        self.stats = BatchStats()
+        self.oom_events = 0
+        self.model_s = 0.0  # noise-free serving seconds, all workers
+        self.prefill_s = 0.0  # ... of which prefill
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = itertools.count()
+        self._done = 0
+
+    def _push(self, t: float, kind: int, obj: Any) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), kind, obj))
+
+    def _time_step(self, w: StepWorker, now: float, k: int, len_sum: int) -> None:
+        """Start one iteration of ``w``'s batch: one decode step for its running requests,
+        plus a ragged prefill of the ``k`` newcomers (``len_sum`` tokens in all)."""
+        n = len(w.running)
+        ctx = w.ctx_base + n * w.it  # Σ contexts before this step's token
+        if ctx + n > self.capacity:
+            self.oom_events += 1
+        t = self.est.tau_decode(ctx / n + 1, n)
+        pre = 0.0
+        if k:
+            pre = self.est.t_prefill(k, len_sum / k)
+            t += pre
+            self.prefill_s += pre
+        self.model_s += t
+        factor = self.noise()
+        t *= factor
+        w.first_at = now + pre * factor
+        self.stats.add(n)
+        w.busy = True
+        w.busy_time += t
+        self._push(now + t, STEP_DONE, w)

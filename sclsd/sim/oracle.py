@@ -123,16 +123,18 @@ class OracleBatcher:
 
 
 class OracleOffloader:
-    """Max-min on true serving times: sets each batch's ``est_time`` to its true ragged time."""
+    """Max-min on true serving times: sets each batch's ``est_time`` to its true time,
+    served ragged (rows leave as they finish) or, with ``static``, padded to the longest row."""
 
-    def __init__(self, est: Estimator) -> None:
+    def __init__(self, est: Estimator, static: bool = False) -> None:
         self.est = est
+        self.serve = serve_static if static else serve_ragged
         self._maxmin = MaxMin()
 
     def assign(self, batches: Sequence[Batch], loads: Mapping[str, float]) -> list[str]:
         """Max-min placement after replacing each batch's estimate by its true time."""
         for b in batches:
-            b.est_time = serve_ragged(b, self.est).time
+            b.est_time = self.serve(b, self.est).time
         return self._maxmin.assign(batches, loads)
 
 
@@ -237,20 +239,6 @@ def _allowed(cost: CostModel, m: np.ndarray, L: np.ndarray, out: int) -> np.ndar
     return np.logical_and.accumulate(ok)
 
 
-class StaticOracleOffloader:
-    """Max-min on true static times: sets each batch's ``est_time`` to its true time."""
-
-    def __init__(self, est: Estimator) -> None:
-        self.est = est
-        self._maxmin = MaxMin()
-
-    def assign(self, batches: Sequence[Batch], loads: Mapping[str, float]) -> list[str]:
-        """Max-min placement after replacing each batch's estimate by its true time."""
-        for b in batches:
-            b.est_time = serve_static(b, self.est).time
-        return self._maxmin.assign(batches, loads)
-
-
 def make_static_oracle_policy(
     est: Estimator, *, max_gen: int, gamma: float, lam: float = 0.5
 ) -> Policy:
@@ -259,6 +247,6 @@ def make_static_oracle_policy(
         "oracle-static",
         max_gen,
         StaticOracleBatcher(est),
-        StaticOracleOffloader(est),
+        OracleOffloader(est, static=True),
         AdaptiveInterval(lam, gamma),
     )

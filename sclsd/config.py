@@ -352,9 +352,10 @@ def _check_model(m: ModelConfig) -> None:
 
 def _check_scheduler(s: SchedulerConfig) -> None:
     need = _need
-    from .core.policy import POLICIES
+    from .core.policy import GRANT_POLICIES, POLICIES
 
-    need(s.policy in POLICIES, "scheduler.policy", s.policy, f"must be one of {', '.join(POLICIES)}")
+    names = POLICIES + GRANT_POLICIES
+    need(s.policy in names, "scheduler.policy", s.policy, f"must be one of {', '.join(names)}")
     need(s.slice_len >= 1, "scheduler.slice_len", s.slice_len, "must be >= 1")
     need(s.batch_size >= 1, "scheduler.batch_size", s.batch_size, "must be >= 1")
     need(s.gamma_s is None or s.gamma_s > 0, "scheduler.gamma_s", s.gamma_s, "must be > 0")
@@ -372,6 +373,8 @@ def _check_scheduler(s: SchedulerConfig) -> None:
 
 
 def _check_workers(w: WorkersConfig, cfg: Config) -> None:
+    from .core.policy import GRANT_POLICIES
+
     need = _need
     need(0 <= w.spawn <= 64, "workers.spawn", w.spawn, "must be in 0..64")
     need(w.engine in defaults.ENGINES, "workers.engine", w.engine,
@@ -382,6 +385,11 @@ def _check_workers(w: WorkersConfig, cfg: Config) -> None:
          f"the fake engine serves only model.name = 'fake' (model.name is {cfg.model.name!r})")
     need(w.engine == "fake" or cfg.model.name != "fake" or w.spawn == 0, "workers.engine", w.engine,
          "model.name = 'fake' needs engine 'fake'")
+    need(cfg.scheduler.policy not in GRANT_POLICIES or w.engine in defaults.GRANT_ENGINES,
+         "workers.engine", w.engine,
+         f"scheduler.policy = {cfg.scheduler.policy!r} hands out slice grants to continuous-batching "
+         f"workers: use engine {' or '.join(repr(e) for e in defaults.GRANT_ENGINES)} (static engines "
+         "take policy 'scls')")
     need(w.device == "cpu" or w.device.startswith("cuda"), "workers.device", w.device, "must be cpu or cuda")
     # [workers.options] dtype predates [model] dtype; both set and different is ambiguous.
     old_dtype = w.options.get("dtype")

@@ -14,6 +14,9 @@ from collections.abc import Mapping
 #: Engines a worker can run (``workers.engine``, ``sclsd --engine``, ``sclsd-worker
 #: --engine``); ``worker.engines.ENGINES`` registers exactly these.
 ENGINES: tuple[str, ...] = ("hf", "hf-cb", "deepspeed", "fake")
+#: Engines that take slice grants (policy ``scls-cb``): continuous batching that keeps a
+#: request's KV between grants (``fake`` stands in for it in tests and load tests).
+GRANT_ENGINES: tuple[str, ...] = ("hf-cb", "fake")
 
 #: Client API socket of a system install (``daemon.socket``; ``sclsctl --socket``).
 SOCKET = "/run/sclsd/sclsd.sock"

@@ -493,6 +493,12 @@ class BatchStats(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     """Context tokens the prefill computed (padding excluded)."""
     reused_tokens: int = 0
     """Context tokens whose KV came from the worker's retained caches instead."""
+    preemptions: int = 0
+    """Requests the engine preempted (offloaded or dropped to recompute) to make room,
+    counted since the engine started; continuous engines only (0 under grants)."""
+    kv_peak_tokens: int = 0
+    """The most tokens of KV the engine held at once (running and kept requests' contexts),
+    since it started; continuous engines only."""
 
 
 class Result(_Msg, tag="result"):

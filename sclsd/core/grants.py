@@ -112,6 +112,7 @@ class GrantPolicy:
         self._waiting: deque[_Pending] = deque()
         self._evict: list[tuple[str, str]] = []
         self._after: str | None = None
+        self._inactive: set[str] = set()
         self.migrations = 0
         self.placements: list[Placement] = []
         self.record_placements = False
@@ -122,10 +123,26 @@ class GrantPolicy:
 
     def add_worker(self, wid: str) -> None:
         self._workers.setdefault(wid, _Worker())
+        self._inactive.discard(wid)
+
+    def set_active(self, wid: str, active: bool) -> None:
+        """Take ``wid`` out of rotation (drain) or back in. Out of rotation it gets no new
+        grant; requests waiting on its KV queue again (that KV is evicted), and grants
+        running there keep running."""
+        if active:
+            self._inactive.discard(wid)
+            return
+        self._inactive.add(wid)
+        w = self._workers.get(wid)
+        if w is None:
+            return
+        for p in [p for p in self._returning if p.holder == wid]:
+            self._drop_holder(p)
 
     def remove_worker(self, wid: str) -> list[str]:
         """Forget ``wid``; returns the ids of the requests it held grants for (their KV is lost)."""
         w = self._workers.pop(wid, None)
+        self._inactive.discard(wid)
         if w is None:
             return []
         lost = list(w.grants)  # the driver re-submits them with arrive()
@@ -170,15 +187,24 @@ class GrantPolicy:
 
     # ------------------------------------------------------------------ events
 
-    def arrive(self, rid: str, context: int, remaining: int) -> None:
-        """A new request: ``context`` prompt tokens, at most ``remaining`` to generate."""
-        if remaining > 0:
-            self._waiting.append(_Pending(rid, context, remaining, None))
+    def arrive(self, rid: str, context: int, remaining: int, *, first: bool = False) -> None:
+        """A new request: ``context`` prompt tokens, at most ``remaining`` to generate.
 
-    def end(self, rid: str, context: int, remaining: int) -> Grant:
+        ``first``: queue it ahead of the waiting ones (a request whose worker was lost).
+        """
+        if remaining > 0:
+            p = _Pending(rid, context, remaining, None)
+            if first:
+                self._waiting.appendleft(p)
+            else:
+                self._waiting.append(p)
+
+    def end(self, rid: str, context: int, remaining: int, *, kept: bool = True) -> Grant:
         """``rid``'s grant ended with ``context`` tokens and ``remaining`` left (0: finished).
 
-        Its reservation is freed but for the KV an unfinished request keeps on the worker.
+        Its reservation is freed but for the KV an unfinished request keeps on the worker
+        (``kept``: the worker said it keeps it; otherwise the request queues again to
+        re-prefill wherever it goes, ahead of new ones).
         """
         for wid, w in self._workers.items():
             g = w.grants.pop(rid, None)
@@ -187,12 +213,54 @@ class GrantPolicy:
                 w.load -= g.cost
                 if not w.grants:
                     w.load = 0.0  # no drift: an idle worker has no load
-                if remaining > 0:  # its KV stays, reserved, until the policy decides
+                if remaining <= 0:
+                    return g
+                if kept and wid not in self._inactive:  # its KV stays, reserved, until placed
                     w.parked[rid] = context
                     w.reserved += context
                     self._returning.append(_Pending(rid, context, remaining, wid))
+                else:
+                    if kept:
+                        self._evict.append((wid, rid))
+                    self._waiting.appendleft(_Pending(rid, context, remaining, None))
                 return g
         raise KeyError(f"no grant for {rid!r}")
+
+    def forget(self, rid: str) -> bool:
+        """``rid`` ended outside a grant's end (cancelled, timed out, failed): drop whatever
+        the policy holds for it (a grant's reservation, a parked KV, a queue place).
+        Returns whether it held anything."""
+        for wid, w in self._workers.items():
+            g = w.grants.pop(rid, None)
+            if g is not None:
+                w.reserved -= g.reserve
+                w.load -= g.cost
+                if not w.grants:
+                    w.load = 0.0
+                self._evict.append((wid, rid))  # the engine may keep it after the grant
+                return True
+        for p in self._returning:
+            if p.rid == rid:
+                self._returning.remove(p)
+                self._drop_holder(p, requeue=False)
+                return True
+        for p in self._waiting:
+            if p.rid == rid:
+                self._waiting.remove(p)
+                return True
+        return False
+
+    def _drop_holder(self, p: _Pending, *, requeue: bool = True) -> None:
+        """Evict ``p``'s parked KV; with ``requeue`` it waits again, first, with no holder."""
+        if p in self._returning:
+            self._returning.remove(p)
+        holder = p.holder
+        self._unpark(p)
+        if holder is not None:
+            self._evict.append((holder, p.rid))
+        p.holder = None
+        if requeue:
+            self._waiting.appendleft(p)
 
     def take_evictions(self) -> list[tuple[str, str]]:
         """(worker, rid) pairs whose retained KV the policy no longer counts on."""
@@ -216,8 +284,8 @@ class GrantPolicy:
         self._returning = []
         for p in back:
             g = self._place(p)
-            if g is None:
-                self._park(p)
+            if g is None:  # parked: it waits where its KV is (reserved there since its end)
+                self._returning.append(p)
             else:
                 out.append(g)
         self._unblock(out)
@@ -228,10 +296,6 @@ class GrantPolicy:
             self._waiting.popleft()
             out.append(g)
         return out
-
-    def _park(self, p: _Pending) -> None:
-        """``p`` keeps waiting where its KV is (reserved there since its grant ended)."""
-        self._returning.append(p)
 
     def _unpark(self, p: _Pending) -> None:
         w = self._workers.get(p.holder) if p.holder is not None else None
@@ -254,12 +318,7 @@ class GrantPolicy:
                         granted = True
                 if granted or not w.parked:
                     continue
-                victim = max(mine, key=lambda p: p.context)
-                self._returning.remove(victim)
-                self._unpark(victim)
-                self._evict.append((wid, victim.rid))
-                victim.holder = None
-                self._waiting.appendleft(victim)
+                self._drop_holder(max(mine, key=lambda p: p.context))
 
     def _fits(self, w: _Worker, need: int, rid: str) -> bool:
         return w.reserved - w.parked.get(rid, 0) + need <= self.budget
@@ -279,6 +338,8 @@ class GrantPolicy:
         for k, wid in enumerate(names):
             w = self._workers[wid]
             held = wid == p.holder
+            if wid in self._inactive:
+                continue
             # The holder always competes (it either has room or will, when its grants end);
             # another worker only with room and nothing parked.
             if not held and (w.parked or not self._fits(w, need, p.rid)):

@@ -63,8 +63,9 @@ class Policy:
 POLICIES = ("sls", "so", "pm", "ab", "lb", "scls")
 DEFAULT_POLICY = "scls"
 
-#: Slice grants on continuous-batching workers (:class:`sclsd.core.grants.GrantPolicy`):
-#: not a composition of batcher, offloader and interval, so :func:`make_policy` builds none.
+#: Slice grants on continuous-batching workers (:class:`sclsd.core.grants.GrantPolicy`,
+#: driven by :class:`sclsd.core.granting.GrantScheduler`): not a composition of batcher,
+#: offloader and interval; :func:`make_policy` gives it inert parts and its slice length.
 GRANT_POLICIES = ("scls-cb",)
 
 #: Default minimal interval Γ in seconds, sized for the embedded CPU model
@@ -120,7 +121,10 @@ def make_policy(
     elif name == "scls":
         parts = (slice_len, DPBatcher(), MaxMin(), AdaptiveInterval(lam, gamma))
     elif name in GRANT_POLICIES:
-        raise ValueError(f"{name!r} hands out slice grants: build sclsd.core.grants.GrantPolicy")
+        # The grant mechanism (sclsd.core.granting) decides by itself; the parts are inert.
+        # Grants are work-conserving and keep KV by construction.
+        parts = (slice_len, FCFSBatcher(1), MaxMin(), FixedInterval(gamma))
+        work_conserving = kv_reuse = True
     else:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
     S, batcher, offloader, interval = parts

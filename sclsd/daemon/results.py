@@ -58,6 +58,8 @@ class Results:
         self.metrics = metrics
         self.clock = clock
         self.wake = wake
+        #: Per worker, the latest (preemptions, KV peak tokens) its engine reported.
+        self.engine_totals: dict[str, tuple[int, int]] = {}
         #: Decodes in flight with what applies them, in arrival order.
         self._order: deque[tuple[Decoded, Callable[[Decoded], None]]] = deque()
         # A lost worker's batches were re-queued: their streamed tokens become output.
@@ -308,6 +310,11 @@ class Results:
                             ("reused_tokens", stats.reused_tokens),
                             ("batch_rows", len(res.outputs)), ("results", 1)):
             counters[name] = counters.get(name, 0) + value
+        if stats.preemptions or stats.kv_peak_tokens:
+            # Continuous engines report these since their start: keep each worker's latest.
+            self.engine_totals[res.worker_id] = (stats.preemptions, stats.kv_peak_tokens)
+            counters["preemptions"] = sum(p for p, _ in self.engine_totals.values())
+            counters["kv_peak_tokens"] = max(k for _, k in self.engine_totals.values())
         for c, ids, text in deltas:
             self.live.delta(c, ids, text)
         for r in done:

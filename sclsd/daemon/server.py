@@ -37,7 +37,8 @@ from .. import models
 from .. import protocol as P
 from .. import tokenizer as tokenizers
 from ..config import Config
-from ..core.policy import make_policy
+from ..core.granting import GrantScheduler
+from ..core.policy import GRANT_POLICIES, make_policy
 from ..core.scheduler import Scheduler
 from ..sdnotify import Notifier
 from ..tokenizer import Tokenizer
@@ -71,6 +72,8 @@ def make_scheduler(cfg: Config, cost: DaemonCost) -> Scheduler:
     policy = make_policy(s.policy, slice_len=s.slice_len, max_gen=cfg.model.max_gen,
                          batch_size=s.batch_size, gamma=gamma, lam=s.lam,
                          work_conserving=s.work_conserving, kv_reuse=s.kv_reuse)
+    if s.policy in GRANT_POLICIES:
+        return GrantScheduler(policy, cost, max_failures=s.max_failures)
     return Scheduler(policy, cost, max_failures=s.max_failures)
 
 

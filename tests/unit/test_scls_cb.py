@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -54,11 +53,54 @@ def cfg(**kw: object) -> SimConfig:
 # --------------------------------------------------------------------------- names
 
 
-def test_policy_name_is_registered_for_the_simulator_only() -> None:
+def test_policy_name_is_a_grant_policy_for_the_simulator_and_the_daemon() -> None:
     assert "scls-cb" in ALL_POLICIES
-    assert "scls-cb" not in POLICIES  # the daemon's config keeps refusing it for now
-    with pytest.raises(ValueError, match="grant"):
-        make_policy("scls-cb")
+    assert "scls-cb" not in POLICIES  # not a rung of the paper's ladder
+    pol = make_policy("scls-cb", slice_len=64)
+    assert pol.slice_len == 64 and pol.kv_reuse and pol.work_conserving
+
+
+# --------------------------------------------------------------------------- what the daemon adds
+
+
+def test_forget_frees_a_grant_a_parked_kv_and_a_queue_place() -> None:
+    pol = GrantPolicy(EST, 16, token_budget=100, workers=["a"])
+    pol.arrive("g", 30, 100)
+    pol.arrive("p", 30, 100)
+    pol.arrive("q", 30, 100)
+    assert {g.rid for g in pol.schedule()} == {"g", "p"}  # q waits: 3 x 46 > 100
+    pol.end("p", 46, 84)  # p back, parked on a with its KV
+    assert pol.forget("g") and pol.take_evictions() == [("a", "g")]
+    assert pol.forget("p") and pol.take_evictions() == [("a", "p")]
+    assert pol.reserved("a") == 0
+    assert pol.forget("q") and pol.queued == 0
+    assert not pol.forget("q")
+
+
+def test_a_grant_ending_without_kept_kv_queues_first_with_no_holder() -> None:
+    pol = GrantPolicy(EST, 16, token_budget=1000, workers=["a", "b"])
+    pol.arrive("x", 10, 100)
+    (g,) = pol.schedule()
+    pol.arrive("late", 10, 100)
+    pol.end("x", 26, 84, kept=False)
+    assert pol.reserved(g.worker) == 0
+    grants = pol.schedule()
+    assert [h.rid for h in grants] == ["x", "late"]
+    assert grants[0].prefill == 26  # nothing kept: it prefills its whole context again
+
+
+def test_a_drained_worker_gets_no_grant_and_gives_up_parked_kv() -> None:
+    pol = GrantPolicy(EST, 16, token_budget=1000, workers=["a", "b"])
+    pol.arrive("x", 10, 100)
+    (g,) = pol.schedule()
+    pol.end("x", 26, 84)  # parked on its worker
+    pol.set_active(g.worker, False)
+    assert pol.take_evictions() == [(g.worker, "x")]
+    (h,) = pol.schedule()
+    assert h.worker != g.worker and h.prefill == 26
+    pol.set_active(g.worker, True)
+    pol.arrive("y", 10, 100)
+    assert [k.worker for k in pol.schedule()] == [g.worker]  # idle again, so it finishes first
 
 
 # --------------------------------------------------------------------------- core

@@ -11,6 +11,8 @@ stopped. Configurations, all on the same model and library (transformers):
 - ``scls-paper``: the paper's SCLS policy with slices of ``--slice-len``;
 - ``scls``: the same with the shipped switches past the paper (work-conserving
   rounds, KV kept across slices; tokens stream in every configuration).
+- ``scls-cb``: slice grants on ``hf-cb`` workers (the request keeps its KV in
+  transformers' paged cache between grants; no engine preemption).
 
 The workload is the trace's lengths multiplied by ``--scale`` and capped at
 ``--max-input`` / ``--max-gen`` (the paper's 1024/1024 and S = 128 scaled by
@@ -28,7 +30,7 @@ from typing import Any
 from ..launch import launch
 from . import replay
 
-CONFIGS = ("sls", "ils", "scls-paper", "scls")
+CONFIGS = ("sls", "ils", "scls-paper", "scls", "scls-cb")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,8 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _sections(name: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    engine = "hf-cb" if name == "ils" else "hf"
-    sched: dict[str, Any] = {"policy": "scls" if name.startswith("scls") else "sls",
+    engine = "hf-cb" if name in ("ils", "scls-cb") else "hf"
+    policy = name if name == "scls-cb" else "scls" if name.startswith("scls") else "sls"
+    sched: dict[str, Any] = {"policy": policy,
                              "slice_len": args.slice_len,
                              # The baselines and the paper's SCLS run without the switches
                              # past the paper; ``scls`` runs with the shipped defaults (both on).
@@ -103,7 +106,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             ("output_tps", "tok/s"), ("avg_latency_s", "avg lat s"), ("p95_latency_s", "p95 lat s"),
             ("avg_ttft_s", "avg TTFT s"), ("avg_batch_size", "batch"), ("pad_tokens_per_req", "pad/req"),
             ("invalid_tokens_per_req", "invalid/req"), ("slices_per_req", "slices/req"),
-            ("ct_std_s", "CT STD s"), ("estimator_mean_abs_error_s", "est |err| s")]
+            ("ct_std_s", "CT STD s"), ("estimator_mean_abs_error_s", "est |err| s"),
+            ("preemptions", "preempt")]
     head = "| " + " | ".join(h for _, h in cols) + " |"
     sep = "|" + "|".join("---:" if k != "label" else "---" for k, _ in cols) + "|"
     lines = [head, sep]

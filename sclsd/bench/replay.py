@@ -141,6 +141,10 @@ def run(args: argparse.Namespace) -> int:
     done = max(1, summary["completed"])
     summary["pad_tokens_per_req"] = diff("pad_tokens") / done
     summary["invalid_tokens_per_req"] = diff("invalid_tokens") / done
+    # Continuous engines: preemptions during the run, and the most KV any engine held.
+    summary["preemptions"] = diff("preemptions")
+    summary["kv_peak_tokens"] = int(c1.get("kv_peak_tokens", 0))
+    summary["migrations"] = diff("migrations")
     est = after.estimator_error
     summary.update({
         "label": args.label,

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], help="device of spawned workers (cuda: worker i on cuda:i)")
     p.add_argument("--workers", type=int, help="number of local workers to spawn")
     p.add_argument("--slice-len", type=int, help="slice length S")
-    p.add_argument("--policy", help="sls, so, pm, ab, lb or scls")
+    p.add_argument("--policy", help="sls, so, pm, ab, lb or scls (static engines); scls-cb (engine hf-cb)")
     p.add_argument("--work-conserving", action=argparse.BooleanOptionalAction, default=None,
                    help="idle workers get work at once (scheduler.work_conserving)")
     p.add_argument("--kv-reuse", action=argparse.BooleanOptionalAction, default=None,

@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in turn, results under ``out/`` and figures under ``docs/img/``.
 
-    python -m sclsd.bench.all [--only batcher,figures,sim,api,live] [--skip live]
+    python -m sclsd.bench.all [--only batcher,figures,grants,sim,api,live] [--skip live]
 
 Steps (each is one ``sclsd-bench`` subcommand, run as its own process):
 
@@ -8,6 +8,8 @@ Steps (each is one ``sclsd-bench`` subcommand, run as its own process):
 - ``figures``: the paper's section 6 figures in simulation (docs/img/*.png);
 - ``slicing``: scls with work-conserving rounds and KV reuse against the baselines
   and both oracles, in simulation (``python -m sclsd.sim.variants``, out/slicing.md);
+- ``grants``: scls-cb (slice grants on continuous batching) against ils-paged,
+  ils-conservative and scls, in simulation (``sclsd-bench grants``, out/grants.md);
 - ``sim``: simulator speed, 10 simulated minutes of 8 workers at 20 req/s;
 - ``api``: the daemon's own request rate with a zero-time fake engine;
 - ``live``: sls vs ILS (hf-cb) vs scls on real CPU workers (the longest step).
@@ -31,6 +33,7 @@ STEPS: dict[str, list[str]] = {
     "figures": ["sclsd.bench.cli", "figures", "--trace", TRACE, "--data", "out/figures.json", "--img", "docs/img",
                 "--tables", "out/figures.md"],
     "slicing": ["sclsd.sim.variants", "--out", "out/slicing.json", "--md", "out/slicing.md"],
+    "grants": ["sclsd.bench.cli", "grants", "--out", "out/grants.json", "--md", "out/grants.md"],
     "sim": ["sclsd.bench.cli", "sim", "--trace", TRACE, "--policy", "scls", "--profile", "a100-llama2-13b-hf",
             "--workers", "8", "--rate", "20", "--duration", "600", "--json", "out/sim-speed.json"],
     "api": ["sclsd.bench.cli", "api", "--json", "out/api.json"],

@@ -13,6 +13,7 @@ import sys
 SUBCOMMANDS = {
     "batcher": ("sclsd.bench.batcher_bench", "time the DP batcher on trace lengths"),
     "sim": ("sclsd.sim.cli", "simulate a policy on a trace with a virtual clock"),
+    "grants": ("sclsd.bench.grants", "scls-cb against continuous batching and scls in simulation"),
     "replay": ("sclsd.bench.replay", "replay a trace against a running daemon"),
     "live": ("sclsd.bench.live", "sls vs ils (hf-cb) vs scls on real CPU workers"),
     "api": ("sclsd.bench.api_bench", "daemon request throughput with a zero-time fake engine"),

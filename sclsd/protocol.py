@@ -398,6 +398,9 @@ class Register(_Msg, tag="register"):
     from a file only the daemon's user can read; others from ``daemon.worker_secret_file``."""
     profile: dict[str, Any] | None = None
     """Fitted estimator profile (see sclsd.core.estimator), if the worker has one."""
+    kv_page_tokens: PosInt = 1
+    """The engine allocates KV in pages of this many tokens (paged caches; 1: per token):
+    slice grants reserve whole pages."""
 
 
 class Keepalive(_Msg, tag="keepalive"):

@@ -146,6 +146,7 @@ class WorkerRuntime:
             vocab_size=info.vocab_size,
             auth=self.opts.auth,
             profile=self.opts.profile or self.engine.profile(),
+            kv_page_tokens=max(1, int(info.extra.get("kv_page_tokens", 1))),
         )
 
     # ------------------------------------------------------------------ serve thread
@@ -183,7 +184,8 @@ class WorkerRuntime:
                 log.warning("batch=%d refused: %s", batch.batch_id, error)
                 res = P.Result(worker_id=wid, batch_id=batch.batch_id, error=error[:MAX_ERROR_CHARS])
             else:
-                res = P.Result(worker_id=wid, batch_id=batch.batch_id, outputs=outputs, stats=stats)
+                res = P.Result(worker_id=wid, batch_id=batch.batch_id, outputs=outputs, stats=stats,
+                               kv_evicted=self.engine.take_evicted())
             pair.send(P.encode(res))
 
         self.state.busy = True

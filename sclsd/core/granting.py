@@ -111,6 +111,7 @@ class GrantScheduler(Scheduler):
         self._changed = False
         self.grants.est = self._estimator()  # a worker's profile or memory may have changed
         self.grants.budget = self.token_budget()
+        self.grants.page = int(getattr(self.cost, "kv_page_tokens", 1))
         moved = self.grants.migrations
         out: list[Batch] = []
         for g in self.grants.schedule():

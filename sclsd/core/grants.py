@@ -58,11 +58,18 @@ class Grant:
     """Tokens the worker must prefill first: 0 when it holds the request's KV."""
     cost: float
     """The estimate added to the worker's load."""
+    page: int = 1
+    """The worker's KV page in tokens: a grant reserves whole pages."""
 
     @property
     def reserve(self) -> int:
-        """KV tokens reserved for this grant."""
-        return self.context + self.tokens
+        """KV tokens reserved for this grant: context plus granted tokens, in whole pages."""
+        return _pages(self.context + self.tokens, self.page)
+
+
+def _pages(tokens: int, page: int) -> int:
+    """``tokens`` rounded up to whole pages of ``page`` tokens."""
+    return -(-tokens // page) * page
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +120,8 @@ class GrantPolicy:
         self._evict: list[tuple[str, str]] = []
         self._after: str | None = None
         self._inactive: set[str] = set()
+        self.page = 1
+        """KV page size in tokens (engines allocate whole pages): reservations round up to it."""
         self.migrations = 0
         self.placements: list[Placement] = []
         self.record_placements = False
@@ -216,8 +225,8 @@ class GrantPolicy:
                 if remaining <= 0:
                     return g
                 if kept and wid not in self._inactive:  # its KV stays, reserved, until placed
-                    w.parked[rid] = context
-                    w.reserved += context
+                    w.parked[rid] = _pages(context, self.page)
+                    w.reserved += w.parked[rid]
                     self._returning.append(_Pending(rid, context, remaining, wid))
                 else:
                     if kept:
@@ -327,7 +336,7 @@ class GrantPolicy:
         """Grant ``p`` on the worker where it finishes first (None: wait, parked where it is)."""
         # A context near the budget gets a shorter grant rather than none.
         tokens = min(self.S, p.remaining, max(1, self.budget - p.context))
-        need = p.context + tokens
+        need = _pages(p.context + tokens, self.page)
         names = sorted(self._workers)
         if not names:
             return None
@@ -371,7 +380,7 @@ class GrantPolicy:
         self._unpark(p)
         prefill = 0 if held else p.context
         cost = decode + (0.0 if held else pre)
-        g = Grant(p.rid, wid, p.context, tokens, prefill, cost)
+        g = Grant(p.rid, wid, p.context, tokens, prefill, cost, self.page)
         if p.holder is not None and not held:
             self.migrations += 1
             self._evict.append((p.holder, p.rid))

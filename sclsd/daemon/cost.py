@@ -37,6 +37,8 @@ class DaemonCost:
         self.pinned = pinned  # a configured profile is never replaced by a worker's
         self.memory_model = memory_model
         self.memory: dict[str, tuple[int, int]] = {}
+        #: Each worker's KV page in tokens (slice grants reserve whole pages).
+        self.pages: dict[str, int] = {}
         self.inner: ProfileCost = profile.cost(zeta)
         self._rebuild()
 
@@ -45,6 +47,11 @@ class DaemonCost:
         name = cfg.scheduler.profile or DEFAULT_PROFILE
         return cls(load_profile(name), cfg.scheduler.zeta, pinned=bool(cfg.scheduler.profile),
                    memory_model=cfg.scheduler.memory)
+
+    @property
+    def kv_page_tokens(self) -> int:
+        """The largest KV page of the live workers (1 without any)."""
+        return max(self.pages.values(), default=1)
 
     @property
     def estimator(self):  # noqa: ANN201 - the core's Estimator
@@ -60,10 +67,12 @@ class DaemonCost:
                             reg.worker_id, exc, self.profile.name)
         if reg.kv_bytes_per_token > 0 and reg.mem_available > 0:
             self.memory[reg.worker_id] = (reg.kv_bytes_per_token, reg.mem_available)
+        self.pages[reg.worker_id] = reg.kv_page_tokens
         self._rebuild()
 
     def on_dead(self, wid: str) -> None:
         self.memory.pop(wid, None)
+        self.pages.pop(wid, None)
         self._rebuild()
 
     def _rebuild(self) -> None:

@@ -15,7 +15,11 @@ pytest.importorskip("torch")
 def engines():
     from worker.engines import create_engine
 
-    return create_engine("hf-cb", "tiny-random", threads=1), create_engine("hf", "tiny-random", threads=1)
+    # A small paged cache: transformers' default one (sized from free RAM) takes tens of
+    # seconds to allocate on a CPU.
+    cb = create_engine("hf-cb", "tiny-random", threads=1, num_blocks=64)
+    yield cb, create_engine("hf", "tiny-random", threads=1)
+    cb.close()
 
 
 def rows(prompts: list[list[int]], n: int, **kw: object) -> list[P.BatchRequest]:
@@ -83,3 +87,20 @@ def test_continuous_admits_batches_while_others_run(engines) -> None:
     assert order == [11, 10]  # the short request left before the long one finished
     want, _ = hf.serve(short)
     assert outs[11] == want[0].token_ids
+
+
+def test_cpu_cache_holds_the_memory_budget_and_reports_it() -> None:
+    from worker.engines import create_engine
+
+    delta = 512  # tiny-random in fp32
+    cb = create_engine("hf-cb", "tiny-random", threads=1, mem_budget=100 * delta)
+    try:
+        assert cb.cache_tokens == 112  # 100 tokens in whole pages of 16
+        info = cb.info()
+        assert info.mem_available == 100 * delta and info.extra["kv_page_tokens"] == 16
+        (out,), _ = cb.serve(P.BatchMsg(batch_id=1, slice_len=4, requests=rows([[5, 6]], 4, ignore_eos=True)))
+        assert len(out.token_ids) == 4
+        cache = cb._mgr.batch_processor.cache
+        assert cache.num_blocks * 16 >= 112 and cache.cache_allocators["full_attention"].tokens_per_page == 16
+    finally:
+        cb.close()

@@ -292,3 +292,16 @@ def test_json_counters(tmp_path: Path) -> None:
     assert d["completed"] == d["requests"] > 0
     assert main(args + ["--policy", "ils-paged"]) == 0
     assert "preemptions" in json.loads(out.read_text())
+
+
+def test_reservations_round_up_to_the_engines_kv_pages() -> None:
+    pol = GrantPolicy(EST, 16, token_budget=64, workers=["a"])
+    pol.page = 16
+    pol.arrive("x", 10, 100)
+    pol.arrive("y", 10, 100)
+    pol.arrive("z", 10, 100)
+    grants = pol.schedule()
+    # 10 + 16 = 26 tokens take two pages of 16: two grants fill the 64-token budget.
+    assert [g.reserve for g in grants] == [32, 32] and pol.reserved("a") == 64
+    pol.end("x", 26, 84)  # kept: 26 tokens of KV still hold two pages
+    assert pol.reserved("a") == 64

@@ -1,54 +1,118 @@
-"""``hf-cb``: transformers' own continuous batching, the iteration-level (ILS) baseline.
+"""``hf-cb``: transformers' own continuous batching, for the ILS baseline and slice grants.
 
-Same model and library as ``hf``; the difference is the batching. Requests are
-handed to transformers' ``ContinuousBatchingManager`` (paged KV cache, a
-background generation thread that admits new requests at every iteration), so
-a request joins the running batch as soon as it arrives on the worker and
-leaves it as soon as it finishes: no padding, no invalid tokens.
+Same model and library as ``hf``; the difference is the batching. Requests go to
+transformers' ``ContinuousBatchingManager`` (paged KV cache, a background
+generation thread that admits new requests at every iteration), so a request
+joins the running batch as soon as it arrives and leaves it as soon as it
+finishes: no padding, no invalid tokens. The manager lives as long as the engine
+(:meth:`HFCBEngine.close` stops it), so KV can outlive a batch. The worker runtime
+drives it through :meth:`HFCBEngine.run_continuous` (batches admitted while
+earlier ones generate); :meth:`serve` is the blocking one-batch form (profiler, tests).
 
-The worker runtime drives it through :meth:`HFCBEngine.run_continuous` (new
-batches are admitted while earlier ones still generate); :meth:`serve` is the
-blocking one-batch form used by tools such as the profiler.
+A row generates at most ``min(max_new_tokens, slice_len)`` tokens in its batch
+(finish_reason None when the slice ended first). **Grants** (``scls-cb``,
+``kv_reuse`` on): a row stopped by its slice keeps its KV in transformers' cache,
+paused (:mod:`worker.engines.cb_grants`), reported as ``kv_tokens`` (prompt +
+generated - 1: the last sampled token is not fed yet). A later row with the same
+rid whose ``token_ids`` are exactly that request's tokens resumes it in place, no
+prefill (``reused_tokens``); any other row is served fresh (``prefill_tokens``),
+dropping what was kept. :meth:`release` frees kept KV from any thread; the engine
+drops kept KV by itself only to make room for running requests
+(:meth:`take_evicted`). transformers' preemptions under a full cache are counted
+(``BatchStats.preemptions``, since the engine started), as is the most KV held at
+once (``kv_peak_tokens``). With ``kv_reuse`` off a row ends with its batch.
 
-Decoding is greedy only: transformers' manager takes sampling settings per
-manager, not per request, and this engine exists to measure batching, so a
-batch asking for sampling is refused with an error rather than served wrongly.
-Each request's tokens are capped at ``min(max_new_tokens, slice_len)``, so the
-engine also serves slices (finish_reason None when the slice ended first).
+Greedy only: transformers takes sampling settings per manager, not per request,
+so a batch asking for sampling is refused rather than served wrongly. Prefix
+sharing is off: the daemon's KV accounting (and ``prefill_tokens``) assumes every
+request holds its own blocks.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sclsd.protocol import BatchMsg, BatchStats, RequestOutput
+from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, RequestOutput
 from worker.engines.base import Emit as EngineEmit
+from worker.engines.base import EngineInfo
+from worker.engines.cb_grants import Allowance, GrantControl, register, unregister
 from worker.engines.hf import HFEngine, peak_memory
 
 log = logging.getLogger(__name__)
 
 #: ``take`` returns this when no batch is waiting.
 EMPTY = object()
+#: transformers' "no limit" for max_new_tokens: rows stop at their allowance or a stop token.
+NO_LIMIT = 2**31 - 1
+#: CPU defaults: small pages (the daemon counts tokens, transformers allocates pages), and a
+#: cache of the memory budget capped here (SDPA keeps a [batch tokens, cache tokens] mask).
+CPU_PAGE_SIZE = 16
+CPU_MAX_CACHE_TOKENS = 65536
+#: Elsewhere: transformers' default page, and the share of free memory its own sizing takes.
+GPU_PAGE_SIZE = 256
+GPU_CACHE_SHARE = 0.9
 
 Take = Callable[[float | None], Any]
 Emit = Callable[[BatchMsg, "list[RequestOutput] | None", "BatchStats | None", "str | None"], None]
 
 
-class GreedyOnlyError(ValueError):
-    """A batch asked for sampling, which this engine does not serve."""
+def cache_size(device: str, kv_limit: int, delta: int, page_size: int | None,
+               num_blocks: int | None) -> tuple[int, int]:
+    """(page tokens, pages) of the paged cache. Sized here rather than by transformers so that
+    the M_ava reported to the daemon, which sizes the grants' reservations, is exactly what
+    the cache holds. Elsewhere than on the CPU: transformers' page, and its share of the
+    free memory (activations need the rest)."""
+    if device == "cpu":
+        page = page_size or CPU_PAGE_SIZE
+        tokens = min(kv_limit // max(1, delta), CPU_MAX_CACHE_TOKENS)
+    else:
+        page = page_size or GPU_PAGE_SIZE
+        tokens = int(GPU_CACHE_SHARE * kv_limit) // max(1, delta)
+    return page, num_blocks if num_blocks is not None else max(1, -(-tokens // page))
 
 
 @dataclass
 class _Pending:
+    """A batch in flight: its rows' outputs as they end, and its prefill accounting."""
+
     batch: BatchMsg
     started: float
-    caps: dict[str, int]
     outputs: dict[str, RequestOutput] = field(default_factory=dict)
+    prefill_tokens: int = 0
+    reused_tokens: int = 0
+
+
+@dataclass
+class _Row:
+    """One row of a batch in flight, served by transformers request ``tid``."""
+
+    batch_id: int
+    req: BatchRequest
+    tid: str
+    cap: int
+    base: int
+    """Tokens ``tid`` had generated before this batch (its outputs count from its creation)."""
+    added_len: int
+    """Length of the context ``tid`` was created with."""
+    stops: tuple[int, ...]
+    keep: bool
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A paused request between grants: its KV is held for ``tokens[:-1]``."""
+
+    tid: str
+    tokens: list[int]
+    added_len: int
+    stops: tuple[int, ...]
 
 
 class HFCBEngine(HFEngine):
@@ -57,19 +121,88 @@ class HFCBEngine(HFEngine):
     name = "hf-cb"
     continuous = True
 
-    def __init__(self, *args: Any, poll_s: float = 0.005, **kwargs: Any) -> None:
-        # transformers' paged cache owns the KV here: nothing is kept across slices.
+    def __init__(self, *args: Any, poll_s: float = 0.005, page_size: int | None = None,
+                 num_blocks: int | None = None, **kwargs: Any) -> None:
+        # transformers' paged cache owns the KV here: HFEngine's own store stays off.
         kwargs["kv_reuse"] = False
         super().__init__(*args, **kwargs)
         from transformers import GenerationConfig
 
         self.poll_s = poll_s
-        self.gen_config = GenerationConfig(
-            do_sample=False,
-            max_new_tokens=1024,
-            eos_token_id=self.eos[0] if self.eos else -1,
-            pad_token_id=self.pad_id,
+        self.gen_config = GenerationConfig(do_sample=False, max_new_tokens=1024, pad_token_id=self.pad_id,
+                                           eos_token_id=self.eos[0] if self.eos else -1)
+        page_size, num_blocks = cache_size(self.device.type, self.kv_limit, self.delta,
+                                           page_size, num_blocks)
+        self.cache_opts: dict[str, Any] = {"page_size": page_size, "num_blocks": num_blocks}
+        self.cache_tokens = num_blocks * page_size  # what the paged cache holds
+        self._mgr: Any = None
+        self._control = GrantControl()  # replaced with the manager's own; never None
+        self._scheduler_name = ""
+        self._tids = itertools.count()
+        # Shared with release() on the receive thread: everything below, under _lock.
+        self._lock = threading.Lock()
+        self._kept: dict[str, _Kept] = {}
+        self._running: set[str] = set()
+        """Rids of rows in flight: a release for them applies when their batch ends."""
+        self._release_at_end: set[str] = set()
+        self._evicted: list[str] = []
+
+    def info(self) -> EngineInfo:
+        """HFEngine's, with M_ava at most what the paged cache holds."""
+        info = super().info()
+        if tokens := getattr(self, "cache_tokens", 0):  # unset while HFEngine.__init__ measures
+            info.mem_available = min(info.mem_available, tokens * self.delta)
+        # Whole pages: the daemon's grants reserve them (Register.kv_page_tokens).
+        info.extra["kv_page_tokens"] = getattr(self, "cache_opts", {}).get("page_size", 1)
+        return info
+
+    # ------------------------------------------------------------------ the manager
+
+    def _manager(self) -> Any:
+        """The continuous batching manager, created and started on first use."""
+        if self._mgr is not None:
+            return self._mgr
+        from transformers import ContinuousBatchingConfig
+
+        control = GrantControl()
+        name = register(control)
+        cfg = ContinuousBatchingConfig(
+            scheduler_type=name,
+            use_async_batching=False,  # pauses assume a step's update precedes the next schedule
+            safety_margin=0.0,  # admission is the daemon's call (its reservations)
+            allow_block_sharing=False,
+            **self.cache_opts,
         )
+        mgr = self.model.init_continuous_batching(generation_config=self.gen_config,
+                                                  continuous_batching_config=cfg)
+        control.wake = mgr._wake_up_loop.set
+        # mgr.start() without its non-daemon thread: kept KV keeps the manager alive between
+        # batches, and a process that forgot close() must still be able to exit.
+        mgr.background_thread_status.clear()
+        mgr._generation_thread = threading.Thread(target=mgr._run_generation_loop,
+                                                  name="hf-cb-generation", daemon=True)
+        mgr._generation_thread.start()
+        self._mgr, self._control, self._scheduler_name = mgr, control, name
+        return mgr
+
+    def _drop_manager(self) -> None:
+        """Stop the manager; whatever KV it kept is gone (reported as evicted)."""
+        mgr, self._mgr = self._mgr, None
+        if mgr is not None:
+            try:
+                mgr.stop(block=True, timeout=30)
+            finally:
+                unregister(self._scheduler_name)
+        with self._lock:
+            self._evicted.extend(self._kept)
+            self._kept.clear()
+            self._running.clear()
+            self._release_at_end.clear()
+
+    def close(self) -> None:
+        """Stop the generation thread, then drop the model."""
+        self._drop_manager()
+        super().close()
 
     # ------------------------------------------------------------------ one batch
 
@@ -78,16 +211,10 @@ class HFCBEngine(HFEngine):
     ) -> tuple[list[RequestOutput], BatchStats]:
         """Serve one batch to completion (blocking). Tokens arrive with the result only:
         ``emit`` is never called."""
-        done: list[tuple[list[RequestOutput] | None, BatchStats | None, str | None]] = []
+        done: list[tuple[Any, Any, str | None]] = []
         items: list[Any] = [batch, None]
-
-        def take(timeout: float | None) -> Any:
-            return items.pop(0) if items else None
-
-        def collect(b: BatchMsg, outs: Any, stats: Any, error: str | None) -> None:
-            done.append((outs, stats, error))
-
-        self.run_continuous(take, collect)
+        self.run_continuous(lambda timeout: items.pop(0) if items else None,
+                            lambda b, outs, stats, error: done.append((outs, stats, error)))
         outs, stats, error = done[0]
         if error is not None:
             raise RuntimeError(error)
@@ -97,17 +224,17 @@ class HFCBEngine(HFEngine):
     # ------------------------------------------------------------------ continuous
 
     def run_continuous(self, take: Take, emit: Emit) -> None:
-        """Admit batches from ``take`` and ``emit`` each one's outputs when all its rows finish.
+        """Admit batches from ``take`` and ``emit`` each one's outputs when all its rows end.
 
         ``take(timeout)`` returns a :class:`BatchMsg`, :data:`EMPTY` when none
         came within ``timeout`` (None: wait), or None to stop once every
-        admitted request has finished. Returns after that stop; raises if the
-        generation thread dies (the worker exits and the daemon re-queues).
+        admitted row has ended. Returns after that stop, the manager (and any kept
+        KV) still up; raises if the generation thread dies (the worker exits and
+        the daemon re-queues), the manager then stopped.
         """
-        mgr = self.model.init_continuous_batching(generation_config=self.gen_config)
-        mgr.start()
+        mgr = self._manager()
         pending: dict[int, _Pending] = {}
-        owner: dict[str, tuple[int, str]] = {}
+        owner: dict[str, _Row] = {}
         stopping = False
         try:
             while True:
@@ -122,68 +249,169 @@ class HFCBEngine(HFEngine):
                 if stopping and not owner:
                     return
                 self._collect(mgr, pending, owner, emit)
-        finally:
-            mgr.stop(block=True, timeout=30)
+        except BaseException:
+            self._drop_manager()  # its requests' owners are lost with this frame
+            raise
 
     def _admit(self, mgr: Any, batch: BatchMsg, pending: dict[int, _Pending],
-               owner: dict[str, tuple[int, str]], emit: Emit) -> None:
+               owner: dict[str, _Row], emit: Emit) -> None:
         if any(r.temperature > 0 for r in batch.requests):
             emit(batch, None, None, "hf-cb serves greedy decoding only (temperature 0)")
             return
-        p = _Pending(batch, time.perf_counter(), {})
+        try:
+            self.check_batch(batch, self.vocab_size or None)
+        except ValueError as exc:
+            emit(batch, None, None, str(exc))
+            return
+        p = _Pending(batch, time.perf_counter())
+        if not batch.requests:
+            self._emit_done(p, emit)
+            return
         pending[batch.batch_id] = p
         for r in batch.requests:
-            cap = min(r.max_new_tokens, batch.slice_len)
-            p.caps[r.rid] = cap
-            stops = [] if r.ignore_eos else list(self.eos)
-            stops += [t for t in r.stop_token_ids if t not in stops]
-            key = f"{batch.batch_id}/{r.rid}"
-            owner[key] = (batch.batch_id, r.rid)
-            mgr.add_request(
-                input_ids=list(r.token_ids),
-                request_id=key,
-                max_new_tokens=cap,
-                eos_token_id=stops if stops else -1,
-            )
+            row = self._start_row(mgr, batch, r, p)
+            owner[row.tid] = row
 
-    def _collect(self, mgr: Any, pending: dict[int, _Pending],
-                 owner: dict[str, tuple[int, str]], emit: Emit) -> None:
+    def _start_row(self, mgr: Any, batch: BatchMsg, r: BatchRequest, p: _Pending) -> _Row:
+        """Resume ``r``'s kept request if its context matches, else add a fresh one."""
+        cap = min(r.max_new_tokens, batch.slice_len)
+        stops = tuple(dict.fromkeys([*([] if r.ignore_eos else self.eos), *r.stop_token_ids]))
+        keep = batch.kv_reuse and cap < r.max_new_tokens  # only a slice's end leaves more to do
+        with self._lock:
+            kept = self._kept.pop(r.rid, None)
+            self._running.add(r.rid)
+        ctx = list(r.token_ids)
+        if (kept is not None and batch.kv_reuse and kept.tokens == ctx and kept.stops == stops
+                and self._control.resume(kept.tid, Allowance(len(ctx) + cap, keep))):
+            p.reused_tokens += len(ctx) - 1
+            return _Row(batch.batch_id, r, kept.tid, cap, len(ctx) - kept.added_len, kept.added_len,
+                        stops, keep)
+        if kept is not None:
+            self._control.drop(kept.tid)
+        tid = f"{r.rid}#{next(self._tids)}"  # unique: a rid served again never meets its old self
+        self._control.admit(tid, Allowance(len(ctx) + cap, keep))
+        mgr.add_request(input_ids=ctx, request_id=tid, max_new_tokens=NO_LIMIT, streaming=True,
+                        eos_token_id=list(stops) if stops else -1)
+        p.prefill_tokens += len(ctx)
+        return _Row(batch.batch_id, r, tid, cap, 0, len(ctx), stops, keep)
+
+    def _collect(self, mgr: Any, pending: dict[int, _Pending], owner: dict[str, _Row],
+                 emit: Emit) -> None:
         res = mgr.get_result(timeout=self.poll_s)
         while res is not None:
-            if res.is_finished() and res.request_id in owner:
-                bid, rid = owner.pop(res.request_id)
-                p = pending[bid]
-                toks = [int(t) for t in res.generated_tokens]
-                cap = p.caps[rid]
-                req = next(r for r in p.batch.requests if r.rid == rid)
-                if len(toks) >= req.max_new_tokens:
-                    reason: str | None = "length"
-                elif len(toks) >= cap:
-                    reason = None  # the slice ended first
-                else:
-                    reason = "stop"
-                p.outputs[rid] = RequestOutput(rid=rid, token_ids=toks, finish_reason=reason)  # type: ignore[arg-type]
-                if len(p.outputs) == len(p.batch.requests):
-                    del pending[bid]
-                    self._emit_done(p, emit)
+            row = owner.get(res.request_id)
+            if row is not None and row.batch_id in pending:
+                self._on_output(row, res, pending, owner, emit)
             res = mgr.get_result(timeout=0)
+        self._note_evictions()
         if not mgr.is_running():
             raise RuntimeError("continuous batching generation thread stopped unexpectedly")
+
+    def _on_output(self, row: _Row, res: Any, pending: dict[int, _Pending],
+                   owner: dict[str, _Row], emit: Emit) -> None:
+        """One streamed output of ``row``'s request: end the row at its cap or a stop token."""
+        p = pending[row.batch_id]
+        if res.error is not None:  # fail the whole batch: its other rows are dropped
+            del pending[row.batch_id]
+            for other in [o for o in owner.values() if o.batch_id == row.batch_id]:
+                del owner[other.tid]
+                self._end_row(other, None)
+            emit(p.batch, None, None, f"transformers failed request {row.req.rid}: {res.error}")
+            return
+        toks = [int(t) for t in res.generated_tokens[row.base :]]
+        finished = res.is_finished()
+        if not finished and len(toks) < row.cap:
+            return
+        toks = toks[: row.cap]
+        del owner[row.tid]
+        if finished and toks and toks[-1] in row.stops:
+            reason: str | None = "stop"
+        elif len(toks) >= row.req.max_new_tokens:
+            reason = "length"
+        else:
+            reason = None  # the slice ended first
+        kept = self._end_row(row, toks if reason is None and not finished else None)
+        p.outputs[row.req.rid] = RequestOutput(
+            rid=row.req.rid, token_ids=toks, finish_reason=reason, kv_tokens=kept)  # type: ignore[arg-type]
+        if len(p.outputs) == len(p.batch.requests):
+            del pending[row.batch_id]
+            self._emit_done(p, emit)
+
+    def _end_row(self, row: _Row, generated: list[int] | None) -> int:
+        """Keep ``row``'s request paused (``generated``: this batch's tokens) or drop it;
+        returns the KV tokens kept."""
+        rid = row.req.rid
+        with self._lock:
+            self._running.discard(rid)
+            released = rid in self._release_at_end
+            self._release_at_end.discard(rid)
+            evicted = row.keep and bool(self._control.take_evicted([row.tid]))
+            if generated is not None and row.keep and not released and not evicted:
+                ctx = list(row.req.token_ids) + generated
+                old = self._kept.pop(rid, None)  # only if the rid ran twice at once: newest wins
+                self._kept[rid] = _Kept(row.tid, ctx, row.added_len, row.stops)
+                if old is not None:
+                    self._control.drop(old.tid)
+                return len(ctx) - 1
+        self._control.drop(row.tid)
+        return 0
+
+    def _note_evictions(self) -> None:
+        """Move kept requests the scheduler evicted to the evicted list."""
+        if not self._control.evicted:
+            return
+        with self._lock:
+            by_tid = {k.tid: rid for rid, k in self._kept.items()}
+            for tid in self._control.take_evicted(by_tid):
+                rid = by_tid[tid]
+                del self._kept[rid]
+                self._evicted.append(rid)
 
     def _emit_done(self, p: _Pending, emit: Emit) -> None:
         outs = [p.outputs[r.rid] for r in p.batch.requests]
         elapsed = time.perf_counter() - p.started
-        stats = BatchStats(
-            prefill_s=0.0,
-            decode_s=elapsed,  # prefill and decode interleave with other requests: one wall time
+        c = self._control
+        with c.lock:
+            preemptions, kv_peak = c.preemptions, c.kv_peak
+        stats = BatchStats(  # no padding, no invalid tokens; prefill and decode interleave:
+            decode_s=elapsed,  # one wall time
             iterations=max((len(o.token_ids) for o in outs), default=0),
-            pad_tokens=0,
-            invalid_tokens=0,
             peak_memory=peak_memory(self.device),
             batch_size=len(outs),
             input_len=max((len(r.token_ids) for r in p.batch.requests), default=0),
+            prefill_tokens=p.prefill_tokens,
+            reused_tokens=p.reused_tokens,
+            preemptions=preemptions,
+            kv_peak_tokens=kv_peak,
         )
         emit(p.batch, outs, stats, None)
+
+    # ------------------------------------------------------------------ kept KV
+
+    def release(self, rids: Iterable[str] | None = None) -> None:
+        """Free kept KV (the daemon's ``release``; None: all). Any thread; a rid whose
+        batch is still running is released when that batch ends."""
+        with self._lock:
+            names = list(self._kept) if rids is None else list(rids)
+            if rids is None:
+                self._release_at_end.update(self._running)
+            for rid in names:
+                kept = self._kept.pop(rid, None)
+                if kept is not None:
+                    self._control.drop(kept.tid)
+                elif rid in self._running:
+                    self._release_at_end.add(rid)
+
+    def take_evicted(self) -> list[str]:
+        """Requests whose kept KV the engine dropped by itself since the last call."""
+        with self._lock:
+            out, self._evicted = self._evicted, []
+        return out
+
+    def kept(self) -> dict[str, int]:
+        """rid -> KV tokens kept for it now (engine's view; for tests and status)."""
+        with self._lock:
+            return {rid: len(k.tokens) - 1 for rid, k in self._kept.items()}
 
 
 def queue_take(q: queue.Queue[Any]) -> Take:

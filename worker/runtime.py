@@ -178,8 +178,15 @@ class WorkerRuntime:
         from worker.engines.hf_cb import queue_take
 
         wid = self.opts.worker_id
+        streams: dict[int, TokenStream] = {}  # per batch in flight, coalescing its tokens
+
+        def stream(batch_id: int, outputs: list[P.RequestOutput]) -> None:
+            if batch_id not in streams:
+                streams[batch_id] = TokenStream(pair.send, wid, batch_id)
+            streams[batch_id](outputs)
 
         def emit(batch: P.BatchMsg, outputs: Any, stats: Any, error: str | None) -> None:
+            streams.pop(batch.batch_id, None)
             if error is not None:
                 log.warning("batch=%d refused: %s", batch.batch_id, error)
                 res = P.Result(worker_id=wid, batch_id=batch.batch_id, error=error[:MAX_ERROR_CHARS])
@@ -190,7 +197,7 @@ class WorkerRuntime:
 
         self.state.busy = True
         try:
-            self.engine.run_continuous(queue_take(self.batches), emit)  # type: ignore[attr-defined]
+            self.engine.run_continuous(queue_take(self.batches), emit, stream)  # type: ignore[attr-defined]
         except Exception:
             # Admitted requests cannot be answered any more: exit, and the daemon re-queues
             # them when it sees the process (or its heartbeats) gone.

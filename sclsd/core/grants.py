@@ -215,39 +215,40 @@ class GrantPolicy:
         (``kept``: the worker said it keeps it; otherwise the request queues again to
         re-prefill wherever it goes, ahead of new ones).
         """
+        found = self._ungrant(rid)
+        if found is None:
+            raise KeyError(f"no grant for {rid!r}")
+        wid, g = found
+        w = self._workers[wid]
+        if remaining <= 0:
+            return g
+        if kept and wid not in self._inactive:  # its KV stays, reserved, until placed
+            w.parked[rid] = _pages(context, self.page)
+            w.reserved += w.parked[rid]
+            self._returning.append(_Pending(rid, context, remaining, wid))
+        else:
+            if kept:
+                self._evict.append((wid, rid))
+            self._waiting.appendleft(_Pending(rid, context, remaining, None))
+        return g
+
+    def _ungrant(self, rid: str) -> tuple[str, Grant] | None:
+        """Take ``rid``'s grant off its worker: its reservation and load freed."""
         for wid, w in self._workers.items():
             g = w.grants.pop(rid, None)
             if g is not None:
                 w.reserved -= g.reserve
-                w.load -= g.cost
-                if not w.grants:
-                    w.load = 0.0  # no drift: an idle worker has no load
-                if remaining <= 0:
-                    return g
-                if kept and wid not in self._inactive:  # its KV stays, reserved, until placed
-                    w.parked[rid] = _pages(context, self.page)
-                    w.reserved += w.parked[rid]
-                    self._returning.append(_Pending(rid, context, remaining, wid))
-                else:
-                    if kept:
-                        self._evict.append((wid, rid))
-                    self._waiting.appendleft(_Pending(rid, context, remaining, None))
-                return g
-        raise KeyError(f"no grant for {rid!r}")
+                w.load = w.load - g.cost if w.grants else 0.0  # no drift: idle means no load
+                return wid, g
+        return None
 
     def forget(self, rid: str) -> bool:
-        """``rid`` ended outside a grant's end (cancelled, timed out, failed): drop whatever
-        the policy holds for it (a grant's reservation, a parked KV, a queue place).
-        Returns whether it held anything."""
-        for wid, w in self._workers.items():
-            g = w.grants.pop(rid, None)
-            if g is not None:
-                w.reserved -= g.reserve
-                w.load -= g.cost
-                if not w.grants:
-                    w.load = 0.0
-                self._evict.append((wid, rid))  # the engine may keep it after the grant
-                return True
+        """``rid`` ended outside a grant's end (cancelled, timed out, failed): drop what the
+        policy holds for it (a grant, a parked KV, a queue place); False if nothing."""
+        found = self._ungrant(rid)
+        if found is not None:
+            self._evict.append((found[0], rid))  # the engine may keep it after the grant
+            return True
         for p in self._returning:
             if p.rid == rid:
                 self._returning.remove(p)

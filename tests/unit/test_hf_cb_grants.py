@@ -279,3 +279,14 @@ def test_full_cache_evicts_kept_kv_before_preempting() -> None:
         assert [o.token_ids for o in outs] == [one_pass(hf, r.token_ids, 30) for r in rows]
     finally:
         cb.close()
+
+
+def test_tokens_stream_as_they_are_generated_and_add_up_to_the_result(engines) -> None:
+    cb = engines[0]
+    r = row("s", PROMPT, 12)
+    chunks: list[list[int]] = []
+    outs, _ = cb.serve(P.BatchMsg(batch_id=next(_bids), slice_len=12, requests=[r], kv_reuse=False),
+                       lambda o: chunks.extend(x.token_ids for x in o))
+    streamed = [t for c in chunks for t in c]
+    # Every token but the last output's came streamed, in order, before the result.
+    assert len(chunks) >= 10 and streamed == outs[0].token_ids[: len(streamed)]

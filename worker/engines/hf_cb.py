@@ -61,6 +61,8 @@ GPU_CACHE_SHARE = 0.9
 
 Take = Callable[[float | None], Any]
 Emit = Callable[[BatchMsg, "list[RequestOutput] | None", "BatchStats | None", "str | None"], None]
+#: Receives a running batch's new tokens: ``stream(batch_id, outputs)``.
+Stream = Callable[[int, "list[RequestOutput]"], None]
 
 
 def cache_size(device: str, kv_limit: int, delta: int, page_size: int | None,
@@ -103,6 +105,16 @@ class _Row:
     """Length of the context ``tid`` was created with."""
     stops: tuple[int, ...]
     keep: bool
+    sent: int = 0
+    """Tokens of this batch already streamed."""
+
+
+def _stream_new(row: _Row, toks: list[int], stream: Stream | None) -> None:
+    """Hand ``stream`` the tokens ``row`` generated since the last call (the Result still
+    carries all of them)."""
+    if stream is not None and len(toks) > row.sent:
+        stream(row.batch_id, [RequestOutput(rid=row.req.rid, token_ids=toks[row.sent:])])
+        row.sent = len(toks)
 
 
 @dataclass(frozen=True)
@@ -136,6 +148,7 @@ class HFCBEngine(HFEngine):
         self.cache_opts: dict[str, Any] = {"page_size": page_size, "num_blocks": num_blocks}
         self.cache_tokens = num_blocks * page_size  # what the paged cache holds
         self._mgr: Any = None
+        self._stream: Stream | None = None
         self._control = GrantControl()  # replaced with the manager's own; never None
         self._scheduler_name = ""
         self._tids = itertools.count()
@@ -209,12 +222,12 @@ class HFCBEngine(HFEngine):
     def serve(
         self, batch: BatchMsg, emit: EngineEmit | None = None
     ) -> tuple[list[RequestOutput], BatchStats]:
-        """Serve one batch to completion (blocking). Tokens arrive with the result only:
-        ``emit`` is never called."""
+        """Serve one batch to completion (blocking); ``emit`` hears tokens as they come."""
         done: list[tuple[Any, Any, str | None]] = []
         items: list[Any] = [batch, None]
         self.run_continuous(lambda timeout: items.pop(0) if items else None,
-                            lambda b, outs, stats, error: done.append((outs, stats, error)))
+                            lambda b, outs, stats, error: done.append((outs, stats, error)),
+                            (lambda bid, outs: emit(outs)) if emit is not None else None)
         outs, stats, error = done[0]
         if error is not None:
             raise RuntimeError(error)
@@ -223,8 +236,9 @@ class HFCBEngine(HFEngine):
 
     # ------------------------------------------------------------------ continuous
 
-    def run_continuous(self, take: Take, emit: Emit) -> None:
-        """Admit batches from ``take`` and ``emit`` each one's outputs when all its rows end.
+    def run_continuous(self, take: Take, emit: Emit, stream: Stream | None = None) -> None:
+        """Admit batches from ``take`` and ``emit`` each one's outputs when all its rows end;
+        ``stream`` hears each row's tokens as they come.
 
         ``take(timeout)`` returns a :class:`BatchMsg`, :data:`EMPTY` when none
         came within ``timeout`` (None: wait), or None to stop once every
@@ -232,7 +246,7 @@ class HFCBEngine(HFEngine):
         KV) still up; raises if the generation thread dies (the worker exits and
         the daemon re-queues), the manager then stopped.
         """
-        mgr = self._manager()
+        mgr, self._stream = self._manager(), stream
         pending: dict[int, _Pending] = {}
         owner: dict[str, _Row] = {}
         stopping = False
@@ -321,7 +335,7 @@ class HFCBEngine(HFEngine):
         toks = [int(t) for t in res.generated_tokens[row.base :]]
         finished = res.is_finished()
         if not finished and len(toks) < row.cap:
-            return
+            return _stream_new(row, toks, self._stream)
         toks = toks[: row.cap]
         del owner[row.tid]
         if finished and toks and toks[-1] in row.stops:

@@ -130,6 +130,10 @@ class Admission:
         if g.max_tokens is not None and g.max_tokens > m.max_gen and not g.cap_max_tokens:
             return self.refuse(conn, "bad_request", f"max_tokens: {g.max_tokens} is more than this "
                                f"daemon's limit of {m.max_gen} tokens (model.max_gen)", g.id)
+        if g.temperature > 0 and self.cfg.workers.engine == "hf-cb":
+            # Refused here rather than by every worker it would be sent to.
+            return self.refuse(conn, "bad_request", "temperature > 0: the hf-cb engine serves greedy "
+                               "decoding only (transformers takes sampling settings per manager)", g.id)
         if g.messages is not None and not has_chat_template(self.tok):
             return self.refuse(conn, "bad_request", "messages: the model's tokenizer has no chat "
                                "template; send a prompt instead", g.id)

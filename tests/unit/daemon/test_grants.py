@@ -172,3 +172,15 @@ def test_a_static_worker_cannot_join_a_grant_daemon(daemon) -> None:
         assert "w0" not in h.server.fleet.workers
 
     daemon(body, scheduler=CB)
+
+
+def test_sampling_is_refused_at_admission_when_workers_run_hf_cb(daemon) -> None:
+    async def body(h: Harness) -> None:
+        conn = RecConn()
+        await h.submit(conn, id="hot", temperature=0.7)
+        (err,) = conn.terminal("hot")
+        assert isinstance(err, P.Error) and err.code == "bad_request" and "greedy" in err.message
+        await h.submit(conn, id="cold", temperature=0.0)
+        assert not conn.terminal("cold")  # accepted: it waits for a worker
+
+    daemon(body, scheduler=CB, workers={"engine": "hf-cb"})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import queue
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -46,12 +45,12 @@ def grant(engine: Any, r: P.BatchRequest, s: int, kv_reuse: bool = True) -> tupl
     return out, stats
 
 
-def settle(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    """The scheduler pauses and frees on the generation thread, a step after the result."""
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "the generation thread did not catch up"
-        time.sleep(0.002)
+def settle(engine: Any, cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    """The scheduler pauses and frees on the generation thread, a step after the result:
+    wait for the turn of its loop that makes ``cond`` true (it notifies every turn)."""
+    lock = engine._control.lock
+    with lock:
+        assert lock.wait_for(cond, timeout), "the generation thread did not catch up"
 
 
 def held(engine: Any) -> dict[str, int]:
@@ -78,7 +77,7 @@ def in_grants(engine: Any, rid: str, ctx: list[int], total: int, s: int,
             break
         assert out.kv_tokens == len(ctx) + len(got) - 1
         # What transformers holds for the paused request is what the engine reported.
-        settle(lambda o=out: o.kv_tokens in held(engine).values())
+        settle(engine, lambda o=out: o.kv_tokens in held(engine).values())
     return got, results
 
 
@@ -102,7 +101,7 @@ def test_grants_match_one_pass_and_static_engine(engines) -> None:
         last = results[-1][0]
         assert last.finish_reason == "length" and last.kv_tokens == 0
         assert f"g{s}" not in cb.kept()
-    settle(lambda: not held(cb))
+    settle(cb, lambda: not held(cb))
 
 
 def test_stop_token_across_grants(engines) -> None:
@@ -174,7 +173,7 @@ def test_moved_to_another_engine_or_back_after_release(engines) -> None:
     assert stats.prefill_tokens == len(PROMPT) + 3 and stats.reused_tokens == 0
     got += out.token_ids
     a.release(["m"])
-    settle(lambda: not held(a))
+    settle(a, lambda: not held(a))
     # ... and back to a after the release: fresh again, then resumed in place.
     rest, results = in_grants(a, "m", PROMPT + got, 12 - len(got), 2)
     assert got + rest == want
@@ -186,27 +185,27 @@ def test_moved_to_another_engine_or_back_after_release(engines) -> None:
 def test_mismatched_context_drops_kept_and_serves_fresh(engines) -> None:
     cb, _, hf = engines
     out, _ = grant(cb, row("mm", PROMPT, 10), 3)
-    settle(lambda: len(held(cb)) == 1)
+    settle(cb, lambda: len(held(cb)) == 1)
     (old_tid,) = held(cb)
     other = PROMPT + out.token_ids[:-1] + [42]  # same rid, a context the KV does not hold
     out2, stats = grant(cb, row("mm", other, 7), 3)
     assert stats.prefill_tokens == len(other) and stats.reused_tokens == 0
     assert out2.token_ids == one_pass(hf, other, 3)
-    settle(lambda: old_tid not in held(cb) and old_tid not in block_owners(cb))
+    settle(cb, lambda: old_tid not in held(cb) and old_tid not in block_owners(cb))
     assert cb.kept() == {"mm": len(other) + 2}
     cb.release(None)
-    settle(lambda: not held(cb))
+    settle(cb, lambda: not held(cb))
 
 
 def test_release_frees_blocks_then_serves_fresh(engines) -> None:
     cb, _, hf = engines
     want = one_pass(hf, PROMPT, 8)
     out, _ = grant(cb, row("rel", PROMPT, 8), 4)
-    settle(lambda: len(held(cb)) == 1)
+    settle(cb, lambda: len(held(cb)) == 1)
     (tid,) = held(cb)
     assert tid in block_owners(cb)
     cb.release(["rel", "unknown"])
-    settle(lambda: not held(cb) and tid not in block_owners(cb))
+    settle(cb, lambda: not held(cb) and tid not in block_owners(cb))
     assert cb.kept() == {} and cb.take_evicted() == []
     out2, stats = grant(cb, row("rel", PROMPT + out.token_ids, 4), 4)
     assert stats.prefill_tokens == len(PROMPT) + 4 and stats.reused_tokens == 0
@@ -229,7 +228,7 @@ def test_release_while_running_applies_at_its_end(engines) -> None:
     (out,) = outs
     assert len(out.token_ids) == 30 and out.finish_reason is None and out.kv_tokens == 0
     assert cb.kept() == {}
-    settle(lambda: not held(cb))
+    settle(cb, lambda: not held(cb))
 
 
 def test_kv_reuse_off_keeps_nothing(engines) -> None:
@@ -237,7 +236,7 @@ def test_kv_reuse_off_keeps_nothing(engines) -> None:
     want = one_pass(hf, PROMPT, 8)
     out, _ = grant(cb, row("off", PROMPT, 8), 4, kv_reuse=False)
     assert out.finish_reason is None and out.kv_tokens == 0 and cb.kept() == {}
-    settle(lambda: not held(cb))
+    settle(cb, lambda: not held(cb))
     out2, stats = grant(cb, row("off", PROMPT + out.token_ids, 4), 4, kv_reuse=False)
     assert stats.prefill_tokens == len(PROMPT) + 4 and stats.reused_tokens == 0
     assert out.token_ids + out2.token_ids == want and out2.kv_tokens == 0

@@ -66,7 +66,8 @@ class GrantControl:
     """
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()
+        """Notified whenever the generation thread applied changes (once per loop turn)."""
         self.allow: dict[str, Allowance] = {}
         self.drops: set[str] = set()
         self.evicted: set[str] = set()
@@ -185,6 +186,7 @@ class GrantScheduler(FIFOScheduler):
                     del self.paused[tid]
                     c.held.pop(tid, None)
                     self.active_requests[tid] = state
+            c.lock.notify_all()
 
     def _evict_one(self) -> bool:
         """Free the oldest paused request that no resume is waiting for; False if none."""
@@ -202,6 +204,7 @@ class GrantScheduler(FIFOScheduler):
                 self._admitted.discard(tid)
                 log.warning("evicted the kept KV of %s (%d tokens) to make room", tid,
                             state.position_offset)
+                c.lock.notify_all()
                 return True
         return False
 

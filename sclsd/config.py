@@ -397,6 +397,10 @@ def _check_workers(w: WorkersConfig, cfg: Config) -> None:
          f"conflicts with model.dtype = {cfg.model.dtype!r}: set model.dtype only")
     need(w.threads >= 1, "workers.threads", w.threads, "must be >= 1")
     _check_kernel_inject(w)
+    if "sampling" in w.options:
+        v = w.options["sampling"]
+        need(isinstance(v, bool), "workers.options.sampling", v, "must be true or false")
+        need(w.engine == "hf-cb", "workers.options.sampling", v, "only the hf-cb engine takes it")
     need(w.mem_budget_bytes >= 1, "workers.mem_budget_bytes", w.mem_budget_bytes, "must be >= 1")
     need(w.restart_backoff_s >= 0, "workers.restart_backoff_s", w.restart_backoff_s, "must be >= 0")
     need(w.restart_backoff_max_s >= w.restart_backoff_s, "workers.restart_backoff_max_s",

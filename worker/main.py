@@ -238,6 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="deepspeed: DeepSpeed kernel injection (true/false; true is refused, with the reason)",
     )
     p.add_argument(
+        "--sampling",
+        type=parse_value,
+        default=None,
+        help="hf-cb: per-request sampling (true/false, default false: greedy only; true costs a "
+        "sort of the vocabulary per row and step)",
+    )
+    p.add_argument(
         "--opt",
         action="append",
         type=parse_opt,
@@ -292,7 +299,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Constructor options for the engine: the explicit flags given, then ``--opt``s."""
     opts: dict[str, Any] = {}
     for name in ("threads", "mem_budget", "dtype", "decode_s", "prefill_s_per_token", "vocab",
-                 "kernel_inject", "kv_reuse", "kv_retain_bytes", "kv_host_bytes"):
+                 "kernel_inject", "kv_reuse", "kv_retain_bytes", "kv_host_bytes", "sampling"):
         value = getattr(args, name)
         if value is not None:
             opts[name] = value

@@ -132,8 +132,12 @@ class Admission:
                                f"daemon's limit of {m.max_gen} tokens (model.max_gen)", g.id)
         if g.temperature > 0 and self.cfg.workers.engine == "hf-cb":
             # Refused here rather than by every worker it would be sent to.
-            return self.refuse(conn, "bad_request", "temperature > 0: the hf-cb engine serves greedy "
-                               "decoding only (transformers takes sampling settings per manager)", g.id)
+            if not self.cfg.workers.options.get("sampling", False):
+                return self.refuse(conn, "bad_request", "temperature > 0: these hf-cb workers serve "
+                                   "greedy decoding only ([workers.options] sampling = true)", g.id)
+            if g.seed is not None:
+                return self.refuse(conn, "bad_request", "seed: hf-cb cannot seed a request "
+                                   "(transformers seeds per manager)", g.id)
         if g.messages is not None and not has_chat_template(self.tok):
             return self.refuse(conn, "bad_request", "messages: the model's tokenizer has no chat "
                                "template; send a prompt instead", g.id)

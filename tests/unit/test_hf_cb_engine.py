@@ -47,12 +47,34 @@ def test_slice_cap_leaves_request_unfinished(engines) -> None:
     assert len(out.token_ids) == 3 and out.finish_reason is None
 
 
-def test_sampling_is_refused(engines) -> None:
+def test_a_greedy_engine_refuses_sampling(engines) -> None:
     cb, _ = engines
     batch = P.BatchMsg(batch_id=3, slice_len=8,
                        requests=[P.BatchRequest(rid="s", token_ids=[1, 2], max_new_tokens=4, temperature=0.7)])
     with pytest.raises(RuntimeError, match="greedy"):
         cb.serve(batch)
+
+
+def test_sampling_is_per_request_and_a_seed_is_refused(engines) -> None:
+    from worker.engines import create_engine
+
+    _, hf = engines
+    cb = create_engine("hf-cb", "tiny-random", threads=1, num_blocks=64, sampling=True)
+    greedy = rows(PROMPTS[:1], 8, ignore_eos=True)[0]
+    (want,), _ = hf.serve(P.BatchMsg(batch_id=30, slice_len=8, requests=[greedy]))
+    # top_k = 1 leaves only the argmax, whatever the temperature: greedy tokens, sampled.
+    hot = P.BatchRequest(rid="k1", token_ids=greedy.token_ids, max_new_tokens=8, temperature=1.5,
+                         top_k=1, ignore_eos=True)
+    wide = P.BatchRequest(rid="w", token_ids=greedy.token_ids, max_new_tokens=8, temperature=1.5,
+                          ignore_eos=True)
+    (k1, w, g), _ = cb.serve(P.BatchMsg(batch_id=31, slice_len=8, requests=[hot, wide, greedy]))
+    assert k1.token_ids == want.token_ids and g.token_ids == want.token_ids
+    assert len(w.token_ids) == 8  # sampled from the whole vocabulary (random weights: not greedy's)
+    assert w.token_ids != want.token_ids
+    seeded = P.BatchRequest(rid="s", token_ids=[1, 2], max_new_tokens=4, temperature=0.7, seed=3)
+    with pytest.raises(RuntimeError, match="seed"):
+        cb.serve(P.BatchMsg(batch_id=32, slice_len=8, requests=[seeded]))
+    cb.close()
 
 
 def test_continuous_admits_batches_while_others_run(engines) -> None:

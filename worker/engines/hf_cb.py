@@ -80,6 +80,37 @@ def cache_size(device: str, kv_limit: int, delta: int, page_size: int | None,
     return page, num_blocks if num_blocks is not None else max(1, -(-tokens // page))
 
 
+def generation_config(sampling: bool, pad_id: int, eos: list[int]) -> Any:
+    """The manager's settings. With ``sampling``: placeholder temperature, top-k and top-p
+    that make transformers build those warpers; each request passes its own
+    (:func:`sampling_kwargs`). Without: greedy decoding, no warpers (cheaper: the warpers
+    sort the whole vocabulary at every step)."""
+    from transformers import GenerationConfig
+
+    extra: dict[str, Any] = dict(temperature=0.5, top_k=50, top_p=0.9) if sampling else {}
+    return GenerationConfig(do_sample=sampling, max_new_tokens=1024, pad_token_id=pad_id,
+                            eos_token_id=eos[0] if eos else -1, **extra)
+
+
+def sampling_refusal(batch: BatchMsg, sampling: bool) -> str | None:
+    """Why this engine cannot serve ``batch``'s sampling settings, if it cannot."""
+    hot = [r for r in batch.requests if r.temperature > 0]
+    if hot and not sampling:
+        return "hf-cb serves greedy decoding only (temperature 0) unless started with sampling = true"
+    if any(r.seed is not None for r in hot):
+        return "hf-cb cannot seed a request (transformers seeds per manager)"
+    return None
+
+
+def sampling_kwargs(r: BatchRequest, vocab: int) -> dict[str, Any]:
+    """transformers' per-request sampling settings for ``r``. Greedy (temperature 0) is
+    top-k 1: only the argmax keeps any probability, so the draw is the argmax."""
+    if r.temperature <= 0:
+        return {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
+    top_k = r.top_k if 0 < r.top_k < vocab else vocab  # the whole vocabulary: no cut
+    return {"temperature": float(r.temperature), "top_k": int(top_k), "top_p": float(r.top_p)}
+
+
 @dataclass
 class _Pending:
     """A batch in flight: its rows' outputs as they end, and its prefill accounting."""
@@ -134,15 +165,13 @@ class HFCBEngine(HFEngine):
     continuous = True
 
     def __init__(self, *args: Any, poll_s: float = 0.005, page_size: int | None = None,
-                 num_blocks: int | None = None, **kwargs: Any) -> None:
+                 num_blocks: int | None = None, sampling: bool = False, **kwargs: Any) -> None:
         # transformers' paged cache owns the KV here: HFEngine's own store stays off.
         kwargs["kv_reuse"] = False
         super().__init__(*args, **kwargs)
-        from transformers import GenerationConfig
-
         self.poll_s = poll_s
-        self.gen_config = GenerationConfig(do_sample=False, max_new_tokens=1024, pad_token_id=self.pad_id,
-                                           eos_token_id=self.eos[0] if self.eos else -1)
+        self.sampling = bool(sampling)
+        self.gen_config = generation_config(self.sampling, self.pad_id, self.eos)
         page_size, num_blocks = cache_size(self.device.type, self.kv_limit, self.delta,
                                            page_size, num_blocks)
         self.cache_opts: dict[str, Any] = {"page_size": page_size, "num_blocks": num_blocks}
@@ -184,6 +213,7 @@ class HFCBEngine(HFEngine):
             use_async_batching=False,  # pauses assume a step's update precedes the next schedule
             safety_margin=0.0,  # admission is the daemon's call (its reservations)
             allow_block_sharing=False,
+            per_request_processors=self.sampling,  # each request's temperature, top-k, top-p
             **self.cache_opts,
         )
         mgr = self.model.init_continuous_batching(generation_config=self.gen_config,
@@ -269,8 +299,8 @@ class HFCBEngine(HFEngine):
 
     def _admit(self, mgr: Any, batch: BatchMsg, pending: dict[int, _Pending],
                owner: dict[str, _Row], emit: Emit) -> None:
-        if any(r.temperature > 0 for r in batch.requests):
-            emit(batch, None, None, "hf-cb serves greedy decoding only (temperature 0)")
+        if why := sampling_refusal(batch, self.sampling):
+            emit(batch, None, None, why)
             return
         try:
             self.check_batch(batch, self.vocab_size or None)
@@ -305,7 +335,8 @@ class HFCBEngine(HFEngine):
         tid = f"{r.rid}#{next(self._tids)}"  # unique: a rid served again never meets its old self
         self._control.admit(tid, Allowance(len(ctx) + cap, keep))
         mgr.add_request(input_ids=ctx, request_id=tid, max_new_tokens=NO_LIMIT, streaming=True,
-                        eos_token_id=list(stops) if stops else -1)
+                        eos_token_id=list(stops) if stops else -1,
+                        **(sampling_kwargs(r, int(self.config.vocab_size)) if self.sampling else {}))
         p.prefill_tokens += len(ctx)
         return _Row(batch.batch_id, r, tid, cap, 0, len(ctx), stops, keep)
 
@@ -387,17 +418,12 @@ class HFCBEngine(HFEngine):
         c = self._control
         with c.lock:
             preemptions, kv_peak = c.preemptions, c.kv_peak
-        stats = BatchStats(  # no padding, no invalid tokens; prefill and decode interleave:
-            decode_s=elapsed,  # one wall time
-            iterations=max((len(o.token_ids) for o in outs), default=0),
-            peak_memory=peak_memory(self.device),
-            batch_size=len(outs),
-            input_len=max((len(r.token_ids) for r in p.batch.requests), default=0),
-            prefill_tokens=p.prefill_tokens,
-            reused_tokens=p.reused_tokens,
-            preemptions=preemptions,
-            kv_peak_tokens=kv_peak,
-        )
+        # No padding, no invalid tokens; prefill and decode interleave: one wall time.
+        stats = BatchStats(decode_s=elapsed, iterations=max((len(o.token_ids) for o in outs), default=0),
+                           peak_memory=peak_memory(self.device), batch_size=len(outs),
+                           input_len=max((len(r.token_ids) for r in p.batch.requests), default=0),
+                           prefill_tokens=p.prefill_tokens, reused_tokens=p.reused_tokens,
+                           preemptions=preemptions, kv_peak_tokens=kv_peak)
         emit(p.batch, outs, stats, None)
 
     # ------------------------------------------------------------------ kept KV

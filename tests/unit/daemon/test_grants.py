@@ -184,3 +184,25 @@ def test_sampling_is_refused_at_admission_when_workers_run_hf_cb(daemon) -> None
         assert not conn.terminal("cold")  # accepted: it waits for a worker
 
     daemon(body, scheduler=CB, workers={"engine": "hf-cb"})
+
+
+def test_hf_cb_workers_with_sampling_take_it_but_not_a_seed(daemon) -> None:
+    async def body(h: Harness) -> None:
+        conn = RecConn()
+        await h.submit(conn, id="hot", temperature=0.7)
+        await h.submit(conn, id="seeded", temperature=0.7, seed=5)
+        assert not conn.terminal("hot")
+        (err,) = conn.terminal("seeded")
+        assert isinstance(err, P.Error) and err.code == "bad_request" and "seed" in err.message
+
+    daemon(body, scheduler=CB, workers={"engine": "hf-cb", "options": {"sampling": True}})
+
+
+def test_config_takes_sampling_only_for_hf_cb(tmp_path) -> None:
+    base = {"daemon": {"socket": f"{tmp_path}/a.sock"}}
+    from_dict({**base, "workers": {"engine": "hf-cb", "options": {"sampling": True}}})
+    for workers in ({"engine": "hf", "options": {"sampling": True}},
+                    {"engine": "hf-cb", "options": {"sampling": "yes"}}):
+        with pytest.raises(ConfigError) as exc:
+            from_dict({**base, "workers": workers})
+        assert exc.value.key == "workers.options.sampling"

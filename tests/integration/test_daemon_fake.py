@@ -69,7 +69,10 @@ def test_200_concurrent_streams_each_end_exactly_once(daemon) -> None:
         assert 1 <= done.usage.completion_tokens <= g.max_tokens
         if g.ignore_eos:
             assert done.usage.completion_tokens == g.max_tokens and done.finish_reason == "length"
-        assert done.timings.slices == -(-done.usage.completion_tokens // 8) or done.finish_reason == "stop"
+        # Slices of S = 8; a newcomer placed beside waiting work first runs S / 8 = 1 token
+        # (core.policy.FIRST_SLICE_DIVISOR), which can add one slice.
+        n = done.usage.completion_tokens
+        assert done.finish_reason == "stop" or done.timings.slices in (-(-n // 8), 1 + -(-(n - 1) // 8))
     st = daemon.status()
     assert st.live_requests == 0 and st.queued_tokens == 0
 

@@ -13,17 +13,13 @@ import pytest
 
 from sclsd.bench import all as bench_all
 from sclsd.bench import cli, grants
-from sclsd.core.estimator import Estimator
-from sclsd.core.profiles import Profile
 from sclsd.sim.common import SimConfig
 from sclsd.sim.engine import simulate
 from sclsd.sim.workload import Workload
 
-EST = Estimator(p1=2e-4, p2=1e-3, p3=1e-5, p4=0.02, d1=2e-6, d2=1e-4, d3=1e-6, d4=0.02)
-PROFILE = Profile(
-    name="toy", engine="hf", model="toy", device="sim", estimator=EST,
-    kv_bytes_per_token=1, mem_available=20_000, gamma_s=1.0,
-)
+from .toy import toy_profile
+
+PROFILE = toy_profile(20_000)
 
 
 def _workload(n: int, seed: int, max_in: int, max_out: int) -> Workload:

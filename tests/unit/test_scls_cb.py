@@ -9,7 +9,6 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sclsd.core.estimator import Estimator
 from sclsd.core.grants import GrantPolicy
 from sclsd.core.policy import POLICIES, make_policy
 from sclsd.core.profiles import Profile
@@ -18,20 +17,11 @@ from sclsd.sim.common import ALL_POLICIES, SimConfig
 from sclsd.sim.engine import simulate
 from sclsd.sim.workload import Workload
 
-EST = Estimator(p1=2e-4, p2=1e-3, p3=1e-5, p4=0.02, d1=2e-6, d2=1e-4, d3=1e-6, d4=0.02)
+from .toy import EST, toy_profile
 
 
 def profile(mem_tokens: float = 20_000) -> Profile:
-    return Profile(
-        name="toy",
-        engine="hf",
-        model="toy",
-        device="sim",
-        estimator=EST,
-        kv_bytes_per_token=1,
-        mem_available=mem_tokens,
-        gamma_s=1.0,
-    )
+    return toy_profile(mem_tokens)
 
 
 def workload(n: int = 60, seed: int = 1, rate: float = 4.0, max_in: int = 400, max_out: int = 300) -> Workload:

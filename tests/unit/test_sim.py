@@ -7,7 +7,6 @@ import math
 import numpy as np
 import pytest
 
-from sclsd.core.estimator import Estimator
 from sclsd.core.policy import POLICIES, Policy, RoundRobin, make_policy
 from sclsd.core.profiles import Profile
 from sclsd.core.request import Request
@@ -17,21 +16,11 @@ from sclsd.sim.engine import StaticSimulation, simulate
 from sclsd.sim.workers import Noise, SimPayload, ragged_decode_time, serve_ragged, serve_static
 from sclsd.sim.workload import Workload
 
-EST = Estimator(p1=2e-4, p2=1e-3, p3=1e-5, p4=0.02, d1=2e-6, d2=1e-4, d3=1e-6, d4=0.02)
+from .toy import EST, toy_profile
 
 
 def profile(mem_tokens: float = 50_000, gamma: float = 1.0) -> Profile:
-    """A toy profile: Δ = 1 byte, so memory is counted in tokens."""
-    return Profile(
-        name="toy",
-        engine="hf",
-        model="toy",
-        device="sim",
-        estimator=EST,
-        kv_bytes_per_token=1,
-        mem_available=mem_tokens,
-        gamma_s=gamma,
-    )
+    return toy_profile(mem_tokens, gamma)
 
 
 def workload(n: int = 60, seed: int = 1, rate: float = 4.0, max_out: int = 300) -> Workload:

@@ -213,6 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--vocab", type=int, default=None, help="fake: vocabulary size")
     p.add_argument(
+        "--batching",
+        choices=["static", "continuous"],
+        default=None,
+        help="fake: the batching it reports (continuous: it takes slice grants under scls-cb)",
+    )
+    p.add_argument(
         "--kv-reuse",
         type=parse_value,
         default=None,
@@ -299,7 +305,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Constructor options for the engine: the explicit flags given, then ``--opt``s."""
     opts: dict[str, Any] = {}
     for name in ("threads", "mem_budget", "dtype", "decode_s", "prefill_s_per_token", "vocab",
-                 "kernel_inject", "kv_reuse", "kv_retain_bytes", "kv_host_bytes", "sampling"):
+                 "kernel_inject", "kv_reuse", "kv_retain_bytes", "kv_host_bytes", "sampling",
+                 "batching"):
         value = getattr(args, name)
         if value is not None:
             opts[name] = value

@@ -92,8 +92,8 @@ class Profiler:
         self.k = decode_steps
         info = engine.info()
         self.info = info
-        self.vocab = int(info.extra.get("vocab", info.extra.get("vocab_size", 49152)))
-        self.max_context = int(info.extra.get("max_context", 0) or 0) or 1 << 30
+        self.vocab = int(info.vocab_size or 49152)
+        self.max_context = int(info.caps.max_context or 0) or 1 << 30
         self.prefill: list[list[float]] = []
         self.decode: list[list[float]] = []
         self.batch: list[list[float]] = []

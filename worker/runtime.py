@@ -146,7 +146,7 @@ class WorkerRuntime:
             vocab_size=info.vocab_size,
             auth=self.opts.auth,
             profile=self.opts.profile or self.engine.profile(),
-            kv_page_tokens=max(1, int(info.extra.get("kv_page_tokens", 1))),
+            caps=info.caps,
         )
 
     # ------------------------------------------------------------------ serve thread

@@ -58,7 +58,8 @@ class Admission:
 
     def __init__(self, cfg: Config, live: LiveRequests, tok: Tokenizer, pool: Executor,
                  metrics: Metrics, clock: Callable[[], float], wake: Callable[[], None],
-                 is_draining: Callable[[], bool], not_serving: Callable[[], str | None]) -> None:
+                 is_draining: Callable[[], bool], not_serving: Callable[[], str | None],
+                 fleet_caps: Callable[[], list[P.EngineCaps]] = list) -> None:
         self.cfg = cfg
         self.live = live
         self.tok = tok
@@ -68,6 +69,8 @@ class Admission:
         self.wake = wake
         self.is_draining = is_draining
         self.not_serving = not_serving
+        #: The registered workers' capabilities (what they said at register).
+        self.fleet_caps = fleet_caps
         d = cfg.daemon
         self.max_chars = cfg.model.max_input * max_token_chars(tok)
         self.tokenizing = asyncio.Semaphore(d.max_tokenizing)
@@ -106,6 +109,26 @@ class Admission:
                         f"{cap_r} / {cap_t} (daemon.uid_share); retry later")
         return None
 
+    def _sampling_refusal(self, g: P.Generate) -> str | None:
+        """Why the workers cannot sample ``g`` (temperature > 0), if they cannot: what the
+        registered workers said they can do (``Register.caps``), else, before any has
+        registered, what the configured engine will say."""
+        caps = self.fleet_caps()
+        if caps:
+            sampling = all(c.sampling for c in caps)
+            seeded = all(c.seeded for c in caps)
+        else:
+            w = self.cfg.workers
+            continuous = w.engine == "hf-cb"
+            sampling = not continuous or bool(w.options.get("sampling", False))
+            seeded = not continuous
+        if not sampling:
+            return ("temperature > 0: these workers serve greedy decoding only (hf-cb: "
+                    "[workers.options] sampling = true)")
+        if g.seed is not None and not seeded:
+            return "seed: these workers cannot seed a request (hf-cb seeds per manager, not per request)"
+        return None
+
     def _check_state(self, rid: str) -> tuple[P.ErrorCode, str] | None:
         if self.is_draining():
             return "draining", "the daemon is shutting down"
@@ -130,14 +153,9 @@ class Admission:
         if g.max_tokens is not None and g.max_tokens > m.max_gen and not g.cap_max_tokens:
             return self.refuse(conn, "bad_request", f"max_tokens: {g.max_tokens} is more than this "
                                f"daemon's limit of {m.max_gen} tokens (model.max_gen)", g.id)
-        if g.temperature > 0 and self.cfg.workers.engine == "hf-cb":
+        if g.temperature > 0 and (why := self._sampling_refusal(g)) is not None:
             # Refused here rather than by every worker it would be sent to.
-            if not self.cfg.workers.options.get("sampling", False):
-                return self.refuse(conn, "bad_request", "temperature > 0: these hf-cb workers serve "
-                                   "greedy decoding only ([workers.options] sampling = true)", g.id)
-            if g.seed is not None:
-                return self.refuse(conn, "bad_request", "seed: hf-cb cannot seed a request "
-                                   "(transformers seeds per manager)", g.id)
+            return self.refuse(conn, "bad_request", why, g.id)
         if g.messages is not None and not has_chat_template(self.tok):
             return self.refuse(conn, "bad_request", "messages: the model's tokenizer has no chat "
                                "template; send a prompt instead", g.id)

@@ -67,7 +67,7 @@ class DaemonCost:
                             reg.worker_id, exc, self.profile.name)
         if reg.kv_bytes_per_token > 0 and reg.mem_available > 0:
             self.memory[reg.worker_id] = (reg.kv_bytes_per_token, reg.mem_available)
-        self.pages[reg.worker_id] = reg.kv_page_tokens
+        self.pages[reg.worker_id] = reg.caps.kv_page_tokens
         self._rebuild()
 
     def on_dead(self, wid: str) -> None:

@@ -21,7 +21,6 @@ from .. import protocol as P
 from ..config import Config
 from ..core.policy import GRANT_POLICIES
 from ..core.scheduler import Scheduler
-from ..defaults import GRANT_ENGINES
 from ..tokenizer import Tokenizer
 from .cost import DaemonCost
 from .transport.base import WorkerTransport
@@ -118,9 +117,9 @@ class Fleet:
         if reg.vocab_size and reg.vocab_size < vocab:
             return (f"its vocabulary has {reg.vocab_size} tokens, the daemon's tokenizer "
                     f"({self.cfg.model.name}) {vocab}: is the worker running the same model?")
-        if self.cfg.scheduler.policy in GRANT_POLICIES and reg.engine not in GRANT_ENGINES:
+        if self.cfg.scheduler.policy in GRANT_POLICIES and reg.caps.batching != "continuous":
             return (f"engine {reg.engine!r} serves static batches; scheduler.policy "
-                    f"{self.cfg.scheduler.policy!r} needs {' or '.join(GRANT_ENGINES)}")
+                    f"{self.cfg.scheduler.policy!r} needs continuous batching (engine hf-cb)")
         eos = set(getattr(self.tok, "eos_token_ids", ()) or ())
         if eos and reg.eos_token_ids and not eos & set(reg.eos_token_ids):
             return f"its EOS ids {reg.eos_token_ids} are not the tokenizer's {sorted(eos)}"

@@ -162,7 +162,8 @@ class Server:
         # A request ended: tell workers holding its KV to drop it.
         self.live.on_end.append(lambda c: self.dispatcher.flush_released())
         self.admission = Admission(cfg, self.live, tok, self.pool, self.metrics, clock, wake,
-                                   is_draining=lambda: self.drain.draining, not_serving=self.not_serving)
+                                   is_draining=lambda: self.drain.draining, not_serving=self.not_serving,
+                                   fleet_caps=lambda: [w.reg.caps for w in self.fleet.workers.values()])
         self.view.admission, self.view.fleet = self.admission, self.fleet
         # Last: from here on the sockets hand client messages to the front end, and what
         # workers sent meanwhile reaches the fleet.

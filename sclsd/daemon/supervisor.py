@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config import Config
+from ..core.policy import GRANT_POLICIES
 from ..defaults import offline_env
 
 log = logging.getLogger("sclsd.workers")
@@ -98,6 +99,8 @@ class Supervisor:
         ]
         if w.engine != "fake":  # the fake engine has no weights, hence no dtype
             cmd += ["--dtype", self.cfg.model.dtype]
+        elif self.cfg.scheduler.policy in GRANT_POLICIES and "batching" not in w.options:
+            cmd += ["--batching", "continuous"]  # it stands in for hf-cb: it takes grants
         if self.cfg.model.cache_dir:
             cmd += ["--cache-dir", _absolute(self.cfg.model.cache_dir)]
         if self.secret_file is not None:

@@ -270,4 +270,4 @@ def test_no_pickle_anywhere() -> None:
                 if isinstance(a, ast.Constant) and a.value is True:
                     offenders.append(f"{path}:{node.lineno} allow_pickle=True")
     assert not offenders, offenders
-    assert Path(REPO / "sclsd" / "protocol.py").read_text().count("msgspec") > 0
+    assert Path(REPO / "sclsd" / "protocol" / "codec.py").read_text().count("msgspec.msgpack") > 0

@@ -119,7 +119,7 @@ def test_cpu_cache_holds_the_memory_budget_and_reports_it() -> None:
     try:
         assert cb.cache_tokens == 112  # 100 tokens in whole pages of 16
         info = cb.info()
-        assert info.mem_available == 100 * delta and info.extra["kv_page_tokens"] == 16
+        assert info.mem_available == 100 * delta and info.caps.kv_page_tokens == 16
         (out,), _ = cb.serve(P.BatchMsg(batch_id=1, slice_len=4, requests=rows([[5, 6]], 4, ignore_eos=True)))
         assert len(out.token_ids) == 4
         cache = cb._mgr.batch_processor.cache

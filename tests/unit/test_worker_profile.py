@@ -25,7 +25,7 @@ class ClockEngine:
     def __init__(self):
         from worker.engines.base import EngineInfo
 
-        self._info = EngineInfo("clock", "m", "cpu", 1000, 10**9, extra={"vocab": 500})
+        self._info = EngineInfo("clock", "m", "cpu", 1000, 10**9, vocab_size=500)
         self.calls = 0
 
     def info(self):

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sclsd.protocol import BatchMsg, BatchStats, RequestOutput
+from sclsd.protocol import BatchMsg, BatchStats, EngineCaps, RequestOutput
 
 #: Receives the tokens a running batch generated since the last call (see the module docstring).
 Emit = Callable[[list[RequestOutput]], None]
@@ -41,7 +41,10 @@ class EngineInfo:
     vocab_size: int = 0
     """Token ids the model accepts (0: unknown); the daemon checks its tokenizer against it,
     so engines report what ``len(tokenizer)`` gives for their model."""
+    caps: EngineCaps = field(default_factory=EngineCaps)
+    """What the engine can do (sent as ``Register.caps``; the daemon reads only this)."""
     extra: dict[str, Any] = field(default_factory=dict)
+    """Facts for the logs (dtype, load time, library versions); nothing decides on them."""
 
 
 class Engine(ABC):

@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from sclsd.protocol import BatchMsg, BatchStats, RequestOutput
+from sclsd.protocol import BatchMsg, BatchStats, EngineCaps, RequestOutput
 from worker.engines.base import Emit, Engine, EngineInfo, TokenCursor
 from worker.engines.kvstore import KVReuse, KVStore, Retained
 from worker.engines.sampling import mix_seed, random_seed, synthetic_logprobs
@@ -64,6 +64,7 @@ class FakeEngine(Engine):
         threads: int | None = None,
         kv_reuse: bool = True,
         kv_retain_bytes: int | None = None,
+        batching: str = "static",
     ) -> None:
         if vocab <= FIRST_ORDINARY_ID:
             raise ValueError(f"vocab must exceed {FIRST_ORDINARY_ID}, got {vocab}")
@@ -75,6 +76,11 @@ class FakeEngine(Engine):
         self.mem_budget = int(mem_budget) if mem_budget else DEFAULT_BUDGET
         self.kv_bytes = int(kv_bytes_per_token)
         self.max_natural = int(max_natural)
+        if batching not in ("static", "continuous"):
+            raise ValueError(f"batching must be 'static' or 'continuous', got {batching!r}")
+        #: What it tells the daemon: ``continuous`` lets it take slice grants (scls-cb), which
+        #: it serves one batch at a time all the same.
+        self.batching = batching
         del threads  # accepted for CLI symmetry with the torch engines
         budget = self.mem_budget if kv_retain_bytes is None else int(kv_retain_bytes)
         self.kv = KVReuse(KVStore(budget), self.kv_bytes, self.mem_budget) if kv_reuse else None
@@ -89,7 +95,7 @@ class FakeEngine(Engine):
             mem_available=self.mem_budget,
             eos_token_ids=[EOS_ID],
             vocab_size=self.vocab,
-            extra={"vocab": self.vocab},
+            caps=EngineCaps(batching=self.batching),  # type: ignore[arg-type]
         )
 
     def profile(self) -> dict[str, Any]:

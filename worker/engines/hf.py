@@ -31,7 +31,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from sclsd import models
-from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, RequestOutput, TokenLogprobs
+from sclsd.protocol import (
+    BatchMsg,
+    BatchRequest,
+    BatchStats,
+    EngineCaps,
+    RequestOutput,
+    TokenLogprobs,
+)
 from worker.engines.base import Emit, Engine, EngineInfo, TokenCursor
 from worker.engines.kvstore import KVReuse, KVStore, Retained, assemble_past, supports_reuse
 from worker.engines.sampling import RowSampler, random_seed, select
@@ -179,12 +186,18 @@ class HFEngine(Engine):
             mem_available=int(mem),
             eos_token_ids=list(self.eos),
             vocab_size=self.vocab_size,
-            extra={
-                "dtype": str(self.dtype).removeprefix("torch."),
-                "max_context": int(getattr(self.config, "max_position_embeddings", 0) or 0),
-                "load_s": round(self.load_s, 3),
-            },
+            caps=self.caps(),
+            extra={"dtype": str(self.dtype).removeprefix("torch."), "load_s": round(self.load_s, 3)},
         )
+
+    def caps(self) -> EngineCaps:
+        """Static batches, per-request sampling with seeds, the model's context length."""
+        return EngineCaps(batching="static", sampling=True, seeded=True, max_context=self.max_context)
+
+    @property
+    def max_context(self) -> int:
+        """The model's longest context (``max_position_embeddings``; 0: unknown)."""
+        return int(getattr(self.config, "max_position_embeddings", 0) or 0)
 
     # ------------------------------------------------------------------ serving
 

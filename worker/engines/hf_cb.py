@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, RequestOutput
+from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, EngineCaps, RequestOutput
 from worker.engines.base import Emit as EngineEmit
 from worker.engines.base import EngineInfo
 from worker.engines.cb_grants import Allowance, GrantControl, register, unregister
@@ -194,9 +194,14 @@ class HFCBEngine(HFEngine):
         info = super().info()
         if tokens := getattr(self, "cache_tokens", 0):  # unset while HFEngine.__init__ measures
             info.mem_available = min(info.mem_available, tokens * self.delta)
-        # Whole pages: the daemon's grants reserve them (Register.kv_page_tokens).
-        info.extra["kv_page_tokens"] = getattr(self, "cache_opts", {}).get("page_size", 1)
         return info
+
+    def caps(self) -> EngineCaps:
+        """Continuous batching; sampling when started with it, never seeded; whole pages (the
+        daemon's grants reserve them)."""
+        page = getattr(self, "cache_opts", {}).get("page_size", 1)
+        return EngineCaps(batching="continuous", sampling=getattr(self, "sampling", False),
+                          seeded=False, max_context=self.max_context, kv_page_tokens=page)
 
     # ------------------------------------------------------------------ the manager
 

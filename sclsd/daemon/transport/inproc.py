@@ -54,7 +54,7 @@ class InprocWorker:
             kv_bytes_per_token=info.kv_bytes_per_token, mem_available=info.mem_available,
             pid=os.getpid(), eos_token_ids=list(info.eos_token_ids),
             vocab_size=getattr(info, "vocab_size", 0), auth=self.auth, profile=self.engine.profile(),
-            kv_page_tokens=max(1, int(info.extra.get("kv_page_tokens", 1))),
+            caps=info.caps,
         )
         fields.update(overrides)
         self.send(P.Register(**fields))

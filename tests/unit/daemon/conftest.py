@@ -16,6 +16,7 @@ from sclsd.daemon.server import Server
 from sclsd.daemon.sockets import Conn, PeerCred
 from sclsd.daemon.transport.inproc import InprocTransport, InprocWorker
 from sclsd.tokenizer import ByteTokenizer
+from sclsd.core.policy import GRANT_POLICIES
 from worker.engines.fake import FakeEngine
 
 TERMINAL = (P.Done, P.Error)
@@ -79,6 +80,8 @@ class Harness:
     def worker(self, wid: str, *, auth: str | None = None, hold: bool = False, ack: bool = True,
                hold_results: bool = False, **engine: Any) -> InprocWorker:
         secret = self.server.fleet.secret if auth is None else auth
+        if self.server.cfg.scheduler.policy in GRANT_POLICIES:
+            engine.setdefault("batching", "continuous")  # as the supervisor spawns it
         return self.transport.connect(wid, FakeEngine(**engine), auth=secret or "", hold=hold, ack=ack,
                                       hold_results=hold_results)
 

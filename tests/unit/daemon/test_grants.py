@@ -166,8 +166,10 @@ def test_a_static_worker_cannot_join_a_grant_daemon(daemon) -> None:
     async def body(h: Harness) -> None:
         from worker.engines.fake import FakeEngine
 
-        w = h.transport.connect("w0", FakeEngine(), auth=h.server.fleet.secret or "", register=False)
-        w.register(engine="hf")
+        # A static engine (its caps say so), whatever its name.
+        w = h.transport.connect("w0", FakeEngine(batching="static"), auth=h.server.fleet.secret or "",
+                                register=False)
+        w.register()
         await until(w.got, lambda: any(isinstance(m, P.Shutdown) for m in w.received))
         assert "w0" not in h.server.fleet.workers
 

@@ -1,0 +1,66 @@
+"""What every channel shares: the protocol version, framing constants, field types, the
+base of every message, and the log-probability structs that workers and clients both carry."""
+
+from __future__ import annotations
+
+import struct
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+#: Bumped on any incompatible change to a message below. 2: workers authenticate
+#: (``Register.auth``), acknowledge batches (:class:`BatchAck`) and hear
+#: :class:`Keepalive`; the status reply is the typed :class:`StatusSnapshot`. 3: workers
+#: stream tokens during a slice (:class:`Tokens`), keep KV across slices (``kv_tokens``,
+#: ``kv_evicted``) and hear :class:`Release`. 4: ``generate`` grows the parameters of
+#: OpenAI-style clients (``min_p``, the penalties, ``logprobs``/``top_logprobs``, ``user``,
+#: ``max_tokens = None`` and ``cap_max_tokens``), ``delta``/``done`` carry ``logprobs`` and
+#: batch rows/results the same. Older clients are still served: every new field has a
+#: default, and the daemon sends a new field only to a request that asked for it. 5:
+#: ``register`` carries the engine's typed capabilities (``caps``: batching, sampling,
+#: max context, KV page, captured graph buckets) in place of ``kv_page_tokens``.
+PROTOCOL_VERSION = 5
+
+#: Default cap on one client / status frame (bytes of msgpack).
+DEFAULT_MAX_FRAME = 4 * 1024 * 1024
+#: A stream frame's header: the body's length, 4 bytes big-endian.
+FRAME_HEADER = struct.Struct(">I")
+
+NonNegFloat = Annotated[float, Meta(ge=0.0)]
+PosInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
+
+#: Every ``Error.code`` the daemon sends (docs/protocol.md says when).
+ErrorCode = Literal[
+    "bad_request", "bad_frame", "frame_too_large", "unknown_type", "prompt_too_long",
+    "duplicate_id", "unknown_id", "overloaded", "draining", "shutdown", "forbidden",
+    "unknown_worker", "no_workers", "timeout", "internal", "starting",
+]
+WorkerStateName = Literal["active", "draining", "drained"]
+
+
+class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_defaults=True):
+    """Base of every message: tagged by ``type``, unknown fields rejected."""
+
+
+class Logprob(msgspec.Struct, array_like=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A token and its log-probability (an array ``[id, logprob, token?]`` on the wire).
+    Workers send ids; the daemon adds ``token``, the token's text, for its clients."""
+
+    id: int
+    logprob: float
+    token: str = ""
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, forbid_unknown_fields=True, omit_defaults=True):
+    """One generated position: the chosen token and the ``top_logprobs`` most likely ones.
+
+    Log-probabilities are the log-softmax of the model's logits at that position (the row
+    the engine samples from, before penalties, temperature and truncation; vLLM's default).
+    """
+
+    chosen: Logprob
+    top: list[Logprob] = []

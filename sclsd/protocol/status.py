@@ -1,0 +1,126 @@
+"""Status socket (stream Unix socket, read-only): :class:`StatusRequest` /
+:class:`MetricsRequest` answered by :class:`StatusReply` / :class:`MetricsReply`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from .common import WorkerStateName, _Msg
+
+
+class StatusRequest(_Msg, tag="status"):
+    """Ask for the daemon's state as a :class:`StatusReply`."""
+
+
+class MetricsRequest(_Msg, tag="metrics"):
+    """Ask for Prometheus text exposition as a :class:`MetricsReply`."""
+
+
+StatusMsg = StatusRequest | MetricsRequest
+
+
+class WorkerStatus(msgspec.Struct, forbid_unknown_fields=True):
+    """One registered worker, as the status socket shows it."""
+
+    id: str
+    engine: str
+    model: str
+    device: str
+    pid: int
+    state: WorkerStateName
+    load_s: float
+    """Estimated seconds of work queued on the worker (the offloader's view)."""
+    batches_inflight: int
+    """Batches sent and not yet answered."""
+    queued_batches: int
+    """Batches in the worker's local queue (its last heartbeat)."""
+    busy: bool
+    """Serving a batch (its last heartbeat)."""
+    batches_done: int
+    tokens_done: int
+    heartbeat_age_s: float
+    """Seconds since the worker was last heard from."""
+
+
+class LoadingWorker(msgspec.Struct, forbid_unknown_fields=True):
+    """A worker the daemon spawned that has not registered yet (it is loading its model)."""
+
+    id: str
+    pid: int
+    age_s: float
+    """Seconds since it was spawned."""
+    step: str = ""
+    """Its latest loading step, as it logged it ("" before the first)."""
+
+
+class EstimatedVsMeasured(msgspec.Struct, forbid_unknown_fields=True):
+    est_s: float
+    measured_s: float
+
+
+class EstimatorError(msgspec.Struct, forbid_unknown_fields=True):
+    """Measured minus estimated batch serving time over the latest batches."""
+
+    batches: int
+    mean_error_s: float | None
+    mean_abs_error_s: float | None
+    last: list[EstimatedVsMeasured]
+
+
+class Limits(msgspec.Struct, forbid_unknown_fields=True):
+    max_queued_requests: int
+    max_queued_tokens: int
+
+
+class StatusSnapshot(msgspec.Struct, forbid_unknown_fields=True):
+    """The daemon's state, built in one place (``sclsd.daemon.status``) and read by the
+    status socket, ``sclsctl status/top`` and the Prometheus gauges."""
+
+    version: str
+    protocol: int
+    uptime_s: float
+    draining: bool
+    model: str
+    policy: str
+    slice_len: int
+    interval_s: float
+    """Current scheduling interval T."""
+    pool_size: int
+    """Requests waiting in the pool for a slice."""
+    live_requests: int
+    running_requests: int
+    """Requests in batches on workers."""
+    admitting: int
+    """Requests between their frame and admission (tokenizing)."""
+    queued_tokens: int
+    """Prompt tokens of live requests."""
+    limits: Limits
+    connections: int
+    metrics_http: str | None
+    workers: list[WorkerStatus]
+    estimator: dict[str, Any]
+    """The serving-time estimator's coefficients (``sclsd.core.estimator``)."""
+    estimator_error: EstimatorError
+    counters: dict[str, int]
+    """Scheduler and daemon event counts since start (docs/operations.md lists them)."""
+    serving: bool = True
+    """False when no worker can serve (e.g. local workers crash-looping) or while the daemon
+    is ``starting``: see ``why``."""
+    why: str | None = None
+    starting: bool = False
+    """The daemon listens but does not serve yet (loading the tokenizer, downloading the
+    model): ``generate`` is answered with error ``starting``."""
+    loading: list[LoadingWorker] = []
+    """Spawned workers that have not registered yet."""
+
+
+class StatusReply(_Msg, tag="status_reply"):
+    """Snapshot of the daemon."""
+
+    status: StatusSnapshot
+
+
+class MetricsReply(_Msg, tag="metrics_reply"):
+    text: str

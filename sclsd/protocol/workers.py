@@ -1,0 +1,215 @@
+"""Daemon <-> worker (ZeroMQ ROUTER/DEALER): worker -> daemon :class:`Register`,
+:class:`Heartbeat`, :class:`BatchAck`, :class:`Tokens`, :class:`Result`; daemon -> worker
+:class:`Welcome`, :class:`BatchMsg`, :class:`Release`, :class:`Drain`, :class:`Resume`,
+:class:`Reregister`, :class:`Shutdown`, :class:`Keepalive`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from .common import PROTOCOL_VERSION, NonNegInt, PosInt, TokenLogprobs, _Msg
+
+
+class EngineCaps(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """What a worker's engine can do, sent once at register (``Register.caps``)."""
+
+    batching: Literal["static", "continuous"] = "static"
+    """``static``: one padded batch per slice (policy ``scls``); ``continuous``: rows join
+    and leave every iteration, so the worker takes slice grants (policy ``scls-cb``)."""
+    sampling: bool = True
+    """Per-request temperature, top-p, top-k and min-p (False: greedy rows only)."""
+    seeded: bool = True
+    """Per-request seeds, reproducible across slicing."""
+    max_context: NonNegInt = 0
+    """Longest context (prompt + generated) the engine takes; 0: unknown."""
+    kv_page_tokens: PosInt = 1
+    """The engine allocates KV in pages of this many tokens (1: per token): slice grants
+    reserve whole pages."""
+    graph_batch_sizes: list[PosInt] = []
+    """Batch sizes whose decode step runs as a captured graph (ascending; empty: none)."""
+    graph_cache_tokens: list[PosInt] = []
+    """Cache lengths (context + slice) captured for each of those batch sizes (ascending):
+    a batch is served from the smallest bucket that holds it."""
+
+
+class Register(_Msg, tag="register"):
+    """First message of a worker. The daemon answers :class:`Welcome`."""
+
+    worker_id: Annotated[str, Meta(min_length=1, max_length=64)]
+    engine: str
+    model: str
+    device: str
+    kv_bytes_per_token: NonNegInt
+    """Δ: KV-cache bytes per token (model architecture and dtype)."""
+    mem_available: NonNegInt
+    """M_ava in bytes: memory left for KV after weights and engine overhead."""
+    pid: int
+    protocol: int = PROTOCOL_VERSION
+    eos_token_ids: list[int] = []
+    vocab_size: NonNegInt = 0
+    """Size of the worker's vocabulary (0: unknown); checked against the daemon's tokenizer."""
+    auth: Annotated[str, Meta(max_length=256)] = ""
+    """The daemon's worker secret (hex), for workers without CURVE: spawned workers read it
+    from a file only the daemon's user can read; others from ``daemon.worker_secret_file``."""
+    profile: dict[str, Any] | None = None
+    """Fitted estimator profile (see sclsd.core.estimator), if the worker has one."""
+    caps: EngineCaps = msgspec.field(default_factory=EngineCaps)
+    """What the engine can do: the daemon's batcher, admission and grant policy read this,
+    never the engine's name."""
+
+
+class Keepalive(_Msg, tag="keepalive"):
+    """Sent by the daemon to each registered worker every heartbeat interval: a worker
+    that hears nothing for its silence timeout drops its queue and registers again."""
+
+
+class BatchAck(_Msg, tag="batch_ack"):
+    """A worker received :class:`BatchMsg` ``batch_id`` and queued it."""
+
+    worker_id: str
+    batch_id: int
+
+
+class Welcome(_Msg, tag="welcome"):
+    heartbeat_interval_s: float
+    protocol: int = PROTOCOL_VERSION
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    worker_id: str
+    queued_batches: int = 0
+    busy: bool = False
+
+
+class BatchRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One request inside a batch: its whole context so far, by token ids."""
+
+    rid: str
+    token_ids: list[int]
+    """Prompt + tokens generated in earlier slices (continuation by ids, never text)."""
+    max_new_tokens: PosInt
+    """Budget left for this request; the engine stops the row there."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    generated: int = 0
+    """Tokens generated in earlier slices (keeps sampling streams reproducible)."""
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    """Both over the tokens generated so far: the last ``generated`` of ``token_ids`` and
+    those of this slice."""
+    repetition_penalty: float = 1.0
+    """Over the whole context (prompt and generated tokens)."""
+    logprobs: bool = False
+    """Send ``RequestOutput.logprobs`` for this row."""
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0
+
+
+class BatchMsg(_Msg, tag="batch"):
+    """Serve these requests for at most ``slice_len`` decoding iterations."""
+
+    batch_id: int
+    slice_len: PosInt
+    requests: list[BatchRequest]
+    kv_reuse: bool = True
+    """Use KV kept from the rows' earlier slices and keep theirs after this one (the daemon's
+    ``scheduler.kv_reuse``); False: prefill in full and keep nothing (the paper's slicing)."""
+
+
+class RequestOutput(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    rid: str
+    token_ids: list[int]
+    """Tokens generated in this slice."""
+    finish_reason: Literal["stop", "length"] | None = None
+    """``stop``: EOS or a stop token; ``length``: its max_new_tokens reached; None: slice ended."""
+    logprobs: list[TokenLogprobs] = []
+    """Rows asked for ``logprobs``: one entry per token of ``token_ids``."""
+    kv_tokens: NonNegInt = 0
+    """In a :class:`Result`: tokens of this request's context whose KV the worker keeps after
+    the slice (its next slice there prefills only the rest); 0: none kept."""
+
+
+class BatchStats(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    iterations: int = 0
+    pad_tokens: int = 0
+    """Left-padding tokens in the prefill."""
+    invalid_tokens: int = 0
+    """Tokens computed for rows that had already finished."""
+    peak_memory: int = 0
+    batch_size: int = 0
+    input_len: int = 0
+    """Batch input length L_i (longest context in the batch)."""
+    queue_wait_s: float = 0.0
+    """Time the batch waited in the worker's local queue."""
+    prefill_tokens: int = 0
+    """Context tokens the prefill computed (padding excluded)."""
+    reused_tokens: int = 0
+    """Context tokens whose KV came from the worker's retained caches instead."""
+    preemptions: int = 0
+    """Requests the engine preempted (offloaded or dropped to recompute) to make room,
+    counted since the engine started; continuous engines only (0 under grants)."""
+    kv_peak_tokens: int = 0
+    """The most tokens of KV the engine held at once (running and kept requests' contexts),
+    since it started; continuous engines only."""
+
+
+class Result(_Msg, tag="result"):
+    worker_id: str
+    batch_id: int
+    outputs: list[RequestOutput] = []
+    stats: BatchStats = msgspec.field(default_factory=BatchStats)
+    error: str | None = None
+    """Set when the engine failed: the batch's requests go back to the pool."""
+    kv_evicted: list[str] = []
+    """Requests whose retained KV the worker dropped to make room since its last result."""
+
+
+class Tokens(_Msg, tag="tokens"):
+    """Tokens of a running batch, sent as they are generated (coalesced: at most one per
+    batch every ~20 ms, the first as soon as the prefill produced the first tokens).
+
+    Each output holds only the tokens generated since the previous ``tokens`` of this
+    batch; ``finish_reason`` is set once a row has finished. Advisory: the batch's
+    :class:`Result` still carries every token of the slice and is authoritative.
+    """
+
+    worker_id: str
+    batch_id: int
+    outputs: list[RequestOutput]
+
+
+class Release(_Msg, tag="release"):
+    """Drop the retained KV of these requests (they ended or moved to another worker)."""
+
+    rids: list[str]
+
+
+class Drain(_Msg, tag="drain"):
+    """Stop taking new batches; finish the local queue."""
+
+
+class Shutdown(_Msg, tag="shutdown"):
+    """Exit after the current batch (its result is still sent)."""
+
+
+class Resume(_Msg, tag="resume"):
+    """Take new batches again after a :class:`Drain`."""
+
+
+class Reregister(_Msg, tag="reregister"):
+    """The daemon does not know this worker (it was declared dead, e.g. after a
+    heartbeat timeout, or the daemon restarted): send :class:`Register` again.
+    Batches the worker still holds were already given back to the pool."""
+
+
+WorkerMsg = Register | Heartbeat | Result | BatchAck | Tokens
+DaemonToWorkerMsg = Welcome | BatchMsg | Drain | Shutdown | Resume | Reregister | Keepalive | Release

@@ -12,11 +12,11 @@ import pytest
 
 from sclsd import protocol as P
 from sclsd.config import from_dict
+from sclsd.core.policy import GRANT_POLICIES
 from sclsd.daemon.server import Server
 from sclsd.daemon.sockets import Conn, PeerCred
 from sclsd.daemon.transport.inproc import InprocTransport, InprocWorker
 from sclsd.tokenizer import ByteTokenizer
-from sclsd.core.policy import GRANT_POLICIES
 from worker.engines.fake import FakeEngine
 
 TERMINAL = (P.Done, P.Error)

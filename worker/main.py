@@ -251,6 +251,37 @@ def build_parser() -> argparse.ArgumentParser:
         "sort of the vocabulary per row and step)",
     )
     p.add_argument(
+        "--static-cache",
+        type=parse_value,
+        default=None,
+        help="hf: serve slices from a static KV cache allocated once (true/false/auto; auto: on "
+        "with CUDA)",
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        type=parse_value,
+        default=None,
+        help="hf: capture the static path's decode step as CUDA graphs at start (true/false/auto)",
+    )
+    p.add_argument(
+        "--static-share",
+        type=float,
+        default=None,
+        help="hf: part of the KV memory the static cache takes; the rest keeps KV across slices "
+        "(default 0.5)",
+    )
+    p.add_argument("--graph-batch-sizes", default=None,
+                   help="hf: batch-size buckets of the static path, comma-separated")
+    p.add_argument("--graph-cache-tokens", default=None,
+                   help="hf: cache-length buckets of the static path, comma-separated")
+    p.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=None,
+        help="hf: most tokens per prefill forward pass on the static path (0: no chunks; "
+        "default 8192 on CUDA)",
+    )
+    p.add_argument(
         "--opt",
         action="append",
         type=parse_opt,
@@ -306,7 +337,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {}
     for name in ("threads", "mem_budget", "dtype", "decode_s", "prefill_s_per_token", "vocab",
                  "kernel_inject", "kv_reuse", "kv_retain_bytes", "kv_host_bytes", "sampling",
-                 "batching"):
+                 "batching", "static_cache", "cuda_graphs", "static_share", "graph_batch_sizes",
+                 "graph_cache_tokens", "prefill_chunk_tokens"):
         value = getattr(args, name)
         if value is not None:
             opts[name] = value
@@ -444,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as exc:
         log.error("cannot start engine %s: %s", args.engine, exc)
         return 2
+    if stop["reason"] is None:
+        engine.warm_up(lambda step: log.info("%s", step))
     log.info("engine %s ready in %.1fs: registering with the daemon", args.engine,
              time.perf_counter() - t0)
     stop_progress(progress)

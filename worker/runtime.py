@@ -43,7 +43,7 @@ import msgspec
 import zmq
 
 from sclsd import protocol as P
-from worker.engines.base import Engine
+from worker.engines.base import EMPTY, Engine
 from worker.link import DaemonLink, RuntimeOptions
 
 __all__ = ["MAX_ERROR_CHARS", "STREAM_INTERVAL_S", "RuntimeOptions", "TokenStream", "WorkerRuntime"]
@@ -152,84 +152,62 @@ class WorkerRuntime:
     # ------------------------------------------------------------------ serve thread
 
     def _serve_loop(self) -> None:
+        """The serve thread: the engine's :meth:`~worker.engines.base.Engine.run` over the local
+        queue, each batch's outcome encoded as a Result, its tokens coalesced into Tokens."""
         pair = self.ctx.socket(zmq.PAIR)
         pair.setsockopt(zmq.LINGER, 0)
         pair.connect(self._inproc)
-        if getattr(self.engine, "continuous", False):
-            self._serve_continuous(pair)
-            return
-        try:
-            while True:
-                item = self.batches.get()
-                if item is None:
-                    return
-                batch, queued_at = item
-                self.state.busy = True
-                try:
-                    res = self._serve_one(batch, time.monotonic() - queued_at, pair.send)
-                finally:
-                    self.state.busy = False
-                pair.send(P.encode(res))
-        finally:
-            pair.close()
-
-    def _serve_continuous(self, pair: zmq.Socket) -> None:
-        """Continuous engines (hf-cb) admit new batches while earlier ones still generate."""
-        from worker.engines.hf_cb import queue_take
-
         wid = self.opts.worker_id
         streams: dict[int, TokenStream] = {}  # per batch in flight, coalescing its tokens
+        waited: dict[int, float] = {}  # per batch in flight, its time in the local queue
+        st = self.state
+
+        def take(timeout: float | None) -> Any:
+            try:
+                item = self.batches.get(timeout=timeout) if timeout != 0.0 else self.batches.get_nowait()
+            except queue.Empty:
+                return EMPTY
+            if item is None:
+                return None
+            batch, queued_at = item
+            waited[batch.batch_id] = time.monotonic() - queued_at
+            st.busy = True
+            return batch
 
         def stream(batch_id: int, outputs: list[P.RequestOutput]) -> None:
             if batch_id not in streams:
                 streams[batch_id] = TokenStream(pair.send, wid, batch_id)
             streams[batch_id](outputs)
 
-        def emit(batch: P.BatchMsg, outputs: Any, stats: Any, error: str | None) -> None:
+        def done(batch: P.BatchMsg, outputs: list[P.RequestOutput] | None, stats: P.BatchStats | None,
+                 error: str | None) -> None:
             streams.pop(batch.batch_id, None)
-            if error is not None:
-                log.warning("batch=%d refused: %s", batch.batch_id, error)
-                res = P.Result(worker_id=wid, batch_id=batch.batch_id, error=error[:MAX_ERROR_CHARS])
+            wait = waited.pop(batch.batch_id, 0.0)
+            st.busy = bool(waited)
+            evicted = self.engine.take_evicted()
+            if error is not None or outputs is None or stats is None:
+                text = (error or "the engine returned no outputs")[:MAX_ERROR_CHARS]
+                log.warning("batch=%d failed: %s", batch.batch_id, text)
+                res = P.Result(worker_id=wid, batch_id=batch.batch_id, error=text, kv_evicted=evicted)
             else:
+                stats = msgspec.structs.replace(stats, queue_wait_s=wait)
+                log.debug("batch=%d done: n=%d L=%d iterations=%d prefill=%.3fs decode=%.3fs",
+                          batch.batch_id, stats.batch_size, stats.input_len, stats.iterations,
+                          stats.prefill_s, stats.decode_s)
                 res = P.Result(worker_id=wid, batch_id=batch.batch_id, outputs=outputs, stats=stats,
-                               kv_evicted=self.engine.take_evicted())
+                               kv_evicted=evicted)
             pair.send(P.encode(res))
 
-        self.state.busy = True
         try:
-            self.engine.run_continuous(queue_take(self.batches), emit, stream)  # type: ignore[attr-defined]
+            self.engine.run(take, done, stream)
         except Exception:
             # Admitted requests cannot be answered any more: exit, and the daemon re-queues
             # them when it sees the process (or its heartbeats) gone.
-            log.exception("continuous engine failed; exiting")
+            log.exception("engine %s failed; exiting", self.engine.name)
             os._exit(1)
         finally:
-            self.state.busy = False
+            st.busy = False
             pair.close()
-
-    def _serve_one(self, batch: P.BatchMsg, waited: float,
-                   send: Callable[[bytes], Any] | None = None) -> P.Result:
-        wid = self.opts.worker_id
-        stream = TokenStream(send, wid, batch.batch_id) if send is not None else None
-        try:
-            outputs, stats = self.engine.serve(batch, stream)
-        except Exception as exc:  # the worker outlives a failing batch
-            log.exception("batch=%d failed", batch.batch_id)
-            text = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
-            return P.Result(worker_id=wid, batch_id=batch.batch_id, error=text,
-                            kv_evicted=self.engine.take_evicted())
-        stats = msgspec.structs.replace(stats, queue_wait_s=waited)
-        log.debug(
-            "batch=%d done: n=%d L=%d iterations=%d prefill=%.3fs decode=%.3fs",
-            batch.batch_id,
-            stats.batch_size,
-            stats.input_len,
-            stats.iterations,
-            stats.prefill_s,
-            stats.decode_s,
-        )
-        return P.Result(worker_id=wid, batch_id=batch.batch_id, outputs=outputs, stats=stats,
-                        kv_evicted=self.engine.take_evicted())
 
     # ------------------------------------------------------------------ receive thread
 

@@ -78,13 +78,13 @@ def test_sampling_is_per_request_and_a_seed_is_refused(engines) -> None:
 
 
 def test_continuous_admits_batches_while_others_run(engines) -> None:
-    from worker.engines.hf_cb import queue_take
+    from worker.engines.base import queue_take
 
     cb, hf = engines
     q: queue.Queue = queue.Queue()
     long = P.BatchMsg(batch_id=10, slice_len=64, requests=rows([[3, 4, 5]], 40, ignore_eos=True))
     short = P.BatchMsg(batch_id=11, slice_len=64, requests=rows([[7, 7]], 2, ignore_eos=True))
-    q.put((long, 0.0))
+    q.put(long)
     order: list[int] = []
     outs: dict[int, list[int]] = {}
 
@@ -102,10 +102,10 @@ def test_continuous_admits_batches_while_others_run(engines) -> None:
         item = take(timeout)
         if first[0] and item is long:
             first[0] = False
-            q.put((short, 0.0))  # arrives while the long request generates
+            q.put(short)  # arrives while the long request generates
         return item
 
-    cb.run_continuous(take_then_add, emit)
+    cb.run(take_then_add, emit)
     assert order == [11, 10]  # the short request left before the long one finished
     want, _ = hf.serve(short)
     assert outs[11] == want[0].token_ids
@@ -124,5 +124,48 @@ def test_cpu_cache_holds_the_memory_budget_and_reports_it() -> None:
         assert len(out.token_ids) == 4
         cache = cb._mgr.batch_processor.cache
         assert cache.num_blocks * 16 >= 112 and cache.cache_allocators["full_attention"].tokens_per_page == 16
+    finally:
+        cb.close()
+
+
+def test_cuda_leaves_the_cache_size_to_transformers_with_graphs_on() -> None:
+    """On CUDA no page count is asked for (transformers sizes the cache from the free memory
+    with the footprint formula it checks), its graphs are on and the cache takes 85 % of the
+    free memory; what it built is read back as M_ava."""
+    from types import SimpleNamespace
+
+    from worker.engines.hf_cb import GPU_GRAPHS_MEMORY_SHARE, cache_size, cache_tokens, manager_options
+
+    assert cache_size("cuda", 60 * 2**30, 524288, None, None) == (256, None)
+    assert cache_size("cuda", 60 * 2**30, 524288, None, 128) == (256, 128)  # by hand still wins
+    assert cache_size("cpu", 100 * 512, 512, None, None) == (16, 7)
+    opts = manager_options("cuda", 256, None, "auto", None, None)
+    assert opts == {"page_size": 256, "num_blocks": None, "use_cuda_graph": True,
+                    "max_memory_percent": GPU_GRAPHS_MEMORY_SHARE}
+    opts = manager_options("cuda", 256, None, False, None, 4096)
+    assert opts["use_cuda_graph"] is False and "max_memory_percent" not in opts  # transformers' default
+    assert opts["max_batch_tokens"] == 4096
+    assert manager_options("cuda", 256, None, True, 0.7, None)["max_memory_percent"] == 0.7
+    assert "use_cuda_graph" not in manager_options("cpu", 16, 7, "auto", None, None)
+    for bad, match in [(dict(cuda_graphs=True), "need a CUDA device"), (dict(memory_share=1.5), "memory_share"),
+                       (dict(max_batch_tokens=0), "max_batch_tokens"), (dict(cuda_graphs="x"), "cuda_graphs")]:
+        kw = dict(cuda_graphs="auto", memory_share=None, max_batch_tokens=None) | bad
+        with pytest.raises(ValueError, match=match):
+            manager_options("cpu", 16, 7, kw["cuda_graphs"], kw["memory_share"], kw["max_batch_tokens"])
+    mgr = SimpleNamespace(batch_processor=SimpleNamespace(cache=SimpleNamespace(num_blocks=300)),
+                          continuous_batching_config=SimpleNamespace(page_size=256))
+    assert cache_tokens(mgr) == 76800
+
+
+def test_warm_up_starts_the_manager_before_registering() -> None:
+    from worker.engines import create_engine
+
+    cb = create_engine("hf-cb", "tiny-random", threads=1, mem_budget=100 * 512)
+    try:
+        assert cb._mgr is None
+        steps: list[str] = []
+        cb.warm_up(steps.append)
+        assert cb._mgr is not None and cb._mgr.is_running() and steps
+        assert cb.info().mem_available == 100 * 512  # the CPU cache: the budget, as before
     finally:
         cb.close()

@@ -117,7 +117,7 @@ def test_stop_token_across_grants(engines) -> None:
 
 
 def test_interleaved_grants_admitted_while_others_run(engines) -> None:
-    from worker.engines.hf_cb import queue_take
+    from worker.engines.base import queue_take
 
     cb, _, hf = engines
     plan = {"x": ([3, 4, 5], 14, 2), "y": ([7, 7, 9, 11], 9, 3), "z": ([20] * 12, 11, 5)}
@@ -129,7 +129,7 @@ def test_interleaved_grants_admitted_while_others_run(engines) -> None:
     def put(rid: str) -> None:
         prompt, n, s = plan[rid]
         r = row(rid, prompt + got[rid], n - len(got[rid]))
-        q.put((P.BatchMsg(batch_id=next(_bids), slice_len=s, requests=[r]), 0.0))
+        q.put(P.BatchMsg(batch_id=next(_bids), slice_len=s, requests=[r]))
 
     def emit(batch: P.BatchMsg, outs: Any, stats: Any, error: str | None) -> None:
         assert error is None
@@ -155,7 +155,7 @@ def test_interleaved_grants_admitted_while_others_run(engines) -> None:
             put("z")
         return item
 
-    cb.run_continuous(take_and_admit, emit)
+    cb.run(take_and_admit, emit)
     assert got == want
     assert len(reused) == sum(-(-n // s) - 1 for _, n, s in plan.values())
 
@@ -220,11 +220,11 @@ def test_release_while_running_applies_at_its_end(engines) -> None:
     def take(timeout: float | None) -> Any:
         if items:
             return items.pop(0)
-        assert "live" in cb._running  # asked right after the admission
+        assert "live" in cb._paused.running  # asked right after the admission
         cb.release(None)  # e.g. the daemon re-registered while the grant runs
         return None  # stop once the running row ends
 
-    cb.run_continuous(take, lambda b, o, stats, error: outs.append(o[0]))
+    cb.run(take, lambda b, o, stats, error: outs.append(o[0]))
     (out,) = outs
     assert len(out.token_ids) == 30 and out.finish_reason is None and out.kv_tokens == 0
     assert cb.kept() == {}

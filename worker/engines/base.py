@@ -11,10 +11,18 @@ Two optional capabilities beyond serving a batch:
   (reported per row as ``RequestOutput.kv_tokens``); :meth:`Engine.release` drops
   it on the daemon's word and :meth:`Engine.take_evicted` lists what the engine
   dropped by itself to make room.
+
+The worker drives every engine the same way, through :meth:`Engine.run`: batches come
+from a ``take`` function and each one's outcome goes to ``done``. A static engine serves
+them one at a time (the default :meth:`Engine.run`, over :meth:`Engine.serve`); a
+continuous engine (``caps.batching == "continuous"``) overrides :meth:`Engine.run` to
+admit new batches while earlier ones still generate.
 """
 
 from __future__ import annotations
 
+import logging
+import queue
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -22,8 +30,19 @@ from typing import Any
 
 from sclsd.protocol import BatchMsg, BatchStats, EngineCaps, RequestOutput
 
+log = logging.getLogger("worker")
+
 #: Receives the tokens a running batch generated since the last call (see the module docstring).
 Emit = Callable[[list[RequestOutput]], None]
+#: ``take`` returns this when no batch came within its timeout.
+EMPTY: Any = object()
+#: ``take(timeout)``: the next batch; :data:`EMPTY` when none came within ``timeout`` seconds
+#: (None: wait for one); None to stop once every admitted batch is done.
+Take = Callable[[float | None], Any]
+#: ``done(batch, outputs, stats, error)``: a batch's outcome, outputs and stats or an error text.
+Done = Callable[[BatchMsg, "list[RequestOutput] | None", "BatchStats | None", "str | None"], None]
+#: ``stream(batch_id, outputs)``: a running batch's new tokens.
+Stream = Callable[[int, "list[RequestOutput]"], None]
 
 
 @dataclass
@@ -83,6 +102,34 @@ class Engine(ABC):
                 if bad:
                     raise ValueError(f"request {r.rid!r}: token id {bad[0]} outside vocab {vocab}")
 
+    def warm_up(self, progress: Callable[[str], None] | None = None) -> None:  # noqa: B027 - optional
+        """Before the worker registers: whatever makes the first batches as fast as the later
+        ones (capturing graphs, first calls of kernels); ``progress`` hears each step."""
+
+    def run(self, take: Take, done: Done, stream: Stream | None = None) -> None:
+        """Serve batches from ``take`` until it returns None, reporting each to ``done``.
+
+        Static engines serve one batch at a time; a batch that raises is reported with the
+        error text and the engine goes on with the next. Continuous engines override this.
+        """
+        while True:
+            batch = take(None)
+            if batch is None:
+                return
+            if batch is EMPTY:
+                continue
+            emit: Emit | None = None
+            if stream is not None:
+                def emit(outputs: list[RequestOutput], bid: int = batch.batch_id) -> None:
+                    stream(bid, outputs)
+            try:
+                outputs, stats = self.serve(batch, emit)
+            except Exception as exc:  # the worker outlives a failing batch
+                log.exception("batch=%d failed", batch.batch_id)
+                done(batch, None, None, f"{type(exc).__name__}: {exc}")
+                continue
+            done(batch, outputs, stats, None)
+
     def profile(self) -> dict[str, Any] | None:
         """An estimator profile (``sclsd.core.profiles.Profile.to_dict()``) this engine knows
         exactly, sent at register when none is given on the command line; None otherwise."""
@@ -129,3 +176,15 @@ class TokenCursor:
                 self.sent[i] = len(toks)
         if new:
             self.emit(new)
+
+
+def queue_take(q: queue.Queue[Any]) -> Take:
+    """A ``take`` over a queue of batches (None in the queue: stop)."""
+
+    def take(timeout: float | None) -> Any:
+        try:
+            return q.get(timeout=timeout) if timeout != 0.0 else q.get_nowait()
+        except queue.Empty:
+            return EMPTY
+
+    return take

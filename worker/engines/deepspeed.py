@@ -192,6 +192,8 @@ class DeepSpeedEngine(HFEngine):
     """The ``hf`` slice loop over a ``deepspeed.init_inference`` model (see the module docstring)."""
 
     name = "deepspeed"
+    #: The paper's DS worker keeps the eager loop unless ``static_cache = true``.
+    static_default = False
 
     def __init__(
         self,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import resource
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from sclsd import models
@@ -41,7 +41,14 @@ from sclsd.protocol import (
 )
 from worker.engines.base import Emit, Engine, EngineInfo, TokenCursor
 from worker.engines.kvstore import KVReuse, KVStore, Retained, assemble_past, supports_reuse
-from worker.engines.sampling import RowSampler, random_seed, select
+from worker.engines.sampling import BatchSampler, Draw, random_seed
+from worker.engines.static import (
+    StaticOptions,
+    StaticRun,
+    StaticRunner,
+    activation_reserve,
+    check_graphs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +57,9 @@ DEFAULT_CPU_BUDGET = 4 * 1024**3
 
 
 class RowState:
-    """Per-row bookkeeping of one batch."""
+    """Per-row bookkeeping of one batch on the host: output, finish reason, log-probabilities."""
 
-    __slots__ = ("req", "stops", "seed", "out", "reason", "sampler", "logprobs")
+    __slots__ = ("req", "stops", "seed", "out", "reason", "logprobs")
 
     def __init__(self, req: BatchRequest, eos: list[int]) -> None:
         self.req = req
@@ -63,7 +70,6 @@ class RowState:
         self.seed = req.seed if req.seed is not None else random_seed()
         self.out: list[int] = []
         self.reason: str | None = None
-        self.sampler = RowSampler(req, self.seed)
         self.logprobs: list[TokenLogprobs] = []
 
     @property
@@ -73,13 +79,79 @@ class RowState:
     def push(self, token: int, logprobs: TokenLogprobs | None = None) -> None:
         """Record a generated token and decide whether the row has finished."""
         self.out.append(token)
-        self.sampler.push(token)
         if logprobs is not None:
             self.logprobs.append(logprobs)
         if token in self.stops:
             self.reason = "stop"
         elif len(self.out) >= self.req.max_new_tokens:
             self.reason = "length"
+
+
+class EagerRun:
+    """One batch on the eager path: transformers' ``DynamicCache``, grown a column per step."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        self.engine = engine
+        self.cache: Any = None
+        self.mask: Any = None
+        self.last: Any = None
+
+    def prefill(self, reqs: list[BatchRequest], taken: list[Retained | None], used: list[int]) -> Any:
+        """Prefill what the rows' held KV does not cover; the ``[rows, vocab]`` last logits."""
+        cache, ids, mask, pos = self.inputs(reqs, taken, used)
+        out = self.engine.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                past_key_values=cache, use_cache=True, logits_to_keep=1)
+        self.cache, self.mask, self.last = cache, mask, pos[:, -1:]
+        return out.logits[:, -1, :]
+
+    def decode(self, tokens: Any, positions: list[int]) -> Any:
+        """Feed every row's latest token (``[rows]``, on the device); the next logits."""
+        import torch
+
+        del positions  # they follow from the prefill's
+        self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
+        self.last = self.last + 1
+        out = self.engine.model(input_ids=tokens.unsqueeze(1), attention_mask=self.mask,
+                                position_ids=self.last, past_key_values=self.cache, use_cache=True)
+        return out.logits[:, -1, :]
+
+    def keep_view(self, fed: int) -> tuple[Any, Any]:
+        """``(cache, 2-D mask)`` to cut the kept rows from (the cache holds exactly what was fed)."""
+        del fed
+        return self.cache, self.mask
+
+    def inputs(
+        self, reqs: list[BatchRequest], taken: list[Retained | None], used: list[int]
+    ) -> tuple[Any, Any, Any, Any]:
+        """The prefill's cache, input ids, 2-D attention mask and positions.
+
+        The mask spans ``[past | new]``: row ``i``'s ``used[i]`` held tokens sit at the
+        right of the past block, its new tokens at the right of the new block
+        (left padding in both), every pad slot masked. Positions count real tokens
+        only, so they continue where a row's held KV ends.
+        """
+        import torch
+        from transformers import DynamicCache
+
+        eng = self.engine
+
+        n = len(reqs)
+        past = max(used, default=0)
+        fresh = [len(r.token_ids) - u for r, u in zip(reqs, used, strict=True)]
+        width = max(fresh)
+        ids = torch.full((n, width), eng.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, past + width), dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids[i, width - fresh[i] :] = torch.tensor(r.token_ids[used[i] :], dtype=torch.long)
+            mask[i, past - used[i] : past] = 1
+            mask[i, past + width - fresh[i] :] = 1
+        # Pads get position 0 (or repeat their left neighbour's); they are masked anyway.
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
+        cache = assemble_past(taken, used, eng.config) if past else None
+        if cache is None:
+            cache = DynamicCache(config=eng.config)
+        dev = eng.device
+        return cache, ids.to(dev), mask.to(dev), pos.to(dev)
 
 
 def to_host(entry: Retained) -> Retained:
@@ -91,6 +163,32 @@ def to_host(entry: Retained) -> Retained:
         return t.to("cpu").pin_memory() if pin else t.to("cpu", copy=True)
 
     return Retained(entry.tokens, entry.nbytes, [(host(k), host(v)) for k, v in entry.kv], True)
+
+
+def vocab_size(spec: models.ModelSpec, config: Any) -> int:
+        """``len(tokenizer)`` (added tokens included), as the daemon's tokenizer counts it.
+
+        Capped at the config's ``vocab_size``: a model whose embedding is smaller than
+        its tokenizer cannot take every id, and the daemon's check should see that.
+        Loaded here, with the model, so that registering never waits on it.
+        ``tiny-random`` is built with exactly the SmolLM2 tokenizer's size, so its
+        config answers without the seconds a GGUF tokenizer takes to load. Without a
+        tokenizer the config's ``vocab_size`` is the best guess.
+        """
+        config_vocab = int(getattr(config, "vocab_size", 0) or 0)
+        if spec.kind == "tiny":
+            return config_vocab
+        try:
+            tok_vocab = len(models.load_tokenizer(spec))
+        except Exception as exc:  # a model may come without any tokenizer: still servable
+            log.warning("no tokenizer for %s (%s): reporting the config's vocab_size %d",
+                        spec.name, exc, config_vocab)  # fmt: skip
+            return config_vocab
+        if config_vocab and tok_vocab > config_vocab:
+            log.warning("%s: tokenizer has %d tokens, the model only %d",
+                        spec.name, tok_vocab, config_vocab)  # fmt: skip
+            return config_vocab
+        return tok_vocab
 
 
 def peak_memory(device: Any) -> int:
@@ -107,6 +205,8 @@ class HFEngine(Engine):
     """Static-batching transformers engine (see the module docstring)."""
 
     name = "hf"
+    #: Whether ``static_cache = "auto"`` takes the static-cache path (on CUDA).
+    static_default = True
 
     def __init__(
         self,
@@ -118,6 +218,13 @@ class HFEngine(Engine):
         kv_reuse: bool = True,
         kv_retain_bytes: int | None = None,
         kv_host_bytes: int | None = None,
+        static_cache: Any = "auto",
+        cuda_graphs: Any = "auto",
+        static_share: float = 0.5,
+        graph_batch_sizes: Any = None,
+        graph_cache_tokens: Any = None,
+        prefill_chunk_tokens: int | None = None,
+        static_buckets: Any = None,
     ) -> None:
         import torch
 
@@ -136,48 +243,48 @@ class HFEngine(Engine):
         # Pad id only fills masked slots; any valid id works.
         self.pad_id = int(pad) if isinstance(pad, int) else (self.eos[0] if self.eos else 0)
         self.delta = models.kv_bytes_per_token(self.config, self.dtype)
-        self.vocab_size = self._vocab_size()
+        self.vocab_size = vocab_size(self.spec, self.config)
         log.info("loaded %s on %s in %.1f s", self.spec.name, self.device, self.load_s)
-        self.kv_limit = self.info().mem_available
-        """Bytes of KV a batch and the retained caches share (M_ava, measured once)."""
+        opts = StaticOptions.parse(self.device.type, self.static_default, static_cache, cuda_graphs,
+                                   static_share, graph_batch_sizes, graph_cache_tokens, prefill_chunk_tokens,
+                                   static_buckets)
+        self.kv_limit = self._kv_memory(opts)
+        """Bytes of KV the batches and the retained caches share, measured once."""
+        self.static: StaticRunner | None = None
+        """The static-cache path (None: every batch runs eagerly)."""
+        if opts.on and not supports_reuse(self.config):
+            log.warning("%s: its cache layers are not all full attention; no static cache", self.spec.name)
+        elif opts.on:
+            self.static = opts.runner(self.model, self.config, self.device, self.dtype, self.kv_limit,
+                                      self.delta, self.pad_id, self.max_context)
+            log.info("static cache: %d token slots (%.2f GiB of %.2f GiB for KV), CUDA graphs %s",
+                     self.static.arena.tokens, self.static.arena.nbytes / 2**30, self.kv_limit / 2**30,
+                     "on" if self.static.graphs_on else "off")
         self.kv = self._kv_store(kv_reuse, kv_retain_bytes, kv_host_bytes)
+        self.read_behind = self.device.type == "cuda"
+        """Queue step k+1 before reading step k's tokens, so the device never waits on the host
+        (the step after a batch's last is then wasted): on CUDA, where kernels run async."""
 
     # ------------------------------------------------------------------ facts
 
-    def _vocab_size(self) -> int:
-        """``len(tokenizer)`` (added tokens included), as the daemon's tokenizer counts it.
-
-        Capped at the config's ``vocab_size``: a model whose embedding is smaller than
-        its tokenizer cannot take every id, and the daemon's check should see that.
-        Loaded here, with the model, so that registering never waits on it.
-        ``tiny-random`` is built with exactly the SmolLM2 tokenizer's size, so its
-        config answers without the seconds a GGUF tokenizer takes to load. Without a
-        tokenizer the config's ``vocab_size`` is the best guess.
-        """
-        config_vocab = int(getattr(self.config, "vocab_size", 0) or 0)
-        if self.spec.kind == "tiny":
-            return config_vocab
-        try:
-            tok_vocab = len(models.load_tokenizer(self.spec))
-        except Exception as exc:  # a model may come without any tokenizer: still servable
-            log.warning("no tokenizer for %s (%s): reporting the config's vocab_size %d",
-                        self.spec.name, exc, config_vocab)  # fmt: skip
-            return config_vocab
-        if config_vocab and tok_vocab > config_vocab:
-            log.warning("%s: tokenizer has %d tokens, the model only %d",
-                        self.spec.name, tok_vocab, config_vocab)  # fmt: skip
-            return config_vocab
-        return tok_vocab
-
-    def info(self) -> EngineInfo:
-        """Δ from the config; M_ava is CUDA's free memory, or ``mem_budget`` (4 GiB) on the CPU."""
+    def _kv_memory(self, opts: StaticOptions) -> int:
+        """Bytes for KV: on CUDA the free memory once the weights are resident, less what the
+        forward passes need beside it (:func:`activation_reserve`); on the CPU ``mem_budget``
+        (4 GiB by default)."""
         import torch
 
-        if self.device.type == "cuda":
-            # Measured after the weights are resident; the CPU budget does not apply.
-            mem, _total = torch.cuda.mem_get_info(self.device)
-        else:
-            mem = self.mem_budget or DEFAULT_CPU_BUDGET
+        if self.device.type != "cuda":
+            return int(self.mem_budget or DEFAULT_CPU_BUDGET)
+        free, _total = torch.cuda.mem_get_info(self.device)
+        reserve = activation_reserve(self.config, self.dtype, opts.reserve_tokens, max(opts.batch_sizes))
+        log.info("KV memory: %.2f GiB free after the weights, %.2f GiB kept for activations",
+                 free / 2**30, reserve / 2**30)
+        return max(0, int(free) - reserve)
+
+    def info(self) -> EngineInfo:
+        """Δ from the config; M_ava: the static cache's size on the static path, else the KV
+        memory measured at start (:meth:`_kv_memory`)."""
+        mem = self.static.arena.nbytes if getattr(self, "static", None) is not None else self.kv_limit
         return EngineInfo(
             engine=self.name,
             model=self.spec.name,
@@ -191,8 +298,29 @@ class HFEngine(Engine):
         )
 
     def caps(self) -> EngineCaps:
-        """Static batches, per-request sampling with seeds, the model's context length."""
-        return EngineCaps(batching="static", sampling=True, seeded=True, max_context=self.max_context)
+        """Static batches, per-request sampling with seeds, the model's context length, and the
+        buckets whose decode step is a captured graph."""
+        graphs = self.static.captured() if getattr(self, "static", None) is not None else []
+        return EngineCaps(batching="static", sampling=True, seeded=True, max_context=self.max_context,
+                          graph_batch_sizes=sorted({n for n, _ in graphs}),
+                          graph_cache_tokens=sorted({c for _, c in graphs}))
+
+    def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
+        """Before registering: capture the decode graphs (CUDA) and serve a few small batches,
+        so that no first call of a shape is paid while serving."""
+        if self.static is None:
+            return
+        t0 = time.perf_counter()
+        self.static.warm_up(progress)
+        if self.static.captured():
+            try:
+                check_graphs(self, progress)
+            except Exception as exc:  # noqa: BLE001 - the eager step still serves; say why
+                log.warning("warming: serving with the captured decode steps failed (%s: %s); "
+                            "dropping them, decode runs eagerly", type(exc).__name__, exc)
+                self.static.drop_graphs()
+        log.info("warm-up done in %.1f s: %d decode graphs captured", time.perf_counter() - t0,
+                 len(self.static.captured()))
 
     @property
     def max_context(self) -> int:
@@ -232,42 +360,34 @@ class HFEngine(Engine):
             torch.cuda.reset_peak_memory_stats(dev)
         taken, used = self._take_kv(batch)
         try:
-            cache, ids, mask, pos = self._prefill_inputs(reqs, taken, used)
-            del taken  # the batch cache holds their KV now
+            run, taken, used = self._run_for(batch, taken, used)
+            sampler = BatchSampler(reqs, [r.seed for r in rows], int(self.config.vocab_size), dev,
+                                   steps=batch.slice_len)
             cursor = TokenCursor([r.rid for r in reqs], emit)
             t0 = time.perf_counter()
-            out = self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=pos,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            self._pick(rows, out.logits[:, -1, :])
-            cursor.push([r.out for r in rows], [r.reason for r in rows], [r.logprobs for r in rows])
-            t1 = time.perf_counter()
-            iterations, invalid = 1, 0
-            last_pos = pos[:, -1:]
-            while iterations < batch.slice_len and not all(r.done for r in rows):
-                invalid += sum(r.done for r in rows)
-                step_ids = torch.tensor(
-                    [[r.out[-1]] if r.out else [self.pad_id] for r in rows], dtype=torch.long
-                ).to(dev)
-                mask = torch.cat([mask, mask.new_ones((n, 1))], dim=1)
-                last_pos = last_pos + 1
-                out = self.model(
-                    input_ids=step_ids,
-                    attention_mask=mask,
-                    position_ids=last_pos,
-                    past_key_values=cache,
-                    use_cache=True,
-                )
-                self._pick(rows, out.logits[:, -1, :])
+            draw = sampler.sample(run.prefill(reqs, taken, used))
+            del taken  # the batch cache holds their KV now
+            ahead = self.read_behind
+            iterations, invalid, t1 = 1, 0, 0.0
+            while True:
+                pending = draw.start()
+                nxt: Draw | None = None
+                if ahead and iterations < batch.slice_len:
+                    nxt = sampler.sample(run.decode(draw.tokens, lens))
+                tokens, lps = pending.result(sampler)
+                for r, tok, lp in zip(rows, tokens, lps, strict=True):
+                    if not r.done:
+                        r.push(tok, lp)
                 cursor.push([r.out for r in rows], [r.reason for r in rows], [r.logprobs for r in rows])
+                if iterations == 1:
+                    t1 = time.perf_counter()
+                if iterations >= batch.slice_len or all(r.done for r in rows):
+                    break
+                invalid += sum(r.done for r in rows)
+                draw = nxt if nxt is not None else sampler.sample(run.decode(draw.tokens, lens))
                 iterations += 1
             t2 = time.perf_counter()
-            kept = self._keep_kv(rows, cache, mask) if batch.kv_reuse else [0] * n
+            kept = self._keep_kv(rows, *run.keep_view(iterations - 1)) if batch.kv_reuse else [0] * n
         finally:
             if self.kv is not None:
                 self.kv.store.done(r.rid for r in reqs)
@@ -292,43 +412,25 @@ class HFEngine(Engine):
         )
         return outputs, stats
 
-    def _prefill_inputs(
-        self, reqs: list[BatchRequest], taken: list[Retained | None], used: list[int]
-    ) -> tuple[Any, Any, Any, Any]:
-        """The prefill's cache, input ids, 2-D attention mask and positions.
-
-        The mask spans ``[past | new]``: row ``i``'s ``used[i]`` held tokens sit at the
-        right of the past block, its new tokens at the right of the new block
-        (left padding in both), every pad slot masked. Positions count real tokens
-        only, so they continue where a row's held KV ends.
-        """
-        import torch
-        from transformers import DynamicCache
-
-        n = len(reqs)
-        past = max(used, default=0)
-        fresh = [len(r.token_ids) - u for r, u in zip(reqs, used, strict=True)]
-        width = max(fresh)
-        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, past + width), dtype=torch.long)
-        for i, r in enumerate(reqs):
-            ids[i, width - fresh[i] :] = torch.tensor(r.token_ids[used[i] :], dtype=torch.long)
-            mask[i, past - used[i] : past] = 1
-            mask[i, past + width - fresh[i] :] = 1
-        # Pads get position 0 (or repeat their left neighbour's); they are masked anyway.
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
-        cache = assemble_past(taken, used, self.config) if past else None
-        if cache is None:
-            cache = DynamicCache(config=self.config)
-        dev = self.device
-        return cache, ids.to(dev), mask.to(dev), pos.to(dev)
-
-    def _pick(self, rows: list[RowState], logits: Any) -> None:
-        """Choose the next token of every unfinished row from its last-position logits."""
-        picks = select(logits, [None if r.done else r.sampler for r in rows])
-        for r, p in zip(rows, picks, strict=True):
-            if p is not None:
-                r.push(p.token, p.logprobs)
+    def _run_for(self, batch: BatchMsg, taken: list[Retained | None],
+                 used: list[int]) -> tuple[Any, list[Retained | None], list[int]]:
+        """How this batch runs: on the static path when the engine has one and its arena holds
+        the batch (with the rows' held KV, else prefilled in full), else eagerly."""
+        if self.static is None:
+            return EagerRun(self), taken, used
+        reqs = batch.requests
+        n, s = len(reqs), batch.slice_len
+        need = max(used) + max(len(r.token_ids) - u for r, u in zip(reqs, used, strict=True)) + s - 1
+        plan = self.static.plan(n, need)
+        if plan is None and any(used):
+            # Held KV widens the layout (longest past + longest new part): prefill in full.
+            taken, used = [None] * n, [0] * n
+            need = max(len(r.token_ids) for r in reqs) + s - 1
+            plan = self.static.plan(n, need)
+        if plan is None:
+            raise ValueError(f"a batch of {n} rows needing {need} cache tokens each does not fit the "
+                             f"static cache ({self.static.arena.tokens} token slots, M_ava)")
+        return StaticRun(self.static, plan), taken, used
 
     # ------------------------------------------------------------------ retained KV
 
@@ -339,10 +441,15 @@ class HFEngine(Engine):
             log.warning("%s: its cache layers cannot be split per request; KV is not kept "
                         "across slices", self.spec.name)  # fmt: skip
             return None
-        budget = self.kv_limit if retain is None else int(retain)
+        # On the static path the arena is the batches' memory and kept KV has the rest;
+        # otherwise the two share the KV memory, batches first.
+        arena = self.static.arena.nbytes if self.static is not None else 0
+        budget = self.kv_limit - arena if retain is None else int(retain)
         if host is None:
             host = self.kv_limit if self.device.type == "cuda" else 0
         log.info("KV kept across slices: up to %d bytes, %d more in host memory", budget, host)
+        if self.static is not None:
+            return KVReuse(KVStore(budget, host, to_host), self.delta, arena, beside=False)
         return KVReuse(KVStore(budget, host, to_host), self.delta, self.kv_limit)
 
     def _take_kv(self, batch: BatchMsg) -> tuple[list[Retained | None], list[int]]:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -40,44 +39,73 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, EngineCaps, RequestOutput
+from worker.engines.base import EMPTY, Done, EngineInfo, Stream, Take
 from worker.engines.base import Emit as EngineEmit
-from worker.engines.base import EngineInfo
 from worker.engines.cb_grants import Allowance, GrantControl, register, unregister
 from worker.engines.hf import HFEngine, peak_memory
 
 log = logging.getLogger(__name__)
 
-#: ``take`` returns this when no batch is waiting.
-EMPTY = object()
 #: transformers' "no limit" for max_new_tokens: rows stop at their allowance or a stop token.
 NO_LIMIT = 2**31 - 1
 #: CPU defaults: small pages (the daemon counts tokens, transformers allocates pages), and a
 #: cache of the memory budget capped here (SDPA keeps a [batch tokens, cache tokens] mask).
 CPU_PAGE_SIZE = 16
 CPU_MAX_CACHE_TOKENS = 65536
-#: Elsewhere: transformers' default page, and the share of free memory its own sizing takes.
+#: Elsewhere: transformers' default page; transformers sizes the cache itself.
 GPU_PAGE_SIZE = 256
-GPU_CACHE_SHARE = 0.9
+#: Share of the free memory transformers' sizing may take with CUDA graphs on (its own
+#: default, 0.9, leaves nothing for the graphs' memory pool).
+GPU_GRAPHS_MEMORY_SHARE = 0.85
 
-Take = Callable[[float | None], Any]
-Emit = Callable[[BatchMsg, "list[RequestOutput] | None", "BatchStats | None", "str | None"], None]
-#: Receives a running batch's new tokens: ``stream(batch_id, outputs)``.
-Stream = Callable[[int, "list[RequestOutput]"], None]
+Emit = Done
 
 
 def cache_size(device: str, kv_limit: int, delta: int, page_size: int | None,
-               num_blocks: int | None) -> tuple[int, int]:
-    """(page tokens, pages) of the paged cache. Sized here rather than by transformers so that
-    the M_ava reported to the daemon, which sizes the grants' reservations, is exactly what
-    the cache holds. Elsewhere than on the CPU: transformers' page, and its share of the
-    free memory (activations need the rest)."""
+               num_blocks: int | None) -> tuple[int, int | None]:
+    """(page tokens, pages) of the paged cache. On the CPU sized here, from the memory budget
+    (transformers would take 60 % of the machine's RAM). On CUDA the pages are None unless
+    given: transformers sizes the cache from the free memory with its own footprint formula
+    (KV, activations, the SDPA mask), which never asks for what it then refuses, and the
+    engine reports what it built (:func:`cache_tokens`)."""
     if device == "cpu":
         page = page_size or CPU_PAGE_SIZE
         tokens = min(kv_limit // max(1, delta), CPU_MAX_CACHE_TOKENS)
-    else:
-        page = page_size or GPU_PAGE_SIZE
-        tokens = int(GPU_CACHE_SHARE * kv_limit) // max(1, delta)
-    return page, num_blocks if num_blocks is not None else max(1, -(-tokens // page))
+        return page, num_blocks if num_blocks is not None else max(1, -(-tokens // page))
+    return page_size or GPU_PAGE_SIZE, num_blocks
+
+
+def cache_tokens(mgr: Any) -> int:
+    """Tokens of KV the manager's paged cache holds (its whole-model blocks × page)."""
+    cache = mgr.batch_processor.cache
+    return int(cache.num_blocks) * int(mgr.continuous_batching_config.page_size)
+
+
+def manager_options(device: str, page_size: int, num_blocks: int | None, cuda_graphs: Any,
+                    memory_share: float | None, max_batch_tokens: int | None) -> dict[str, Any]:
+    """The cache and graph settings of ``ContinuousBatchingConfig``. On CUDA transformers'
+    own graphs are on unless ``cuda_graphs`` is false (forced: without flash attention it
+    would not choose them, though they cut a 7B decode step 3.6× on an H100), and with
+    them the cache takes :data:`GPU_GRAPHS_MEMORY_SHARE` of the free memory unless
+    ``memory_share`` says otherwise."""
+    from worker.engines.static import as_switch
+
+    opts: dict[str, Any] = {"page_size": page_size, "num_blocks": num_blocks}
+    if max_batch_tokens is not None:
+        if int(max_batch_tokens) < 1:
+            raise ValueError(f"max_batch_tokens: expected a positive integer, got {max_batch_tokens!r}")
+        opts["max_batch_tokens"] = int(max_batch_tokens)
+    graphs = as_switch("cuda_graphs", cuda_graphs, device == "cuda")
+    if graphs and device != "cuda":
+        raise ValueError("cuda_graphs: CUDA graphs need a CUDA device")
+    if memory_share is not None and not 0.0 < float(memory_share) <= 1.0:
+        raise ValueError(f"memory_share: expected a number in (0, 1], got {memory_share!r}")
+    if device == "cuda":
+        opts["use_cuda_graph"] = graphs
+        share = memory_share if memory_share is not None else (GPU_GRAPHS_MEMORY_SHARE if graphs else None)
+        if share is not None:
+            opts["max_memory_percent"] = float(share)
+    return opts
 
 
 def generation_config(sampling: bool, pad_id: int, eos: list[int]) -> Any:
@@ -158,48 +186,137 @@ class _Kept:
     stops: tuple[int, ...]
 
 
+class PausedRequests:
+    """Requests paused between grants, their KV held in transformers' cache: what the serve
+    thread keeps and resumes, and what ``release`` (the receive thread) frees. Every method
+    holds one lock; ``control`` is the running manager's scheduler control."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.kept: dict[str, _Kept] = {}
+        self.running: set[str] = set()
+        """Rids of rows in flight: a release for them applies when their batch ends."""
+        self.release_at_end: set[str] = set()
+        self.evicted: list[str] = []
+
+    def start(self, rid: str) -> _Kept | None:
+        """A row of ``rid`` starts: what was kept for it (taken out), if anything."""
+        with self.lock:
+            self.running.add(rid)
+            return self.kept.pop(rid, None)
+
+    def end(self, row: _Row, generated: list[int] | None, control: GrantControl) -> int:
+        """Keep ``row``'s request paused (``generated``: this batch's tokens) or drop it;
+        returns the KV tokens kept."""
+        rid = row.req.rid
+        with self.lock:
+            self.running.discard(rid)
+            released = rid in self.release_at_end
+            self.release_at_end.discard(rid)
+            evicted = row.keep and bool(control.take_evicted([row.tid]))
+            if generated is not None and row.keep and not released and not evicted:
+                ctx = list(row.req.token_ids) + generated
+                old = self.kept.pop(rid, None)  # only if the rid ran twice at once: newest wins
+                self.kept[rid] = _Kept(row.tid, ctx, row.added_len, row.stops)
+                if old is not None:
+                    control.drop(old.tid)
+                return len(ctx) - 1
+        control.drop(row.tid)
+        return 0
+
+    def note_evictions(self, control: GrantControl) -> None:
+        """Move kept requests the scheduler evicted to the evicted list."""
+        if not control.evicted:
+            return
+        with self.lock:
+            by_tid = {k.tid: rid for rid, k in self.kept.items()}
+            for tid in control.take_evicted(by_tid):
+                rid = by_tid[tid]
+                del self.kept[rid]
+                self.evicted.append(rid)
+
+    def release(self, rids: Iterable[str] | None, control: GrantControl) -> None:
+        with self.lock:
+            names = list(self.kept) if rids is None else list(rids)
+            if rids is None:
+                self.release_at_end.update(self.running)
+            for rid in names:
+                kept = self.kept.pop(rid, None)
+                if kept is not None:
+                    control.drop(kept.tid)
+                elif rid in self.running:
+                    self.release_at_end.add(rid)
+
+    def take_evicted(self) -> list[str]:
+        with self.lock:
+            out, self.evicted = self.evicted, []
+        return out
+
+    def held(self) -> dict[str, int]:
+        with self.lock:
+            return {rid: len(k.tokens) - 1 for rid, k in self.kept.items()}
+
+    def clear(self) -> None:
+        """The manager stopped: everything kept is gone (reported as evicted)."""
+        with self.lock:
+            self.evicted.extend(self.kept)
+            self.kept.clear()
+            self.running.clear()
+            self.release_at_end.clear()
+
+
 class HFCBEngine(HFEngine):
     """Continuous-batching engine over transformers' ``init_continuous_batching``."""
 
     name = "hf-cb"
     continuous = True
+    static_default = False
 
     def __init__(self, *args: Any, poll_s: float = 0.005, page_size: int | None = None,
-                 num_blocks: int | None = None, sampling: bool = False, **kwargs: Any) -> None:
-        # transformers' paged cache owns the KV here: HFEngine's own store stays off.
+                 num_blocks: int | None = None, sampling: bool = False, cuda_graphs: Any = "auto",
+                 memory_share: float | None = None, max_batch_tokens: int | None = None,
+                 **kwargs: Any) -> None:
+        # transformers' paged cache owns the KV here: HFEngine's own store and static cache stay off.
         kwargs["kv_reuse"] = False
+        kwargs["static_cache"] = False
         super().__init__(*args, **kwargs)
         self.poll_s = poll_s
         self.sampling = bool(sampling)
         self.gen_config = generation_config(self.sampling, self.pad_id, self.eos)
         page_size, num_blocks = cache_size(self.device.type, self.kv_limit, self.delta,
                                            page_size, num_blocks)
-        self.cache_opts: dict[str, Any] = {"page_size": page_size, "num_blocks": num_blocks}
-        self.cache_tokens = num_blocks * page_size  # what the paged cache holds
+        self.cache_opts = manager_options(self.device.type, page_size, num_blocks, cuda_graphs,
+                                          memory_share, max_batch_tokens)
+        self.cache_tokens = num_blocks * page_size if num_blocks is not None else 0
+        """Tokens the paged cache holds (0 until transformers has sized it: :meth:`warm_up`)."""
         self._mgr: Any = None
         self._stream: Stream | None = None
         self._control = GrantControl()  # replaced with the manager's own; never None
         self._scheduler_name = ""
         self._tids = itertools.count()
-        # Shared with release() on the receive thread: everything below, under _lock.
-        self._lock = threading.Lock()
-        self._kept: dict[str, _Kept] = {}
-        self._running: set[str] = set()
-        """Rids of rows in flight: a release for them applies when their batch ends."""
-        self._release_at_end: set[str] = set()
-        self._evicted: list[str] = []
+        self._paused = PausedRequests()
 
     def info(self) -> EngineInfo:
-        """HFEngine's, with M_ava at most what the paged cache holds."""
+        """HFEngine's, with M_ava what the paged cache holds (known once it exists)."""
         info = super().info()
-        if tokens := getattr(self, "cache_tokens", 0):  # unset while HFEngine.__init__ measures
-            info.mem_available = min(info.mem_available, tokens * self.delta)
+        if tokens := getattr(self, "cache_tokens", 0):
+            info.mem_available = tokens * self.delta if self.device.type != "cpu" else \
+                min(info.mem_available, tokens * self.delta)
         return info
+
+    def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
+        """Start the manager before registering: transformers sizes and allocates its cache (and
+        captures its graphs, when on), so the M_ava reported is what the cache holds."""
+        if progress is not None:
+            progress("warming: starting transformers' continuous batching")
+        self._manager()
+        log.info("paged cache: %d tokens of KV (%.2f GiB)", self.cache_tokens,
+                 self.cache_tokens * self.delta / 2**30)
 
     def caps(self) -> EngineCaps:
         """Continuous batching; sampling when started with it, never seeded; whole pages (the
         daemon's grants reserve them)."""
-        page = getattr(self, "cache_opts", {}).get("page_size", 1)
+        page = getattr(self, "cache_opts", {}).get("page_size", 1) or 1
         return EngineCaps(batching="continuous", sampling=getattr(self, "sampling", False),
                           seeded=False, max_context=self.max_context, kv_page_tokens=page)
 
@@ -224,6 +341,12 @@ class HFCBEngine(HFEngine):
         mgr = self.model.init_continuous_batching(generation_config=self.gen_config,
                                                   continuous_batching_config=cfg)
         control.wake = mgr._wake_up_loop.set
+        if self.device.type == "cuda":
+            import torch
+
+            with torch.cuda.device(self.device):
+                mgr.warmup()  # builds the cache (sized by transformers) and captures its graphs
+            self.cache_tokens = cache_tokens(mgr)
         # mgr.start() without its non-daemon thread: kept KV keeps the manager alive between
         # batches, and a process that forgot close() must still be able to exit.
         mgr.background_thread_status.clear()
@@ -241,11 +364,7 @@ class HFCBEngine(HFEngine):
                 mgr.stop(block=True, timeout=30)
             finally:
                 unregister(self._scheduler_name)
-        with self._lock:
-            self._evicted.extend(self._kept)
-            self._kept.clear()
-            self._running.clear()
-            self._release_at_end.clear()
+        self._paused.clear()
 
     def close(self) -> None:
         """Stop the generation thread, then drop the model."""
@@ -260,9 +379,9 @@ class HFCBEngine(HFEngine):
         """Serve one batch to completion (blocking); ``emit`` hears tokens as they come."""
         done: list[tuple[Any, Any, str | None]] = []
         items: list[Any] = [batch, None]
-        self.run_continuous(lambda timeout: items.pop(0) if items else None,
-                            lambda b, outs, stats, error: done.append((outs, stats, error)),
-                            (lambda bid, outs: emit(outs)) if emit is not None else None)
+        self.run(lambda timeout: items.pop(0) if items else None,
+                 lambda b, outs, stats, error: done.append((outs, stats, error)),
+                 (lambda bid, outs: emit(outs)) if emit is not None else None)
         outs, stats, error = done[0]
         if error is not None:
             raise RuntimeError(error)
@@ -271,8 +390,8 @@ class HFCBEngine(HFEngine):
 
     # ------------------------------------------------------------------ continuous
 
-    def run_continuous(self, take: Take, emit: Emit, stream: Stream | None = None) -> None:
-        """Admit batches from ``take`` and ``emit`` each one's outputs when all its rows end;
+    def run(self, take: Take, done: Done, stream: Stream | None = None) -> None:
+        """Admit batches from ``take`` and report each one's outputs to ``done`` when all its rows end;
         ``stream`` hears each row's tokens as they come.
 
         ``take(timeout)`` returns a :class:`BatchMsg`, :data:`EMPTY` when none
@@ -281,7 +400,7 @@ class HFCBEngine(HFEngine):
         KV) still up; raises if the generation thread dies (the worker exits and
         the daemon re-queues), the manager then stopped.
         """
-        mgr, self._stream = self._manager(), stream
+        mgr, self._stream, emit = self._manager(), stream, done
         pending: dict[int, _Pending] = {}
         owner: dict[str, _Row] = {}
         stopping = False
@@ -326,9 +445,7 @@ class HFCBEngine(HFEngine):
         cap = min(r.max_new_tokens, batch.slice_len)
         stops = tuple(dict.fromkeys([*([] if r.ignore_eos else self.eos), *r.stop_token_ids]))
         keep = batch.kv_reuse and cap < r.max_new_tokens  # only a slice's end leaves more to do
-        with self._lock:
-            kept = self._kept.pop(r.rid, None)
-            self._running.add(r.rid)
+        kept = self._paused.start(r.rid)
         ctx = list(r.token_ids)
         if (kept is not None and batch.kv_reuse and kept.tokens == ctx and kept.stops == stops
                 and self._control.resume(kept.tid, Allowance(len(ctx) + cap, keep))):
@@ -353,7 +470,7 @@ class HFCBEngine(HFEngine):
             if row is not None and row.batch_id in pending:
                 self._on_output(row, res, pending, owner, emit)
             res = mgr.get_result(timeout=0)
-        self._note_evictions()
+        self._paused.note_evictions(self._control)
         if not mgr.is_running():
             raise RuntimeError("continuous batching generation thread stopped unexpectedly")
 
@@ -365,7 +482,7 @@ class HFCBEngine(HFEngine):
             del pending[row.batch_id]
             for other in [o for o in owner.values() if o.batch_id == row.batch_id]:
                 del owner[other.tid]
-                self._end_row(other, None)
+                self._paused.end(other, None, self._control)
             emit(p.batch, None, None, f"transformers failed request {row.req.rid}: {res.error}")
             return
         toks = [int(t) for t in res.generated_tokens[row.base :]]
@@ -380,42 +497,12 @@ class HFCBEngine(HFEngine):
             reason = "length"
         else:
             reason = None  # the slice ended first
-        kept = self._end_row(row, toks if reason is None and not finished else None)
+        kept = self._paused.end(row, toks if reason is None and not finished else None, self._control)
         p.outputs[row.req.rid] = RequestOutput(
             rid=row.req.rid, token_ids=toks, finish_reason=reason, kv_tokens=kept)  # type: ignore[arg-type]
         if len(p.outputs) == len(p.batch.requests):
             del pending[row.batch_id]
             self._emit_done(p, emit)
-
-    def _end_row(self, row: _Row, generated: list[int] | None) -> int:
-        """Keep ``row``'s request paused (``generated``: this batch's tokens) or drop it;
-        returns the KV tokens kept."""
-        rid = row.req.rid
-        with self._lock:
-            self._running.discard(rid)
-            released = rid in self._release_at_end
-            self._release_at_end.discard(rid)
-            evicted = row.keep and bool(self._control.take_evicted([row.tid]))
-            if generated is not None and row.keep and not released and not evicted:
-                ctx = list(row.req.token_ids) + generated
-                old = self._kept.pop(rid, None)  # only if the rid ran twice at once: newest wins
-                self._kept[rid] = _Kept(row.tid, ctx, row.added_len, row.stops)
-                if old is not None:
-                    self._control.drop(old.tid)
-                return len(ctx) - 1
-        self._control.drop(row.tid)
-        return 0
-
-    def _note_evictions(self) -> None:
-        """Move kept requests the scheduler evicted to the evicted list."""
-        if not self._control.evicted:
-            return
-        with self._lock:
-            by_tid = {k.tid: rid for rid, k in self._kept.items()}
-            for tid in self._control.take_evicted(by_tid):
-                rid = by_tid[tid]
-                del self._kept[rid]
-                self._evicted.append(rid)
 
     def _emit_done(self, p: _Pending, emit: Emit) -> None:
         outs = [p.outputs[r.rid] for r in p.batch.requests]
@@ -436,37 +523,12 @@ class HFCBEngine(HFEngine):
     def release(self, rids: Iterable[str] | None = None) -> None:
         """Free kept KV (the daemon's ``release``; None: all). Any thread; a rid whose
         batch is still running is released when that batch ends."""
-        with self._lock:
-            names = list(self._kept) if rids is None else list(rids)
-            if rids is None:
-                self._release_at_end.update(self._running)
-            for rid in names:
-                kept = self._kept.pop(rid, None)
-                if kept is not None:
-                    self._control.drop(kept.tid)
-                elif rid in self._running:
-                    self._release_at_end.add(rid)
+        self._paused.release(rids, self._control)
 
     def take_evicted(self) -> list[str]:
         """Requests whose kept KV the engine dropped by itself since the last call."""
-        with self._lock:
-            out, self._evicted = self._evicted, []
-        return out
+        return self._paused.take_evicted()
 
     def kept(self) -> dict[str, int]:
         """rid -> KV tokens kept for it now (engine's view; for tests and status)."""
-        with self._lock:
-            return {rid: len(k.tokens) - 1 for rid, k in self._kept.items()}
-
-
-def queue_take(q: queue.Queue[Any]) -> Take:
-    """A ``take`` over the worker's local queue of ``(batch, queued_at)`` items."""
-
-    def take(timeout: float | None) -> Any:
-        try:
-            item = q.get(timeout=timeout) if timeout != 0.0 else q.get_nowait()
-        except queue.Empty:
-            return EMPTY
-        return None if item is None else item[0]
-
-    return take
+        return self._paused.held()

@@ -254,14 +254,17 @@ class KVReuse:
     """A torch engine's use of a :class:`KVStore`: check rows out before a batch, keep the
     unfinished rows' KV after it.
 
-    ``delta`` is the engine's KV bytes per token and ``limit`` the memory a batch and the
-    retained caches share (M_ava): before a batch the store shrinks to what fits beside it.
+    ``delta`` is the engine's KV bytes per token and ``limit`` the memory of a batch (M_ava).
+    With ``beside`` (the eager path) the batch and the retained caches share that memory:
+    before a batch the store shrinks to what fits beside it. Without (the static path) the
+    batch has memory of its own and the store its own budget.
     """
 
-    def __init__(self, store: KVStore, delta: int, limit: int) -> None:
+    def __init__(self, store: KVStore, delta: int, limit: int, beside: bool = True) -> None:
         self.store = store
         self.delta = delta
         self.limit = limit
+        self.beside = beside
 
     def take(self, batch: Any) -> tuple[list[Retained | None], list[int]]:
         """Check out the rows' retained KV: ``(entries, tokens usable per row)``.
@@ -281,7 +284,8 @@ class KVReuse:
         if any(used) and need > self.limit:
             taken, used = [None] * n, [0] * n
             need = (max(len(r.token_ids) for r in reqs) + batch.slice_len) * n * self.delta
-        self.store.make_room(self.limit - need)
+        if self.beside:
+            self.store.make_room(self.limit - need)
         return taken, used
 
     def keep(self, rows: list[tuple[str, list[int], list[int], bool]], cache: Any,

@@ -1,23 +1,31 @@
-"""Per-row token selection shared by the torch engines.
+"""Token selection for a whole batch at once, on the logits' device.
 
-Sampling is reproducible across slicing: the random stream for a row's ``g``-th
-generated token (counted over the whole request, not the slice) comes from a
-generator seeded with ``mix_seed(seed, g)``. A request served in slices of any
-size, or in one pass, therefore draws the same numbers for the same positions.
+:class:`BatchSampler` picks the next token of every row of a batch from the last
+position's logits with a fixed number of tensor operations per step, whatever the
+batch size: no Python loop over rows, no device sync per row. The host reads the
+step's tokens (and log-probabilities, for rows that asked) in one copy
+(:meth:`Draw.start`). Transformations follow vLLM's order: repetition, frequency
+and presence penalties (over the row's whole context, resp. every token it
+generated so far, across slices: the batch row carries both), then greedy argmax,
+or temperature, top-k, top-p, min-p and a draw.
 
-:func:`select` picks the next token of every unfinished row of a batch from the
-last position's logits, in the order vLLM applies them: repetition, frequency and
-presence penalties (over the row's whole context, resp. all of its generated
-tokens, across slices: the batch row carries both), then greedy argmax or
-temperature, top-k, top-p and min-p and a draw. Log-probabilities, when a row asks
-for them, are the log-softmax of the model's logits for that position, the very
-row the selection starts from (vLLM's default ``raw_logprobs``).
+**Reproducible draws.** A sampled row draws its ``g``-th token (counted over the whole
+request, not the slice) by inverse transform with the uniform number
+``u = mix_seed(seed, g) / 2^63``: the first token whose cumulative probability, in
+vocabulary order, exceeds ``u`` times the total. ``u`` depends only on the seed and
+the position, so a request served in slices of any size, or in one pass, beside any
+neighbours, draws the same numbers for the same positions. The uniforms of a whole
+slice are computed once per batch (:meth:`BatchSampler.uniforms`).
+
+Log-probabilities, when a row asks for them, are the log-softmax of the model's logits
+for that position, the very row the selection starts from (vLLM's default
+``raw_logprobs``).
 """
 
 from __future__ import annotations
 
 import secrets
-from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,141 +50,224 @@ def random_seed() -> int:
     return secrets.randbits(63)
 
 
-def filter_logits(logits: Any, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> Any:
-    """Scale a 1-D fp32 logits row by temperature and mask it to top-k / top-p (nucleus) /
-    min-p (tokens less likely than ``min_p`` times the most likely one)."""
+def uniform(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) that draws token ``position`` of a request seeded ``seed``."""
+    return (mix_seed(seed, position) >> 10) / float(1 << 53)
+
+
+def filter_logits(x: Any, temperature: Any, top_k: Any, top_p: Any, min_p: Any,
+                  cuts: tuple[bool, bool, bool] = (True, True, True)) -> Any:
+    """Scale ``[rows, vocab]`` fp32 logits by each row's temperature and mask them to its
+    top-k, top-p (nucleus) and min-p (tokens less likely than ``min_p`` times the most
+    likely one). Per-row parameters are ``[rows]`` tensors; top-k 0, top-p 1 and min-p 0
+    are off. Ties with the k-th value are kept; top-p always keeps the first token.
+    ``cuts`` says, from the host, whether any row uses top-k, top-p, min-p (False: that
+    step is skipped without asking the device)."""
     import torch
 
-    x = logits.float() / temperature
+    x = x / temperature.unsqueeze(1)
     vocab = x.shape[-1]
-    if 0 < top_k < vocab:
-        kth = torch.topk(x, top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        # Drop a token when the tokens ranked above it already reach top_p; the
-        # first token is always kept.
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        drop[0] = False
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.empty_like(x).scatter_(0, order, sorted_x)
-    if min_p > 0.0:
+    any_k, any_p, any_min = cuts
+    if any_k or any_p:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        if any_k:
+            cut_k = (top_k > 0) & (top_k < vocab)
+            k = torch.where(cut_k, top_k, torch.full_like(top_k, vocab)).clamp(1, vocab)
+            kth = sorted_x.gather(1, (k - 1).unsqueeze(1))
+            sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+        if any_p:
+            probs = torch.softmax(sorted_x, dim=-1)
+            # Drop a token when the tokens ranked above it already reach top_p.
+            drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p.unsqueeze(1)
+            drop[:, 0] = False
+            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = torch.empty_like(x).scatter_(1, order, sorted_x)
+    if any_min:
         # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p): no softmax needed.
-        x = x.masked_fill(x < x.max() + torch.log(torch.tensor(min_p)), float("-inf"))
+        floor = x.max(dim=-1, keepdim=True).values + torch.log(min_p.clamp(min=1e-30)).unsqueeze(1)
+        x = torch.where((min_p > 0.0).unsqueeze(1) & (x < floor), torch.full_like(x, float("-inf")), x)
     return x
 
 
-def sample_row(
-    logits: Any, temperature: float, top_k: int, top_p: float, seed: int, position: int,
-    min_p: float = 0.0,
-) -> int:
-    """Sample one token id from a 1-D logits row with a generator seeded per position."""
-    import torch
+@dataclass
+class Draw:
+    """One step's picks, still on the device: ``tokens`` ``[rows]``; for rows that asked for
+    log-probabilities, the chosen token's (``chosen``, ``[rows]``) and the ``k`` most likely
+    (``top_values``/``top_ids``, ``[rows, k]``)."""
 
-    x = filter_logits(logits, temperature, top_k, top_p, min_p)
-    gen = torch.Generator(device=x.device)
-    gen.manual_seed(mix_seed(seed, position))
-    probs = torch.softmax(x, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    tokens: Any
+    chosen: Any = None
+    top_values: Any = None
+    top_ids: Any = None
 
-
-class RowSampler:
-    """One batch row's selection state during a slice: what its penalties count.
-
-    ``counts`` holds the row's generated tokens so far (earlier slices: the last
-    ``generated`` ids of its context; this slice: each :meth:`push`), ``seen`` every
-    token of its context and output (for the repetition penalty).
-    """
-
-    __slots__ = ("req", "seed", "n", "counts", "seen", "penalized")
-
-    def __init__(self, req: BatchRequest, seed: int) -> None:
-        self.req = req
-        self.seed = seed
-        self.n = 0
-        """Tokens generated in this slice."""
-        self.penalized = (req.presence_penalty != 0.0 or req.frequency_penalty != 0.0
-                          or req.repetition_penalty != 1.0)
-        ids = req.token_ids
-        self.counts: Counter[int] = Counter(ids[len(ids) - req.generated:] if req.generated else ())
-        self.seen: set[int] = set(ids) if req.repetition_penalty != 1.0 else set()
-
-    @property
-    def position(self) -> int:
-        """Index of the next token over the whole request (the sampling stream's position)."""
-        return self.req.generated + self.n
-
-    def push(self, token: int) -> None:
-        self.n += 1
-        if self.penalized:
-            self.counts[token] += 1
-            if self.req.repetition_penalty != 1.0:
-                self.seen.add(token)
-
-    def penalize(self, x: Any) -> Any:
-        """The row's logits with its penalties applied (a new fp32 tensor)."""
+    def start(self) -> PendingDraw:
+        """Begin the one device-to-host copy of this step's picks; on CUDA it runs while the
+        device goes on with what is queued after it (the next step)."""
         import torch
 
-        req = self.req
-        x = x.float().clone()
-        if req.repetition_penalty != 1.0 and self.seen:
-            idx = torch.tensor(sorted(self.seen), dtype=torch.long, device=x.device)
-            v = x[idx]
-            x[idx] = torch.where(v > 0, v / req.repetition_penalty, v * req.repetition_penalty)
-        if (req.frequency_penalty or req.presence_penalty) and self.counts:
-            idx = torch.tensor(list(self.counts), dtype=torch.long, device=x.device)
-            cnt = torch.tensor(list(self.counts.values()), dtype=x.dtype, device=x.device)
-            x[idx] -= req.frequency_penalty * cnt + req.presence_penalty
+        if self.chosen is None:
+            packed = self.tokens
+        else:
+            packed = torch.cat([self.tokens.to(torch.float64).unsqueeze(1), self.chosen.double().unsqueeze(1),
+                                self.top_values.double(), self.top_ids.double()], dim=1)
+        if packed.device.type != "cuda":
+            return PendingDraw(self, packed, None)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return PendingDraw(self, host, event)
+
+
+@dataclass
+class PendingDraw:
+    """A :class:`Draw` on its way to the host (:meth:`Draw.start`)."""
+
+    draw: Draw
+    host: Any
+    event: Any
+
+    def result(self, sampler: BatchSampler) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The step's tokens and per-row log-probabilities (None where not asked)."""
+        if self.event is not None:
+            self.event.synchronize()
+        if self.draw.chosen is None:
+            return self.host.tolist(), [None] * sampler.rows
+        k = self.draw.top_values.shape[1]
+        out: list[TokenLogprobs | None] = []
+        tokens: list[int] = []
+        for i, row in enumerate(self.host.tolist()):
+            tok = int(row[0])
+            tokens.append(tok)
+            want = sampler.top_logprobs[i]
+            if want is None:
+                out.append(None)
+                continue
+            top = [Logprob(int(row[2 + k + j]), max(MIN_LOGPROB, row[2 + j])) for j in range(want)]
+            out.append(TokenLogprobs(Logprob(tok, max(MIN_LOGPROB, row[1])), top))
+        return tokens, out
+
+
+class BatchSampler:
+    """Selection state of one batch's rows during a slice (see the module docstring).
+
+    ``reqs[i]`` is row ``i``; rows beyond ``len(reqs)`` (a padded batch bucket) are never
+    read. ``seeds[i]`` seeds row ``i``'s draws. Penalty state lives on the device:
+    ``counts`` (``[rows, vocab]``, every token the row generated so far, for the
+    frequency and presence penalties) and ``seen`` (every token of its context and
+    output, for the repetition penalty), each only when some row uses it.
+    """
+
+    def __init__(self, reqs: Sequence[BatchRequest], seeds: Sequence[int], vocab: int, device: Any,
+                 steps: int = 1) -> None:
+        import torch
+
+        self.reqs = list(reqs)
+        self.rows = n = len(self.reqs)
+        self.seeds = list(seeds)
+        self.vocab = vocab
+        self.device = device
+        self.step = 0
+        """Tokens drawn in this slice so far."""
+        f32 = dict(dtype=torch.float32, device=device)
+        self.greedy_rows = [r.temperature <= 0.0 for r in self.reqs]
+        self.all_greedy = all(self.greedy_rows)
+        self.greedy = torch.tensor(self.greedy_rows, dtype=torch.bool, device=device)
+        self.temperature = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in self.reqs], **f32)
+        self.top_k = torch.tensor([r.top_k for r in self.reqs], dtype=torch.long, device=device)
+        self.top_p = torch.tensor([r.top_p for r in self.reqs], **f32)
+        self.min_p = torch.tensor([r.min_p for r in self.reqs], **f32)
+        hot = [r for r in self.reqs if r.temperature > 0]
+        self.cuts = (any(0 < r.top_k < vocab for r in hot), any(r.top_p < 1.0 for r in hot),
+                     any(r.min_p > 0.0 for r in hot))
+        self.top_logprobs: list[int | None] = [r.top_logprobs if (r.logprobs or r.top_logprobs) else None
+                                               for r in self.reqs]
+        self.k = max((k for k in self.top_logprobs if k is not None), default=-1)
+        # Penalties: only the tensors some row needs.
+        self.freq = self.pres = self.rep = None
+        self.counts: Any = None
+        self.seen: Any = None
+        if any(r.frequency_penalty or r.presence_penalty for r in self.reqs):
+            self.freq = torch.tensor([r.frequency_penalty for r in self.reqs], **f32).unsqueeze(1)
+            self.pres = torch.tensor([r.presence_penalty for r in self.reqs], **f32).unsqueeze(1)
+            self.counts = torch.zeros((n, vocab), **f32)
+            for i, r in enumerate(self.reqs):
+                tail = r.token_ids[len(r.token_ids) - r.generated:] if r.generated else []
+                if tail:
+                    idx = torch.tensor(tail, dtype=torch.long, device=device)
+                    self.counts[i].index_add_(0, idx, torch.ones(len(tail), **f32))
+        if any(r.repetition_penalty != 1.0 for r in self.reqs):
+            self.rep = torch.tensor([r.repetition_penalty for r in self.reqs], **f32).unsqueeze(1)
+            self.seen = torch.zeros((n, vocab), dtype=torch.bool, device=device)
+            for i, r in enumerate(self.reqs):
+                if r.repetition_penalty != 1.0 and r.token_ids:
+                    self.seen[i, torch.tensor(r.token_ids, dtype=torch.long, device=device)] = True
+        self.penalized = self.counts is not None or self.seen is not None
+        self._u = None if self.all_greedy else self.uniforms(0, max(1, steps))
+
+    def uniforms(self, first: int, steps: int) -> Any:
+        """``[steps, rows]`` uniform numbers for the draws of this slice's tokens ``first`` to
+        ``first + steps - 1`` (one host-to-device copy for all of them)."""
+        import torch
+
+        table = [[uniform(s, r.generated + j) for s, r in zip(self.seeds, self.reqs, strict=True)]
+                 for j in range(first, first + steps)]  # fmt: skip
+        return torch.tensor(table, dtype=torch.float64, device=self.device)
+
+    def penalize(self, x: Any) -> Any:
+        """``[rows, vocab]`` fp32 logits with each row's penalties applied (a new tensor)."""
+        import torch
+
+        if self.seen is not None:
+            scaled = torch.where(x > 0, x / self.rep, x * self.rep)
+            x = torch.where(self.seen, scaled, x)
+        if self.counts is not None:
+            x = x - self.freq * self.counts - self.pres * (self.counts > 0).to(x.dtype)
         return x
 
+    def sample(self, logits: Any) -> Draw:
+        """The next token of every row from ``[rows(+), vocab]`` logits (extra rows ignored).
 
-@dataclass(frozen=True)
-class Pick:
-    """A row's next token and, when it asked, its log-probabilities."""
+        Also advances the rows' penalty state and draw positions by this token; finished
+        rows are sampled like the others (their picks are simply not used).
+        """
+        import torch
 
-    token: int
-    logprobs: TokenLogprobs | None = None
-
-
-def _logprobs(raw: Any, token: int, k: int) -> TokenLogprobs:
-    """Chosen-token and top-``k`` log-probabilities of one position's logits."""
-    import torch
-
-    lp = torch.log_softmax(raw.float(), dim=-1)
-    top: list[Logprob] = []
-    if k:
-        vals, ids = torch.topk(lp, k)
-        top = [Logprob(int(i), max(MIN_LOGPROB, float(v))) for v, i in zip(vals.tolist(), ids.tolist(),
-                                                                          strict=True)]
-    return TokenLogprobs(Logprob(token, max(MIN_LOGPROB, float(lp[token]))), top)
-
-
-def select(logits: Any, rows: list[RowSampler | None]) -> list[Pick | None]:
-    """The next token of every row (None for rows given as None: finished) from a
-    ``[rows, vocab]`` logits tensor; the caller :meth:`RowSampler.push` es each pick."""
-    greedy: list[int] | None = None
-    picks: list[Pick | None] = []
-    for i, s in enumerate(rows):
-        if s is None:
-            picks.append(None)
-            continue
-        req = s.req
-        raw = logits[i]
-        x = s.penalize(raw) if s.penalized else raw
-        if req.temperature <= 0.0:
-            if x is raw:
-                if greedy is None:
-                    # One argmax over the batch (a single device sync) serves the plain greedy rows.
-                    greedy = logits.argmax(dim=-1).tolist()
-                token = int(greedy[i])
+        raw = logits[: self.rows]
+        x = raw.float()
+        if self.penalized:
+            x = self.penalize(x)
+        tokens = x.argmax(dim=-1)
+        if not self.all_greedy:
+            if self.step >= self._u.shape[0]:  # more steps than announced: extend the table
+                self._u = torch.cat([self._u, self.uniforms(self._u.shape[0], self._u.shape[0])])
+            u = self._u[self.step]
+            y = filter_logits(x, self.temperature, self.top_k, self.top_p, self.min_p, self.cuts)
+            probs = torch.softmax(y, dim=-1, dtype=torch.float64)
+            cdf = torch.cumsum(probs, dim=-1)
+            target = (u * cdf[:, -1]).unsqueeze(1)
+            drawn = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=x.shape[-1] - 1)
+            tokens = torch.where(self.greedy, tokens, drawn)
+        draw = Draw(tokens)
+        if self.k >= 0:
+            lp = torch.log_softmax(raw.float(), dim=-1)
+            draw.chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+            if self.k > 0:
+                draw.top_values, draw.top_ids = torch.topk(lp, self.k, dim=-1)
             else:
-                token = int(x.argmax().item())
-        else:
-            token = sample_row(x, req.temperature, req.top_k, req.top_p, s.seed, s.position, req.min_p)
-        lps = _logprobs(raw, token, req.top_logprobs) if req.logprobs or req.top_logprobs else None
-        picks.append(Pick(token, lps))
-    return picks
+                draw.top_values = lp.new_zeros((self.rows, 0))
+                draw.top_ids = lp.new_zeros((self.rows, 0))
+        self._advance(tokens)
+        return draw
+
+    def _advance(self, tokens: Any) -> None:
+        import torch
+
+        self.step += 1
+        if self.counts is not None:
+            self.counts.scatter_add_(1, tokens.unsqueeze(1), torch.ones_like(tokens, dtype=torch.float32).unsqueeze(1))
+        if self.seen is not None:
+            self.seen.scatter_(1, tokens.unsqueeze(1), True)
 
 
 def synthetic_logprobs(token: int, k: int, h: int, lo: int, hi: int) -> TokenLogprobs:

@@ -211,57 +211,90 @@ def test_batch_rows_carry_the_sampling_parameters(daemon) -> None:
 
 torch = pytest.importorskip("torch")
 
-from worker.engines.sampling import RowSampler, filter_logits, select  # noqa: E402
+from worker.engines.sampling import BatchSampler, filter_logits  # noqa: E402
 
 
-def row(ids: list[int], generated: int = 0, **kw: Any) -> RowSampler:
-    kw.setdefault("temperature", 0.0)
-    req = P.BatchRequest(rid="r", token_ids=ids, max_new_tokens=8, generated=generated, **kw)
-    return RowSampler(req, seed=1)
+def sampler(rows: list[tuple[list[int], int, dict[str, Any]]], vocab: int = 5) -> BatchSampler:
+    """A batch sampler over rows ``(context, generated, BatchRequest fields)``."""
+    reqs = []
+    for i, (ids, generated, kw) in enumerate(rows):
+        kw = {"temperature": 0.0, **kw}
+        reqs.append(P.BatchRequest(rid=f"r{i}", token_ids=ids, max_new_tokens=8, generated=generated, **kw))
+    return BatchSampler(reqs, [1] * len(reqs), vocab, "cpu", steps=4)
+
+
+def pick(s: BatchSampler, logits: Any) -> list[int]:
+    return s.sample(logits).start().result(s)[0]
 
 
 def test_presence_and_frequency_penalties_count_every_generated_token_across_slices() -> None:
     logits = torch.tensor([[0.0, 3.0, 2.0, 1.0, 0.0]])
     # Token 1 was generated twice in earlier slices (the tail of the context); token 3 is
     # only in the prompt: the OpenAI penalties ignore the prompt.
-    s = row([3, 3, 1, 1], generated=2, presence_penalty=0.5, frequency_penalty=0.4)
+    s = sampler([([3, 3, 1, 1], 2, dict(presence_penalty=0.5, frequency_penalty=0.4))])
     # 3.0 - (2 * 0.4 + 0.5) = 1.7 < 2.0
-    assert select(logits, [s])[0].token == 2
-    s = row([3, 3, 1, 1], generated=2, presence_penalty=0.5, frequency_penalty=0.1)
-    assert select(logits, [s])[0].token == 1  # 3.0 - 0.7 = 2.3 > 2.0
-    # Tokens of this slice count too.
-    s = row([3], frequency_penalty=0.6)
-    s.push(1)
-    s.push(1)
-    assert select(logits, [s])[0].token == 2  # 3.0 - 1.2 = 1.8
+    assert pick(s, logits) == [2]
+    s = sampler([([3, 3, 1, 1], 2, dict(presence_penalty=0.5, frequency_penalty=0.1))])
+    assert pick(s, logits) == [1]  # 3.0 - 0.7 = 2.3 > 2.0
+    # Tokens of this slice count too: the row picks 1 twice, then the penalty moves it.
+    s = sampler([([3], 0, dict(frequency_penalty=0.6))])
+    assert pick(s, logits) == [1] and pick(s, logits) == [1]
+    assert pick(s, logits) == [2]  # 3.0 - 1.2 = 1.8
 
 
 def test_repetition_penalty_covers_the_prompt_and_the_output() -> None:
     logits = torch.tensor([[0.0, 3.0, 2.0, -1.0, 0.0]])
-    s = row([1, 4], repetition_penalty=2.0)  # 3.0 / 2 = 1.5 < 2.0
-    assert select(logits, [s])[0].token == 2
-    x = s.penalize(torch.tensor([0.0, 3.0, 2.0, -1.0, -2.0]))
-    assert x.tolist() == [0.0, 1.5, 2.0, -1.0, -4.0]  # negative logits are multiplied
+    s = sampler([([1, 4], 0, dict(repetition_penalty=2.0))])  # 3.0 / 2 = 1.5 < 2.0
+    assert pick(s, logits) == [2]
+    x = s.penalize(torch.tensor([[0.0, 3.0, 2.0, -1.0, -2.0]]))
+    assert x.tolist() == [[0.0, 1.5, 1.0, -1.0, -4.0]]  # 2 was just picked; negatives are multiplied
 
 
 def test_min_p_drops_tokens_less_likely_than_a_share_of_the_best() -> None:
-    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    x = filter_logits(torch.log(probs), temperature=1.0, top_k=0, top_p=1.0, min_p=0.2)
-    kept = [i for i, v in enumerate(x.tolist()) if v != float("-inf")]
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    one = torch.ones(1)
+    x = filter_logits(torch.log(probs), one, torch.zeros(1, dtype=torch.long), one, torch.tensor([0.2]))
+    kept = [i for i, v in enumerate(x[0].tolist()) if v != float("-inf")]
     assert kept == [0, 1, 2]  # 0.05 < 0.2 * 0.5
+
+
+def test_top_k_and_top_p_per_row_in_one_batch() -> None:
+    logp = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]] * 3))
+    x = filter_logits(logp, torch.ones(3), torch.tensor([2, 0, 0]), torch.tensor([1.0, 0.65, 1.0]),
+                      torch.zeros(3))
+    alive = [[i for i, v in enumerate(row) if v != float("-inf")] for row in x.tolist()]
+    # top-k 2; top-p 0.65 keeps 0.4 and 0.3 (0.4 < 0.65 before the second); no cut.
+    assert alive == [[0, 1], [0, 1], [0, 1, 2, 3]]
+
+
+def test_a_row_draws_the_same_tokens_whatever_its_neighbours_and_its_slice() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    hot = dict(temperature=0.9, top_p=0.95, seed=11)
+    alone = sampler([([1, 2], 3, hot)], vocab=50)
+    batched = sampler([([9], 0, dict(temperature=0.0)), ([1, 2], 3, hot), ([7], 5, dict(temperature=1.3))],
+                      vocab=50)
+    a = [pick(alone, logits[i:i + 1])[0] for i in range(4)]
+    b = [pick(batched, torch.stack([logits[5], logits[i], logits[4]]))[1] for i in range(4)]
+    assert a == b
+    # A later slice starts at generated + drawn: the same stream continues.
+    later = sampler([([1, 2, *a[:2]], 5, hot)], vocab=50)
+    assert [pick(later, logits[i:i + 1])[0] for i in (2, 3)] == a[2:]
 
 
 def test_logprobs_are_the_log_softmax_of_the_model_logits() -> None:
     logits = torch.tensor([[1.0, 4.0, 2.0, 3.0], [0.5, 0.5, 9.0, 0.0]])
-    picks = select(logits, [row([1], 1, logprobs=True, top_logprobs=2, presence_penalty=2.0), None])
-    assert picks[1] is None
-    p = picks[0]
-    assert p.token == 3  # the penalty moved the choice, not the reported distribution
+    s = sampler([([1], 1, dict(logprobs=True, top_logprobs=2, presence_penalty=2.0)), ([1], 0, {})], vocab=4)
+    tokens, lps = s.sample(logits).start().result(s)
+    assert lps[1] is None
+    p = lps[0]
+    assert tokens[0] == 3  # the penalty moved the choice, not the reported distribution
     lsm = torch.log_softmax(logits[0], dim=-1)
-    assert math.isclose(p.logprobs.chosen.logprob, float(lsm[3]), rel_tol=1e-6)
-    assert [a.id for a in p.logprobs.top] == [1, 3]
-    assert math.isclose(p.logprobs.top[0].logprob, float(lsm[1]), rel_tol=1e-6)
-    assert select(logits, [row([1]), row([1])])[0].logprobs is None
+    assert math.isclose(p.chosen.logprob, float(lsm[3]), rel_tol=1e-6) and p.chosen.id == 3
+    assert [a.id for a in p.top] == [1, 3]
+    assert math.isclose(p.top[0].logprob, float(lsm[1]), rel_tol=1e-6)
+    s = sampler([([1], 0, {}), ([1], 0, {})], vocab=4)
+    assert s.sample(logits).start().result(s)[1] == [None, None]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,495 @@
+"""The static-cache path of ``hf``: a slice's KV in memory allocated once, its decode step
+captured as a CUDA graph.
+
+A slice is a static batch with a known bound: ``N`` rows whose contexts grow by at most
+``S - 1`` tokens after a prefill of width ``W``. Its KV therefore fits a static cache of
+``N × (W + S - 1)`` token slots, and its decode step has fixed shapes, which is what CUDA
+graphs need (DESIGN §10: the eager step is bound by Python and kernel launches, not by
+the card).
+
+**Arena.** :class:`KVArena` allocates, once, per layer, keys and values as flat buffers of
+``tokens`` token slots. A batch of ``n`` rows and cache length ``c`` uses the first
+``n · c`` slots as ``[n, kv_heads, c, head_dim]`` views, wrapped as transformers'
+``StaticLayer``s (a :class:`~transformers.Cache` of them): the model writes each new
+token's KV at the column a per-layer counter names and attends over the whole view
+through a 4-D boolean mask. Row ``i`` starts at the same place whatever ``n`` is, so a
+prefill of the batch's ``N`` real rows and the decode of its bucket of ``n >= N`` rows
+share their memory. The arena is the batch's memory, all of it: the worker reports its
+size as M_ava, and the daemon never sends a batch it cannot hold.
+
+**Layout.** As on the eager path, rows are left-padded: held KV (kept from an earlier
+slice) ends at column ``past``, the prefill writes columns ``[past, W)``, decode step
+``k`` writes column ``W + k``. ``key_real`` marks the columns holding a row's real
+tokens; a pad query sees only its own column (it must see something, or SDPA gives NaN,
+and a NaN value behind a masked column still poisons the weighted sum).
+
+**Buckets and graphs.** On CUDA, :class:`StaticRunner` captures one decode step per
+(batch bucket ``n``, cache bucket ``c``) that fits the arena, from the largest down,
+sharing one memory pool. A batch runs in the smallest captured bucket that holds it
+(extra rows are dummies: their outputs are never read); a batch outside every bucket
+runs the same step eagerly over the same arena. The step reads its inputs from static
+buffers (token ids, positions, mask, the column counter) and advances them itself, so a
+replay is all a decode iteration costs the host. Prefill stays eager, in chunks of at
+most ``prefill_chunk_tokens`` tokens, which bounds its activation memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("worker")
+
+#: Batch-size buckets captured by default (those the arena can hold with the smallest cache).
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+#: Cache-length buckets captured by default (up to the model's context and the arena).
+DEFAULT_CACHE_TOKENS = (256, 512, 1024, 2048, 4096, 8192)
+
+
+def parse_sizes(value: Any, name: str) -> tuple[int, ...]:
+    """A bucket list from an engine option: ``"1,2,4"``, a list, or one int; ascending, unique."""
+    if isinstance(value, str):
+        parts = [p for p in value.replace(" ", "").split(",") if p]
+    elif isinstance(value, int):
+        parts = [str(value)]
+    else:
+        parts = [str(v) for v in value]
+    try:
+        sizes = sorted({int(p) for p in parts})
+    except ValueError:
+        raise ValueError(f"{name}: expected comma-separated positive integers, got {value!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"{name}: expected comma-separated positive integers, got {value!r}")
+    return tuple(sizes)
+
+
+def as_switch(name: str, value: Any, auto: bool) -> bool:
+    """An on/off engine option: true/false (or their text), or ``"auto"`` for ``auto``."""
+    if isinstance(value, str):
+        low = value.strip().lower()
+        if low == "auto":
+            return auto
+        if low in ("true", "false"):
+            return low == "true"
+    elif isinstance(value, bool):
+        return value
+    raise ValueError(f"{name}: expected true, false or auto, got {value!r}")
+
+
+def activation_reserve(config: Any, dtype: Any, tokens: int, rows: int) -> int:
+    """Device bytes a forward pass needs beside the weights and the KV: activations of a
+    prefill of ``tokens`` tokens (hidden states, attention projections and the MLP's three
+    intermediates), the logits of ``rows`` rows as sampling uses them (fp32 and fp64
+    copies), and 1 GiB for library workspaces and captured graphs."""
+    import torch
+
+    h = int(config.hidden_size)
+    inter = int(getattr(config, "intermediate_size", 0) or 4 * h)
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    width = torch.tensor([], dtype=dtype).element_size()
+    return tokens * (6 * h + 3 * inter) * width + rows * vocab * 4 * 8 + 2**30
+
+
+@dataclass(frozen=True)
+class StaticOptions:
+    """The static-cache options of a torch engine, checked (see :meth:`parse`)."""
+
+    on: bool
+    graphs: bool
+    share: float
+    batch_sizes: tuple[int, ...]
+    cache_tokens: tuple[int, ...]
+    prefill_chunk_tokens: int
+    buckets: bool | None = None
+    """Run batches in bucket shapes without graphs too (None: only with graphs)."""
+
+    @property
+    def reserve_tokens(self) -> int:
+        """Prefill tokens one forward pass may hold (the activation reserve's size): a chunk
+        on the static path, a guess for the eager one, which does not chunk."""
+        return self.prefill_chunk_tokens if self.on and self.prefill_chunk_tokens > 0 else 16384
+
+    @classmethod
+    def parse(cls, device_type: str, default: bool, static_cache: Any, cuda_graphs: Any, share: Any,
+              batch_sizes: Any, cache_tokens: Any, prefill_chunk_tokens: Any,
+              buckets: Any = None) -> StaticOptions:
+        """``static_cache`` and ``cuda_graphs``: true, false or auto (on with CUDA, for engines
+        whose ``default`` is on); ``share``: the part of the KV memory the arena takes, the
+        rest keeping KV across slices; the bucket lists; ``prefill_chunk_tokens``: most tokens
+        per prefill forward pass (0: no chunks; default 8192 on CUDA, none on the CPU);
+        ``buckets``: pad batches to the bucket shapes even without graphs (None: with them)."""
+        cuda = device_type == "cuda"
+        on = as_switch("static_cache", static_cache, default and cuda)
+        graphs = as_switch("cuda_graphs", cuda_graphs, cuda)
+        if graphs and not cuda:
+            if cuda_graphs is True or str(cuda_graphs).lower() == "true":
+                raise ValueError("cuda_graphs: CUDA graphs need a CUDA device")
+            graphs = False
+        try:
+            frac = float(share)
+        except (TypeError, ValueError):
+            frac = float("nan")
+        if not 0.0 < frac <= 1.0:
+            raise ValueError(f"static_share: expected a number in (0, 1], got {share!r}")
+        chunk = (8192 if cuda else 0) if prefill_chunk_tokens is None else int(prefill_chunk_tokens)
+        if chunk < 0:
+            raise ValueError(f"prefill_chunk_tokens: expected a number >= 0, got {prefill_chunk_tokens!r}")
+        sizes = DEFAULT_BATCH_SIZES if batch_sizes is None else parse_sizes(batch_sizes, "graph_batch_sizes")
+        lens = DEFAULT_CACHE_TOKENS if cache_tokens is None else parse_sizes(cache_tokens, "graph_cache_tokens")
+        pad = None if buckets is None else as_switch("static_buckets", buckets, False)
+        return cls(on, graphs and on, frac, sizes, lens, chunk, pad)
+
+    def runner(self, model: Any, config: Any, device: Any, dtype: Any, kv_bytes: int, delta: int,
+               pad_id: int, max_context: int) -> StaticRunner:
+        """The runner whose arena takes ``share`` of ``kv_bytes``."""
+        tokens = int(self.share * kv_bytes) // max(1, delta)
+        if tokens < 1:
+            raise ValueError(f"no memory for a static cache: {kv_bytes} bytes of KV memory, "
+                             f"{delta} bytes per token")
+        return StaticRunner(model, config, device, dtype, tokens, pad_id, self.batch_sizes,
+                            self.cache_tokens, self.graphs, self.prefill_chunk_tokens, max_context,
+                            self.buckets)
+
+
+def layer_shape(config: Any) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of a decoder config."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return int(config.num_hidden_layers), int(kv_heads), int(head_dim)
+
+
+class KVArena:
+    """Per-layer flat key and value buffers of ``tokens`` token slots (module docstring)."""
+
+    def __init__(self, config: Any, tokens: int, dtype: Any, device: Any) -> None:
+        import torch
+
+        self.layers, self.heads, self.head_dim = layer_shape(config)
+        self.tokens = int(tokens)
+        self.dtype = dtype
+        self.device = device
+        slot = self.heads * self.head_dim
+        # Zeros: a slot never written is still a finite number.
+        self.kv = [(torch.zeros(self.tokens * slot, dtype=dtype, device=device),
+                    torch.zeros(self.tokens * slot, dtype=dtype, device=device))
+                   for _ in range(self.layers)]  # fmt: skip
+        #: Where each layer writes next (one element per layer: ``StaticLayer`` advances its own).
+        self.counters = torch.zeros(self.layers, dtype=torch.long, device=device)
+        self.nbytes = 2 * self.layers * self.tokens * slot * torch.tensor([], dtype=dtype).element_size()
+
+    def fits(self, n: int, c: int) -> bool:
+        return n * c <= self.tokens
+
+    def views(self, n: int, c: int) -> list[tuple[Any, Any]]:
+        """Per layer ``(keys, values)`` as ``[n, heads, c, head_dim]`` views of the arena."""
+        size = n * self.heads * c * self.head_dim
+        shape = (n, self.heads, c, self.head_dim)
+        return [(k[:size].view(shape), v[:size].view(shape)) for k, v in self.kv]
+
+    def cache(self, n: int, c: int) -> Any:
+        """A transformers ``Cache`` of ``StaticLayer``s over :meth:`views` ``(n, c)``."""
+        from transformers.cache_utils import Cache, StaticLayer
+
+        layers = []
+        for i, (k, v) in enumerate(self.views(n, c)):
+            layer = StaticLayer(max_cache_len=c)
+            layer.keys, layer.values = k, v
+            layer.dtype, layer.device = k.dtype, k.device
+            layer.batch_size, layer.num_heads = n, self.heads
+            layer.k_head_dim = layer.v_head_dim = self.head_dim
+            layer.cumulative_length = self.counters[i]  # a view: the layer advances the arena's counter
+            layer.is_initialized = True
+            layers.append(layer)
+        return Cache(layers=layers)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where a batch of ``rows`` runs: ``n`` rows (a bucket, or ``rows`` itself) of cache
+    length ``c``; ``graph``: its decode step is a captured graph."""
+
+    rows: int
+    n: int
+    c: int
+    graph: bool
+
+
+class DecodeStep:
+    """One decode step over arena views ``(n, c)``: static inputs, the step body, and on CUDA
+    its captured graph."""
+
+    def __init__(self, runner: StaticRunner, n: int, c: int) -> None:
+        self.runner = runner
+        self.n, self.c = n, c
+        self.cache = runner.arena.cache(n, c)
+        self.ids = runner.ids[:n]
+        self.pos = runner.pos[:n]
+        self.mask = runner.mask_flat[: n * c].view(n, 1, 1, c)
+        self.graph: Any = None
+        self.logits: Any = None
+        self.bucket = False
+        """Prepared at warm-up as a bucket (batches of fewer rows or columns run in it)."""
+
+    def body(self) -> Any:
+        """Open this step's column to every row, run the model (which writes the column's KV
+        and advances the layer counters), advance positions and the column."""
+        r = self.runner
+        self.mask.index_fill_(3, r.col, True)
+        out = r.model(input_ids=self.ids, attention_mask=self.mask, position_ids=self.pos,
+                      past_key_values=self.cache, use_cache=True)
+        self.pos.add_(1)
+        r.col.add_(1)
+        return out.logits[:, -1, :]
+
+    def capture(self, pool: Any) -> None:
+        """Record :meth:`body` as a CUDA graph (after warm-up runs on a side stream, as CUDA
+        graphs require); replays then reuse its output tensor ``logits``."""
+        import torch
+
+        stream = torch.cuda.Stream(device=self.runner.device)
+        stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.runner.reset_counters(0)
+                self.body()
+        torch.cuda.current_stream(self.runner.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        self.runner.reset_counters(0)
+        with torch.cuda.graph(graph, pool=pool):
+            self.logits = self.body()
+        self.graph = graph
+
+    def run(self) -> Any:
+        """One decode iteration: replay the graph, or run the body eagerly."""
+        if self.graph is not None:
+            self.graph.replay()
+            return self.logits
+        return self.body()
+
+
+class StaticRunner:
+    """The arena, the bucketed decode steps and the static inputs of the static-cache path."""
+
+    def __init__(self, model: Any, config: Any, device: Any, dtype: Any, arena_tokens: int, pad_id: int,
+                 batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+                 cache_tokens: Sequence[int] = DEFAULT_CACHE_TOKENS,
+                 graphs: bool = False, prefill_chunk_tokens: int = 0, max_context: int = 0,
+                 buckets: bool | None = None) -> None:
+        import torch
+
+        self.model = model
+        self.device = device
+        self.pad_id = pad_id
+        self.prefill_chunk_tokens = int(prefill_chunk_tokens)
+        self.arena = KVArena(config, arena_tokens, dtype, device)
+        cap = max(c for c in cache_tokens) if cache_tokens else 1
+        limit = max_context if max_context > 0 else cap
+        self.cache_buckets = tuple(c for c in cache_tokens if c <= max(limit, min(cache_tokens)))
+        smallest = min(self.cache_buckets, default=1)
+        self.batch_buckets = tuple(n for n in batch_sizes if self.arena.fits(n, smallest))
+        rows = max(self.batch_buckets, default=1)
+        # Static inputs, shared by every bucket (each uses a prefix).
+        self.ids = torch.full((rows, 1), pad_id, dtype=torch.long, device=device)
+        self.pos = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        self.mask_flat = torch.zeros(self.arena.tokens, dtype=torch.bool, device=device)
+        self.col = torch.zeros(1, dtype=torch.long, device=device)
+        self.graphs_on = bool(graphs)
+        self.bucketing = self.graphs_on if buckets is None else bool(buckets)
+        """Batches run in bucket shapes (always with graphs; without, only when asked: tests)."""
+        self.use_graphs = True
+        """False: :meth:`plan` passes the bucket steps by (the warm-up's check)."""
+        self.steps: dict[tuple[int, int], DecodeStep] = {}
+        self.capture_s = 0.0
+
+    # ------------------------------------------------------------------ buckets
+
+    def captured(self) -> list[tuple[int, int]]:
+        """The ``(n, c)`` buckets with a captured graph, ascending."""
+        return sorted(k for k, s in self.steps.items() if s.graph is not None)
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """The ``(n, c)`` bucket steps prepared at warm-up (captured or not), ascending."""
+        return sorted(k for k, s in self.steps.items() if s.bucket)
+
+    def plan(self, rows: int, need: int) -> Plan | None:
+        """Where a batch of ``rows`` needing ``need`` cache columns runs: the smallest bucket
+        that holds it, else its own shape; None when the arena cannot hold it at all."""
+        for n, c in self.buckets() if self.use_graphs else ():
+            if n >= rows and c >= need:
+                return Plan(rows, n, c, self.steps[(n, c)].graph is not None)
+        if self.arena.fits(rows, need):
+            return Plan(rows, rows, need, False)
+        return None
+
+    def step_for(self, plan: Plan) -> DecodeStep:
+        key = (plan.n, plan.c)
+        step = self.steps.get(key)
+        if step is None:
+            # An uncaptured shape: an eager step over the same arena (kept while few).
+            if len(self.steps) > 256:
+                self.steps = {k: s for k, s in self.steps.items() if s.bucket}
+            step = self.steps[key] = DecodeStep(self, plan.n, plan.c)
+        return step
+
+    def drop_graphs(self) -> None:
+        """Forget every bucket step: decode runs eagerly, in each batch's own shape."""
+        self.steps = {}
+        self.graphs_on = self.bucketing = False
+
+    def reset_counters(self, column: int) -> None:
+        self.arena.counters.fill_(column)
+        self.col.fill_(column)
+
+    # ------------------------------------------------------------------ warm-up
+
+    def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
+        """Prepare a decode step per bucket the arena holds and, with graphs, capture each
+        (largest first, one shared memory pool)."""
+        import torch
+
+        t0 = time.perf_counter()
+        todo = [(n, c) for n in self.batch_buckets for c in self.cache_buckets if self.arena.fits(n, c)]
+        todo.sort(key=lambda nc: (-nc[0], -nc[1]))
+        if not self.bucketing:
+            todo = []
+        capture = self.graphs_on and self.device.type == "cuda"
+        pool = torch.cuda.graph_pool_handle() if capture else None
+        with torch.inference_mode():
+            for i, (n, c) in enumerate(todo, 1):
+                step = DecodeStep(self, n, c)
+                step.bucket = True
+                if capture:
+                    try:
+                        step.capture(pool)
+                    except Exception as exc:  # noqa: BLE001 - eager steps still serve; say why
+                        log.warning("warming: cannot capture the decode step of batch %d, cache %d "
+                                    "(%s: %s); decode runs eagerly", n, c, type(exc).__name__, exc)
+                        self.drop_graphs()
+                        break
+                self.steps[(n, c)] = step
+                if progress is not None and capture and (i == len(todo) or i % 4 == 0):
+                    progress(f"warming: captured {i}/{len(todo)} decode graphs (batch {n}, cache {c})")
+            self.reset_counters(0)
+            self.mask_flat.zero_()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - t0
+
+
+class StaticRun:
+    """One batch on the static path: its prefill into the arena, then decode steps."""
+
+    def __init__(self, runner: StaticRunner, plan: Plan) -> None:
+        self.runner = runner
+        self.plan = plan
+        self.key_real: Any = None
+        self.width = 0
+        """W: the prefill's last column + 1 (held past + the longest new part)."""
+        self.step: DecodeStep | None = None
+
+    def prefill(self, reqs: Sequence[Any], taken: Sequence[Any], used: Sequence[int]) -> Any:
+        """Copy the rows' held KV into the arena, prefill the rest in column chunks; returns the
+        ``[rows, vocab]`` logits of every row's last token."""
+        import torch
+
+        r, plan = self.runner, self.plan
+        n, c = plan.rows, plan.c
+        dev = r.device
+        past = max(used, default=0)
+        fresh = [len(q.token_ids) - u for q, u in zip(reqs, used, strict=True)]
+        width = max(fresh)
+        self.width = w_all = past + width
+        ids = torch.full((n, width), r.pad_id, dtype=torch.long)
+        real = torch.zeros((n, c), dtype=torch.bool)
+        for i, q in enumerate(reqs):
+            ids[i, width - fresh[i]:] = torch.tensor(q.token_ids[used[i]:], dtype=torch.long)
+            real[i, past - used[i]:past] = True
+            real[i, w_all - fresh[i]:w_all] = True
+        # Positions count real tokens only (pads repeat their left neighbour's, masked anyway).
+        pos = (real[:, :w_all].long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+        self.key_real = real = real.to(dev)
+        ids, pos = ids.to(dev), pos.to(dev)
+        if past:
+            views = r.arena.views(n, c)
+            for i, (e, u) in enumerate(zip(taken, used, strict=True)):
+                if e is None or u <= 0:
+                    continue
+                for (k, v), (ek, ev) in zip(views, e.kv, strict=True):
+                    k[i, :, past - u:past].copy_(ek[0, :, :u], non_blocking=True)
+                    v[i, :, past - u:past].copy_(ev[0, :, :u], non_blocking=True)
+        r.reset_counters(past)
+        cache = r.arena.cache(n, c)
+        chunk = width if r.prefill_chunk_tokens <= 0 else max(1, r.prefill_chunk_tokens // n)
+        cols = torch.arange(c, device=dev)
+        out: Any = None
+        for a in range(0, width, chunk):
+            b = min(width, a + chunk)
+            q_cols = torch.arange(past + a, past + b, device=dev)
+            mask = real[:, None, None, :] & (cols[None, None, None, :] <= q_cols[None, None, :, None])
+            mask[:, 0, torch.arange(b - a, device=dev), q_cols] = True  # a pad query sees itself
+            out = r.model(input_ids=ids[:, a:b], attention_mask=mask, position_ids=pos[:, a:b],
+                          past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :]
+
+    def decode(self, tokens: Any, positions: Sequence[int]) -> Any:
+        """Feed each row's latest token (``[rows]`` on the device); returns the next logits
+        (``[n, vocab]``: the bucket's rows, the first ``rows`` real). ``positions``: each
+        row's position for its first decode step (its context length)."""
+        import torch
+
+        r, plan = self.runner, self.plan
+        if self.step is None:
+            self.step = step = r.step_for(plan)
+            m = step.mask.view(plan.n, plan.c)
+            m.zero_()
+            m[: plan.rows].copy_(self.key_real)
+            step.ids.fill_(r.pad_id)
+            step.pos.zero_()
+            step.pos[: plan.rows, 0].copy_(torch.tensor(list(positions), dtype=torch.long), non_blocking=True)
+            r.reset_counters(self.width)
+        step = self.step
+        step.ids[: plan.rows, 0].copy_(tokens)
+        return step.run()
+
+    def keep_view(self, fed: int) -> tuple[Any, Any]:
+        """``(cache, mask)`` for cutting rows out after a slice whose decode fed ``fed`` tokens:
+        the rows' arena views and a ``[rows, c]`` mask of their real columns."""
+        plan = self.plan
+        mask = self.key_real.clone()
+        mask[:, self.width:self.width + fed] = True
+        return self.runner.arena.cache(plan.rows, plan.c), mask
+
+
+def check_graphs(engine: Any, progress: Callable[[str], None] | None = None) -> bool:
+    """Serve one small greedy batch with the captured steps and once more without: the same
+    tokens, or the graphs are dropped (with the reason logged) and decode runs eagerly.
+    Warms the prefill's first shapes on the way. Returns whether the graphs are kept."""
+    import random
+
+    from sclsd.protocol import BatchMsg, BatchRequest
+
+    runner: StaticRunner = engine.static
+    rng = random.Random(0)
+    vocab = int(getattr(engine, "vocab_size", 0) or engine.config.vocab_size)
+    rows = min(4, max(runner.batch_buckets, default=1))
+    reqs = [BatchRequest(rid=f"warm-up-{i}", token_ids=[rng.randrange(1, vocab) for _ in range(5 + 7 * i)],
+                         max_new_tokens=12, temperature=0.0, ignore_eos=True) for i in range(rows)]
+    batch = BatchMsg(batch_id=0, slice_len=12, requests=reqs, kv_reuse=False)
+    if progress is not None:
+        progress("warming: checking the decode graphs against the eager step")
+    graphed = [o.token_ids for o in engine.serve(batch)[0]]
+    runner.use_graphs = False
+    try:
+        eager = [o.token_ids for o in engine.serve(batch)[0]]
+    finally:
+        runner.use_graphs = True
+    if graphed == eager:
+        return True
+    log.warning("warming: the captured decode steps gave other tokens than the eager step "
+                "(%s against %s); dropping the graphs, decode runs eagerly", graphed, eager)
+    runner.drop_graphs()
+    return False

@@ -12,6 +12,14 @@ the worker would serve with:
 2. **Validation** (the rest): whole batches of ``--slice-len`` iterations,
    never used for fitting, give the S-iteration batch RMSE (paper Fig. 9b).
 
+On a GPU the first call of a shape costs several times a later one (kernel selection,
+allocation, lazy initialisation), and a profile is about later ones: with
+``--warm-shapes`` (the default on CUDA) every shape runs once untimed before it is timed,
+grid points are timed ``--repeats`` times (3 on CUDA) and the median kept, and decode
+samples span ``--decode-steps`` steps (32 on CUDA, 8 on the CPU). The engine's own
+warm-up (its captured graphs) runs before anything is timed, as in a worker. Stats are
+host times taken after the step's tokens reached the host, so they are synchronised.
+
 Points are visited in an order that covers the (N, L) plane early and are
 skipped when the current fit predicts they would overrun the budget, so the
 command always ends in time. The result is a profile JSON
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -85,11 +94,16 @@ def synthetic_batch(bid: int, n: int, L: int, slice_len: int, vocab: int) -> Bat
 class Profiler:
     """Drives one engine through the grid and the validation batches."""
 
-    def __init__(self, engine: Any, budget: Budget, slice_len: int, decode_steps: int) -> None:
+    def __init__(self, engine: Any, budget: Budget, slice_len: int, decode_steps: int,
+                 warm_shapes: bool = False, repeats: int = 2) -> None:
         self.engine = engine
         self.budget = budget
         self.slice_len = slice_len
         self.k = decode_steps
+        self.warm_shapes = warm_shapes
+        """Run every shape once untimed before timing it (GPUs: the first call is cold)."""
+        self.repeats = max(1, repeats)
+        """Timed runs per grid point: the median is kept (two: the faster, noise being one-sided)."""
         info = engine.info()
         self.info = info
         self.vocab = int(info.vocab_size or 49152)
@@ -120,22 +134,32 @@ class Profiler:
 
     def measure_point(self, n: int, L: int) -> None:
         """One grid point: a prefill sample and a one-iteration decode sample."""
-        best_p = best_d = float("inf")
+        if self.warm_shapes:
+            self._serve(n, L, self.k + 1)  # untimed: the shape's first call
+        pre: list[float] = []
+        dec: list[float] = []
         steps = 0
-        for attempt in range(2):
+        for attempt in range(self.repeats):
             st = self._serve(n, L, self.k + 1)
             steps = st.iterations - 1
-            best_p = min(best_p, st.prefill_s)
+            pre.append(st.prefill_s)
             if steps > 0:
-                best_d = min(best_d, st.decode_s / steps)
-            if attempt or st.prefill_s + st.decode_s >= REPEAT_BELOW_S:
+                dec.append(st.decode_s / steps)
+            if attempt + 1 >= self.repeats:
+                break
+            # Cheap points only, and only while the budget allows (the CPU's rule without warm-up).
+            if not self.warm_shapes and st.prefill_s + st.decode_s >= REPEAT_BELOW_S:
                 break
             if self.budget.left() < 3 * (st.prefill_s + st.decode_s):
                 break
-        self.prefill.append([n, L, best_p])
-        if steps > 0:
-            self.decode.append([n, L + (steps + 1) / 2, best_d])
+        self.prefill.append([n, L, self._keep(pre)])
+        if dec:
+            self.decode.append([n, L + (steps + 1) / 2, self._keep(dec)])
         self._refit()
+
+    def _keep(self, times: list[float]) -> float:
+        """The sample a point keeps: the median of three or more runs, else the fastest."""
+        return statistics.median(times) if len(times) >= 3 else min(times)
 
     def run_grid(self, grid_deadline: float, bar: Any) -> None:
         """Visit GRID; points predicted to overrun are retried once the fit has improved."""
@@ -168,6 +192,8 @@ class Profiler:
                 log.info("skip validation batch N=%d L=%d (predicted %.1f s)", n, L, cost)
                 bar.update(1)
                 continue
+            if self.warm_shapes:
+                self._serve(n, L, 2)  # untimed: the prefill shape's first call
             st = self._serve(n, L, S)
             # Whole batch as the scheduler sees it: prefill + all its decode steps.
             self.batch.append([n, L, st.iterations, st.prefill_s + st.decode_s])
@@ -198,9 +224,11 @@ def profile_engine(
     name: str | None = None,
     device_label: str | None = None,
     extra: dict[str, Any] | None = None,
+    warm_shapes: bool = False,
+    repeats: int = 2,
 ) -> Profile:
     """Measure, fit and return a profile of ``engine`` within ``budget``."""
-    prof = Profiler(engine, budget, slice_len, decode_steps)
+    prof = Profiler(engine, budget, slice_len, decode_steps, warm_shapes, repeats)
     prof.warm_up()
     usable = max(0.0, budget.left())
     grid_deadline = budget.elapsed() + GRID_SHARE * usable
@@ -278,7 +306,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget-s", type=float, default=540.0,
                     help="wall-clock budget in seconds, model loading included (default 540)")
     ap.add_argument("--slice-len", type=int, default=128, help="S of the validation batches")
-    ap.add_argument("--decode-steps", type=int, default=8, help="decode steps per grid point")
+    ap.add_argument("--decode-steps", type=int, default=None,
+                    help="decode steps per grid point (default 32 on CUDA, 8 on the CPU)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="timed runs per grid point, the median kept (default 3 on CUDA, up to 2 on "
+                         "the CPU: the faster)")
+    ap.add_argument("--warm-shapes", action=argparse.BooleanOptionalAction, default=None,
+                    help="run each shape once untimed before timing it (default: on CUDA)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default 1 on the CPU, the engine's choice elsewhere)")
     ap.add_argument("--name", default=None, help="profile name (default engine-model-device)")
@@ -293,8 +327,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
-    if args.slice_len < 2 or args.decode_steps < 1 or args.budget_s <= 0:
-        print("error: --slice-len >= 2, --decode-steps >= 1 and --budget-s > 0", file=sys.stderr)
+    cuda = args.device.startswith("cuda")
+    if args.decode_steps is None:
+        args.decode_steps = 32 if cuda else 8
+    if args.repeats is None:
+        args.repeats = 3 if cuda else 2
+    if args.warm_shapes is None:
+        args.warm_shapes = cuda
+    if args.slice_len < 2 or args.decode_steps < 1 or args.budget_s <= 0 or args.repeats < 1:
+        print("error: --slice-len >= 2, --decode-steps >= 1, --repeats >= 1 and --budget-s > 0",
+              file=sys.stderr)
         return 2
     force_offline()
     threads = args.threads
@@ -309,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loading {args.engine} {args.model or '(default model)'} on {args.device} ...",
           file=sys.stderr)  # fmt: skip
     engine = create_engine(args.engine, args.model, device=args.device, **opts)
+    engine.warm_up(lambda step: print(step, file=sys.stderr))  # as a worker does before serving
     try:
         label = f"{args.device} ({threads} thread{'s' if threads != 1 else ''})" if threads else None
         prof = profile_engine(
@@ -319,7 +362,10 @@ def main(argv: list[str] | None = None) -> int:
             name=args.name,
             device_label=label,
             extra={"threads": threads, "budget_s": args.budget_s,
-                   "load_s": round(budget.elapsed(), 1)},
+                   "load_s": round(budget.elapsed(), 1), "warm_shapes": args.warm_shapes,
+                   "repeats": args.repeats, "decode_steps": args.decode_steps},
+            warm_shapes=args.warm_shapes,
+            repeats=args.repeats,
         )  # fmt: skip
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -82,3 +82,45 @@ def test_cli_too_small_a_budget_fails_cleanly(tmp_path):
 
 def test_cli_rejects_bad_args(tmp_path):
     assert main(["--engine", "fake", "--out", str(tmp_path / "x"), "--slice-len", "1"]) == 2
+
+
+class ColdClockEngine(ClockEngine):
+    """ClockEngine on a GPU: the first call of each shape costs three times a later one, and
+    every fifth call is slowed by a hiccup of 50 %."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[tuple[int, int, int]] = set()
+
+    def serve(self, batch):
+        import msgspec
+
+        outs, st = super().serve(batch)
+        shape = (len(batch.requests), len(batch.requests[0].token_ids), batch.slice_len)
+        factor = 1.0 if shape in self.seen else 3.0
+        self.seen.add(shape)
+        if self.calls % 5 == 0:
+            factor *= 1.5
+        return outs, msgspec.structs.replace(st, prefill_s=st.prefill_s * factor, decode_s=st.decode_s * factor)
+
+
+def test_gpu_profiles_warm_each_shape_and_keep_the_median():
+    warm = profile_engine(ColdClockEngine(), budget=Budget(60), slice_len=16, decode_steps=8, name="w",
+                          warm_shapes=True, repeats=3)
+    cold = profile_engine(ColdClockEngine(), budget=Budget(60), slice_len=16, decode_steps=8, name="c")
+    assert warm.estimator.d4 == pytest.approx(3e-3, rel=1e-2)
+    assert warm.rmse["prefill_s"] < 1e-6 and warm.rmse["decode_s"] < 1e-6  # hiccups out-voted
+    # Timing first calls and hiccups (the CPU's way) leaves them in the samples.
+    assert cold.rmse["prefill_s"] > 0.01 and cold.rmse["decode_s"] > 1e-3
+
+
+def test_cli_defaults_follow_the_device(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_profile(engine, **kw):
+        seen.update(kw)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr("worker.profile.profile_engine", fake_profile)
+    assert main(["--engine", "fake", "--out", str(tmp_path / "p.json")]) == 1
+    assert (seen["warm_shapes"], seen["repeats"], seen["decode_steps"]) == (False, 2, 8)

@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "pipeline": ("sclsd.bench.pipeline", "many requests pipelined on one connection: none lost"),
     "figures": ("sclsd.bench.figures", "regenerate the figures of docs/benchmarks.md"),
     "gpu-check": ("sclsd.bench.gpu_check", "profile hf and deepspeed, check the fit, replay live"),
+    "engine": ("sclsd.bench.engine", "ms per decode step of each engine, cold and warm"),
 }
 
 

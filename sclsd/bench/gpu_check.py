@@ -14,11 +14,15 @@ Steps, each recorded in ``DIR`` (a failed step is reported and the others still 
 2. **Check** each fitted profile against its own measurements: the RMSE of the
    prefill, decode and whole-slice samples, absolute and relative to the mean
    measured time, with a verdict (relative RMSE at most :data:`RMSE_OK`).
-3. **Live replay**: a daemon per policy (``sls``, ``scls``, and ``scls-cb`` on
-   ``hf-cb`` where the policy exists) with the ``hf`` profile as its estimator,
-   the ShareGPT lengths scaled and capped, Poisson arrivals
-   (``sclsd-bench replay``). Writes ``live-POLICY.json`` and ``live-POLICY.log``.
-4. **Report**: ``report.md`` (Markdown, for docs/benchmarks.md) and
+3. **Engines**: ms per decode step of every engine variant, cold and warm, beside
+   transformers' own compiled ``generate`` and the card's bandwidth floor
+   (``sclsd-bench engine``, in ``engine/``).
+4. **Live replay**: a daemon per policy (``ils``: the ``hf-cb`` engine given every
+   request on arrival, the continuous-batching baseline; ``sls``, ``scls``; and
+   ``scls-cb`` on ``hf-cb``) with the ``hf`` profile as its estimator, the ShareGPT
+   lengths scaled and capped, Poisson arrivals (``sclsd-bench replay``). Writes
+   ``live-POLICY.json`` and ``live-POLICY.log``.
+5. **Report**: ``report.md`` (Markdown, for docs/benchmarks.md) and
    ``gpu-check.json`` (everything above).
 
 On a CPU the same steps run on ``tiny-random`` with small budgets (a few minutes
@@ -48,8 +52,9 @@ WEIGHT_SHARE = 0.45
 GPU_MODELS = ("random:llama2-13b", "random:llama2-7b")
 #: A fitted profile passes when every RMSE is at most this share of the mean measured time.
 RMSE_OK = 0.2
-#: Engine each live policy runs on ("" = the engine under test, ``--live-engine``).
-LIVE_ENGINES = {"sls": "", "scls": "", "scls-cb": "hf-cb"}
+#: Engine each live policy runs on ("" = the engine under test, ``--live-engine``); ``ils``
+#: is the continuous-batching baseline (hf-cb, every request dispatched on arrival).
+LIVE_ENGINES = {"ils": "hf-cb", "sls": "", "scls": "", "scls-cb": "hf-cb"}
 
 
 @dataclass
@@ -95,6 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-gen", type=int, default=0, help="generation cap (0: 1024 CUDA, 64 CPU)")
     p.add_argument("--batch-size", type=int, default=16, help="fixed batch size of sls")
     p.add_argument("--skip-live", action="store_true", help="profile and check only")
+    p.add_argument("--skip-engine", action="store_true", help="no engine table (sclsd-bench engine)")
 
 
 # --------------------------------------------------------------------------- planning
@@ -114,6 +120,9 @@ if want != "cpu" and torch.cuda.is_available():
     f.update(device="cuda", gpu=p.name, capability=f"{p.major}.{p.minor}",
              gpus=torch.cuda.device_count(), mem_total=int(total), mem_free=int(free),
              cuda=torch.version.cuda)
+    clock, bus = getattr(p, "memory_clock_rate", 0), getattr(p, "memory_bus_width", 0)
+    if clock and bus:  # kHz and bits; double data rate
+        f["bandwidth"] = 2 * clock * 1000 * bus / 8
 else:
     f.update(device="cpu", cpu=platform.processor() or platform.machine())
 print(json.dumps(f))
@@ -175,7 +184,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     from ..core.policy import POLICIES
 
     policies = [p for p in args.policies.split(",") if p] or [
-        p for p in LIVE_ENGINES if p in POLICIES
+        p for p in LIVE_ENGINES if p in POLICIES or p == "ils"
     ]
 
     def pick(value: float, on_gpu: float, on_cpu: float) -> Any:
@@ -255,6 +264,8 @@ def live_sections(plan: Plan, policy: str, profile: Path | None) -> dict[str, di
     engine = LIVE_ENGINES.get(policy) or plan.live_engine
     sched: dict[str, Any] = {"policy": policy, "slice_len": plan.slice_len,
                              "batch_size": plan.batch_size}  # fmt: skip
+    if policy == "ils":  # every request to a worker as soon as it arrives (sclsd-bench live's ils)
+        sched.update(policy="sls", batch_size=1, gamma_s=0.05, work_conserving=False, kv_reuse=False)
     if profile is not None:
         sched["profile"] = str(profile.resolve())
     return {
@@ -264,6 +275,23 @@ def live_sections(plan: Plan, policy: str, profile: Path | None) -> dict[str, di
         "workers": {"spawn": plan.workers, "engine": engine, "device": plan.device.split(":")[0],
                     "threads": 1, "options": {"dtype": plan.dtype}},
     }  # fmt: skip
+
+
+def engine_table(plan: Plan, out: Path) -> dict[str, Any]:
+    """Step 3: ``sclsd-bench engine`` in its own process (small shapes on the CPU)."""
+    where = out / "engine"
+    cmd = [sys.executable, "-m", "sclsd.bench.cli", "engine", "--out", str(where), "--model", plan.model,
+           "--device", plan.device, "--dtype", plan.dtype]
+    if not plan.device.startswith("cuda"):
+        cmd += ["--engines", "hf,hf-static,generate", "--shapes", "1x16,8x32", "--gen", "8"]
+    t0 = time.monotonic()
+    with open(out / "engine.log", "wb") as log:
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=offline_env(), timeout=3600)
+    result: dict[str, Any] = {"rc": rc, "seconds": round(time.monotonic() - t0, 1), "log": "engine.log"}
+    if (where / "engine.md").is_file():
+        result["markdown"] = (where / "engine.md").read_text()
+        result["data"] = json.loads((where / "engine.json").read_text())
+    return result
 
 
 def live_replay(plan: Plan, policy: str, out: Path, profile: Path | None) -> dict[str, Any]:
@@ -300,7 +328,7 @@ def _num(v: Any, fmt: str = "{:.4g}") -> str:
 
 
 def report(plan: Plan, profiles: list[dict[str, Any]], checks: list[dict[str, Any]],
-           live: list[dict[str, Any]]) -> str:
+           live: list[dict[str, Any]], engines: dict[str, Any] | None = None) -> str:
     """``report.md``: the machine, the plan, the profiles and their RMSE, the replays."""
     f = plan.facts
     where = (f"{f.get('gpu')} (sm_{str(f.get('capability', '')).replace('.', '')}, "
@@ -331,6 +359,13 @@ def report(plan: Plan, profiles: list[dict[str, Any]], checks: list[dict[str, An
         coef = ", ".join(f"{k} {v:.3g}" for k, v in c["coefficients"].items())
         lines.append(f"- {c['engine']}: {coef}; Δ {c['kv_bytes_per_token']} B/token, "
                      f"M_ava {c['mem_available'] / 2**30:.1f} GiB")  # fmt: skip
+    lines += ["", "## Engines: ms per decode step (`sclsd-bench engine`)", ""]
+    if engines is None:
+        lines.append("(skipped)")
+    elif "markdown" in engines:
+        lines.append(engines["markdown"].rstrip())
+    else:
+        lines.append(f"(failed: exit {engines['rc']}; see {engines['log']})")
     lines += ["", f"## Live replay: {', '.join(plan.policies)} ({plan.num} ShareGPT requests, "
               f"lengths x{plan.scale:g} capped at {plan.max_input}/{plan.max_gen}, Poisson "
               f"{plan.rate:g} req/s, {plan.workers} worker(s), engine {plan.live_engine})", ""]  # fmt: skip
@@ -364,18 +399,23 @@ def run(args: argparse.Namespace) -> int:
             checks.append(check_profile(out / res["profile"]))
         else:
             print(f"   failed: {res['error']}", file=sys.stderr, flush=True)
+    engines = None
+    if not args.skip_engine:
+        print("== engine table", file=sys.stderr, flush=True)
+        engines = engine_table(plan, out)
     live: list[dict[str, Any]] = []
     if not args.skip_live:
         est = out / f"profile-{plan.live_engine}.json"
         for policy in plan.policies:
             print(f"== live {policy}", file=sys.stderr, flush=True)
             live.append(live_replay(plan, policy, out, est if est.is_file() else None))
-    text = report(plan, profiles, checks, live)
+    text = report(plan, profiles, checks, live, engines)
     (out / "report.md").write_text(text)
     (out / "gpu-check.json").write_text(json.dumps(
-        {"plan": asdict(plan), "profiles": profiles, "checks": checks, "live": live}, indent=2) + "\n")
+        {"plan": asdict(plan), "profiles": profiles, "checks": checks, "engines": engines, "live": live},
+        indent=2) + "\n")
     print(text)
     ok = all("profile" in p for p in profiles) and all(
         r.get("rc") == 0 and "summary" in r for r in live
-    )
+    ) and (engines is None or engines["rc"] == 0)
     return 0 if ok else 1

@@ -94,5 +94,10 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     report = (out / "report.md").read_text()
     assert "| hf | batch |" in report and "| deepspeed | prefill |" in report
     assert "| sls |" in report and "| scls |" in report
+    engines = data["engines"]
+    assert engines["rc"] == 0 and "| hf-static |" in report and "| generate |" in report
+    warm = [r for r in engines["data"]["rows"] if r.get("call") == "warm"]
+    assert {r["variant"] for r in warm} == {"hf", "hf-static", "generate"}
+    assert all(r["ms_per_step"] > 0 and "error" not in r for r in warm)
     for name in ("profile-hf.json", "profile-deepspeed.json", "live-sls.json", "live-scls.json"):
         assert (out / name).is_file(), name

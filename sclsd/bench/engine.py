@@ -1,0 +1,247 @@
+"""``sclsd-bench engine``: what one decode step costs in each engine, cold and warm.
+
+::
+
+    sclsd-bench engine [--engines hf,hf-eager,hf-cb,deepspeed,generate] [--device auto]
+                       [--model auto] [--shapes 1x128,16x128,32x256] [--gen 64] [--out DIR]
+
+For every engine variant and shape ``N x P`` (N rows of P-token prompts, ``--gen`` new
+tokens, greedy, EOS ignored) one batch is served twice: the first call of the shape
+(cold) and the second (warm). Reported per call: the prefill's seconds and the decode
+step, ``decode_s / (iterations - 1)`` in ms. Each variant runs in a process of its own
+(so a GPU's memory is given back between them), after the engine's warm-up, as a worker
+would serve. Variants:
+
+- ``hf``: the engine as a worker runs it (on CUDA: static cache, captured decode graphs);
+- ``hf-eager``: ``hf`` with ``static_cache = false`` (transformers' DynamicCache, eager);
+- ``hf-static``: the static cache without graphs (what the CPU can check of the graph path);
+- ``hf-cb``, ``deepspeed``: those engines with their defaults;
+- ``generate``: transformers' own ``generate`` with ``cache_implementation="static"``
+  (on CUDA it compiles the forward and captures graphs itself): the in-library reference.
+
+The bandwidth floor of a decode step (the weights read once per step) is computed
+from the card's memory bandwidth and the model's size where both are known.
+Writes ``engine.json`` and ``engine.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..defaults import offline_env
+
+#: Variant -> (engine, constructor options).
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "hf": ("hf", {}),
+    "hf-eager": ("hf", {"static_cache": False}),
+    "hf-static": ("hf", {"static_cache": True, "cuda_graphs": False}),
+    "hf-cb": ("hf-cb", {}),
+    "deepspeed": ("deepspeed", {}),
+    "generate": ("hf", {"static_cache": False, "kv_reuse": False}),
+}
+#: Memory bandwidth in bytes/s of cards whose torch properties do not say.
+KNOWN_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100": 3.35e12, "H200": 4.8e12, "A100-SXM4-80GB": 2.04e12,
+                   "A100": 1.55e12, "L40S": 0.864e12}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engines", default="", help="variants (default: hf,hf-eager,hf-cb,deepspeed,generate "
+                   "on CUDA; hf,hf-static,hf-cb,generate on the CPU)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
+    p.add_argument("--model", default="auto", help="model spec; auto: the largest random Llama that fits "
+                   "the card (gpu-check's choice), tiny-random on the CPU")
+    p.add_argument("--dtype", default="auto", help="auto: float16 on CUDA, float32 on the CPU")
+    p.add_argument("--shapes", default="", help="N x P list (default 1x128,16x128,32x256,64x256 on CUDA; "
+                   "1x16,8x32,32x64 on the CPU)")
+    p.add_argument("--gen", type=int, default=0, help="new tokens per row (0: 64 on CUDA, 16 on the CPU)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
+    p.add_argument("--out", default="out/engine", help="directory for engine.json and engine.md")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``"1x128,16x128"`` -> ``[(1, 128), (16, 128)]``."""
+    out = []
+    for part in (p for p in text.replace(" ", "").split(",") if p):
+        n, _, p = part.lower().partition("x")
+        try:
+            shape = (int(n), int(p))
+        except ValueError:
+            raise SystemExit(f"sclsd-bench engine: --shapes: {part!r} is not NxP") from None
+        if min(shape) < 1:
+            raise SystemExit(f"sclsd-bench engine: --shapes: {part!r} must be positive")
+        out.append(shape)
+    return out
+
+
+# --------------------------------------------------------------------------- the child
+
+
+def _batch(bid: int, n: int, p: int, gen: int, vocab: int) -> Any:
+    import random
+
+    from ..protocol import BatchMsg, BatchRequest
+
+    rng = random.Random(bid)
+    reqs = [BatchRequest(rid=f"{bid}-{i}", token_ids=[rng.randrange(3, vocab) for _ in range(p)],
+                         max_new_tokens=gen, temperature=0.0, ignore_eos=True) for i in range(n)]
+    return BatchMsg(batch_id=bid, slice_len=gen, requests=reqs, kv_reuse=False)
+
+
+def _generate_call(engine: Any, n: int, p: int, gen: int, bid: int) -> tuple[float, float]:
+    """transformers' generate with a static cache: (prefill s, decode ms/step), the prefill
+    taken as a 1-token generate of the same shape."""
+    import random
+
+    import torch
+
+    rng = random.Random(bid)
+    vocab = min(int(engine.config.vocab_size), 32000)
+    ids = torch.tensor([[rng.randrange(3, vocab) for _ in range(p)] for _ in range(n)], device=engine.device)
+    mask = torch.ones_like(ids)
+
+    def timed(new: int) -> float:
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            engine.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                  do_sample=False, cache_implementation="static", pad_token_id=engine.pad_id)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        return time.perf_counter() - t
+
+    prefill = timed(1)
+    whole = timed(gen)
+    return prefill, 1000 * max(0.0, whole - prefill) / max(1, gen - 1)
+
+
+def child(args: argparse.Namespace) -> int:
+    """Run one variant over every shape; one JSON line per call on stdout."""
+    from worker.engines import create_engine
+
+    name = args.child
+    engine_name, opts = VARIANTS[name]
+    opts = dict(opts)
+    if args.device == "cpu":
+        opts["threads"] = args.threads
+    if engine_name != "fake":
+        opts["dtype"] = args.dtype
+    t0 = time.perf_counter()
+    engine = create_engine(engine_name, args.model, device=args.device, **opts)
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    engine.warm_up(lambda step: print(step, file=sys.stderr, flush=True))
+    print(json.dumps({"variant": name, "load_s": round(load_s, 2), "warm_up_s": round(time.perf_counter() - t0, 2)}),
+          flush=True)
+    vocab = min(int(engine.config.vocab_size), 32000)
+    bid = 0
+    try:
+        for n, p in parse_shapes(args.shapes):
+            for call in ("cold", "warm"):
+                bid += 1
+                row: dict[str, Any] = {"variant": name, "n": n, "p": p, "gen": args.gen, "call": call}
+                try:
+                    if name == "generate":
+                        row["prefill_s"], row["ms_per_step"] = _generate_call(engine, n, p, args.gen, bid)
+                    else:
+                        _, st = engine.serve(_batch(bid, n, p, args.gen, vocab))
+                        row["prefill_s"] = st.prefill_s
+                        row["ms_per_step"] = 1000 * st.decode_s / max(1, st.iterations - 1)
+                except Exception as exc:  # noqa: BLE001 - a failing shape is a result, not a crash
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                print(json.dumps(row), flush=True)
+    finally:
+        engine.close()
+    return 0
+
+
+# --------------------------------------------------------------------------- the parent
+
+
+def bandwidth_floor_ms(facts: dict[str, Any], model: str, dtype: str) -> float | None:
+    """Milliseconds to read the model's weights once at the card's memory bandwidth."""
+    from .. import models
+    from .gpu_check import param_count
+
+    bw = facts.get("bandwidth") or KNOWN_BANDWIDTH.get(str(facts.get("gpu", "")).replace("NVIDIA ", ""))
+    if not bw:
+        return None
+    try:
+        weights = param_count(models.load_config(model)) * models.dtype_bytes(dtype)
+    except Exception:  # noqa: BLE001 - an unknown architecture has no floor to show
+        return None
+    return 1000 * weights / bw
+
+
+def markdown(rows: list[dict[str, Any]], floor_ms: float | None) -> str:
+    shapes = sorted({(r["n"], r["p"]) for r in rows if "n" in r})
+    head = "| variant | " + " | ".join(f"N={n}, P={p} cold / warm ms" for n, p in shapes) + " |"
+    lines = [head, "|---|" + "---:|" * len(shapes)]
+    for v in dict.fromkeys(r["variant"] for r in rows if "n" in r):
+        cells = []
+        for n, p in shapes:
+            got = {r["call"]: r for r in rows if r["variant"] == v and r.get("n") == n and r.get("p") == p}
+            parts = [("err" if "error" in got[c] else f"{got[c]['ms_per_step']:.1f}") if c in got else "-"
+                     for c in ("cold", "warm")]
+            cells.append(" / ".join(parts))
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    if floor_ms is not None:
+        lines.append("| bandwidth floor | " + " | ".join(f"{floor_ms:.1f}" for _ in shapes) + " |")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.child:
+        return child(args)
+    from .gpu_check import choose_model, device_facts
+
+    facts = device_facts(args.device)
+    gpu = facts["device"] == "cuda"
+    device = args.device if args.device.startswith("cuda") else facts["device"]
+    model = args.model if args.model != "auto" else (choose_model(facts["mem_total"]) if gpu else "tiny-random")
+    dtype = args.dtype if args.dtype != "auto" else ("float16" if gpu else "float32")
+    variants = [v for v in (args.engines or ("hf,hf-eager,hf-cb,deepspeed,generate" if gpu else
+                                            "hf,hf-static,hf-cb,generate")).split(",") if v]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        print(f"sclsd-bench engine: unknown variant {bad}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    shapes = args.shapes or ("1x128,16x128,32x256,64x256" if gpu else "1x16,8x32,32x64")
+    parse_shapes(shapes)
+    gen = args.gen or (64 if gpu else 16)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    rc = 0
+    for v in variants:
+        print(f"== {v}: {model} ({dtype}) on {device}", file=sys.stderr, flush=True)
+        cmd = [sys.executable, "-m", "sclsd.bench.cli", "engine", "--child", v, "--model", model, "--device",
+               device, "--dtype", dtype, "--shapes", shapes, "--gen", str(gen), "--threads", str(args.threads)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=offline_env())
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            row = json.loads(line)
+            rows.append(row)
+            if "n" in row:
+                what = row.get("error") or f"prefill {row['prefill_s']:.3f} s, {row['ms_per_step']:.1f} ms/step"
+                print(f"   N={row['n']} P={row['p']} {row['call']}: {what}", file=sys.stderr, flush=True)
+        if proc.wait() != 0:
+            rc = 1
+            rows.append({"variant": v, "error": f"exit status {proc.returncode}"})
+            print(f"   {v} failed (exit status {proc.returncode})", file=sys.stderr, flush=True)
+    floor = bandwidth_floor_ms(facts, model, dtype) if gpu else None
+    table = markdown(rows, floor)
+    header = (f"`{model}` in {dtype} on {facts.get('gpu') or 'the CPU'}; decode ms/step = decode time / "
+              f"(iterations - 1), {gen} new tokens, cold (first call of the shape) / warm (second).")
+    (out / "engine.md").write_text(header + "\n\n" + table + "\n")
+    (out / "engine.json").write_text(json.dumps({"model": model, "dtype": dtype, "device": device, "facts": facts,
+                                                 "gen": gen, "floor_ms": floor, "rows": rows}, indent=2) + "\n")
+    print(header + "\n\n" + table)
+    return rc

@@ -1,0 +1,45 @@
+"""``sclsd-bench engine``: shapes, the table, the bandwidth floor, and a run on the CPU."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from sclsd.bench import engine as E
+
+
+def test_shapes_are_parsed_and_checked() -> None:
+    assert E.parse_shapes("1x128, 16X128,32x256") == [(1, 128), (16, 128), (32, 256)]
+    for bad in ("3", "ax2", "0x5"):
+        with pytest.raises(SystemExit):
+            E.parse_shapes(bad)
+
+
+def test_table_has_cold_and_warm_per_shape_and_the_floor() -> None:
+    rows = [{"variant": "hf", "n": 1, "p": 8, "call": "cold", "ms_per_step": 30.0},
+            {"variant": "hf", "n": 1, "p": 8, "call": "warm", "ms_per_step": 10.04},
+            {"variant": "hf-cb", "n": 1, "p": 8, "call": "cold", "error": "MemoryError: no"},
+            {"variant": "hf-cb", "load_s": 1.0}]
+    md = E.markdown(rows, 4.02)
+    assert "| hf | 30.0 / 10.0 |" in md and "| hf-cb | err / - |" in md
+    assert "| bandwidth floor | 4.0 |" in md
+
+
+def test_bandwidth_floor_of_llama2_7b_on_an_h100() -> None:
+    """13.5 GB of fp16 weights at 3.35 TB/s: about 4 ms (the figure docs/design.md quotes)."""
+    floor = E.bandwidth_floor_ms({"gpu": "NVIDIA H100 80GB HBM3"}, "random:llama2-7b", "float16")
+    assert floor is not None and 3.8 < floor < 4.2
+    assert E.bandwidth_floor_ms({"gpu": "unknown card"}, "random:llama2-7b", "float16") is None
+
+
+def test_a_run_on_the_cpu_measures_every_shape_twice(tmp_path) -> None:
+    args = argparse.Namespace(child=None, engines="hf-static", device="cpu", model="tiny-random", dtype="auto",
+                              shapes="2x8", gen=4, threads=1, out=str(tmp_path))
+    assert E.run(args) == 0
+    data = json.loads((tmp_path / "engine.json").read_text())
+    calls = [r for r in data["rows"] if "n" in r]
+    assert [(r["variant"], r["call"]) for r in calls] == [("hf-static", "cold"), ("hf-static", "warm")]
+    assert all(r["ms_per_step"] > 0 and r["prefill_s"] > 0 for r in calls)
+    assert "| hf-static |" in (tmp_path / "engine.md").read_text()

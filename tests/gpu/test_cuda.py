@@ -73,17 +73,25 @@ def test_dtype_and_device_on_cuda(engine_name: str, dtype: str) -> None:
     eng.close()
 
 
-def test_mem_get_info_is_m_ava() -> None:
-    """On CUDA, M_ava is the free memory after the weights are resident, not the CPU budget."""
+def test_m_ava_comes_from_the_free_memory() -> None:
+    """On CUDA, M_ava comes from the free memory after the weights are resident, less the
+    activation reserve, not from the CPU budget: all of it on the eager path, the static
+    cache's share (half) on the static path, which then holds exactly that."""
     import torch
 
     from worker.engines import create_engine
+    from worker.engines.static import activation_reserve
 
-    eng = create_engine("hf", "tiny-random", device="cuda:0", mem_budget=123)
+    eng = create_engine("hf", "tiny-random", device="cuda:0", mem_budget=123, static_cache=False)
     free, total = torch.cuda.mem_get_info(torch.device("cuda:0"))
     m_ava = eng.info().mem_available
+    reserve = activation_reserve(eng.config, eng.dtype, 16384, 128)
     assert m_ava != 123 and 0 < m_ava <= total
-    assert abs(m_ava - free) <= 0.02 * total  # other processes may allocate meanwhile
+    assert abs(m_ava - (free - reserve)) <= 0.02 * total  # other processes may allocate meanwhile
+    eng.close()
+    eng = create_engine("hf", "tiny-random", device="cuda:0", mem_budget=123)
+    assert eng.static is not None and eng.info().mem_available == eng.static.arena.nbytes
+    assert abs(eng.static.arena.nbytes - 0.5 * eng.kv_limit) <= eng.delta
     eng.close()
 
 
@@ -119,7 +127,7 @@ def test_greedy_hf_equals_deepspeed_on_cuda(dtype: str) -> None:
     pytest.importorskip("deepspeed")
     from worker.engines import create_engine
 
-    hf = create_engine("hf", "tiny-random", device="cuda:0", dtype=dtype)
+    hf = create_engine("hf", "tiny-random", device="cuda:0", dtype=dtype, static_cache=False)
     ref = serve(hf, prompts())
     hf.close()
     ds = create_engine("deepspeed", "tiny-random", device="cuda:0", dtype=dtype)

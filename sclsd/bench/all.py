@@ -12,6 +12,8 @@ Steps (each is one ``sclsd-bench`` subcommand, run as its own process):
   ils-conservative and scls, in simulation (``sclsd-bench grants``, out/grants.md);
 - ``sim``: simulator speed, 10 simulated minutes of 8 workers at 20 req/s;
 - ``api``: the daemon's own request rate with a zero-time fake engine;
+- ``engine``: ms per decode step of each engine on the default model, cold and warm
+  (on a GPU box ``sclsd-bench gpu-check`` runs it on a 7B/13B model);
 - ``live``: sls vs ILS (hf-cb) vs scls on real CPU workers (the longest step).
 
 docs/benchmarks.md quotes these outputs; rerun a step to check a number.
@@ -37,6 +39,8 @@ STEPS: dict[str, list[str]] = {
     "sim": ["sclsd.bench.cli", "sim", "--trace", TRACE, "--policy", "scls", "--profile", "a100-llama2-13b-hf",
             "--workers", "8", "--rate", "20", "--duration", "600", "--json", "out/sim-speed.json"],
     "api": ["sclsd.bench.cli", "api", "--json", "out/api.json"],
+    "engine": ["sclsd.bench.cli", "engine", "--model", "smollm2-135m-instruct", "--shapes", "1x64,8x128",
+               "--gen", "16", "--out", "out/engine"],
     "live": ["sclsd.bench.cli", "live", "--trace", TRACE, "--out", "out/live"],
 }
 

@@ -244,10 +244,25 @@ def _check_finite(cfg: Config) -> None:
                 raise ConfigError(f"{section}.{f.name}", value, "must be a finite number")
 
 
+#: Longest path of a Unix socket (``sun_path`` holds 108 bytes with the final NUL); ZeroMQ's
+#: ipc:// endpoints are Unix sockets too.
+MAX_SOCKET_PATH = 107
+
+
+def _socket_path(key: str, path: str) -> None:
+    size = len(path.encode())
+    _need(size <= MAX_SOCKET_PATH, key, path,
+          f"a Unix socket path holds at most {MAX_SOCKET_PATH} bytes; this one has {size}")
+
+
 def _check_daemon(d: DaemonConfig) -> None:
     need = _need
     need(bool(d.socket), "daemon.socket", d.socket, "must be a path")
     need(bool(d.status_socket), "daemon.status_socket", d.status_socket, "must be a path")
+    _socket_path("daemon.socket", d.socket)
+    _socket_path("daemon.status_socket", d.status_socket)
+    if d.worker_endpoint.startswith("ipc://"):
+        _socket_path("daemon.worker_endpoint", d.worker_endpoint.removeprefix("ipc://"))
     need(d.status_socket != d.socket, "daemon.status_socket", d.status_socket, "must differ from daemon.socket")
     need(
         d.worker_endpoint.startswith(("ipc://", "tcp://")),
@@ -401,6 +416,11 @@ def _check_workers(w: WorkersConfig, cfg: Config) -> None:
         v = w.options["sampling"]
         need(isinstance(v, bool), "workers.options.sampling", v, "must be true or false")
         need(w.engine == "hf-cb", "workers.options.sampling", v, "only the hf-cb engine takes it")
+    from .engine_options import check_options
+
+    bad = check_options(w.engine, w.options)
+    if bad is not None:
+        raise ConfigError(f"workers.options.{bad[0]}", bad[1], bad[2])
     need(w.mem_budget_bytes >= 1, "workers.mem_budget_bytes", w.mem_budget_bytes, "must be >= 1")
     need(w.restart_backoff_s >= 0, "workers.restart_backoff_s", w.restart_backoff_s, "must be >= 0")
     need(w.restart_backoff_max_s >= w.restart_backoff_s, "workers.restart_backoff_max_s",
@@ -472,6 +492,26 @@ def _check(cfg: Config) -> None:
     _check_workers(cfg.workers, cfg)
 
 
+def check_binds(cfg: Config) -> None:
+    """The addresses the daemon listens on over TCP can be bound now (``daemon.metrics_http``):
+    :class:`ConfigError` naming the key and the reason otherwise, before anything starts.
+    (Something may still take the port between this check and the daemon's bind; that
+    bind failing then ends the start as cleanly.)"""
+    import socket as sk
+
+    if not cfg.daemon.metrics_http:
+        return
+    host, port = parse_host_port(cfg.daemon.metrics_http)
+    try:
+        infos = sk.getaddrinfo(host, port, type=sk.SOCK_STREAM)
+        with sk.socket(infos[0][0], sk.SOCK_STREAM) as s:
+            s.setsockopt(sk.SOL_SOCKET, sk.SO_REUSEADDR, 1)
+            s.bind(infos[0][4])
+    except OSError as exc:
+        raise ConfigError("daemon.metrics_http", cfg.daemon.metrics_http,
+                          f"cannot listen there: {exc.strerror or exc}") from None
+
+
 def parse_host_port(text: str) -> tuple[str, int]:
     """``"host:port"``, ``":port"`` or ``"port"`` -> (host, port); host defaults to 127.0.0.1,
     port 0 means any free port."""
@@ -515,6 +555,9 @@ def load(path: str | Path | None) -> Config:
         raise ConfigError("--config", str(p), "not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("--config", str(p), f"not valid TOML: {exc}") from None
+    except RecursionError:
+        # tomllib parses nested arrays and tables recursively; no key of ours nests at all.
+        raise ConfigError("--config", str(p), "a value is nested too deeply to parse") from None
     return from_dict(raw, source=str(p))
 
 

@@ -332,6 +332,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def engine_flags(extra: list[str]) -> list[tuple[str, Any]]:
+    """Engine options given as ``--key value`` (or ``--key=value``) beyond the flags above: any
+    key of :data:`sclsd.engine_options.OPTIONS` (how the daemon passes ``[workers.options]``)."""
+    from sclsd.engine_options import OPTIONS
+
+    out: list[tuple[str, Any]] = []
+    items = iter(extra)
+    for token in items:
+        name, eq, value = token.partition("=")
+        key = name.removeprefix("--").replace("-", "_")
+        if not name.startswith("--") or key not in OPTIONS:
+            raise ValueError(f"unrecognized argument {token!r}")
+        if not eq:
+            value = next(items, None)
+            if value is None:
+                raise ValueError(f"{name} needs a value")
+        out.append((key, parse_value(value)))
+    return out
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Constructor options for the engine: the explicit flags given, then ``--opt``s."""
     opts: dict[str, Any] = {}
@@ -416,7 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     # Before torch/transformers import tqdm (it reads TQDM_* at import): no progress
     # bars (GGUF dequantisation) in worker logs.
     os.environ.setdefault("TQDM_DISABLE", "1")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        args.opt.extend(engine_flags(extra))
+    except ValueError as exc:
+        parser.error(str(exc))
     setup_logging(args.worker_id, args.log_level)
     # First of all: a worker whose daemon is gone must not load a model for nobody.
     if args.parent_pid is not None and not die_with_parent(args.parent_pid):

@@ -12,7 +12,7 @@ import logging
 import resource
 import sys
 
-from ..config import ConfigError, check_model, load, override
+from ..config import ConfigError, check_binds, check_model, load, override
 from ..defaults import ENGINES, force_offline
 from .errors import StartupError
 from .logs import setup_logging
@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             scheduler__kv_reuse=args.kv_reuse,
         )
         check_model(cfg)  # here, not in load(): sclsd-http reads the same file without the model
+        check_binds(cfg)
     except ConfigError as exc:
         print(f"sclsd: {exc}", file=sys.stderr)
         return 2

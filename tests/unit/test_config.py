@@ -214,3 +214,112 @@ def test_unreadable_config_is_a_config_error(tmp_path: Path) -> None:
         C.load(p)
     with pytest.raises(C.ConfigError, match="cannot read"):
         C.load(tmp_path)  # a directory
+
+
+# ---------------------------------------------------------------------- the last gaps
+
+
+def _err(raw: dict) -> C.ConfigError:
+    with pytest.raises(C.ConfigError) as exc:
+        C.from_dict(raw)
+    return exc.value
+
+
+def test_socket_paths_longer_than_a_unix_socket_holds_are_refused(tmp_path) -> None:
+    long = "/tmp/" + "s" * 103  # 108 bytes
+    assert _err({"daemon": {"socket": long}}).key == "daemon.socket"
+    assert _err({"daemon": {"status_socket": long}}).key == "daemon.status_socket"
+    e = _err({"daemon": {"worker_endpoint": "ipc://" + long}})
+    assert e.key == "daemon.worker_endpoint" and "107 bytes" in str(e)
+    C.from_dict({"daemon": {"socket": long[:-1]}})  # 107 bytes fit
+
+
+def test_a_deeply_nested_value_is_a_config_error(tmp_path) -> None:
+    p = tmp_path / "deep.toml"
+    p.write_text("[workers.options]\nx = " + "[" * 50000 + "]" * 50000 + "\n")
+    with pytest.raises(C.ConfigError) as exc:
+        C.load(p)
+    assert exc.value.key == "--config" and "nested too deeply" in str(exc.value)
+
+
+def test_metrics_http_must_be_bindable() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        cfg = C.from_dict({"daemon": {"metrics_http": f"127.0.0.1:{port}"}})
+        with pytest.raises(C.ConfigError) as exc:
+            C.check_binds(cfg)
+        assert exc.value.key == "daemon.metrics_http" and "cannot listen" in str(exc.value)
+    # An address that is not this machine's (TEST-NET-3) cannot be bound either.
+    with pytest.raises(C.ConfigError):
+        C.check_binds(C.from_dict({"daemon": {"metrics_http": "203.0.113.7:9100"}}))
+    C.check_binds(C.from_dict({"daemon": {"metrics_http": "127.0.0.1:0"}}))
+
+
+@pytest.mark.parametrize(
+    ("engine", "options", "key", "why"),
+    [
+        ("fake", {"decode_s": float("inf")}, "decode_s", "finite"),
+        ("fake", {"decode_s": -1.0}, "decode_s", ">= 0"),
+        ("fake", {"vocab": 3}, "vocab", ">= 4"),
+        ("fake", {"vocab": 2.5}, "vocab", "integer"),
+        ("fake", {"batching": "paged"}, "batching", "one of"),
+        ("hf", {"decode_s": 0.1}, "decode_s", "does not take it"),
+        ("hf", {"warp_speed": 9}, "warp_speed", "unknown engine option"),
+        ("hf", {"static_cache": "maybe"}, "static_cache", '"auto"'),
+        ("hf", {"static_share": 0.0}, "static_share", "> 0"),
+        ("hf", {"static_share": 1.5}, "static_share", "<= 1"),
+        ("hf", {"graph_batch_sizes": "1,x"}, "graph_batch_sizes", "positive integers"),
+        ("hf", {"graph_batch_sizes": [0, 2]}, "graph_batch_sizes", "positive integers"),
+        ("hf-cb", {"num_blocks": 0}, "num_blocks", ">= 1"),
+        ("hf-cb", {"poll_s": float("nan")}, "poll_s", "finite"),
+        ("hf-cb", {"kv_reuse": True}, "kv_reuse", "does not take it"),
+    ],
+)
+def test_engine_options_are_checked_at_load(engine, options, key, why) -> None:
+    raw = {"workers": {"engine": engine, "options": options}}
+    if engine == "fake":
+        raw["model"] = {"name": "fake"}
+    e = _err(raw)
+    assert e.key == f"workers.options.{key}" and why in str(e), str(e)
+
+
+def test_good_engine_options_pass_and_reach_the_worker_as_flags() -> None:
+    from worker.main import build_parser, engine_flags
+
+    C.from_dict({"workers": {"engine": "hf", "options": {
+        "static_cache": "auto", "cuda_graphs": False, "static_share": 0.25, "graph_batch_sizes": "1,2,4",
+        "graph_cache_tokens": [256, 512], "prefill_chunk_tokens": 0, "kv_reuse": True}}})
+    C.from_dict({"workers": {"engine": "hf-cb", "options": {"num_blocks": 128, "memory_share": 0.8,
+                                                            "page_size": 64}}})
+    assert engine_flags(["--num-blocks", "128", "--memory-share=0.8"]) == [("num_blocks", 128),
+                                                                           ("memory_share", 0.8)]
+    for bad in (["--warp-speed", "9"], ["--num-blocks"], ["stray"]):
+        with pytest.raises(ValueError):
+            engine_flags(bad)
+    args, extra = build_parser().parse_known_args(["--connect", "ipc:///x", "--id", "w", "--page-size", "64"])
+    assert engine_flags(extra) == [("page_size", 64)]
+
+
+def test_the_daemon_ends_each_of_the_last_gaps_in_one_line_and_exit_2(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        cases = {
+            "long": f'[daemon]\nsocket = "/tmp/{"s" * 120}"\n',
+            "nested": "[workers.options]\nx = " + "[" * 50000 + "]" * 50000 + "\n",
+            "metrics": f'[daemon]\nmetrics_http = "127.0.0.1:{taken.getsockname()[1]}"\n',
+            "inf": '[model]\nname = "fake"\n[workers]\nengine = "fake"\n[workers.options]\ndecode_s = inf\n',
+        }
+        for name, text in cases.items():
+            p = tmp_path / f"{name}.toml"
+            p.write_text(text)
+            r = subprocess.run([sys.executable, "-m", "sclsd.daemon", "--config", str(p)],
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2, (name, r.stderr[-2000:])
+            assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, (name, r.stderr)

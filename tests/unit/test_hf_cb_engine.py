@@ -134,7 +134,12 @@ def test_cuda_leaves_the_cache_size_to_transformers_with_graphs_on() -> None:
     free memory; what it built is read back as M_ava."""
     from types import SimpleNamespace
 
-    from worker.engines.hf_cb import GPU_GRAPHS_MEMORY_SHARE, cache_size, cache_tokens, manager_options
+    from worker.engines.hf_cb import (
+        GPU_GRAPHS_MEMORY_SHARE,
+        cache_size,
+        cache_tokens,
+        manager_options,
+    )
 
     assert cache_size("cuda", 60 * 2**30, 524288, None, None) == (256, None)
     assert cache_size("cuda", 60 * 2**30, 524288, None, 128) == (256, 128)  # by hand still wins

@@ -418,7 +418,8 @@ def _check_workers(w: WorkersConfig, cfg: Config) -> None:
         need(w.engine == "hf-cb", "workers.options.sampling", v, "only the hf-cb engine takes it")
     from .engine_options import check_options
 
-    bad = check_options(w.engine, w.options)
+    # Which engine takes an option matters only for the workers the daemon spawns.
+    bad = check_options(w.engine if w.spawn else None, w.options)
     if bad is not None:
         raise ConfigError(f"workers.options.{bad[0]}", bad[1], bad[2])
     need(w.mem_budget_bytes >= 1, "workers.mem_budget_bytes", w.mem_budget_bytes, "must be >= 1")

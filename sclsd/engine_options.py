@@ -77,12 +77,13 @@ def _number(value: Any, integer: bool) -> bool:
     return isinstance(value, int) if integer else isinstance(value, (int, float))
 
 
-def check_option(engine: str, key: str, value: Any) -> str | None:
-    """Why ``key = value`` cannot go to ``engine``, or None when it can."""
+def check_option(engine: str | None, key: str, value: Any) -> str | None:
+    """Why ``key = value`` cannot go to ``engine`` (None: to any engine that takes the key), or
+    None when it can."""
     opt = OPTIONS.get(key)
     if opt is None:
         return f"unknown engine option (known: {', '.join(sorted(OPTIONS))})"
-    if engine not in opt.engines:
+    if engine is not None and engine not in opt.engines:
         return f"the {engine} engine does not take it (it is for {', '.join(opt.engines)})"
     if opt.kind == "bool" and not isinstance(value, bool):
         return "must be true or false"
@@ -109,8 +110,8 @@ def check_option(engine: str, key: str, value: Any) -> str | None:
     return None
 
 
-def check_options(engine: str, options: dict[str, Any]) -> tuple[str, Any, str] | None:
-    """The first option ``engine`` cannot take: ``(key, value, why)``; None when all can."""
+def check_options(engine: str | None, options: dict[str, Any]) -> tuple[str, Any, str] | None:
+    """The first option ``engine`` (None: any) cannot take: ``(key, value, why)``; None when all can."""
     for key, value in options.items():
         why = check_option(engine, key, value)
         if why is not None:

@@ -121,7 +121,9 @@ def test_workers_exit_when_the_daemon_is_killed(started: Callable[..., Daemon]) 
 def test_crash_looping_workers_make_the_daemon_say_it_cannot_serve(started: Callable[..., Daemon]) -> None:
     d = started(workers={"quick_failure_s": 30.0, "max_quick_failures": 2, "restart_backoff_s": 0.05,
                          "restart_backoff_max_s": 0.05},
-                options={"vocab": 1}, wait=0)  # the fake engine refuses a vocabulary of 1
+                # Workers whose vocabulary cannot hold the daemon tokenizer's ids: refused at
+                # register, they exit, and the supervisor starts them again.
+                options={"vocab": 100}, wait=0)
     st = poll(lambda: (s := d.status()) and not s.serving and s, 20, "serving == False", d)
     assert st.why and "w0" in st.why and "w1" in st.why, st.why
     assert st.workers == []

@@ -14,7 +14,8 @@ for the httptools parser is added at the protocol level, in :func:`guarded_proto
 * a **connection cap**: a connection beyond ``max_connections`` gets 503 and is closed
   at once. uvicorn's ``limit_concurrency`` is not enough: it answers only once a
   request's headers are complete, so connections that never finish them (slowloris)
-  were never counted and exhausted the file descriptors.
+  were never counted and exhausted the file descriptors;
+* bytes that are not HTTP get a JSON 400 (uvicorn's answer is plain text).
 
 Every refusal is OpenAI's JSON error shape and is counted in
 ``sclsd:http_refused_total{reason}``.
@@ -36,7 +37,7 @@ log = logging.getLogger("sclsd.http")
 #: File descriptors kept for everything but HTTP connections (daemon sockets, logs, ...).
 SPARE_FDS = 64
 
-_PHRASE = {408: b"Request Timeout", 431: b"Request Header Fields Too Large",
+_PHRASE = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large",
            503: b"Service Unavailable"}
 
 
@@ -84,6 +85,10 @@ def guarded_protocol(limits: Limits, metrics: HttpMetrics) -> type[asyncio.Proto
             if self._in_head:
                 self._refuse(408, f"the request's headers did not arrive within "
                              f"{limits.header_timeout_s:g} s (http.header_timeout_s)", "header_timeout")
+
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn answers a request httptools cannot parse in plain text: JSON here too.
+            self._refuse(400, f"not a valid HTTP/1.1 request: {msg}", "invalid_http")
 
         def _refuse(self, status: int, message: str, code: str) -> None:
             if self.transport.is_closing():

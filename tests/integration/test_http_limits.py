@@ -206,3 +206,8 @@ def test_bad_bytes_get_json_400s_not_tracebacks(front) -> None:
         assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
         assert r.json()["error"]["code"] == "invalid_json"
     assert f.post({**GEN, "stop_token_ids": list(range(100_000))}).status_code == 400
+    s = f.connect()  # not HTTP at all: uvicorn would answer in plain text
+    s.sendall(b"\x16\x03\x01\x02\x00 not http\r\n\r\n")
+    status, err = status_and_error(read_all(s))
+    assert (status, err["code"]) == (400, "invalid_http")
+    s.close()

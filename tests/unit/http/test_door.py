@@ -145,3 +145,19 @@ def test_requests_in_flight_per_client_are_bounded(front) -> None:
         assert again.status_code == 200  # its place was given back
 
     front(body, settings={"limits": Limits(max_requests_per_client=1)})
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408(front) -> None:
+    async def body(f: Front) -> None:
+        never = asyncio.Event()
+
+        async def stalled():
+            yield b'{"prompt": '
+            await never.wait()  # the rest never comes
+            yield b'"x"}'
+
+        r = await f.http.post("/v1/completions", content=stalled())
+        assert r.status_code == 408 and r.json()["error"]["code"] == "body_timeout"
+        assert (await f.http.post("/v1/completions", json={**ONE, "prompt": "x"})).status_code == 200
+
+    front(body, settings={"limits": Limits(body_timeout_s=0.2)})

@@ -56,6 +56,8 @@ class Api:
         self.tokens = Tokens(self._model_for_tokenizer, settings.cache_dir, settings.tokenizer)
         self.started = int(time.time())
         self._auth = f"Bearer {settings.api_key}".encode() if settings.api_key else None
+        self._fp_of: object = None
+        self._fp = ""
 
     # ------------------------------------------------------------------ checks
 
@@ -76,15 +78,16 @@ class Api:
             if not self.settings.model_name:
                 log.warning("model name unknown, accepting any: %s", exc.message)
             return self.settings.model_name or None, f"fp_sclsd-{__version__}"
-        what = f"{st.version}|{st.model}|{st.policy}|{st.slice_len}".encode()
-        return self.settings.model_name or st.model, f"fp_{hashlib.sha256(what).hexdigest()[:12]}"
+        if st is not self._fp_of:  # once per snapshot, not per request
+            what = f"{st.version}|{st.model}|{st.policy}|{st.slice_len}".encode()
+            self._fp_of, self._fp = st, f"fp_{hashlib.sha256(what).hexdigest()[:12]}"
+        return self.settings.model_name or st.model, self._fp
 
     async def _model_for_tokenizer(self) -> str:
         return (await self.link.status(STATUS_TTL_S)).model
 
     async def _json(self, request: Request) -> Any:
-        lim = self.settings.limits
-        return await read_json(request, lim.max_body_bytes, lim.body_timeout_s)
+        return await read_json(request, self.settings.limits.max_body_bytes)
 
     # ------------------------------------------------------------------ generation
 

@@ -1,10 +1,9 @@
-"""Reading a request's JSON body within bounds: size (413), time (408), valid UTF-8 and
-JSON (400), nesting depth (400). Every failure is an :class:`ApiError`, never a
-traceback."""
+"""Reading a request's JSON body within bounds: size (413), valid UTF-8 and JSON (400),
+nesting depth (400). Every failure is an :class:`ApiError`, never a traceback. (The
+time a body may take is the server's to bound: :mod:`.server`.)"""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import msgspec
@@ -18,27 +17,21 @@ from .errors import ApiError, bad
 MAX_JSON_DEPTH = 64
 
 
-async def read(request: Request, limit: int, timeout: float) -> bytes:
-    """The body, at most ``limit`` bytes (413 past it, without reading further), arriving
-    within ``timeout`` seconds (408)."""
-    async def collect() -> bytes:
-        parts: list[bytes] = []
-        size = 0
+async def read(request: Request, limit: int) -> bytes:
+    """The body, at most ``limit`` bytes (413 past it, without reading further). How long
+    it may take is bounded by the server (``body_timeout_s``, :mod:`.server`)."""
+    parts: list[bytes] = []
+    size = 0
+    try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
                 raise too_large(limit)
             parts.append(chunk)
-        return b"".join(parts)
-
-    try:
-        return await asyncio.wait_for(collect(), timeout)
-    except asyncio.TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within {timeout:g} s "
-                       "(http.body_timeout_s)", None, "body_timeout") from None
     except ClientDisconnect:
         raise ApiError(400, "the client went away while sending the body", None,
                        "client_disconnected") from None
+    return b"".join(parts)
 
 
 def depth(obj: Any, limit: int) -> bool:
@@ -74,6 +67,6 @@ def decode(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     return obj
 
 
-async def read_json(request: Request, limit: int, timeout: float) -> Any:
+async def read_json(request: Request, limit: int) -> Any:
     """:func:`read` then :func:`decode`."""
-    return decode(await read(request, limit, timeout))
+    return decode(await read(request, limit))

@@ -7,6 +7,10 @@ for the httptools parser is added at the protocol level, in :func:`guarded_proto
   ``header_timeout_s`` of opening (or of the first byte of a later request on it),
   else it gets 408 and is closed (uvicorn has no such timer: a slowloris client held
   its connection for ever);
+* a **body deadline**: once a request's headers are in, its whole body must arrive
+  within ``body_timeout_s``, else 408 and the connection is closed (here rather than
+  in the app, so that it costs a request nothing but a timer, and holds for routes
+  that never read their body);
 * a **header size bound**: past ``max_header_bytes`` of an unfinished head, 431 and
   the connection is closed (httptools buffers a header without bound; h11's
   ``h11_max_incomplete_event_size`` exists only for the slower h11 parser). The bound
@@ -55,6 +59,7 @@ def guarded_protocol(limits: Limits, metrics: HttpMetrics) -> type[asyncio.Proto
 
     class Guarded(HttpToolsProtocol):
         _timer: asyncio.TimerHandle | None = None
+        _body_timer: asyncio.TimerHandle | None = None
         _in_head = True
         _head_bytes = 0
 
@@ -69,6 +74,9 @@ def guarded_protocol(limits: Limits, metrics: HttpMetrics) -> type[asyncio.Proto
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
             super().connection_lost(exc)
             metrics.connections.set(len(self.connections))
 
@@ -85,6 +93,19 @@ def guarded_protocol(limits: Limits, metrics: HttpMetrics) -> type[asyncio.Proto
             if self._in_head:
                 self._refuse(408, f"the request's headers did not arrive within "
                              f"{limits.header_timeout_s:g} s (http.header_timeout_s)", "header_timeout")
+
+        def _body_timeout(self) -> None:
+            self._body_timer = None
+            cycle = self.cycle
+            if cycle is None or cycle.response_started:
+                # The app answered already (413 ...): just stop waiting for the rest.
+                if not self.transport.is_closing():
+                    metrics.refuse("body_timeout")
+                    self.transport.close()
+                return
+            cycle.response_complete = True  # the app's answer, if any, goes nowhere now
+            self._refuse(408, f"the request's body did not arrive within "
+                         f"{limits.body_timeout_s:g} s (http.body_timeout_s)", "body_timeout")
 
         def send_400_response(self, msg: str) -> None:
             # uvicorn answers a request httptools cannot parse in plain text: JSON here too.
@@ -118,7 +139,14 @@ def guarded_protocol(limits: Limits, metrics: HttpMetrics) -> type[asyncio.Proto
             self._in_head = False
             self._head_bytes = 0
             self._disarm()
+            self._body_timer = self.loop.call_later(limits.body_timeout_s, self._body_timeout)
             super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
+            super().on_message_complete()
 
     return Guarded
 

@@ -89,6 +89,24 @@ def read_all(s: socket.socket) -> bytes:
         out += chunk
 
 
+def read_response(s: socket.socket) -> bytes:
+    """One whole response with a Content-Length, the connection left open."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    while len(body) < length:
+        chunk = s.recv(65536)
+        assert chunk
+        body += chunk
+    assert len(body) == length  # nothing of a next response read
+    return head + b"\r\n\r\n" + body
+
+
 def status_and_error(reply: bytes) -> tuple[int, dict[str, Any]]:
     head, _, body = reply.partition(b"\r\n\r\n")
     return int(head.split()[1]), json.loads(body)["error"]
@@ -109,7 +127,7 @@ def test_headers_must_arrive_within_the_deadline(front) -> None:
     # On a kept-alive connection, the next request's headers have the same deadline.
     s = f.connect()
     s.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert s.recv(65536).startswith(b"HTTP/1.1 200")
+    assert read_response(s).startswith(b"HTTP/1.1 200")
     s.sendall(b"GET /version HTTP/1.1\r\nHo")
     assert status_and_error(read_all(s))[0] == 408
     s.close()
@@ -187,11 +205,24 @@ def test_a_declared_gigabyte_body_is_refused_before_it_is_read(front) -> None:
     assert f.post(GEN).status_code == 200
 
 
+def test_a_body_that_does_not_arrive_in_time_is_408(front) -> None:
+    f = front(body_timeout_s=1.0, header_timeout_s=30.0)
+    s = f.connect()
+    t0 = time.monotonic()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 100\r\n\r\n" + b'{"prompt": ')  # the rest never comes
+    status, err = status_and_error(read_all(s))
+    assert (status, err["code"]) == (408, "body_timeout")
+    assert 0.9 <= time.monotonic() - t0 < WAIT_S
+    s.close()
+    assert f.post(GEN).status_code == 200
+
+
 def test_idle_kept_alive_connections_close_after_keep_alive_s(front) -> None:
     f = front(keep_alive_s=1.0)
     s = f.connect()
     s.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert s.recv(65536).startswith(b"HTTP/1.1 200")
+    assert read_response(s).startswith(b"HTTP/1.1 200")
     t0 = time.monotonic()
     assert read_all(s) == b""
     assert 0.9 <= time.monotonic() - t0 < WAIT_S

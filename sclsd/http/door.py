@@ -164,7 +164,7 @@ class Door:
                 # The record made directly: Logger.info would look up the caller's frame
                 # first, a third of the cost of the line.
                 access_log.handle(access_log.makeRecord(access_log.name, logging.INFO, __file__, 0,
-                                                        line, None, None))
+                                                        line, (), None))
 
 
 def too_large(limit: int) -> ApiError:

@@ -93,7 +93,8 @@ class Chunks:
         reason = render.finish_reason(d)
         self.dones[index] = d
         self.completion_tokens[index] = d.usage.completion_tokens
-        text, calls = "", []
+        text: str = ""
+        calls: list[dict[str, Any]] = []
         if self.tool_streams is not None:
             ts = self.tool_streams[index]
             text, calls = ts.finish()

@@ -86,7 +86,8 @@ class ToolStream:
         if self.failed:
             return text, []
         self.buffer += text
-        content, done = "", []
+        content: str = ""
+        done: list[dict[str, Any]] = []
         while True:
             if not self.in_call:
                 i = self.buffer.find(OPEN)

@@ -41,7 +41,7 @@ from . import protocol as P
 from .protocol import Accepted, Delta, Done, Error, Pong, StatusSnapshot
 
 __all__ = [
-    "Client", "AsyncClient", "RequestError", "Accepted", "Delta", "Done", "Error",
+    "Client", "AsyncClient", "RequestError", "FrameTooLarge", "Accepted", "Delta", "Done", "Error",
     "StatusSnapshot", "status",
 ]
 
@@ -59,6 +59,17 @@ class RequestError(Exception):
         self.code = err.code
         self.message = err.message
         self.id = err.id
+
+
+class FrameTooLarge(ValueError):
+    """A message would not fit the daemon's ``max_frame_bytes``; it was not sent (the daemon
+    would close the connection on it, failing every other request on it too)."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"the request takes {size} bytes, more than the daemon's frame limit "
+                         f"of {limit} bytes (daemon.max_frame_bytes)")
+        self.size = size
+        self.limit = limit
 
 
 def _generate_msg(kw: dict[str, Any]) -> P.Generate:
@@ -205,10 +216,15 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client multiplexing many requests over one connection."""
+    """asyncio client multiplexing many requests over one connection.
 
-    def __init__(self, path: str = DEFAULT_SOCKET) -> None:
+    ``max_frame_bytes``: the daemon's frame limit; a request that would exceed it raises
+    :class:`FrameTooLarge` before anything of it is sent.
+    """
+
+    def __init__(self, path: str = DEFAULT_SOCKET, max_frame_bytes: int = defaults.MAX_FRAME_BYTES) -> None:
         self.path = path
+        self.max_frame_bytes = max_frame_bytes
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._queues: dict[str, asyncio.Queue[Any]] = {}
@@ -280,13 +296,16 @@ class AsyncClient:
                     fut.set_exception(err)
 
     def _send(self, msg: Any) -> None:
+        self._send_frame(P.frame(msg))
+
+    def _send_frame(self, frame: bytes) -> None:
         """Queue a frame; the frames of one loop turn go out in one write (one system call
         for many concurrent requests, as the daemon does for its replies)."""
         if self._writer is None or self._writer.is_closing():
             raise ConnectionError("not connected")
         if not self._out:
             asyncio.get_running_loop().call_soon(self._flush)
-        self._out.append(P.frame(msg))
+        self._out.append(frame)
 
     def _flush(self) -> None:
         out, self._out = self._out, []
@@ -309,7 +328,12 @@ class AsyncClient:
     async def events(self, msgs: list[P.Generate]) -> AsyncIterator[Accepted | Delta | Done]:
         """Send these ``generate`` messages (each with an ``id``) and yield their events as they
         come until each has its ``Done``. A refusal or failure of one raises
-        :class:`RequestError` and cancels the others; so does leaving early."""
+        :class:`RequestError` and cancels the others; so does leaving early. A message that
+        would exceed ``max_frame_bytes`` raises :class:`FrameTooLarge` before any is sent."""
+        frames = [P.frame(m) for m in msgs]
+        for f in frames:
+            if len(f) - P.FRAME_HEADER.size > self.max_frame_bytes:
+                raise FrameTooLarge(len(f) - P.FRAME_HEADER.size, self.max_frame_bytes)
         q: asyncio.Queue[Any] = asyncio.Queue()
         left: set[str] = set()
         for m in msgs:
@@ -317,8 +341,8 @@ class AsyncClient:
             self._queues[m.id] = q
             left.add(m.id)
         try:
-            for m in msgs:
-                self._send(m)
+            for f in frames:
+                self._send_frame(f)
             assert self._writer is not None
             await self._writer.drain()
             while left:

@@ -150,6 +150,14 @@ class HttpConfig:
     connections: int = 4
     max_choices: int = 64
     log_level: str = "info"
+    access_log: bool = True
+    max_body_bytes: int = 4 * 1024 * 1024
+    body_timeout_s: float = 30.0
+    max_header_bytes: int = 32 * 1024
+    header_timeout_s: float = 10.0
+    keep_alive_s: float = 5.0
+    max_connections: int = 2048
+    max_requests_per_client: int = 1024
 
 
 @dataclass(frozen=True)
@@ -459,6 +467,17 @@ def _check_http(h: HttpConfig) -> None:
     _need(1 <= h.connections <= 256, "http.connections", h.connections, "must be in 1..256")
     _need(1 <= h.max_choices <= 1024, "http.max_choices", h.max_choices, "must be in 1..1024")
     _need(h.log_level in _LOG_LEVELS, "http.log_level", h.log_level, f"must be one of {_LOG_LEVELS}")
+    _need(1024 <= h.max_body_bytes <= 1024**3, "http.max_body_bytes", h.max_body_bytes,
+          "must be in 1024..1073741824")
+    _need(1024 <= h.max_header_bytes <= 16 * 1024**2, "http.max_header_bytes", h.max_header_bytes,
+          "must be in 1024..16777216")
+    for key in ("body_timeout_s", "header_timeout_s", "keep_alive_s"):
+        value = getattr(h, key)
+        _need(0 < value <= 3600, f"http.{key}", value, "must be in (0, 3600] seconds")
+    _need(1 <= h.max_connections <= 1_000_000, "http.max_connections", h.max_connections,
+          "must be in 1..1000000")
+    _need(0 <= h.max_requests_per_client <= 1_000_000, "http.max_requests_per_client",
+          h.max_requests_per_client, "must be in 0..1000000 (0: no bound)")
 
 
 def check_model(cfg: Config) -> None:

@@ -11,6 +11,14 @@
     sclsctl cancel ID                      cancel any client's request (admin)
     sclsctl keygen DIR --worker NAME ...   CURVE key pairs for workers on tcp://
 
+Every subcommand finds the daemon's two sockets in one place (``--help`` says
+which each one uses): ``--socket`` / ``--status-socket`` if given, else ``--run-dir
+DIR`` (``DIR/sclsd.sock`` and ``DIR/status.sock``, the names the daemon uses in
+``/run/sclsd``), else ``--config FILE`` (its ``[daemon] socket`` and
+``status_socket``), else ``$SCLSD_SOCKET`` / ``$SCLSD_STATUS_SOCKET``, else the
+system install's ``/run/sclsd/sclsd.sock`` and ``/run/sclsd/status.sock``. A socket it
+cannot reach is named in the error with where its path came from.
+
 Output piped into a command that stops reading early (``sclsctl status | head``)
 ends sclsctl quietly with exit code 141, as a tool killed by SIGPIPE would.
 """
@@ -25,8 +33,49 @@ from typing import Any
 
 import msgspec
 
-from .client import DEFAULT_SOCKET, DEFAULT_STATUS_SOCKET, Client, Delta, Done, RequestError, status
+from . import defaults
+from .client import Client, Delta, Done, RequestError, status
 from .protocol import StatusSnapshot
+
+#: The file names the daemon's sockets have in its run directory (``/run/sclsd``).
+SOCKET_NAME = os.path.basename(defaults.SOCKET)
+STATUS_SOCKET_NAME = os.path.basename(defaults.STATUS_SOCKET)
+
+
+def resolve_sockets(args: argparse.Namespace, env: dict[str, str] | None = None) -> None:
+    """Set ``args.socket`` / ``args.status_socket`` by the rule of the module docstring, and
+    ``args.sockets_from`` (where they came from, for error messages). Raises ``ValueError``
+    for a config file that cannot be read."""
+    env = dict(os.environ) if env is None else env
+    if args.run_dir:
+        base: tuple[str, str, str] = (os.path.join(args.run_dir, SOCKET_NAME),
+                                      os.path.join(args.run_dir, STATUS_SOCKET_NAME),
+                                      f"--run-dir {args.run_dir}")
+    elif args.config:
+        from .config import ConfigError, load
+
+        try:
+            d = load(args.config).daemon
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        base = (d.socket, d.status_socket, f"--config {args.config}")
+    elif env.get("SCLSD_SOCKET") or env.get("SCLSD_STATUS_SOCKET"):
+        base = (env.get("SCLSD_SOCKET", defaults.SOCKET),
+                env.get("SCLSD_STATUS_SOCKET", defaults.STATUS_SOCKET), "$SCLSD_SOCKET/$SCLSD_STATUS_SOCKET")
+    else:
+        base = (defaults.SOCKET, defaults.STATUS_SOCKET, "the default")
+    args.sockets_from = base[2]
+    if args.socket is None:
+        args.socket = base[0]
+    if args.status_socket is None:
+        args.status_socket = base[1]
+
+
+def _where(args: argparse.Namespace, which: str) -> str:
+    """Where the ``which`` socket's path came from ("socket" or "status_socket")."""
+    if getattr(args, f"{which}_flag", None):
+        return f"--{which.replace('_', '-')}"
+    return getattr(args, "sockets_from", "the default")
 
 
 def _client_error(args: argparse.Namespace, exc: Exception) -> int:
@@ -34,7 +83,8 @@ def _client_error(args: argparse.Namespace, exc: Exception) -> int:
     if isinstance(exc, RequestError):
         print(f"sclsctl: {exc}", file=sys.stderr)
     else:
-        print(f"sclsctl: cannot reach sclsd at {args.socket}: {exc}", file=sys.stderr)
+        print(f"sclsctl: cannot reach sclsd at {args.socket} (from {_where(args, 'socket')}): "
+              f"{exc}", file=sys.stderr)
     return 1
 
 
@@ -43,7 +93,8 @@ def _status_error(args: argparse.Namespace, exc: Exception) -> int:
     if isinstance(exc, RequestError):
         print(f"sclsctl: {exc}", file=sys.stderr)
     else:
-        print(f"sclsctl: cannot reach sclsd status at {args.status_socket}: {exc}", file=sys.stderr)
+        print(f"sclsctl: cannot reach sclsd status at {args.status_socket} "
+              f"(from {_where(args, 'status_socket')}): {exc}", file=sys.stderr)
     return 1
 
 
@@ -161,19 +212,21 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-def readiness(st: StatusSnapshot, want: int) -> tuple[bool | None, str]:
+def readiness(st: StatusSnapshot, want: int | None = None) -> tuple[bool | None, str]:
     """(True: ready, False: still coming, None: will not come without help; what it is doing).
 
-    Ready: the daemon serves and at least ``want`` workers are registered. A daemon that
-    drains, or that gave up on its local workers with none registered and none loading,
-    will not become ready by waiting.
+    Ready: the daemon serves and ``want`` workers are registered; ``want`` None: every
+    worker it has (the registered ones and those its spawned workers still loading), at
+    least one. A daemon that drains, or that gave up on its local workers with none
+    registered and none loading, will not become ready by waiting.
     """
     n = len(st.workers)
+    target = want if want is not None else max(1, n + len(st.loading))
     loading = ", ".join(f"{w.id}: {w.step or 'starting'} ({w.age_s:.0f}s)" for w in st.loading)
-    doing = f"{n}/{want} workers registered" + (f"; loading {loading}" if loading else "")
+    doing = f"{n}/{target} workers registered" + (f"; loading {loading}" if loading else "")
     if st.draining:
         return None, "the daemon is draining"
-    if st.serving and n >= want:
+    if st.serving and n >= target:
         return True, doing
     if st.starting:
         return False, f"{st.why or 'starting'}; {doing}"
@@ -193,7 +246,8 @@ def _wait_ready(args: argparse.Namespace) -> int:
         except RequestError as exc:  # refused (forbidden): waiting does not help
             return _status_error(args, exc)
         except OSError as exc:  # not listening yet (or any more): a starting daemon, maybe
-            ready, last = False, f"cannot reach sclsd status at {args.status_socket}: {exc}"
+            ready, last = False, (f"cannot reach sclsd status at {args.status_socket} "
+                                  f"(from {_where(args, 'status_socket')}): {exc}")
         if ready:
             if not args.quiet:
                 print(f"ready: {last}")
@@ -205,6 +259,10 @@ def _wait_ready(args: argparse.Namespace) -> int:
             print(f"sclsctl: not ready after {args.timeout:g}s: {last}", file=sys.stderr)
             return 1
         time.sleep(min(args.interval, max(0.0, deadline - time.monotonic())))
+
+
+#: Seconds between the two snapshots the first frame of ``top`` takes its rates from.
+FIRST_FRAME_S = 0.5
 
 
 def _rates(prev: StatusSnapshot, cur: StatusSnapshot, dt: float) -> dict[str, float]:
@@ -223,20 +281,18 @@ def _rates(prev: StatusSnapshot, cur: StatusSnapshot, dt: float) -> dict[str, fl
 
 
 def _top(args: argparse.Namespace) -> int:
-    """Redraw the status table every ``--interval`` seconds, with rates between frames."""
+    """Redraw the status table every ``--interval`` seconds, with rates between frames; the
+    first frame's rates come from two snapshots a short moment apart."""
     tty = sys.stdout.isatty()
-    prev: StatusSnapshot | None = None
-    t_prev = 0.0
     n = 0
     try:
+        prev = status(args.status_socket)
+        t_prev = time.monotonic()
+        time.sleep(min(args.interval, FIRST_FRAME_S))
         while args.iterations is None or n < args.iterations:
-            try:
-                st = status(args.status_socket)
-            except (RequestError, OSError) as exc:
-                return _status_error(args, exc)
+            st = status(args.status_socket)
             now = time.monotonic()
-            rates = _rates(prev, st, now - t_prev) if prev is not None else None
-            frame = format_status(st, rates)
+            frame = format_status(st, _rates(prev, st, now - t_prev))
             if tty:
                 sys.stdout.write("\x1b[H\x1b[2J")  # home + clear: a live view
             else:
@@ -247,12 +303,23 @@ def _top(args: argparse.Namespace) -> int:
             n += 1
             if args.iterations is None or n < args.iterations:
                 time.sleep(args.interval)
+    except (RequestError, OSError) as exc:
+        return _status_error(args, exc)
     except KeyboardInterrupt:
         pass
     return 0
 
 
 def _drain(args: argparse.Namespace) -> int:
+    if args.wait:
+        # --wait watches the status socket: make sure it answers before changing anything,
+        # rather than drain and then fail to wait (leaving the worker draining).
+        try:
+            status(args.status_socket)
+        except (RequestError, OSError) as exc:
+            _status_error(args, exc)
+            print("sclsctl: nothing drained", file=sys.stderr)
+            return 1
     try:
         with Client(args.socket, timeout=30) as c:
             rep = c.drain_worker(args.worker, resume=args.resume)
@@ -314,13 +381,37 @@ def _metrics(args: argparse.Namespace) -> int:
     return 0
 
 
+_SOCKETS_HELP = """\
+sockets: --socket / --status-socket if given, else --run-dir DIR (DIR/sclsd.sock and
+DIR/status.sock), else --config FILE ([daemon] socket and status_socket), else
+$SCLSD_SOCKET / $SCLSD_STATUS_SOCKET, else /run/sclsd/sclsd.sock and /run/sclsd/status.sock.
+These options go before or after the subcommand."""
+
+
+def _socket_options(p: argparse.ArgumentParser, default: Any) -> None:
+    g = p.add_argument_group("where the daemon is (see 'sockets' below)")
+    g.add_argument("--socket", default=default, help="the daemon's client socket")
+    g.add_argument("--status-socket", default=default, help="the daemon's status socket")
+    g.add_argument("--run-dir", default=default, metavar="DIR",
+                   help="the daemon's run directory: DIR/sclsd.sock and DIR/status.sock")
+    g.add_argument("--config", default=default, metavar="FILE",
+                   help="the daemon's config: its [daemon] socket and status_socket")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sclsctl", description="control and inspect sclsd")
-    p.add_argument("--socket", default=DEFAULT_SOCKET, help="client API socket (env SCLSD_SOCKET)")
-    p.add_argument("--status-socket", default=DEFAULT_STATUS_SOCKET, help="status socket (env SCLSD_STATUS_SOCKET)")
+    p = argparse.ArgumentParser(prog="sclsctl", description="control and inspect sclsd",
+                                epilog=_SOCKETS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _socket_options(p, None)
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("submit", help="send one prompt and print the answer",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    def command(name: str, help: str, uses: str, defaults_shown: bool = False) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=f"{help}. Uses {uses}.",
+                            epilog=_SOCKETS_HELP, formatter_class=_Formatter if defaults_shown
+                            else argparse.RawDescriptionHelpFormatter)
+        _socket_options(sp, argparse.SUPPRESS)  # after the subcommand too, without clobbering
+        return sp
+
+    s = command("submit", "send one prompt and print the answer", "the client socket", True)
     s.add_argument("prompt")
     s.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     s.add_argument("--raw", action="store_true", help="send as plain text, not as a chat message")
@@ -336,33 +427,36 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--logprobs", type=int, nargs="?", const=0, metavar="K",
                    help="print each token's log-probability and the K most likely alternatives")
     s.set_defaults(func=_submit)
-    st = sub.add_parser("status", help="workers, pool, interval, counters")
+    st = command("status", "workers, pool, interval, counters", "the status socket")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=_status)
-    wr = sub.add_parser("wait-ready", help="wait until the daemon serves with a worker registered (for scripts)",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    wr = command("wait-ready", "wait until the daemon serves with its workers registered (for scripts)",
+                 "the status socket", True)
     wr.add_argument("--timeout", type=float, default=300.0, help="seconds to wait; then exit 1 saying why")
-    wr.add_argument("--workers", type=int, default=1, help="registered workers to wait for")
+    wr.add_argument("--workers", type=int, default=None,
+                    help="registered workers to wait for (default: all it has, those still "
+                    "loading included, at least 1)")
     wr.add_argument("--interval", type=float, default=0.2, help="seconds between status polls")
     wr.add_argument("--quiet", "-q", action="store_true", help="print nothing when ready")
     wr.set_defaults(func=_wait_ready)
-    m = sub.add_parser("metrics", help="Prometheus text exposition")
+    m = command("metrics", "Prometheus text exposition", "the status socket")
     m.set_defaults(func=_metrics)
-    t = sub.add_parser("top", help="live view of status, with request and token rates")
+    t = command("top", "live view of status, with request and token rates", "the status socket")
     t.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
     t.add_argument("--iterations", type=int, default=None, help="stop after this many frames")
     t.set_defaults(func=_top)
-    dr = sub.add_parser("drain", help="take a worker out of rotation without losing its work (admin)")
+    dr = command("drain", "take a worker out of rotation without losing its work (admin)",
+                 "the client socket; --wait also the status socket (checked before draining)")
     dr.add_argument("worker", help="worker id (as in sclsctl status)")
     g = dr.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true", help="put the worker back into rotation")
     g.add_argument("--wait", action="store_true", help="wait until its batches in flight are done")
     dr.add_argument("--timeout", type=float, default=600.0, help="longest --wait, seconds")
     dr.set_defaults(func=_drain)
-    ca = sub.add_parser("cancel", help="cancel a request of any client by id (admin)")
+    ca = command("cancel", "cancel a request of any client by id (admin)", "the client socket")
     ca.add_argument("id")
     ca.set_defaults(func=_cancel)
-    k = sub.add_parser("keygen", help="CURVE key pairs: the daemon's (once) and one per --worker")
+    k = command("keygen", "CURVE key pairs: the daemon's (once) and one per --worker", "no socket")
     k.add_argument("dir", help="directory for the key files (created 0750)")
     k.add_argument("--worker", action="append", default=[], metavar="NAME",
                    help="make a key pair for this worker and authorize it (repeatable)")
@@ -370,8 +464,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, and the sockets epilog kept as written."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.socket_flag, args.status_socket_flag = args.socket, args.status_socket
+    try:
+        resolve_sockets(args)
+    except ValueError as exc:
+        print(f"sclsctl: {exc}", file=sys.stderr)
+        return 2
     try:
         rc = int(args.func(args))
         sys.stdout.flush()

@@ -169,9 +169,15 @@ def _resolve_hub(repo_id: str) -> ModelSpec:
     cache = hub.cache_dir()
     snap = hub.snapshot(repo_id, cache)
     if snap is None:
+        if "/" not in repo_id:
+            # A bare NAME is more likely a typo than one of the hub's few unprefixed repos.
+            raise ModelNotCached(
+                f"model {repo_id!r} is not a built-in name ({DEFAULT_MODEL}, tiny-random), a local path, "
+                f"or a hub id in the local Hugging Face cache {cache}; a hub id is ORG/NAME"
+            )
         raise ModelNotCached(
             f"model {repo_id!r} is neither a local path nor in the local Hugging Face cache {cache}: "
-            f"download it (huggingface-cli download {repo_id}), set HF_HOME or HF_HUB_CACHE to the "
+            f"download it (hf download {repo_id}), set HF_HOME or HF_HUB_CACHE to the "
             "cache that holds it, or let sclsd download it ([model] allow_download = true)"
         )
     if not (snap / "config.json").is_file():

@@ -1,114 +1,63 @@
 """The routes of ``sclsd-http`` (FastAPI).
 
-* ``POST /v1/completions``, ``POST /v1/chat/completions``: one daemon request per
-  choice, gathered; ``stream: true`` answers server-sent events. A streaming
-  request is answered only once the daemon accepted every choice, so a refusal
-  still gets its HTTP status (400, 429, 503); a failure after that is one error
-  event, then ``data: [DONE]``.
-* ``GET /v1/models``; ``GET /health`` (200 while the daemon answers a ping, else
-  503), ``GET /ready`` (200 once a worker serves), ``GET /metrics`` (the daemon's
-  Prometheus text). With an API key, ``/v1/*`` needs ``Authorization: Bearer KEY``;
-  the other three stay open, as in vLLM.
+* ``POST /v1/completions``, ``POST /v1/chat/completions`` (:mod:`.generate`);
+* ``GET /v1/models``, ``GET /v1/models/{model}``; ``POST /tokenize``,
+  ``POST /detokenize`` (vLLM's shapes; the model's tokenizer, :mod:`.tokens`);
+* ``GET /health`` (200 while the daemon answers a ping, else 503), ``GET /ready``
+  (200 once a worker serves), ``GET /metrics`` (the daemon's Prometheus text and this
+  process's own, :mod:`.observe`), ``GET /version``, ``GET /docs``, ``GET /openapi.json``.
 
-A client that goes away before its answer is complete (streaming or not) has
-its requests cancelled in the daemon at once: the response watches the
-connection, and leaving :meth:`sclsd.client.AsyncClient.events` early sends
-``cancel`` for every choice not yet done.
+With an API key, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need ``Authorization:
+Bearer KEY``; the others stay open, as in vLLM. Every error, from a route or from the
+door (:mod:`.door`), is OpenAI's JSON error shape.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import inspect
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
 
-from .. import protocol as P
-from ..client import RequestError
-from . import render
-from .link import STATUS_TTL_S, DaemonLink, unavailable
-from .params import ApiError, Kind, Parsed, bad, parse
+from .. import __version__
+from . import generate, openapi, render
+from .body import read_json
+from .door import Door
+from .errors import ApiError, bad
+from .link import STATUS_TTL_S, DaemonLink
+from .observe import HttpMetrics
+from .params import Kind, parse
+from .settings import Settings
+from .tokens import Tokens, tokenize_ids
 
 log = logging.getLogger("sclsd.http")
 
 _JSON = "application/json"
 
 
-@dataclass(frozen=True)
-class Settings:
-    """What ``sclsd-http`` serves and where it finds the daemon."""
-
-    socket: str
-    status_socket: str
-    api_key: str | None = None
-    model_name: str = ""
-    """The served model's name; "": the daemon's ``model.name`` (from its status)."""
-    connections: int = 4
-    max_choices: int = 64
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events that stop, and cancel their source, when the client disconnects
-    (whatever ASGI version the server speaks)."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as tg:
-
-            async def stream() -> None:
-                try:
-                    await self.stream_response(send)
-                except OSError:
-                    pass  # the client went away mid-send
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(stream)
-            await self.listen_for_disconnect(receive)
-            tg.cancel_scope.cancel()
-        # A body cancelled while it waited in ``yield`` is still open: close it now, so its
-        # ``finally`` cancels the daemon's requests at once rather than when it is collected.
-        aclose = getattr(self.body_iterator, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-
-def _daemon_error(exc: Exception, link: DaemonLink) -> ApiError:
-    if isinstance(exc, RequestError):
-        return render.from_daemon(P.Error(code=exc.code, message=exc.message, id=exc.id))
-    if isinstance(exc, ApiError):
-        return exc
-    return unavailable(f"at {link.socket}", exc)
-
-
-async def _cancel_on_disconnect(request: Request, task: asyncio.Task[Any]) -> None:
-    """Cancel ``task`` when the client closes its connection."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    task.cancel()
-
-
 class Api:
     """The application's state and handlers."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, metrics: HttpMetrics) -> None:
         self.settings = settings
-        self.link = DaemonLink(settings.socket, settings.status_socket, settings.connections)
+        self.metrics = metrics
+        self.link = DaemonLink(settings.socket, settings.status_socket, settings.connections,
+                               settings.max_frame_bytes)
+        self.tokens = Tokens(self._model_for_tokenizer, settings.cache_dir, settings.tokenizer)
         self.started = int(time.time())
         self._auth = f"Bearer {settings.api_key}".encode() if settings.api_key else None
+        self._fp_of: object = None
+        self._fp = ""
 
     # ------------------------------------------------------------------ checks
 
@@ -120,125 +69,102 @@ class Api:
             raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)", None,
                            "invalid_api_key")
 
-    async def served_name(self) -> str | None:
-        """The model name clients must use; None when it cannot be known (any is accepted)."""
-        if self.settings.model_name:
-            return self.settings.model_name
+    async def daemon(self) -> tuple[str | None, str]:
+        """(the model name clients must use, or None when it cannot be known and any is
+        accepted; the ``system_fingerprint``: the daemon's version, model, policy and slice)."""
         try:
-            return (await self.link.status(STATUS_TTL_S)).model
+            st = await self.link.status(STATUS_TTL_S)
         except ApiError as exc:
-            log.warning("model name unknown, accepting any: %s", exc.message)
-            return None
+            if not self.settings.model_name:
+                log.warning("model name unknown, accepting any: %s", exc.message)
+            return self.settings.model_name or None, f"fp_sclsd-{__version__}"
+        if st is not self._fp_of:  # once per snapshot, not per request
+            what = f"{st.version}|{st.model}|{st.policy}|{st.slice_len}".encode()
+            self._fp_of, self._fp = st, f"fp_{hashlib.sha256(what).hexdigest()[:12]}"
+        return self.settings.model_name or st.model, self._fp
+
+    async def _model_for_tokenizer(self) -> str:
+        return (await self.link.status(STATUS_TTL_S)).model
+
+    async def _json(self, request: Request) -> Any:
+        return await read_json(request, self.settings.limits.max_body_bytes)
 
     # ------------------------------------------------------------------ generation
 
     async def generate(self, request: Request, kind: Kind) -> Response:
+        created = int(time.time())  # the arrival, as OpenAI's ``created`` means it
         self.check_key(request)
-        try:
-            body = msgspec.json.decode(await request.body())
-        except msgspec.DecodeError as exc:
-            raise bad(None, f"the request body is not valid JSON: {exc}", "invalid_json") from None
-        parsed = parse(kind, body, self.settings.max_choices)
-        name = await self.served_name()
+        parsed = parse(kind, await self._json(request), self.settings.max_choices)
+        name, fingerprint = await self.daemon()
         if parsed.model is not None and name is not None and parsed.model != name:
             raise render.not_found(parsed.model)
-        model = name or parsed.model or "unknown"
-        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        msgs = parsed.messages(rid)
-        client = await self.link.client()
-        if parsed.stream:
-            return await self._stream(request, parsed, msgs, client.events(msgs), rid, model)
-        # One watcher task per request: it cancels this handler if the client goes away, and
-        # the events' generator then cancels the choices in the daemon.
-        me = asyncio.current_task()
-        assert me is not None
-        gone = asyncio.ensure_future(_cancel_on_disconnect(request, me))
-        try:
-            body = await self._complete(parsed, msgs, client.events(msgs), rid, model)
-        except asyncio.CancelledError:
-            if not gone.done() or gone.cancelled():
-                raise  # not the client's doing (shutdown)
-            if hasattr(me, "uncancel"):  # Python >= 3.11 counts cancellations
-                me.uncancel()
-            log.info("%s: client disconnected; cancelled", rid)
-            return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
-        finally:
-            gone.cancel()
-        return Response(body, media_type=_JSON)
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request.state.request_id}"
+        request.state.response_id = rid
+        await generate.prepare(self, parsed)
+        head = {"id": rid, "created": created, "model": name or parsed.model or "unknown",
+                "system_fingerprint": fingerprint}
+        return await generate.answer(self, request, parsed, head)
 
-    async def _complete(self, parsed: Parsed, msgs: list[P.Generate], events: AsyncIterator[Any],
-                        rid: str, model: str) -> bytes:
-        dones: dict[str, P.Done] = {}
-        try:
-            async for ev in events:
-                if isinstance(ev, P.Done):
-                    dones[ev.id] = ev
-        except (RequestError, ConnectionError) as exc:
-            raise _daemon_error(exc, self.link) from None
-        ordered = [dones[m.id] for m in msgs if m.id is not None]
-        return render.response(parsed.kind, rid, int(time.time()), model, ordered, parsed.n,
-                               parsed.top_logprobs is not None)
+    # ------------------------------------------------------------------ tokenizer
 
-    async def _stream(self, request: Request, parsed: Parsed, msgs: list[P.Generate],
-                      events: AsyncIterator[Any], rid: str, model: str) -> Response:
-        index = {m.id: i for i, m in enumerate(msgs)}
-        chunks = render.Chunks(parsed.kind, rid, int(time.time()), model, len(msgs), parsed.n,
-                               parsed.include_usage, parsed.top_logprobs is not None)
-        it = events.__aiter__()
-        early: list[Any] = []
-        accepted = 0
-        try:
-            # Hold the response until every choice is accepted: a refusal keeps its status.
-            while accepted < len(msgs):
-                ev = await it.__anext__()
-                early.append(ev)
-                accepted += isinstance(ev, P.Accepted)
-        except (RequestError, ConnectionError, StopAsyncIteration) as exc:
-            raise _daemon_error(exc if not isinstance(exc, StopAsyncIteration)
-                                else ConnectionError("stream ended early"), self.link) from None
-        except BaseException:
-            await it.aclose()  # type: ignore[attr-defined]
-            raise
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``/tokenize``: ``prompt`` or ``messages`` -> ``{count, max_model_len, tokens,
+        token_strs}``, counted as the daemon counts them."""
+        self.check_key(request)
+        body = await self._json(request)
+        if not isinstance(body, dict):
+            raise bad(None, "the request body must be a JSON object")
+        body = {k: v for k, v in body.items() if v is not None}
+        await self._check_model(body)
+        known = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                 "return_token_strs", "tools"}
+        unknown = sorted(set(body) - known)
+        if unknown:
+            raise bad(unknown[0], f"unsupported parameter(s): {', '.join(unknown)}",
+                      "unsupported_parameter")
+        view = await self.tokens.view()
+        ids = await asyncio.to_thread(tokenize_ids, view, body)
+        strs = view.token_strs(ids) if body.get("return_token_strs") is True else None
+        return Response(render.encode({"count": len(ids), "max_model_len": self.settings.max_model_len,
+                                       "tokens": ids, "token_strs": strs}), media_type=_JSON)
 
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                for ev in early:
-                    out = self._chunk(chunks, index, ev)
-                    if out:
-                        yield out
-                async for ev in it:
-                    out = self._chunk(chunks, index, ev)
-                    if out:
-                        yield out
-                if parsed.include_usage:
-                    yield chunks.usage()
-            except (RequestError, ConnectionError, ApiError) as exc:
-                err = _daemon_error(exc, self.link)
-                log.warning("%s: stream failed after it started: %s", rid, err.message)
-                yield render.error_event(err)
-            finally:
-                await it.aclose()  # type: ignore[attr-defined]
-            yield render.DONE_EVENT
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``/detokenize``: ``tokens`` -> ``{prompt}``."""
+        self.check_key(request)
+        body = await self._json(request)
+        if not isinstance(body, dict):
+            raise bad(None, "the request body must be a JSON object")
+        body = {k: v for k, v in body.items() if v is not None}
+        await self._check_model(body)
+        ids = body.get("tokens")
+        if set(body) - {"model", "tokens"} or not isinstance(ids, list):
+            raise bad("tokens", "detokenize takes model and tokens (a list of token ids)")
+        view = await self.tokens.view()
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < view.vocab_size
+                   for t in ids):
+            raise bad("tokens", f"tokens: must be token ids in 0..{view.vocab_size - 1}")
+        text = await asyncio.to_thread(view.decode, ids, False)
+        return Response(render.encode({"prompt": text}), media_type=_JSON)
 
-        return EventStream(body(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    @staticmethod
-    def _chunk(chunks: render.Chunks, index: dict[str | None, int], ev: Any) -> bytes:
-        i = index[ev.id]
-        if isinstance(ev, P.Accepted):
-            return chunks.start(i)
-        if isinstance(ev, P.Delta):
-            return chunks.delta(i, ev.text, ev.logprobs)
-        return chunks.done(i, ev)
+    async def _check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is None:
+            return
+        name, _ = await self.daemon()
+        if not isinstance(model, str) or (name is not None and model != name):
+            raise render.not_found(str(model))
 
     # ------------------------------------------------------------------ the rest
 
-    async def models(self, request: Request) -> Response:
+    async def models(self, request: Request, model: str | None = None) -> Response:
         self.check_key(request)
-        name = self.settings.model_name
-        if not name:
-            name = (await self.link.status(STATUS_TTL_S)).model
-        return Response(render.models(name, self.started), media_type=_JSON)
+        name = self.settings.model_name or (await self.link.status(STATUS_TTL_S)).model
+        card = render.models(name, self.started, self.settings.max_model_len)
+        if model is None:
+            return Response(render.encode({"object": "list", "data": [card]}), media_type=_JSON)
+        if model != name:
+            raise render.not_found(model)
+        return Response(render.encode(card), media_type=_JSON)
 
     async def health(self) -> Response:
         try:
@@ -258,14 +184,24 @@ class Api:
                                     "why": st.why})
         return Response(body, status_code=200 if ok else 503, media_type=_JSON)
 
-    async def metrics(self) -> Response:
-        text = await self.link.metrics()
-        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics_text(self) -> Response:
+        """The daemon's metrics and this process's; while the daemon is away, this process's
+        alone with ``sclsd:http_daemon_up 0`` (a scrape that fails tells nothing)."""
+        try:
+            text = (await self.link.metrics()).encode()
+            self.metrics.daemon_up.set(1)
+        except ApiError as exc:
+            log.warning("metrics: %s", exc.message)
+            text = b""
+            self.metrics.daemon_up.set(0)
+        return Response(text + self.metrics.text(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 def create_app(settings: Settings) -> FastAPI:
-    """The FastAPI application for ``settings``."""
-    api = Api(settings)
+    """The application for ``settings`` (``.state.api``: its :class:`Api`)."""
+    metrics = HttpMetrics()
+    api = Api(settings, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -277,20 +213,25 @@ def create_app(settings: Settings) -> FastAPI:
         # FastAPI's OpenTelemetry hooks look for providers on every request (about 30 µs
         # of CPU each, measured): the daemon's Prometheus metrics are the ones to watch.
         extra["telemetry"] = {"tracing": False, "metrics": False, "logs": False}
-    app = FastAPI(title="sclsd", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
-                  **extra)
+    app = FastAPI(title="sclsd", version=__version__, lifespan=lifespan, redoc_url=None,
+                  description="OpenAI-compatible HTTP front end of sclsd", **extra)
     app.state.api = api
+    app.state.metrics = metrics
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
         if exc.status >= 500:
             log.warning("%s %s: %d %s", request.method, request.url.path, exc.status, exc.message)
-        return Response(render.error_body(exc), status_code=exc.status, media_type=_JSON)
+        metrics.refuse(exc.code)
+        headers = {"connection": "close"} if exc.status in (408, 413) else None
+        return Response(render.error_body(exc), status_code=exc.status, media_type=_JSON,
+                        headers=headers)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         err = ApiError(exc.status_code, str(exc.detail), None,
                        "not_found" if exc.status_code == 404 else None)
+        metrics.refuse(err.code or str(exc.status_code))
         return Response(render.error_body(err), status_code=exc.status_code, media_type=_JSON,
                         headers=exc.headers)
 
@@ -303,14 +244,21 @@ def create_app(settings: Settings) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await api.generate(request, "chat")
 
-    # The two hot routes take the request as is (the body is checked by .params), so they
-    # skip FastAPI's per-request dependency solving: plain Starlette routes on the app.
+    # The hot routes take the request as is (the body is checked by .params), so they
+    # skip FastAPI's per-request dependency solving: plain Starlette routes on the app,
+    # documented in the OpenAPI schema by .openapi.
     app.add_route("/v1/completions", completions, methods=["POST"])
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_route("/tokenize", api.tokenize, methods=["POST"])
+    app.add_route("/detokenize", api.detokenize, methods=["POST"])
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
         return await api.models(request)
+
+    @app.get("/v1/models/{model:path}")
+    async def model_card(request: Request, model: str) -> Response:
+        return await api.models(request, model)
 
     @app.get("/health")
     async def health() -> Response:
@@ -321,7 +269,14 @@ def create_app(settings: Settings) -> FastAPI:
         return await api.ready()
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return await api.metrics()
+    async def metrics_route() -> Response:
+        return await api.metrics_text()
 
+    @app.get("/version")
+    async def version() -> Response:
+        return Response(render.encode({"version": __version__}), media_type=_JSON)
+
+    openapi.install(app)
+    # Outermost but for Starlette's last-resort error handler: every request, routed or not.
+    app.add_middleware(Door, limits=settings.limits, metrics=metrics, log=settings.access_log)
     return app

@@ -12,13 +12,15 @@ comes from ``--api-key``, else ``$SCLSD_API_KEY``, else ``[http] api_key_file``
 it prints ``sclsd-http listening on http://HOST:PORT`` (``--listen HOST:0`` picks a
 free port) and tells systemd it is ready. SIGTERM stops it after the requests in
 flight. Exit code 2 for a bad config or an unreadable key file, 1 if it cannot
-listen.
+listen. The limits at the door (body and header sizes, timeouts, connection and
+per-client caps) come from ``[http]`` (:mod:`.settings`, :mod:`.server`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -30,7 +32,9 @@ from typing import Any
 from ..client import DEFAULT_SOCKET, DEFAULT_STATUS_SOCKET
 from ..config import Config, ConfigError, load, override, parse_host_port
 from ..sdnotify import Notifier
-from .app import Settings, create_app
+from .app import create_app
+from .server import effective_limits, guarded_protocol
+from .settings import Limits, Settings
 
 log = logging.getLogger("sclsd.http")
 
@@ -47,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", help="model name to serve (default: [http] model_name, else the daemon's)")
     p.add_argument("--connections", type=int, help="Unix-socket connections to the daemon (default 4)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--no-access-log", action="store_true",
+                   help="no line per request (default: [http] access_log, on: one line at info)")
     return p
 
 
@@ -70,12 +76,22 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, str, str]:
     """(settings, listen address, log level) from the flags and the config; raises ConfigError."""
     cfg = load(args.config)
     cfg = override(cfg, http__listen=args.listen, http__model_name=args.model_name,
-                   http__connections=args.connections, http__log_level=args.log_level)
+                   http__connections=args.connections, http__log_level=args.log_level,
+                   http__access_log=False if args.no_access_log else None)
     sock = args.socket or (cfg.daemon.socket if args.config else DEFAULT_SOCKET)
     status_sock = args.status_socket or (cfg.daemon.status_socket if args.config else DEFAULT_STATUS_SOCKET)
     h = cfg.http
+    limits = Limits(max_body_bytes=h.max_body_bytes, body_timeout_s=h.body_timeout_s,
+                    max_header_bytes=h.max_header_bytes, header_timeout_s=h.header_timeout_s,
+                    keep_alive_s=h.keep_alive_s, max_connections=h.max_connections,
+                    max_requests_per_client=h.max_requests_per_client)
+    # The model's limits and cache are the daemon's: known here only from its config file.
     settings = Settings(socket=sock, status_socket=status_sock, api_key=_api_key(args, cfg),
-                        model_name=h.model_name, connections=h.connections, max_choices=h.max_choices)
+                        model_name=h.model_name, connections=h.connections, max_choices=h.max_choices,
+                        limits=limits, access_log=h.access_log,
+                        max_frame_bytes=cfg.daemon.max_frame_bytes,
+                        max_model_len=cfg.model.max_input + cfg.model.max_gen if args.config else None,
+                        cache_dir=cfg.model.cache_dir)
     return settings, h.listen, h.log_level
 
 
@@ -108,9 +124,12 @@ async def _serve(settings: Settings, sock: socket.socket, level: str) -> None:
         loop = "uvloop"
     except ImportError:  # pragma: no cover
         loop = "asyncio"
-    config = uvicorn.Config(create_app(settings), loop=loop, http="httptools", lifespan="on",
-                            log_level=level, access_log=level == "debug", server_header=False,
-                            proxy_headers=False,
+    app = create_app(settings)
+    limits = effective_limits(settings.limits)
+    # uvicorn's own access log stays off: the app writes one line per request (.observe).
+    config = uvicorn.Config(app, loop=loop, http=guarded_protocol(limits, app.state.metrics),
+                            lifespan="on", log_level=level, access_log=False, server_header=False,
+                            proxy_headers=False, timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]
                             timeout_graceful_shutdown=30)
     server = Server(config)
     notifier = Notifier.from_env()
@@ -126,6 +145,11 @@ async def _serve(settings: Settings, sock: socket.socket, level: str) -> None:
         notifier.ready(f"listening on {url}")
 
     task = asyncio.ensure_future(announce())
+    # Everything made so far (modules, the app) lives as long as the process: out of the
+    # collector's sight, so a collection scans only what requests make (measured: about
+    # 30 us of CPU less per request).
+    gc.collect()
+    gc.freeze()
     try:
         await server.serve(sockets=[sock])
     finally:

@@ -1,15 +1,18 @@
 """The front end's connections to the daemon: a few client-socket connections used in
 turn (the daemon tokenizes one prompt at a time per connection), reconnected when
-lost, and the status socket for readiness, the model's name and the metrics."""
+lost, and the status socket for readiness, the model's name and the metrics. The
+daemon's optional ``generate`` features (``Pong.features``) are learnt with a ping on
+each new connection: a daemon restarted with more features is seen at once."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+from .. import defaults
 from ..client import AsyncClient, status
 from ..protocol import StatusSnapshot
-from .params import ApiError
+from .errors import ApiError
 
 #: Seconds a status snapshot is reused for the model name (not for /ready).
 STATUS_TTL_S = 5.0
@@ -23,9 +26,13 @@ def unavailable(what: str, exc: BaseException) -> ApiError:
 class DaemonLink:
     """Connections to one daemon (see the module docstring)."""
 
-    def __init__(self, socket: str, status_socket: str, connections: int = 4) -> None:
+    def __init__(self, socket: str, status_socket: str, connections: int = 4,
+                 max_frame_bytes: int = defaults.MAX_FRAME_BYTES) -> None:
         self.socket = socket
         self.status_socket = status_socket
+        self.max_frame_bytes = max_frame_bytes
+        self.features: frozenset[str] = frozenset()
+        """What the daemon said it applies at the last new connection's ping."""
         self._clients: list[AsyncClient | None] = [None] * max(1, connections)
         self._locks = [asyncio.Lock() for _ in self._clients]
         self._turn = 0
@@ -44,11 +51,17 @@ class DaemonLink:
             if c is None or not c.connected:
                 if c is not None:
                     await c.close()
+                self._clients[i] = None
                 try:
-                    c = await AsyncClient(self.socket).connect()
+                    c = await AsyncClient(self.socket, self.max_frame_bytes).connect()
                 except OSError as exc:
-                    self._clients[i] = None
                     raise unavailable(f"at {self.socket}", exc) from None
+                try:
+                    pong = await asyncio.wait_for(c.ping(), 10.0)
+                except (OSError, asyncio.TimeoutError) as exc:
+                    await c.close()
+                    raise unavailable(f"at {self.socket}", exc) from None
+                self.features = frozenset(pong.features)
                 self._clients[i] = c
         return c
 

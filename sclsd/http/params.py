@@ -4,13 +4,19 @@ Every parameter is checked here or by the protocol's own schema (the message is
 built with :func:`msgspec.convert`, which validates types and ranges), and a
 failure becomes an :class:`ApiError` naming the parameter as the client spelt
 it. A parameter this server does not implement is refused by name rather than
-ignored. ``null`` counts as not given, as in OpenAI's API.
+ignored. ``null`` counts as not given, for every key (as in OpenAI's API and
+vLLM's).
 
-Fan-out: each prompt (``prompt`` may be a list) is asked ``n`` times; choice
-``i`` of a seeded request gets seed ``seed + i`` so the choices differ and stay
-reproducible. ``max_tokens`` (chat: ``max_completion_tokens`` first) above the
-daemon's ``model.max_gen`` is refused with 400 (the daemon checks; vLLM does the
-same); without it, generation may run to that limit.
+Fan-out: each prompt (``prompt`` may be a list) is asked ``n`` times (``best_of``
+times with ``best_of``); choice ``i`` of a seeded request gets seed ``seed + i``
+so the choices differ and stay reproducible. ``max_tokens`` (chat:
+``max_completion_tokens`` first) above the daemon's ``model.max_gen`` is refused
+with 400 (the daemon checks; vLLM does the same); without it, generation may run
+to that limit.
+
+Some prompt forms need the model's tokenizer in this process (:mod:`.tokens`):
+``{"render": ...}`` (a chat with tools or tool turns) and ``{"fim": ...}``
+(``suffix``); :func:`sclsd.http.tokens.resolve` turns them into ``prompt_ids``.
 """
 
 from __future__ import annotations
@@ -21,42 +27,31 @@ from typing import Any, Literal
 import msgspec
 
 from .. import protocol as P
+from .chat import Chat, chat
+from .errors import ApiError, bad, unsupported
 
 Kind = Literal["chat", "completion"]
 
 #: Parameters both endpoints take (vLLM's extras included: top_k, min_p,
-#: repetition_penalty, stop_token_ids, ignore_eos).
+#: repetition_penalty, stop_token_ids, ignore_eos, min_tokens, skip_special_tokens).
 _COMMON = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
     "stop_token_ids", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "ignore_eos", "user", "stream", "stream_options", "logprobs",
+    "ignore_eos", "user", "stream", "stream_options", "logprobs", "min_tokens", "logit_bias",
+    "skip_special_tokens", "echo", "response_format",
 })
 ALLOWED: dict[Kind, frozenset[str]] = {
-    "completion": _COMMON | {"prompt"},
-    "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs"},
+    "completion": _COMMON | {"prompt", "suffix", "best_of"},
+    "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                       "parallel_tool_calls"},
 }
 #: Protocol field -> the HTTP parameter to name when the daemon's schema refuses it.
 _PARAM_OF = {"prompt_ids": "prompt", "top_logprobs": "top_logprobs", "max_tokens": "max_tokens"}
 #: Seeds travel as signed 64-bit integers; leave room for ``seed + i``.
 _SEED_MAX = 2**63 - 1 - 1024
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-
-class ApiError(Exception):
-    """An error answered as OpenAI's ``{"error": {message, type, param, code}}``."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-
-
-def bad(param: str | None, message: str, code: str = "invalid_parameter") -> ApiError:
-    """A 400 naming ``param``."""
-    return ApiError(400, message, param, code)
+_INT_MAX = 2**31 - 1
+#: At most this many stop strings.
+MAX_STOP = 16
 
 
 @dataclass
@@ -69,24 +64,45 @@ class Parsed:
     include_usage: bool
     n: int
     prompts: list[dict[str, Any]]
-    """One prompt form per prompt: ``{"prompt": ...}``, ``{"prompt_ids": ...}`` or ``{"messages": ...}``."""
+    """One prompt form per prompt: ``{"prompt": ...}``, ``{"prompt_ids": ...}``,
+    ``{"messages": ...}`` or, until :mod:`.tokens` resolves them, ``{"render": Chat}`` and
+    ``{"fim": (prefix, suffix)}``."""
     params: dict[str, Any] = field(default_factory=dict)
     """The ``generate`` fields every choice shares."""
     top_logprobs: int | None = None
-    """None: no logprobs; else how many alternatives per token."""
+    """None: no logprobs in the answer; else how many alternatives per token."""
+    continuous_usage: bool = False
+    """``stream_options.continuous_usage_stats``: usage in every chunk."""
+    best_of: int | None = None
+    """Completions: generate this many per prompt and answer the ``n`` likeliest."""
+    echo: bool = False
+    echo_texts: list[str] = field(default_factory=list)
+    """With ``echo``: the text put before each prompt's output (filled by :mod:`.tokens`)."""
+    chat: Chat | None = None
+    features: frozenset[str] = frozenset()
+    """The optional daemon features (``Pong.features``) this request needs."""
+
+    @property
+    def per_prompt(self) -> int:
+        """Daemon requests per prompt: ``best_of``, else ``n``."""
+        return self.best_of or self.n
 
     @property
     def choices(self) -> int:
-        return len(self.prompts) * self.n
+        return len(self.prompts) * self.per_prompt
+
+    @property
+    def parse_tools(self) -> bool:
+        return self.chat is not None and self.chat.parse_tools
 
     def messages(self, rid: str) -> list[P.Generate]:
-        """The ``generate`` messages, choice ``index`` = prompt × n + i, ids ``rid-index``
-        (just ``rid`` for a single choice)."""
+        """The ``generate`` messages, choice ``index`` = prompt × per_prompt + i, ids
+        ``rid-index`` (just ``rid`` for a single choice)."""
         out = []
         seed = self.params.get("seed")
         for p, form in enumerate(self.prompts):
-            for i in range(self.n):
-                index = p * self.n + i
+            for i in range(self.per_prompt):
+                index = p * self.per_prompt + i
                 g = dict(self.params, **form)
                 g["id"] = rid if self.choices == 1 else f"{rid}-{index}"
                 if seed is not None:
@@ -120,58 +136,58 @@ def _int(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
     return v
 
 
+def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    v = body.get(name, default)
+    if not isinstance(v, bool):
+        raise bad(name, f"{name}: must be true or false")
+    return v
+
+
 def _stop(body: dict[str, Any]) -> list[str]:
     stop = body.get("stop")
     if stop is None:
         return []
     if isinstance(stop, str):
         stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
-        raise bad("stop", "stop: must be a non-empty string or a list of at most 16 of them")
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
+        raise bad("stop", f"stop: must be a non-empty string or a list of at most {MAX_STOP} of them")
     return stop
 
 
-def _content(m: Any, i: int) -> str:
-    """A message's text: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
-    c = m.get("content")
-    if isinstance(c, str):
-        return c
-    if c is None and m.get("role") == "assistant":
-        return ""
-    if isinstance(c, list) and all(isinstance(x, dict) and x.get("type") == "text"
-                                   and isinstance(x.get("text"), str) for x in c):
-        return "".join(x["text"] for x in c)
-    raise bad("messages", f"messages[{i}].content: must be a string or a list of text parts "
-              "(no images, audio or files)")
+def _token_ids(body: dict[str, Any], name: str) -> list[int] | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) > P.MAX_TOKEN_LIST or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _INT_MAX for t in v):
+        raise bad(name, f"{name}: must be a list of at most {P.MAX_TOKEN_LIST} token ids")
+    return v
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad("messages", "messages: must be a non-empty list", "missing_parameter"
-                  if msgs is None else "invalid_parameter")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise bad("messages", f"messages[{i}]: must be an object with role and content")
-        extra = set(m) - {"role", "content", "name"}
-        if extra:
-            raise bad("messages", f"messages[{i}]: unsupported field(s) {', '.join(sorted(extra))} "
-                      "(no tools or function calls)")
-        role = _ROLES.get(m.get("role"))  # type: ignore[arg-type]
-        if role is None:
-            raise bad("messages", f"messages[{i}].role: must be one of {', '.join(_ROLES)}")
-        out.append({"role": role, "content": _content(m, i)})
+def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's ``{"token id": bias}``, biases in [-100, 100]."""
+    lb = body.get("logit_bias")
+    if lb is None:
+        return {}
+    if not isinstance(lb, dict) or len(lb) > P.MAX_TOKEN_LIST:
+        raise bad("logit_bias", f"logit_bias: must map at most {P.MAX_TOKEN_LIST} token ids to biases")
+    out: dict[int, float] = {}
+    for k, v in lb.items():
+        if not (isinstance(k, str) and k.isdigit() and int(k) <= _INT_MAX):
+            raise bad("logit_bias", f"logit_bias: {k!r} is not a token id")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise bad("logit_bias", f"logit_bias[{k}]: must be a number in -100..100")
+        out[int(k)] = float(v)
     return out
 
 
-def _prompts(body: dict[str, Any]) -> list[dict[str, Any]]:
+def _prompts(body: dict[str, Any], max_choices: int) -> list[dict[str, Any]]:
     p = body.get("prompt")
     if p is None:
         raise bad("prompt", "prompt: required", "missing_parameter")
     if isinstance(p, str):
         return [{"prompt": p}]
-    if isinstance(p, list) and p:
+    if isinstance(p, list) and 0 < len(p) <= max_choices:
         if all(isinstance(x, str) for x in p):
             return [{"prompt": x} for x in p]
         if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
@@ -180,7 +196,7 @@ def _prompts(body: dict[str, Any]) -> list[dict[str, Any]]:
                                                     for t in x) for x in p):
             return [{"prompt_ids": x} for x in p]
     raise bad("prompt", "prompt: must be a string, a list of strings, a list of token ids "
-              "or a list of such lists (none empty)")
+              f"or a list of such lists (none empty, at most {max_choices} prompts)")
 
 
 def _logprobs(kind: Kind, body: dict[str, Any]) -> int | None:
@@ -197,54 +213,136 @@ def _logprobs(kind: Kind, body: dict[str, Any]) -> int | None:
     return (top or 0) if lp else None
 
 
+def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats)."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return False, False
+    if not isinstance(opts, dict):
+        raise bad("stream_options", "stream_options: must be an object")
+    extra = sorted(k for k, v in opts.items() if v is not None
+                   and k not in ("include_usage", "continuous_usage_stats"))
+    if extra:
+        raise bad("stream_options", f"stream_options: unsupported field(s) {', '.join(extra)} "
+                  "(include_usage, continuous_usage_stats)")
+    if not stream:
+        raise bad("stream_options", "stream_options: only with stream = true")
+    include = _bool(opts, "include_usage", False) if opts.get("include_usage") is not None else False
+    cont = (_bool(opts, "continuous_usage_stats", False)
+            if opts.get("continuous_usage_stats") is not None else False)
+    # vLLM's rule: per-chunk usage is a refinement of include_usage.
+    return include, include and cont
+
+
+def _response_format(body: dict[str, Any]) -> None:
+    rf = body.get("response_format")
+    if rf is None:
+        return
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return
+    if kind in ("json_object", "json_schema"):
+        raise unsupported("response_format", f"{kind}: structured output is not served yet "
+                          "(text only)")
+    raise bad("response_format", 'response_format: must be {"type": "text" | "json_object" | '
+              '"json_schema", ...}')
+
+
+def _completion_extras(body: dict[str, Any], parsed: Parsed, max_choices: int) -> None:
+    """``best_of``, ``suffix`` and ``echo`` of a completion."""
+    best_of = _int(body, "best_of", 1, max_choices)
+    if best_of is not None and best_of > 1:
+        if best_of < parsed.n:
+            raise bad("best_of", f"best_of: must be at least n ({parsed.n})")
+        if parsed.stream:
+            raise bad("best_of", "best_of: cannot be streamed (the best choices are known only "
+                      "once all are done)")
+        parsed.best_of = best_of
+    suffix = body.get("suffix")
+    if suffix is not None:
+        if not isinstance(suffix, str):
+            raise bad("suffix", "suffix: must be a string")
+        if any("prompt" not in form for form in parsed.prompts):
+            raise bad("suffix", "suffix: needs a text prompt (fill-in-the-middle)")
+        if parsed.echo:
+            raise bad("suffix", "suffix: not with echo")
+        if suffix:
+            parsed.prompts = [{"fim": (form["prompt"], suffix)} for form in parsed.prompts]
+
+
 def parse(kind: Kind, body: Any, max_choices: int) -> Parsed:
     """Check an OpenAI request body (already JSON-decoded)."""
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
+    body = {k: v for k, v in body.items() if v is not None}  # null: not given
     unknown = sorted(k for k in body if k not in ALLOWED[kind])
     if unknown:
         raise bad(unknown[0], f"unsupported parameter(s): {', '.join(unknown)}", "unsupported_parameter")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", "model: must be a string")
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise bad("stream", "stream: must be true or false")
-    opts = body.get("stream_options")
-    include_usage = False
-    if opts is not None:
-        if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
-            raise bad("stream_options", "stream_options: only include_usage is supported")
-        if not stream:
-            raise bad("stream_options", "stream_options: only with stream = true")
-        include_usage = opts.get("include_usage") is True
+    stream = _bool(body, "stream", False)
+    include_usage, continuous = _stream_options(body, stream)
+    _response_format(body)
     n = _int(body, "n", 1, max_choices) or 1
-    prompts = [{"messages": _messages(body)}] if kind == "chat" else _prompts(body)
-    if len(prompts) * n > max_choices:
-        raise bad("n", f"n: {len(prompts)} prompts x n = {len(prompts) * n} completions, "
-                  f"more than {max_choices} (http.max_choices)")
+    the_chat = chat(body) if kind == "chat" else None
+    if the_chat is not None:
+        prompts = [{"messages": the_chat.daemon_messages()} if the_chat.plain else {"render": the_chat}]
+    else:
+        prompts = _prompts(body, max_choices)
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         _number(body, name)
-    max_tokens = _int(body, "max_completion_tokens", 1, 2**31 - 1) if kind == "chat" else None
+    max_tokens = _int(body, "max_completion_tokens", 1, _INT_MAX) if kind == "chat" else None
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1, 2**31 - 1)
+        max_tokens = _int(body, "max_tokens", 1, _INT_MAX)
+    min_tokens = _int(body, "min_tokens", 0, _INT_MAX) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad("min_tokens", f"min_tokens: {min_tokens} is more than max_tokens ({max_tokens})")
     seed = _int(body, "seed", -_SEED_MAX, _SEED_MAX)
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > 256):
         raise bad("user", "user: must be a string of at most 256 characters")
     top = _logprobs(kind, body)
+    echo = _bool(body, "echo", False)
+    if echo and top is not None:
+        raise unsupported("echo", "with logprobs it needs the prompt's log-probabilities, "
+                          "which the engines do not compute")
+    skip_special = _bool(body, "skip_special_tokens", True)
+    logit_bias = _logit_bias(body)
     params: dict[str, Any] = {
         "max_tokens": max_tokens, "cap_max_tokens": False, "stream": stream, "stop": _stop(body),
         "seed": seed, "user": user, "logprobs": top is not None, "top_logprobs": top or 0,
+        "min_tokens": min_tokens, "logit_bias": logit_bias, "skip_special_tokens": skip_special,
     }
+    stop_ids = _token_ids(body, "stop_token_ids")
+    if stop_ids is not None:
+        params["stop_token_ids"] = stop_ids
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "stop_token_ids", "ignore_eos"):
+                 "repetition_penalty", "ignore_eos"):
         if body.get(name) is not None:
             params[name] = body[name]
     if "temperature" not in params:
         params["temperature"] = 1.0  # OpenAI's default (the daemon's too)
-    parsed = Parsed(kind, model, stream, include_usage, n, prompts, params, top)
+    features = frozenset(name for name, on in (("min_tokens", min_tokens > 0),
+                                               ("logit_bias", bool(logit_bias)),
+                                               ("skip_special_tokens", not skip_special)) if on)
+    parsed = Parsed(kind, model, stream, include_usage, n, prompts, params, top,
+                    continuous_usage=continuous, echo=echo, chat=the_chat, features=features)
+    if kind == "completion":
+        _completion_extras(body, parsed, max_choices)
+    if parsed.best_of:
+        # Ranking needs each choice's log-probabilities, asked for whether shown or not.
+        params.update(logprobs=True, top_logprobs=top or 0)
+    if parsed.choices > max_choices:
+        raise bad("best_of" if parsed.best_of else "n",
+                  f"{'best_of' if parsed.best_of else 'n'}: {len(prompts)} prompts x "
+                  f"{parsed.per_prompt} = {parsed.choices} completions, more than {max_choices} "
+                  "(http.max_choices)")
     # Check everything the protocol's schema checks (ranges, types) before any fan-out.
-    _convert(dict(params, **prompts[0], id="check"))
+    form = prompts[0] if set(prompts[0]) & {"prompt", "prompt_ids", "messages"} else {"prompt": ""}
+    _convert(dict(params, **form, id="check"))
     return parsed
+
+
+__all__ = ["ALLOWED", "ApiError", "Kind", "Parsed", "bad", "parse"]

@@ -1,11 +1,11 @@
-"""The daemon's events -> OpenAI responses, stream chunks and errors (JSON via msgspec).
+"""The daemon's events -> OpenAI responses and errors (JSON via msgspec).
 
 Shapes follow OpenAI's API as vLLM serves it: ``text_completion`` and
-``chat.completion`` objects; stream chunks (``text_completion`` /
-``chat.completion.chunk``) as server-sent events ending with ``data: [DONE]``;
-with ``stream_options.include_usage`` every chunk has ``usage: null`` and a last
-chunk with no choices carries the totals. Usage counts each prompt once however
-many choices it has, and every choice's completion tokens.
+``chat.completion`` objects with ``created`` (the request's arrival) and
+``system_fingerprint``. Usage counts each prompt once however many choices it
+has, and every generated token (``best_of``'s unshown choices too);
+``prompt_tokens_details.cached_tokens`` is there when the daemon counts it.
+Stream chunks are :mod:`.stream`'s.
 """
 
 from __future__ import annotations
@@ -15,19 +15,23 @@ from typing import Any
 import msgspec
 
 from .. import protocol as P
-from .params import ApiError, Kind, bad
+from . import tools
+from .errors import ApiError, bad
+from .params import Kind
 
 _json = msgspec.json.Encoder()
 DONE_EVENT = b"data: [DONE]\n\n"
 
 #: The daemon's error codes -> HTTP status (OpenAI's clients map these to their exceptions).
 STATUS_OF: dict[str, int] = {
-    "bad_request": 400, "prompt_too_long": 400, "overloaded": 429, "draining": 503,
-    "shutdown": 503, "no_workers": 503, "starting": 503, "timeout": 504, "forbidden": 503,
+    "bad_request": 400, "prompt_too_long": 400, "frame_too_large": 413, "overloaded": 429,
+    "draining": 503, "shutdown": 503, "no_workers": 503, "starting": 503, "timeout": 504,
+    "forbidden": 503,
 }
 #: OpenAI's ``type`` for each status.
 _TYPE_OF = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-            429: "rate_limit_error", 503: "service_unavailable_error", 504: "timeout_error"}
+            408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+            431: "invalid_request_error", 503: "service_unavailable_error", 504: "timeout_error"}
 
 
 def from_daemon(err: P.Error) -> ApiError:
@@ -70,15 +74,19 @@ def finish_reason(done: P.Done) -> str:
                    None, "internal")
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": None if cached is None else {"cached_tokens": cached}}
 
 
-def total_usage(dones: list[P.Done], n: int) -> dict[str, int]:
-    """Each prompt's tokens once (choices ``k·n .. k·n+n-1`` share prompt ``k``)."""
-    return usage(sum(d.usage.prompt_tokens for d in dones[::n]),
-                 sum(d.usage.completion_tokens for d in dones))
+def total_usage(dones: list[P.Done], per_prompt: int) -> dict[str, Any]:
+    """Each prompt's tokens once (choices ``k·m .. k·m+m-1`` share prompt ``k``)."""
+    firsts = dones[::per_prompt]
+    cached = [d.usage.cached_tokens for d in firsts]
+    return usage(sum(d.usage.prompt_tokens for d in firsts),
+                 sum(d.usage.completion_tokens for d in dones),
+                 None if any(c is None for c in cached) else sum(c for c in cached if c is not None))
 
 
 # ---------------------------------------------------------------------- logprobs
@@ -113,96 +121,69 @@ def completion_logprobs(lps: list[P.TokenLogprobs], offset: int = 0) -> dict[str
     }
 
 
+def best(dones: list[P.Done], best_of: int, n: int) -> list[P.Done]:
+    """``best_of``: of each prompt's ``best_of`` choices, the ``n`` with the highest sum of
+    log-probabilities (ties: the earlier), in that order."""
+    out = []
+    for k in range(0, len(dones), best_of):
+        group = dones[k:k + best_of]
+        score = [sum(e.chosen.logprob for e in d.logprobs or []) for d in group]
+        order = sorted(range(len(group)), key=lambda i: (-score[i], i))
+        out += [group[i] for i in order[:n]]
+    return out
+
+
 # ---------------------------------------------------------------------- whole responses
 
 
-def response(kind: Kind, rid: str, created: int, model: str, dones: list[P.Done], n: int,
-             logprobs: bool) -> bytes:
-    """A non-streaming completion with one choice per ``Done``, in order."""
+def response(kind: Kind, head: dict[str, Any], dones: list[P.Done], shown: list[P.Done],
+             per_prompt: int, logprobs: bool, echo: list[str] | None = None,
+             tool_parse: bool | None = None) -> bytes:
+    """A non-streaming completion: one choice per ``shown`` ``Done``, in order; usage over
+    all of ``dones``. ``echo``: text before each prompt's choices (indexed by prompt);
+    ``tool_parse``: parse tool calls (chat), keeping all (True) or the first (False)."""
     choices = []
-    for i, d in enumerate(dones):
+    per_shown = len(shown) // max(1, len(echo)) if echo else 1
+    for i, d in enumerate(shown):
         lp = None
         if logprobs:
             lps = d.logprobs or []
             lp = chat_logprobs(lps) if kind == "chat" else completion_logprobs(lps)
         reason = finish_reason(d)
+        text = (echo[i // per_shown] if echo else "") + (d.text or "")
         if kind == "chat":
-            choices.append({"index": i, "message": {"role": "assistant", "content": d.text or ""},
-                            "logprobs": lp, "finish_reason": reason})
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_parse is not None:
+                content, calls = tools.parse(text, tool_parse)
+                if calls:
+                    message = {"role": "assistant", "content": content,
+                               "tool_calls": tools.as_openai(calls)}
+                    reason = "tool_calls"
+            choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
         else:
-            choices.append({"index": i, "text": d.text or "", "logprobs": lp, "finish_reason": reason})
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
     return _json.encode({
-        "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-        "created": created, "model": model, "choices": choices, "usage": total_usage(dones, n),
+        **head, "object": "chat.completion" if kind == "chat" else "text_completion",
+        "choices": choices, "usage": total_usage(dones, per_prompt),
     })
 
 
-class Chunks:
-    """Stream chunks of one response (see the module docstring)."""
-
-    def __init__(self, kind: Kind, rid: str, created: int, model: str, choices: int, n: int,
-                 include_usage: bool, logprobs: bool) -> None:
-        self.kind = kind
-        self.head = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                     "created": created, "model": model}
-        self.n = n
-        self.include_usage = include_usage
-        self.logprobs = logprobs
-        self.offsets = [0] * choices
-        self.dones: list[P.Done | None] = [None] * choices
-
-    def _event(self, choice: dict[str, Any]) -> bytes:
-        obj: dict[str, Any] = dict(self.head, choices=[choice])
-        if self.include_usage:
-            obj["usage"] = None
-        return b"data: " + _json.encode(obj) + b"\n\n"
-
-    def start(self, index: int) -> bytes:
-        """A chat choice opens with the assistant's role (completions need nothing)."""
-        if self.kind != "chat":
-            return b""
-        return self._event({"index": index, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None})
-
-    def delta(self, index: int, text: str, lps: list[P.TokenLogprobs] | None,
-              reason: str | None = None) -> bytes:
-        if not text and not lps and reason is None:
-            return b""
-        lp = None
-        if self.logprobs and lps:
-            lp = (chat_logprobs(lps) if self.kind == "chat"
-                  else completion_logprobs(lps, self.offsets[index]))
-        self.offsets[index] += len(text)
-        if self.kind == "chat":
-            delta = {"content": text} if text else {}
-            return self._event({"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason})
-        return self._event({"index": index, "text": text, "logprobs": lp, "finish_reason": reason})
-
-    def done(self, index: int, d: P.Done) -> bytes:
-        """The choice's last chunk, with its finish reason (raises for a failed choice)."""
-        self.dones[index] = d
-        return self.delta(index, "", None, finish_reason(d))
-
-    def usage(self) -> bytes:
-        """The final usage chunk (``include_usage``), once every choice is done."""
-        if not self.include_usage:
-            return b""
-        dones = [d for d in self.dones if d is not None]
-        obj: dict[str, Any] = dict(self.head, choices=[], usage=total_usage(dones, self.n))
-        return b"data: " + _json.encode(obj) + b"\n\n"
-
-
-def models(name: str, created: int, max_model_len: int | None = None) -> bytes:
+def models(name: str, created: int, max_model_len: int | None = None) -> dict[str, Any]:
+    """One model card (``/v1/models`` lists it, ``/v1/models/{id}`` answers it)."""
     card: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": "sclsd",
                             "root": name, "parent": None}
     if max_model_len:
         card["max_model_len"] = max_model_len
-    return _json.encode({"object": "list", "data": [card]})
+    return card
+
+
+def encode(obj: Any) -> bytes:
+    return _json.encode(obj)
 
 
 def not_found(model: str) -> ApiError:
     return ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
 
-__all__ = ["ApiError", "Chunks", "DONE_EVENT", "bad", "error_body", "error_event", "from_daemon",
-           "models", "not_found", "response"]
+__all__ = ["ApiError", "DONE_EVENT", "bad", "best", "encode", "error_body", "error_event",
+           "from_daemon", "models", "not_found", "response"]

@@ -28,6 +28,7 @@ channel), :mod:`.codec` (encoder, decoders, frames). Import the names from here:
 from __future__ import annotations
 
 from .client import (
+    GENERATE_FEATURES,
     Accepted,
     Cancel,
     ChatMessage,
@@ -59,6 +60,7 @@ from .codec import (
 from .common import (
     DEFAULT_MAX_FRAME,
     FRAME_HEADER,
+    MAX_TOKEN_LIST,
     PROTOCOL_VERSION,
     ErrorCode,
     Logprob,
@@ -116,6 +118,8 @@ __all__ = [
     "ChatMessage",
     "ClientMsg",
     "DEFAULT_MAX_FRAME",
+    "GENERATE_FEATURES",
+    "MAX_TOKEN_LIST",
     "DaemonToWorkerMsg",
     "DecodeError",
     "Delta",

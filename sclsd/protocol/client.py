@@ -11,6 +11,7 @@ from msgspec import Meta
 
 from ..core.request import FinishReason
 from .common import (
+    MAX_TOKEN_LIST,
     PROTOCOL_VERSION,
     ErrorCode,
     NonNegFloat,
@@ -66,9 +67,21 @@ class Generate(_Msg, tag="generate"):
     stop: list[Annotated[str, Meta(min_length=1, max_length=256)]] = []
     """Stop strings: generation ends when the text contains one (it is cut off, and the
     tokens after the one that completed it are dropped from the output and the usage)."""
-    stop_token_ids: list[TokenId] = []
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_TOKEN_LIST)] = []
     """Extra token ids that end generation (the model's EOS always does unless ignore_eos)."""
     ignore_eos: bool = False
+    min_tokens: NonNegInt = 0
+    """Generate at least this many tokens before EOS or a stop token may end the request
+    (vLLM's ``min_tokens``; 0: off). Applied only by a daemon that lists ``min_tokens`` in
+    :attr:`Pong.features`."""
+    logit_bias: Annotated[dict[TokenId, Annotated[float, Meta(ge=-100.0, le=100.0)]],
+                          Meta(max_length=MAX_TOKEN_LIST)] = {}
+    """Token id -> a bias added to its logit before sampling (OpenAI's ``logit_bias``;
+    -100 bans a token, 100 all but forces it). Applied only by a daemon that lists
+    ``logit_bias`` in :attr:`Pong.features`."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the output text (False: keep them; needs the feature
+    ``skip_special_tokens`` in :attr:`Pong.features`)."""
     logprobs: bool = False
     """Return the log-probability of each generated token (``delta``/``done`` ``logprobs``)."""
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0
@@ -130,9 +143,12 @@ class Delta(_Msg, tag="delta"):
     worker sent their tokens before their log-probabilities), in order."""
 
 
-class Usage(msgspec.Struct, forbid_unknown_fields=True):
+class Usage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int | None = None
+    """Prompt tokens whose KV the engines did not compute for this request (taken from KV
+    kept or cached); None: the daemon does not count them."""
 
 
 class Timings(msgspec.Struct, forbid_unknown_fields=True):
@@ -177,6 +193,15 @@ class Error(_Msg, tag="error"):
 class Pong(_Msg, tag="pong"):
     nonce: int = 0
     protocol: int = PROTOCOL_VERSION
+    features: list[str] = []
+    """The optional :class:`Generate` features this daemon applies (some of
+    :data:`GENERATE_FEATURES`). A front end refuses a request that needs one not listed,
+    rather than have it ignored."""
+
+
+#: Optional ``generate`` fields a daemon applies only once it says so in ``Pong.features``:
+#: ``min_tokens`` > 0, a non-empty ``logit_bias``, ``skip_special_tokens = false``.
+GENERATE_FEATURES = ("min_tokens", "logit_bias", "skip_special_tokens")
 
 
 class WorkerStateReply(_Msg, tag="worker_state"):

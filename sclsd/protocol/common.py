@@ -24,6 +24,8 @@ PROTOCOL_VERSION = 5
 
 #: Default cap on one client / status frame (bytes of msgpack).
 DEFAULT_MAX_FRAME = 4 * 1024 * 1024
+#: Most entries of a token-id list or map in ``generate`` (``stop_token_ids``, ``logit_bias``).
+MAX_TOKEN_LIST = 1024
 #: A stream frame's header: the body's length, 4 bytes big-endian.
 FRAME_HEADER = struct.Struct(">I")
 

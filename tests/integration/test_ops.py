@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import urllib.request
 
 import pytest
@@ -72,9 +73,32 @@ def test_sclsctl_top_redraws_with_rates(daemon) -> None:
     assert r.returncode == 0, r.stderr
     frames = r.stdout.split("--- ")[1:]  # not a tty: frames separated by a time line
     assert len(frames) == 2
-    assert "/s" not in frames[0]  # rates need two frames
-    assert re.search(r"finished=[0-9.]+/s", frames[1]) and re.search(r"tokens=[0-9.]+/s", frames[1])
+    for frame in frames:  # rates from the first frame on
+        assert re.search(r"finished=[0-9.]+/s", frame) and re.search(r"tokens=[0-9.]+/s", frame)
     assert "w0" in frames[1] and "w1" in frames[1]
+
+
+def test_sclsctl_top_first_frame_shows_the_load(daemon) -> None:
+    """Issue 20: the first frame showed 0.0/s with requests running."""
+    stop = threading.Event()
+
+    def load() -> None:
+        with Client(daemon.sock, timeout=30) as c:
+            while not stop.is_set():
+                c.complete(prompt_ids=[9, 9, 9], max_tokens=40, ignore_eos=True)
+
+    t = threading.Thread(target=load)
+    t.start()
+    try:
+        # Started once the daemon has served some of the load, so it runs during the frame.
+        wait_for(lambda: daemon.status().counters.get("finished", 0) > N + 2, 30, "load running", daemon)
+        r = _ctl(daemon, "top", "--iterations", "1", "--interval", "1")
+    finally:
+        stop.set()
+        t.join(60)
+    assert r.returncode == 0, r.stderr
+    rate = re.search(r"tokens=([0-9.]+)/s", r.stdout)
+    assert rate and float(rate.group(1)) > 0, r.stdout
 
 
 EXPECTED = [

@@ -144,11 +144,11 @@ def test_shared_defaults() -> None:
     assert (d.max_frame_bytes, d.max_conn_buffer_bytes, d.max_worker_msg_bytes) == (
         D.MAX_FRAME_BYTES, D.MAX_CONN_BUFFER_BYTES, D.MAX_WORKER_MSG_BYTES)
     assert protocol.DEFAULT_MAX_FRAME == D.MAX_FRAME_BYTES
-    parser = ctl.build_parser()
-    if "SCLSD_SOCKET" not in os.environ:
-        assert parser.get_default("socket") == D.SOCKET
-    if "SCLSD_STATUS_SOCKET" not in os.environ:
-        assert parser.get_default("status_socket") == D.STATUS_SOCKET
+    # sclsctl resolves its sockets when it runs: with nothing given, the shared defaults.
+    args = ctl.build_parser().parse_args(["status"])
+    args.socket_flag = args.status_socket_flag = None
+    ctl.resolve_sockets(args, env={})
+    assert (args.socket, args.status_socket) == (D.SOCKET, D.STATUS_SOCKET)
 
 
 def test_offline_env() -> None:

@@ -132,7 +132,7 @@ def test_errors_have_openai_shape_and_status(front) -> None:
             await client.completions.create(model="gpt-4", prompt="x")
         assert nf.value.body["param"] == "model" and nf.value.body["code"] == "model_not_found"
         cases = [
-            ({"prompt": "x", "best_of": 2}, "best_of"),
+            ({"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
             ({"prompt": "x", "temperature": "hot"}, "temperature"),
             ({"prompt": "x", "top_p": 0}, "top_p"),
             ({"prompt": "x", "max_tokens": 5000}, "max_tokens"),  # model.max_gen is 1024

@@ -6,6 +6,10 @@ import pytest
 
 from sclsd.http.params import ALLOWED, ApiError, parse
 
+USER = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
 
 def err(kind: str, body: dict, max_choices: int = 64) -> ApiError:
     with pytest.raises(ApiError) as e:
@@ -43,7 +47,7 @@ def test_chat_messages_parts_roles_and_limits() -> None:
     assert m.max_tokens == 8 and m.cap_max_tokens is False  # max_completion_tokens wins
     image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
     assert err("chat", {"messages": [image]}).param == "messages"
-    assert err("chat", {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}).param == "messages"
+    assert err("chat", {"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]}).param == "messages"
     assert err("chat", {}).code == "missing_parameter"
 
 
@@ -65,11 +69,103 @@ def test_logprobs_forms() -> None:
     assert err("chat", {"messages": [{"role": "user", "content": "a"}], "logprobs": 3}).param == "logprobs"
 
 
-def test_every_unknown_or_unimplemented_parameter_is_named() -> None:
-    for name in ("best_of", "echo", "suffix", "logit_bias", "tools", "response_format", "typo"):
+def test_unknown_parameters_are_named_and_unservable_ones_say_why() -> None:
+    for name in ("typo", "guided_json", "use_beam_search"):
         e = err("completion", {"prompt": "a", name: 1})
         assert e.status == 400 and e.param == name and name in e.message
+        assert e.code == "unsupported_parameter"
     assert "top_logprobs" not in ALLOWED["completion"] and "prompt" not in ALLOWED["chat"]
+    for body, param, why in (
+        ({"response_format": {"type": "json_object"}}, "response_format", "structured output"),
+        ({"tool_choice": "required", "tools": [TOOL]}, "tool_choice", "structured output"),
+        ({"echo": True, "logprobs": True}, "echo", "prompt's log-probabilities"),
+    ):
+        e = err("chat", {"messages": USER, **body})
+        assert (e.status, e.param, e.code) == (400, param, "unsupported_parameter"), e.message
+        assert why in e.message
+    assert err("completion", {"prompt": "a", "best_of": 2, "stream": True}).param == "best_of"
+    assert err("completion", {"prompt": "a", "best_of": 2, "n": 3}).param == "best_of"
+    assert err("completion", {"prompt": "a", "best_of": 40, "n": 1}, max_choices=32).param == "best_of"
+    assert err("completion", {"prompt": [1, 2], "suffix": "x"}).param == "suffix"
+
+
+def test_null_counts_as_not_given_for_every_key() -> None:
+    """Clients (guidellm: "stop": null) send null for keys they leave unset."""
+    for kind, base in (("completion", {"prompt": "a"}), ("chat", {"messages": USER})):
+        nulls = {k: None for k in ALLOWED[kind] if k not in base}
+        nulls["an_unknown_key"] = None
+        (m,) = parse(kind, {**base, **nulls}, 64).messages("r")  # type: ignore[arg-type]
+        assert m.temperature == 1.0 and m.max_tokens is None and m.stop == []
+    (m,) = parse("chat", {"messages": USER, "stream": True,
+                          "stream_options": {"include_usage": None, "continuous_usage_stats": None},
+                          "tools": None, "tool_choice": None, "logit_bias": None,
+                          "parallel_tool_calls": None, "response_format": None}, 64).messages("r")
+    assert m.logit_bias == {} and m.messages is not None
+    msgs = [{"role": "user", "content": "a", "name": None, "tool_calls": None}]
+    assert parse("chat", {"messages": msgs}, 64).chat.plain  # type: ignore[union-attr]
+
+
+def test_stream_options_as_guidellm_and_aiperf_send_them() -> None:
+    p = parse("completion", {"prompt": "a", "stream": True,
+                             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, 64)
+    assert (p.include_usage, p.continuous_usage) == (True, True)
+    for opts in ({"continuous_usage_stats": False, "include_usage": False}, {}, None):
+        p = parse("completion", {"prompt": "a", "stream": True, "stream_options": opts}, 64)
+        assert (p.include_usage, p.continuous_usage) == (False, False)
+    # Per-chunk usage refines include_usage (vLLM's rule).
+    p = parse("chat", {"messages": USER, "stream": True, "stream_options": {"continuous_usage_stats": True}}, 64)
+    assert (p.include_usage, p.continuous_usage) == (False, False)
+    assert err("completion", {"prompt": "a", "stream": True,
+                              "stream_options": {"include_usage": True, "other": 1}}).param == "stream_options"
+    assert err("completion", {"prompt": "a", "stream": True,
+                              "stream_options": {"include_usage": "yes"}}).param == "include_usage"
+
+
+def test_engine_features_travel_and_are_named_as_needed() -> None:
+    p = parse("completion", {"prompt": "a", "min_tokens": 3, "max_tokens": 9,
+                             "logit_bias": {"17": -100, "5": 2.5}, "skip_special_tokens": False}, 64)
+    (m,) = p.messages("r")
+    assert (m.min_tokens, m.logit_bias, m.skip_special_tokens) == (3, {17: -100.0, 5: 2.5}, False)
+    assert p.features == {"min_tokens", "logit_bias", "skip_special_tokens"}
+    plain = parse("completion", {"prompt": "a", "min_tokens": 0, "logit_bias": {},
+                                 "skip_special_tokens": True}, 64)
+    assert plain.features == frozenset()
+    for body, param in (({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+                        ({"min_tokens": -1}, "min_tokens"),
+                        ({"logit_bias": {"x": 1}}, "logit_bias"),
+                        ({"logit_bias": {"3": 101}}, "logit_bias"),
+                        ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+                        ({"skip_special_tokens": 1}, "skip_special_tokens")):
+        assert err("completion", {"prompt": "a", **body}).param == param, body
+
+
+def test_lists_have_stated_bounds() -> None:
+    """Issue 21: 100,000 stop_token_ids were accepted."""
+    e = err("completion", {"prompt": "a", "stop_token_ids": list(range(100_000))})
+    assert e.param == "stop_token_ids" and "1024" in e.message
+    assert parse("completion", {"prompt": "a", "stop_token_ids": list(range(1024))}, 64)
+    assert err("completion", {"prompt": "a", "stop": ["x"] * 17}).param == "stop"
+    assert err("chat", {"messages": USER * 4097}).param == "messages"
+    assert err("chat", {"messages": USER, "tools": [TOOL] * 129}).param == "tools"
+
+
+def test_chat_tool_turns_and_tools_need_rendering_here() -> None:
+    turns = [*USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "-3 C"}]
+    p = parse("chat", {"messages": turns, "tools": [TOOL]}, 64)
+    (form,) = p.prompts
+    chat = form["render"]
+    assert chat.parse_tools and chat.tools == [TOOL]
+    assert chat.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert chat.messages[2] == {"role": "tool", "content": "-3 C", "tool_call_id": "c1"}
+    none = parse("chat", {"messages": USER, "tools": [TOOL], "tool_choice": "none"}, 64)
+    assert none.chat.tools is None and not none.parse_tools  # type: ignore[union-attr]
+    assert "messages" in none.prompts[0]  # plain: the daemon renders it
+    assert err("chat", {"messages": [{"role": "tool", "content": "x"}]}).param == "messages"
+    assert err("chat", {"messages": USER, "tools": [{"type": "function", "function": {"name": "a b"}}]}).param == "tools"
+    assert err("chat", {"messages": USER, "tool_choice": "sometimes"}).param == "tool_choice"
+    assert err("chat", {"messages": USER, "parallel_tool_calls": "no"}).param == "parallel_tool_calls"
 
 
 def test_ranges_come_from_the_protocol_schema_and_name_the_parameter() -> None:

@@ -1,0 +1,204 @@
+"""Tool calling through sclsd-http: a Hermes-style chat template renders the tools
+here, the daemon serves the prompt ids, and the output's ``<tool_call>`` blocks
+come back as OpenAI ``tool_calls`` (streamed and not). The tokenizer is SmolLM2's
+(real, offline) with a Hermes-style template; the worker is a scripted engine that
+answers with a fixed token sequence, the one thing no small model does on cue."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import shutil
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx2
+import openai
+import pytest
+
+from sclsd.daemon.server import Server
+from sclsd.daemon.transport.inproc import InprocTransport
+from sclsd.http.app import Settings, create_app
+from sclsd.launch import short_dir
+from sclsd.protocol import BatchMsg, BatchStats, RequestOutput
+from worker.engines.base import TokenCursor
+from worker.engines.fake import FakeEngine
+
+from ..daemon.conftest import Harness, make_config
+from .test_app import sse
+
+#: A Hermes-style template (the shape Hermes and Qwen use): tools listed in the system
+#: turn, calls as <tool_call> JSON blocks, results as <tool_response> in a user turn.
+HERMES = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "You may call functions. Their signatures are in <tools></tools>:\n<tools>"
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n"
+    "Answer a call as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\n"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' and tools %}"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{% for c in m.tool_calls %}<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+ANSWER = ('I will check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+          '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>')
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+EOS = 2  # SmolLM2's <|im_end|>
+
+
+class ScriptEngine(FakeEngine):
+    """Answers every request with ``script`` (then EOS), token by token, across slices."""
+
+    def __init__(self, script: list[int], vocab: int) -> None:
+        super().__init__(vocab=vocab)
+        self.script = [*script, EOS]
+
+    def _serve(self, batch: BatchMsg, emit: Any, used: list[int]) -> tuple[list[RequestOutput], BatchStats]:
+        reqs = batch.requests
+        outs: list[list[int]] = [[] for _ in reqs]
+        reasons: list[str | None] = [None] * len(reqs)
+        cursor = TokenCursor([r.rid for r in reqs], emit)
+        for _ in range(batch.slice_len):
+            for i, r in enumerate(reqs):
+                if reasons[i] is not None:
+                    continue
+                tok = self.script[min(r.generated + len(outs[i]), len(self.script) - 1)]
+                outs[i].append(tok)
+                if tok == EOS:
+                    reasons[i] = "stop"
+                elif len(outs[i]) >= r.max_new_tokens:
+                    reasons[i] = "length"
+            cursor.push(outs, reasons)
+            if all(x is not None for x in reasons):
+                break
+        return ([RequestOutput(rid=r.rid, token_ids=outs[i], finish_reason=reasons[i])  # type: ignore[arg-type]
+                 for i, r in enumerate(reqs)], BatchStats(batch_size=len(reqs)))
+
+
+@pytest.fixture(scope="module")
+def hermes_tokenizer() -> Any:
+    from sclsd.tokenizer import load
+
+    t = copy.copy(load("tiny-random"))
+    t.tok = copy.deepcopy(t.tok)  # the loaded one is shared: change a copy's template
+    t.tok.chat_template = HERMES
+    return t
+
+
+def run(tok: Any, body: Callable[[httpx2.AsyncClient, Any], Awaitable[None]]) -> None:
+    d = short_dir("sclsd-tools")
+
+    async def main() -> None:
+        cfg = make_config(d, scheduler={"slice_len": 8})
+        server = Server(cfg, transport=InprocTransport(), tokenizer=tok)
+        await server.start(sockets=True, spawn=False)
+        h = Harness(server, server.transport)  # type: ignore[arg-type]
+        engine = ScriptEngine(tok.encode(ANSWER), vocab=tok.vocab_size)
+        server.transport.connect("w0", engine, auth=server.fleet.secret or "")  # type: ignore[attr-defined]
+        await h.registered("w0")
+        app = create_app(Settings(socket=cfg.daemon.socket, status_socket=cfg.daemon.status_socket,
+                                  tokenizer=tok))
+        http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://sclsd")
+        try:
+            await body(http, server)
+        finally:
+            await http.aclose()
+            await app.state.api.link.close()
+            await server.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+MSGS = [{"role": "user", "content": "Weather and time in Paris?"}]
+
+
+def test_tool_calls_parsed_from_the_answer(hermes_tokenizer) -> None:
+    async def body(http: httpx2.AsyncClient, server: Any) -> None:
+        client = openai.AsyncOpenAI(base_url="http://sclsd/v1", api_key="x", http_client=http, max_retries=0)
+        r = await client.chat.completions.create(model="fake", messages=MSGS, tools=TOOLS, max_tokens=200)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content == "I will check. "
+        calls = ch.message.tool_calls
+        assert [c.function.name for c in calls] == ["get_weather", "get_time"]
+        assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+        # The prompt was rendered here with the tools, the way the template puts them.
+        want = hermes_tokenizer.tok.apply_chat_template(MSGS, tools=TOOLS, add_generation_prompt=True)
+        want = want["input_ids"] if hasattr(want, "keys") else want
+        assert r.usage.prompt_tokens == len(want)
+        one = await client.chat.completions.create(model="fake", messages=MSGS, tools=TOOLS,
+                                                   max_tokens=200, parallel_tool_calls=False)
+        assert [c.function.name for c in one.choices[0].message.tool_calls] == ["get_weather"]
+        # tool_choice none: no tools in the prompt, no parsing: the text as it came.
+        plain = await client.chat.completions.create(model="fake", messages=MSGS, tools=TOOLS,
+                                                     tool_choice="none", max_tokens=200)
+        assert plain.choices[0].message.content == ANSWER and plain.choices[0].finish_reason == "stop"
+        # The next turn carries the calls and their results back.
+        turns = [*MSGS, ch.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": calls[0].id, "content": "18 C"},
+                 {"role": "tool", "tool_call_id": calls[1].id, "content": "14:00"}]
+        again = await client.chat.completions.create(model="fake", messages=turns, tools=TOOLS, max_tokens=200)
+        assert again.choices[0].finish_reason == "tool_calls"
+        rendered = hermes_tokenizer.tok.apply_chat_template(
+            [*MSGS, {"role": "assistant", "content": "I will check. ", "tool_calls": [
+                {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                {"function": {"name": "get_time", "arguments": {"zone": "CET"}}}]},
+             {"role": "tool", "content": "18 C"}, {"role": "tool", "content": "14:00"}],
+            tools=TOOLS, add_generation_prompt=True)
+        rendered = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
+        assert again.usage.prompt_tokens == len(rendered)
+
+    run(hermes_tokenizer, body)
+
+
+def test_tool_calls_streamed(hermes_tokenizer) -> None:
+    async def body(http: httpx2.AsyncClient, server: Any) -> None:
+        r = await http.post("/v1/chat/completions", json={"messages": MSGS, "tools": TOOLS, "stream": True,
+                                                          "max_tokens": 200})
+        events = sse(r.text)
+        assert events[-1] == "[DONE]"
+        deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+        content = "".join(d.get("content") or "" for d in deltas)
+        calls = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert content == "I will check. " and "<tool" not in content
+        assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather"), (1, "get_time")]
+        assert json.loads(calls[1]["function"]["arguments"]) == {"zone": "CET"}
+        assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+
+    run(hermes_tokenizer, body)
+
+
+def test_a_template_without_tools_is_a_400(front) -> None:
+    """The fake model's byte tokenizer has no chat template, so no tools."""
+    async def body(f: Any) -> None:
+        r = await f.http.post("/v1/chat/completions", json={"messages": MSGS, "tools": TOOLS})
+        err = r.json()["error"]
+        assert (r.status_code, err["param"]) == (400, "tools"), err
+        assert "template has no tools" in err["message"]
+        ok = await f.http.post("/v1/chat/completions", json={"messages": MSGS, "tools": None, "max_tokens": 2})
+        assert ok.status_code == 200
+
+    front(body)
+
+
+def test_smollm2_template_has_no_tools() -> None:
+    from sclsd.http.chat import Chat
+    from sclsd.http.errors import ApiError
+    from sclsd.http.tokens import View
+    from sclsd.tokenizer import load
+
+    view = View(load("tiny-random"))
+    assert view.template and not view.has_tools
+    with pytest.raises(ApiError) as e:
+        view.render(Chat(MSGS, TOOLS, parse_tools=True, parallel=True))
+    assert e.value.param == "tools" and "template has no tools" in e.value.message

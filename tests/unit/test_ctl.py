@@ -1,0 +1,113 @@
+"""sclsctl's rough edges (issue 20): both sockets from one place, ``--help`` saying
+which, ``wait-ready`` counting what it waits for, ``drain --wait`` checking the status
+socket before it drains, and the hub hint."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import sclsd.ctl as ctl
+from sclsd import models
+from sclsd.protocol import EstimatorError, Limits, LoadingWorker, StatusSnapshot, WorkerStatus
+
+
+def sockets(argv: list[str], env: dict[str, str] | None = None) -> tuple[str, str, str]:
+    args = ctl.build_parser().parse_args([*argv, "status"])
+    args.socket_flag, args.status_socket_flag = args.socket, args.status_socket
+    ctl.resolve_sockets(args, env or {})
+    return args.socket, args.status_socket, args.sockets_from
+
+
+def test_both_sockets_from_one_place(tmp_path: Path) -> None:
+    assert sockets([]) == ("/run/sclsd/sclsd.sock", "/run/sclsd/status.sock", "the default")
+    assert sockets(["--run-dir", "/tmp/r"])[:2] == ("/tmp/r/sclsd.sock", "/tmp/r/status.sock")
+    cfg = tmp_path / "sclsd.toml"
+    cfg.write_text('[daemon]\nsocket = "/srv/a.sock"\nstatus_socket = "/srv/b.sock"\n')
+    assert sockets(["--config", str(cfg)])[:2] == ("/srv/a.sock", "/srv/b.sock")
+    env = {"SCLSD_SOCKET": "/e/a.sock", "SCLSD_STATUS_SOCKET": "/e/b.sock"}
+    assert sockets([], env)[:2] == ("/e/a.sock", "/e/b.sock")
+    # Order: explicit sockets, then --run-dir, then --config, then the environment.
+    assert sockets(["--run-dir", "/tmp/r", "--config", str(cfg)], env)[:2] == (
+        "/tmp/r/sclsd.sock", "/tmp/r/status.sock")
+    assert sockets(["--config", str(cfg), "--socket", "/x.sock"], env)[:2] == ("/x.sock", "/srv/b.sock")
+    # The options also work after the subcommand.
+    args = ctl.build_parser().parse_args(["drain", "w0", "--run-dir", "/tmp/q"])
+    args.socket_flag = args.status_socket_flag = None
+    ctl.resolve_sockets(args, {})
+    assert (args.socket, args.status_socket) == ("/tmp/q/sclsd.sock", "/tmp/q/status.sock")
+
+
+def test_a_bad_config_file_is_exit_2(tmp_path: Path, capsys) -> None:
+    assert ctl.main(["--config", str(tmp_path / "missing.toml"), "status"]) == 2
+    assert "file not found" in capsys.readouterr().err
+
+
+def test_help_says_which_sockets_each_command_uses(capsys) -> None:
+    parser = ctl.build_parser()
+    top = parser.format_help()
+    assert "--run-dir DIR" in top and "--config FILE" in top and "$SCLSD_SOCKET" in top
+    subs = {a.dest: a for a in parser._actions if isinstance(a, argparse._SubParsersAction)}
+    choices = subs["cmd"].choices
+    for name, uses in (("submit", "client socket"), ("status", "status socket"),
+                       ("wait-ready", "status socket"), ("top", "status socket"),
+                       ("drain", "--wait also the status socket"), ("cancel", "client socket")):
+        assert f"Uses the {uses}" in choices[name].format_help() or uses in choices[name].format_help(), name
+
+
+def test_unreachable_sockets_are_named_with_their_origin(tmp_path: Path, capsys) -> None:
+    assert ctl.main(["--run-dir", str(tmp_path), "status"]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path}/status.sock (from --run-dir {tmp_path})" in err
+
+
+def snapshot(workers: int, loading: int, serving: bool = True) -> StatusSnapshot:
+    w = [WorkerStatus(id=f"w{i}", engine="fake", model="m", device="cpu", pid=1, state="active",
+                      load_s=0, batches_inflight=0, queued_batches=0, busy=False, batches_done=0,
+                      tokens_done=0, heartbeat_age_s=0) for i in range(workers)]
+    lw = [LoadingWorker(id=f"w{workers + i}", pid=2, age_s=3.0, step="loading engine") for i in range(loading)]
+    return StatusSnapshot(version="0", protocol=5, uptime_s=1, draining=False, model="m", policy="scls",
+                          slice_len=8, interval_s=0.1, pool_size=0, live_requests=0, running_requests=0,
+                          admitting=0, queued_tokens=0, limits=Limits(1, 1), connections=0,
+                          metrics_http=None, workers=w, estimator={},
+                          estimator_error=EstimatorError(0, None, None, []), counters={},
+                          serving=serving, loading=lw)
+
+
+def test_wait_ready_counts_the_workers_still_loading() -> None:
+    ready, doing = ctl.readiness(snapshot(1, 1))
+    assert ready is False and doing.startswith("1/2 workers registered; loading w1: loading engine")
+    assert ctl.readiness(snapshot(2, 0)) == (True, "2/2 workers registered")
+    # An explicit count is a minimum: reached with one registered, and it says what still loads.
+    ready, doing = ctl.readiness(snapshot(1, 1), 1)
+    assert ready is True and doing.startswith("1/1 workers registered; loading w1")
+    assert ctl.readiness(snapshot(0, 0, serving=False))[0] is None
+
+
+def test_drain_wait_checks_the_status_socket_before_draining(monkeypatch, capsys, tmp_path: Path) -> None:
+    calls: list[Any] = []
+
+    class Recorder:
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            calls.append(a)
+
+    monkeypatch.setattr(ctl, "Client", Recorder)
+    rc = ctl.main(["--socket", str(tmp_path / "api.sock"), "drain", "w0", "--wait"])
+    err = capsys.readouterr().err
+    assert rc == 1 and calls == []  # nothing was drained
+    assert "cannot reach sclsd status at /run/sclsd/status.sock (from the default)" in err
+    assert "nothing drained" in err
+
+
+def test_hub_hint_is_hf_download_and_only_for_org_name(tmp_path: Path, monkeypatch) -> None:
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(models.ModelNotCached, match=r"\(hf download acme/tiny\)"):
+        models.resolve("acme/tiny")
+    with pytest.raises(models.ModelNotCached) as e:
+        models.resolve("smollm3")
+    assert "hf download" not in str(e.value) and "ORG/NAME" in str(e.value)

@@ -480,29 +480,6 @@ def _check_http(h: HttpConfig) -> None:
           h.max_requests_per_client, "must be in 0..1000000 (0: no bound)")
 
 
-def check_model(cfg: Config) -> None:
-    """Resolve ``model.name`` as the daemon and its workers will (built-in names, paths, hub
-    ids in the local Hugging Face cache); :class:`ConfigError` if it names nothing usable.
-
-    The daemon calls this after :func:`load`; other readers of the file (``sclsd-http``,
-    which may run as another user with another Hugging Face cache) do not need the model.
-    A hub id missing from the cache passes when ``model.allow_download`` is set: the
-    daemon downloads it at start.
-    """
-    m = cfg.model
-    if m.name == "fake":  # the fake engine's model: no files
-        return
-    from .models import ModelNotCached, resolve
-
-    try:
-        resolve(m.name)
-    except ModelNotCached as exc:
-        if not m.allow_download:
-            raise ConfigError("model.name", m.name, str(exc)) from None
-    except (ValueError, OSError) as exc:
-        raise ConfigError("model.name", m.name, str(exc)) from None
-
-
 def _check(cfg: Config) -> None:
     _check_finite(cfg)
     _check_http(cfg.http)
@@ -510,26 +487,6 @@ def _check(cfg: Config) -> None:
     _check_model(cfg.model)
     _check_scheduler(cfg.scheduler)
     _check_workers(cfg.workers, cfg)
-
-
-def check_binds(cfg: Config) -> None:
-    """The addresses the daemon listens on over TCP can be bound now (``daemon.metrics_http``):
-    :class:`ConfigError` naming the key and the reason otherwise, before anything starts.
-    (Something may still take the port between this check and the daemon's bind; that
-    bind failing then ends the start as cleanly.)"""
-    import socket as sk
-
-    if not cfg.daemon.metrics_http:
-        return
-    host, port = parse_host_port(cfg.daemon.metrics_http)
-    try:
-        infos = sk.getaddrinfo(host, port, type=sk.SOCK_STREAM)
-        with sk.socket(infos[0][0], sk.SOCK_STREAM) as s:
-            s.setsockopt(sk.SOL_SOCKET, sk.SO_REUSEADDR, 1)
-            s.bind(infos[0][4])
-    except OSError as exc:
-        raise ConfigError("daemon.metrics_http", cfg.daemon.metrics_http,
-                          f"cannot listen there: {exc.strerror or exc}") from None
 
 
 def parse_host_port(text: str) -> tuple[str, int]:

@@ -12,8 +12,9 @@ import logging
 import resource
 import sys
 
-from ..config import ConfigError, check_binds, check_model, load, override
+from ..config import ConfigError, load, override
 from ..defaults import ENGINES, force_offline
+from ..preflight import check_binds, check_model
 from .errors import StartupError
 from .logs import setup_logging
 

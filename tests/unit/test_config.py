@@ -12,6 +12,7 @@ import pytest
 
 from sclsd import config as C
 from sclsd import defaults as D
+from sclsd.preflight import check_binds
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -251,12 +252,12 @@ def test_metrics_http_must_be_bindable() -> None:
         port = taken.getsockname()[1]
         cfg = C.from_dict({"daemon": {"metrics_http": f"127.0.0.1:{port}"}})
         with pytest.raises(C.ConfigError) as exc:
-            C.check_binds(cfg)
+            check_binds(cfg)
         assert exc.value.key == "daemon.metrics_http" and "cannot listen" in str(exc.value)
     # An address that is not this machine's (TEST-NET-3) cannot be bound either.
     with pytest.raises(C.ConfigError):
-        C.check_binds(C.from_dict({"daemon": {"metrics_http": "203.0.113.7:9100"}}))
-    C.check_binds(C.from_dict({"daemon": {"metrics_http": "127.0.0.1:0"}}))
+        check_binds(C.from_dict({"daemon": {"metrics_http": "203.0.113.7:9100"}}))
+    check_binds(C.from_dict({"daemon": {"metrics_http": "127.0.0.1:0"}}))
 
 
 @pytest.mark.parametrize(

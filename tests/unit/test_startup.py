@@ -19,12 +19,13 @@ import pytest
 from sclsd import ctl, modelcache, models
 from sclsd import protocol as P
 from sclsd.client import AsyncClient, RequestError, status
-from sclsd.config import ConfigError, check_model, from_dict
+from sclsd.config import ConfigError, from_dict
 from sclsd.daemon import server as server_mod
 from sclsd.daemon.errors import StartupError
 from sclsd.daemon.server import Server
 from sclsd.daemon.supervisor import Supervisor
 from sclsd.daemon.transport.inproc import InprocTransport
+from sclsd.preflight import check_model
 from sclsd.tokenizer import ByteTokenizer
 from worker import main as wm
 from worker.engines.fake import FakeEngine

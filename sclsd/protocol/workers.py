@@ -33,6 +33,10 @@ class EngineCaps(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     graph_cache_tokens: list[PosInt] = []
     """Cache lengths (context + slice) captured for each of those batch sizes (ascending):
     a batch is served from the smallest bucket that holds it."""
+    min_tokens: bool = True
+    """Rows' ``min_tokens`` are applied."""
+    logit_bias: bool = True
+    """Rows' ``logit_bias`` is applied."""
 
 
 class Register(_Msg, tag="register"):
@@ -110,6 +114,12 @@ class BatchRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     logprobs: bool = False
     """Send ``RequestOutput.logprobs`` for this row."""
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0
+    min_tokens: NonNegInt = 0
+    """EOS and the stop tokens cannot end the request before it has this many tokens (counted
+    over the whole request: ``generated`` plus this slice's)."""
+    logit_bias: dict[int, float] = {}
+    """Token id -> bias added to its logit before selection, greedy rows too (log-probabilities
+    stay the model's)."""
 
 
 class BatchMsg(_Msg, tag="batch"):

@@ -185,3 +185,21 @@ def test_modelled_kv_reuse_prefills_only_what_is_new():
     assert serve(plain, 4, [req("x", PROMPTS[3], 10, ignore_eos=True)])[0][0].kv_tokens == 0
     eng.release(["x", "y"])
     assert eng.kv is not None and eng.kv.store.held() == {}
+
+
+def test_min_tokens_delays_the_natural_end_in_slices_too() -> None:
+    eng = FakeEngine(max_natural=4)
+    natural = [eng.natural_length(p) for p in PROMPTS]
+    gen, reasons = run_sliced(eng, PROMPTS, 3, max_new=50, min_tokens=10)
+    for g, nat, why in zip(gen, natural, reasons, strict=True):
+        assert len(g) == max(nat, 10) and g[-1] == EOS_ID and why == "stop"
+        assert EOS_ID not in g[:-1]
+
+
+def test_logit_bias_extremes_force_or_ban_a_token() -> None:
+    eng = FakeEngine()
+    (plain,), _ = serve(eng, 6, [req("p", [5, 6], 6, ignore_eos=True)])
+    (banned,), _ = serve(eng, 6, [req("p", [5, 6], 6, ignore_eos=True, logit_bias={plain.token_ids[0]: -100.0})])
+    assert banned.token_ids[0] != plain.token_ids[0]
+    (forced,), _ = serve(eng, 6, [req("p", [5, 6], 6, ignore_eos=True, logit_bias={77: 100.0})])
+    assert forced.token_ids == [77] * 6

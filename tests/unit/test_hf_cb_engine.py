@@ -174,3 +174,11 @@ def test_warm_up_starts_the_manager_before_registering() -> None:
         assert cb.info().mem_available == 100 * 512  # the CPU cache: the budget, as before
     finally:
         cb.close()
+
+
+def test_min_tokens_and_logit_bias_are_refused_with_the_reason(engines) -> None:
+    cb = engines[0]
+    assert not cb.info().caps.min_tokens and not cb.info().caps.logit_bias
+    for extra, why in ((dict(min_tokens=3), "min_tokens"), (dict(logit_bias={5: 1.0}), "logit_bias")):
+        with pytest.raises(RuntimeError, match=why):
+            cb.serve(P.BatchMsg(batch_id=9, slice_len=4, requests=rows([[5, 6]], 4, **extra)))

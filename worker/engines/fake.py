@@ -9,6 +9,8 @@ tokens (the prompt being ``token_ids`` minus the ``generated`` tail), unless
 prefill and ``decode_s`` per iteration, and reports the KV memory the batch
 would take, ``(L + iterations) · N · Δ``, as its peak memory. Rows that ask for
 log-probabilities get made-up, stable ones; penalties and min-p do not change its tokens.
+``min_tokens`` holds EOS and the stop tokens back until that many tokens; of ``logit_bias``
+only the extremes act (+100 forces a token, -100 bans it).
 
 Like ``hf`` it hands each iteration's tokens to ``emit`` as they come (after that
 iteration's sleep, so time to first token is measurable) and, with ``kv_reuse``
@@ -38,6 +40,22 @@ EOS_ID = 2
 #: Ids below this are special tokens in the SmolLM2 vocabulary; ordinary output avoids them.
 FIRST_ORDINARY_ID = 3
 _MASK64 = (1 << 64) - 1
+
+
+def biased(tok: int, bias: dict[int, float], lo: int, hi: int) -> int:
+    """A fake row's token under ``logit_bias``: a token biased by +100 is taken, one biased by
+    -100 is never (the next allowed id instead); smaller biases do not move a fake's choice."""
+    if not bias:
+        return tok
+    forced = [t for t, b in bias.items() if b >= 100 and lo <= t < hi]
+    if forced:
+        return min(forced)
+    span = hi - lo
+    for k in range(span):
+        cand = lo + (tok - lo + k) % span
+        if bias.get(cand, 0.0) > -100:
+            return cand
+    return tok
 
 
 def _hash_ids(ids: list[int]) -> int:
@@ -152,7 +170,8 @@ class FakeEngine(Engine):
         reasons: list[str | None] = [None] * n
         # The prompt is the context minus the tokens of earlier slices.
         hashes = [_hash_ids(r.token_ids[: len(r.token_ids) - r.generated]) for r in reqs]
-        natural = [1 + h % self.max_natural for h in hashes]
+        # min_tokens delays the natural end (and keeps stop tokens out) until that many tokens.
+        natural = [max(1 + h % self.max_natural, r.min_tokens) for h, r in zip(hashes, reqs, strict=True)]
         # Sampled rows fold their seed in (unseeded ones a fresh one): outputs differ from greedy.
         states = [
             mix_seed(h, r.seed if r.seed is not None else random_seed()) if r.temperature > 0 else h
@@ -175,6 +194,9 @@ class FakeEngine(Engine):
                     tok = EOS_ID
                 else:
                     tok = FIRST_ORDINARY_ID + mix_seed(states[i], g) % span
+                    tok = biased(tok, r.logit_bias, FIRST_ORDINARY_ID, self.vocab)
+                    if g < r.min_tokens and tok in r.stop_token_ids:
+                        tok = FIRST_ORDINARY_ID + (tok + 1 - FIRST_ORDINARY_ID) % span
                 outs[i].append(tok)
                 if r.logprobs or r.top_logprobs:  # made up, but stable: see synthetic_logprobs
                     lps[i].append(synthetic_logprobs(tok, r.top_logprobs, mix_seed(states[i] ^ 0x5EED, g),

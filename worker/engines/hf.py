@@ -362,7 +362,7 @@ class HFEngine(Engine):
         try:
             run, taken, used = self._run_for(batch, taken, used)
             sampler = BatchSampler(reqs, [r.seed for r in rows], int(self.config.vocab_size), dev,
-                                   steps=batch.slice_len)
+                                   steps=batch.slice_len, eos=self.eos)
             cursor = TokenCursor([r.rid for r in reqs], emit)
             t0 = time.perf_counter()
             draw = sampler.sample(run.prefill(reqs, taken, used))

@@ -127,6 +127,10 @@ def sampling_refusal(batch: BatchMsg, sampling: bool) -> str | None:
         return "hf-cb serves greedy decoding only (temperature 0) unless started with sampling = true"
     if any(r.seed is not None for r in hot):
         return "hf-cb cannot seed a request (transformers seeds per manager)"
+    if any(r.logit_bias for r in batch.requests):
+        return "hf-cb does not apply logit_bias"
+    if any(r.min_tokens > r.generated for r in batch.requests):
+        return "hf-cb does not apply min_tokens"
     return None
 
 
@@ -318,7 +322,8 @@ class HFCBEngine(HFEngine):
         daemon's grants reserve them)."""
         page = getattr(self, "cache_opts", {}).get("page_size", 1) or 1
         return EngineCaps(batching="continuous", sampling=getattr(self, "sampling", False),
-                          seeded=False, max_context=self.max_context, kv_page_tokens=page)
+                          seeded=False, max_context=self.max_context, kv_page_tokens=page,
+                          min_tokens=False, logit_bias=False)
 
     # ------------------------------------------------------------------ the manager
 

@@ -6,8 +6,9 @@ batch size: no Python loop over rows, no device sync per row. The host reads the
 step's tokens (and log-probabilities, for rows that asked) in one copy
 (:meth:`Draw.start`). Transformations follow vLLM's order: repetition, frequency
 and presence penalties (over the row's whole context, resp. every token it
-generated so far, across slices: the batch row carries both), then greedy argmax,
-or temperature, top-k, top-p, min-p and a draw.
+generated so far, across slices: the batch row carries both), ``logit_bias``, the stop
+tokens masked while a row has fewer than ``min_tokens`` tokens, then greedy argmax, or
+temperature, top-k, top-p, min-p and a draw.
 
 **Reproducible draws.** A sampled row draws its ``g``-th token (counted over the whole
 request, not the slice) by inverse transform with the uniform number
@@ -159,7 +160,7 @@ class BatchSampler:
     """
 
     def __init__(self, reqs: Sequence[BatchRequest], seeds: Sequence[int], vocab: int, device: Any,
-                 steps: int = 1) -> None:
+                 steps: int = 1, eos: Sequence[int] = ()) -> None:
         import torch
 
         self.reqs = list(reqs)
@@ -202,7 +203,26 @@ class BatchSampler:
             for i, r in enumerate(self.reqs):
                 if r.repetition_penalty != 1.0 and r.token_ids:
                     self.seen[i, torch.tensor(r.token_ids, dtype=torch.long, device=device)] = True
-        self.penalized = self.counts is not None or self.seen is not None
+        # logit_bias: one dense [rows, vocab] addend, when some row has one.
+        self.bias: Any = None
+        if any(r.logit_bias for r in self.reqs):
+            self.bias = torch.zeros((n, vocab), **f32)
+            for i, r in enumerate(self.reqs):
+                pairs = [(t, b) for t, b in r.logit_bias.items() if 0 <= t < vocab]
+                if pairs:
+                    self.bias[i, torch.tensor([t for t, _ in pairs], device=device)] = torch.tensor(
+                        [b for _, b in pairs], **f32)
+        # min_tokens: the rows' stop tokens masked while they have fewer tokens than that.
+        self.min_left = [max(0, r.min_tokens - r.generated) for r in self.reqs]
+        self.stop_mask: Any = None
+        if any(self.min_left):
+            self.stop_mask = torch.zeros((n, vocab), dtype=torch.bool, device=device)
+            for i, r in enumerate(self.reqs):
+                stops = [t for t in {*r.stop_token_ids, *([] if r.ignore_eos else eos)} if 0 <= t < vocab]
+                if self.min_left[i] and stops:
+                    self.stop_mask[i, torch.tensor(stops, device=device)] = True
+            self.min_left_t = torch.tensor(self.min_left, dtype=torch.long, device=device)
+        self.penalized = self.counts is not None or self.seen is not None or self.bias is not None
         self._u = None if self.all_greedy else self.uniforms(0, max(1, steps))
 
     def uniforms(self, first: int, steps: int) -> Any:
@@ -223,6 +243,8 @@ class BatchSampler:
             x = torch.where(self.seen, scaled, x)
         if self.counts is not None:
             x = x - self.freq * self.counts - self.pres * (self.counts > 0).to(x.dtype)
+        if self.bias is not None:
+            x = x + self.bias
         return x
 
     def sample(self, logits: Any) -> Draw:
@@ -237,6 +259,9 @@ class BatchSampler:
         x = raw.float()
         if self.penalized:
             x = self.penalize(x)
+        if self.stop_mask is not None and self.step < max(self.min_left):
+            early = (self.min_left_t > self.step).unsqueeze(1)
+            x = x.masked_fill(self.stop_mask & early, float("-inf"))
         tokens = x.argmax(dim=-1)
         if not self.all_greedy:
             if self.step >= self._u.shape[0]:  # more steps than announced: extend the table

@@ -338,3 +338,46 @@ def test_hf_logprobs_match_the_greedy_choice(hf_engine: Any) -> None:
     for tid, e in zip(out.token_ids, out.logprobs, strict=True):
         assert e.chosen.id == tid == e.top[0].id and e.chosen.logprob == e.top[0].logprob <= 0.0
         assert len(e.top) == 5
+
+
+def test_logit_bias_moves_greedy_rows_and_bans_tokens() -> None:
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0, 0.0]] * 2)
+    s = sampler([([1], 0, dict(logit_bias={2: 1.5})), ([1], 0, dict(logit_bias={1: -100.0, 2: -100.0}))])
+    assert pick(s, logits) == [2, 3]  # 2.0 + 1.5 beats 3.0; 1 and 2 banned
+    lp = sampler([([1], 0, dict(logit_bias={2: 1.5}, logprobs=True))])
+    _, (e,) = lp.sample(logits[:1]).start().result(lp)
+    assert e.chosen.id == 2 and math.isclose(e.chosen.logprob, float(torch.log_softmax(logits[0], -1)[2]),
+                                             rel_tol=1e-6)  # the model's log-probability, unbiased
+
+
+def test_min_tokens_holds_the_stop_tokens_back_across_slices() -> None:
+    logits = torch.tensor([[0.0, 1.0, 9.0, 0.0, 0.0]])  # token 2 (the EOS here) would win
+    reqs = [P.BatchRequest(rid="m", token_ids=[1, 3], max_new_tokens=8, generated=1, temperature=0.0,
+                           min_tokens=3)]
+    s = BatchSampler(reqs, [1], 5, "cpu", steps=4, eos=[2])
+    # generated 1 before this slice: tokens 2 and 3 of the request may not be EOS, the 4th may.
+    assert [pick(s, logits)[0] for _ in range(3)] == [1, 1, 2]
+    stop = [P.BatchRequest(rid="s", token_ids=[1], max_new_tokens=8, temperature=0.0, min_tokens=1,
+                           stop_token_ids=[1], ignore_eos=True)]
+    s = BatchSampler(stop, [1], 5, "cpu", steps=2, eos=[2])
+    assert pick(s, logits) == [2]  # EOS ignored, so allowed; the stop token 1 was not even likely
+    s = BatchSampler(stop, [1], 5, "cpu", steps=2, eos=[2])
+    assert pick(s, torch.tensor([[0.0, 9.0, 0.0, 5.0, 0.0]])) == [3]  # stop token 1 held back
+
+
+def test_hf_applies_min_tokens_and_logit_bias(hf_engine: Any) -> None:
+    base = dict(rid="r", token_ids=[5, 6, 7, 8], max_new_tokens=6, temperature=0.0)
+    (plain,), _ = hf_engine.serve(P.BatchMsg(batch_id=1, slice_len=6, requests=[P.BatchRequest(
+        **base, ignore_eos=True)]))
+    first = plain.token_ids[0]
+    # Make the first token a stop token: without min_tokens the row ends at once...
+    (stopped,), _ = hf_engine.serve(P.BatchMsg(batch_id=2, slice_len=6, requests=[P.BatchRequest(
+        **base, ignore_eos=True, stop_token_ids=[first])]))
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    # ...with min_tokens = 3 it may not, and a ban moves the choice elsewhere.
+    (held,), _ = hf_engine.serve(P.BatchMsg(batch_id=3, slice_len=6, requests=[P.BatchRequest(
+        **base, ignore_eos=True, stop_token_ids=[first], min_tokens=3)]))
+    assert held.token_ids[0] != first and len(held.token_ids) >= 3
+    (banned,), _ = hf_engine.serve(P.BatchMsg(batch_id=4, slice_len=6, requests=[P.BatchRequest(
+        **base, ignore_eos=True, logit_bias={first: -100.0})]))
+    assert first not in banned.token_ids

@@ -37,6 +37,8 @@ class EngineCaps(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     """Rows' ``min_tokens`` are applied."""
     logit_bias: bool = True
     """Rows' ``logit_bias`` is applied."""
+    grammar: bool = False
+    """Rows' ``grammar`` is enforced (structured output)."""
 
 
 class Register(_Msg, tag="register"):
@@ -120,6 +122,9 @@ class BatchRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     logit_bias: dict[int, float] = {}
     """Token id -> bias added to its logit before selection, greedy rows too (log-probabilities
     stay the model's)."""
+    grammar: str | None = None
+    """llguidance grammar text the row's tokens must follow (structured output); the engine
+    replays the row's ``generated`` tail through it at the start of each slice."""
 
 
 class BatchMsg(_Msg, tag="batch"):

@@ -40,6 +40,8 @@ from sclsd.protocol import (
     TokenLogprobs,
 )
 from worker.engines.base import Emit, Engine, EngineInfo, TokenCursor
+from worker.engines.grammar import batch_grammar
+from worker.engines.grammar import supported as grammar_supported
 from worker.engines.kvstore import KVReuse, KVStore, Retained, assemble_past, supports_reuse
 from worker.engines.sampling import BatchSampler, Draw, random_seed
 from worker.engines.static import (
@@ -303,7 +305,7 @@ class HFEngine(Engine):
         graphs = self.static.captured() if getattr(self, "static", None) is not None else []
         return EngineCaps(batching="static", sampling=True, seeded=True, max_context=self.max_context,
                           graph_batch_sizes=sorted({n for n, _ in graphs}),
-                          graph_cache_tokens=sorted({c for _, c in graphs}))
+                          graph_cache_tokens=sorted({c for _, c in graphs}), grammar=grammar_supported())
 
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
         """Before registering: capture the decode graphs (CUDA) and serve a few small batches,
@@ -361,13 +363,15 @@ class HFEngine(Engine):
         taken, used = self._take_kv(batch)
         try:
             run, taken, used = self._run_for(batch, taken, used)
-            sampler = BatchSampler(reqs, [r.seed for r in rows], int(self.config.vocab_size), dev,
-                                   steps=batch.slice_len, eos=self.eos)
+            vocab = int(self.config.vocab_size)
+            grammar = batch_grammar(reqs, self.spec, vocab, self.eos, dev)
+            sampler = BatchSampler(reqs, [r.seed for r in rows], vocab, dev, steps=batch.slice_len,
+                                   eos=self.eos, grammar=grammar)
             cursor = TokenCursor([r.rid for r in reqs], emit)
             t0 = time.perf_counter()
             draw = sampler.sample(run.prefill(reqs, taken, used))
             del taken  # the batch cache holds their KV now
-            ahead = self.read_behind
+            ahead = self.read_behind and grammar is None  # a grammar masks from the last token
             iterations, invalid, t1 = 1, 0, 0.0
             while True:
                 pending = draw.start()
@@ -375,6 +379,8 @@ class HFEngine(Engine):
                 if ahead and iterations < batch.slice_len:
                     nxt = sampler.sample(run.decode(draw.tokens, lens))
                 tokens, lps = pending.result(sampler)
+                if grammar is not None:
+                    grammar.advance(tokens, [r.done for r in rows])
                 for r, tok, lp in zip(rows, tokens, lps, strict=True):
                     if not r.done:
                         r.push(tok, lp)

@@ -7,8 +7,9 @@ step's tokens (and log-probabilities, for rows that asked) in one copy
 (:meth:`Draw.start`). Transformations follow vLLM's order: repetition, frequency
 and presence penalties (over the row's whole context, resp. every token it
 generated so far, across slices: the batch row carries both), ``logit_bias``, the stop
-tokens masked while a row has fewer than ``min_tokens`` tokens, then greedy argmax, or
-temperature, top-k, top-p, min-p and a draw.
+tokens masked while a row has fewer than ``min_tokens`` tokens, the row's grammar
+(:mod:`worker.engines.grammar`), then greedy argmax, or temperature, top-k, top-p,
+min-p and a draw.
 
 **Reproducible draws.** A sampled row draws its ``g``-th token (counted over the whole
 request, not the slice) by inverse transform with the uniform number
@@ -160,7 +161,7 @@ class BatchSampler:
     """
 
     def __init__(self, reqs: Sequence[BatchRequest], seeds: Sequence[int], vocab: int, device: Any,
-                 steps: int = 1, eos: Sequence[int] = ()) -> None:
+                 steps: int = 1, eos: Sequence[int] = (), grammar: Any = None) -> None:
         import torch
 
         self.reqs = list(reqs)
@@ -223,6 +224,8 @@ class BatchSampler:
                     self.stop_mask[i, torch.tensor(stops, device=device)] = True
             self.min_left_t = torch.tensor(self.min_left, dtype=torch.long, device=device)
         self.penalized = self.counts is not None or self.seen is not None or self.bias is not None
+        self.grammar = grammar
+        """The rows' grammars (:class:`worker.engines.grammar.BatchGrammar`), or None."""
         self._u = None if self.all_greedy else self.uniforms(0, max(1, steps))
 
     def uniforms(self, first: int, steps: int) -> Any:
@@ -262,6 +265,8 @@ class BatchSampler:
         if self.stop_mask is not None and self.step < max(self.min_left):
             early = (self.min_left_t > self.step).unsqueeze(1)
             x = x.masked_fill(self.stop_mask & early, float("-inf"))
+        if self.grammar is not None:
+            x = self.grammar.mask(x.clone() if x is raw else x)  # raw stays the logprobs' source
         tokens = x.argmax(dim=-1)
         if not self.all_greedy:
             if self.step >= self._u.shape[0]:  # more steps than announced: extend the table

@@ -1,0 +1,103 @@
+"""Structured output: rows whose tokens must follow a grammar (a JSON schema, any JSON
+object, a regular expression, a Lark grammar), enforced as a token mask in the sampler.
+
+A batch row carries its grammar as llguidance's grammar text (``BatchRequest.grammar``,
+made by the daemon from the request's ``response_format``). The engine builds one
+llguidance matcher per such row and replays the tokens the row generated in earlier
+slices (the ``generated`` tail of its context), so the grammar's state travels with the
+request as token ids, like everything else, and a request that moves to another worker
+resumes there exactly. Before each draw the matcher says which tokens may come next (a
+bitmask over the vocabulary, applied to the row's logits on the device); after it, the
+chosen token is consumed. EOS is allowed only where the grammar may end; once the
+grammar is complete only EOS is.
+
+llguidance (Rust, no other dependency) compiles a schema in milliseconds and computes a
+mask in microseconds per row; the host must know a row's last token before it can mask
+the next one, so batches with grammar rows read each step's tokens before queuing the
+next step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from sclsd.protocol import BatchRequest
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BatchGrammar", "batch_grammar", "grammar_tokenizer", "supported"]
+
+
+@functools.cache
+def supported() -> bool:
+    """Whether llguidance is installed (the ``worker`` extra installs it)."""
+    try:
+        import llguidance  # noqa: F401
+        import llguidance.torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def grammar_tokenizer(spec: Any, vocab: int, eos: tuple[int, ...]) -> Any:
+    """llguidance's view of the tokenizer of model ``spec`` (built once per process, on the
+    first grammar row: about a second)."""
+    import llguidance.hf
+
+    from sclsd import models
+
+    return llguidance.hf.from_tokenizer(models.load_tokenizer(spec), n_vocab=vocab, eos_token=list(eos) or None)
+
+
+def batch_grammar(reqs: Sequence[BatchRequest], spec: Any, vocab: int, eos: Sequence[int],
+                  device: Any) -> BatchGrammar | None:
+    """The batch's grammars, or None when no row has one."""
+    if not any(r.grammar for r in reqs):
+        return None
+    if not supported():
+        raise ValueError("structured output needs llguidance (pip install 'sclsd[worker]')")
+    return BatchGrammar(reqs, grammar_tokenizer(spec, vocab, tuple(eos)), vocab, device)
+
+
+class BatchGrammar:
+    """The matchers of a batch's grammar rows and their bitmask (module docstring)."""
+
+    def __init__(self, reqs: Sequence[BatchRequest], tokenizer: Any, vocab: int, device: Any) -> None:
+        import llguidance
+        import llguidance.torch
+
+        self.rows = [i for i, r in enumerate(reqs) if r.grammar]
+        self.matchers: dict[int, Any] = {}
+        for i in self.rows:
+            r = reqs[i]
+            m = llguidance.LLMatcher(tokenizer, r.grammar)
+            if m.is_error():
+                raise ValueError(f"request {r.rid!r}: its grammar is not valid: {m.get_error()}")
+            tail = r.token_ids[len(r.token_ids) - r.generated:] if r.generated else []
+            if tail and not m.consume_tokens(tail):
+                raise ValueError(f"request {r.rid!r}: its earlier tokens do not follow its grammar "
+                                 f"({m.get_error()})")
+            self.matchers[i] = m
+        self.bitmask = llguidance.torch.allocate_token_bitmask(len(reqs), vocab)
+        self.device = device
+
+    def mask(self, x: Any) -> Any:
+        """``[rows, vocab]`` logits with every grammar row's disallowed tokens at -inf (in place)."""
+        import llguidance.torch
+
+        for i, m in self.matchers.items():
+            llguidance.torch.fill_next_token_bitmask(m, self.bitmask, i)
+        bits = self.bitmask[: x.shape[0]].to(x.device, non_blocking=True)
+        llguidance.torch.apply_token_bitmask_inplace(x, bits)  # rows without a grammar: all ones
+        return x
+
+    def advance(self, tokens: Sequence[int], done: Sequence[bool]) -> None:
+        """Consume each unfinished grammar row's new token."""
+        for i, m in self.matchers.items():
+            if not done[i] and not m.is_stopped():
+                if not m.consume_token(tokens[i]):
+                    log.warning("row %d: token %d refused by its grammar (%s)", i, tokens[i], m.get_error())

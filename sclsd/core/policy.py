@@ -64,7 +64,7 @@ POLICIES = ("sls", "so", "pm", "ab", "lb", "scls")
 DEFAULT_POLICY = "scls"
 
 #: Slice grants on continuous-batching workers (:class:`sclsd.core.grants.GrantPolicy`,
-#: driven by :class:`sclsd.core.granting.GrantScheduler`): not a composition of batcher,
+#: driven by :class:`sclsd.core.grant_scheduler.SliceGrantScheduler`): not a composition of batcher,
 #: offloader and interval; :func:`make_policy` gives it inert parts and its slice length.
 GRANT_POLICIES = ("scls-cb",)
 
@@ -121,7 +121,7 @@ def make_policy(
     elif name == "scls":
         parts = (slice_len, DPBatcher(), MaxMin(), AdaptiveInterval(lam, gamma))
     elif name in GRANT_POLICIES:
-        # The grant mechanism (sclsd.core.granting) decides by itself; the parts are inert.
+        # The grant scheduler (sclsd.core.grant_scheduler) decides by itself; the parts are inert.
         # Grants are work-conserving and keep KV by construction.
         parts = (slice_len, FCFSBatcher(1), MaxMin(), FixedInterval(gamma))
         work_conserving = kv_reuse = True

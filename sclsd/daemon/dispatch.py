@@ -20,7 +20,8 @@ from collections.abc import Callable
 
 from .. import protocol as P
 from ..config import Config
-from ..core.scheduler import Batch, Scheduler
+from ..core.batch import Batch
+from ..core.scheduler_api import SchedulerInterface
 from .fleet import Fleet
 from .metrics import Metrics
 from .requests import LiveRequests
@@ -31,7 +32,7 @@ log = logging.getLogger("sclsd")
 class Dispatcher:
     """Sends batches and tracks their acknowledgement and deadline."""
 
-    def __init__(self, cfg: Config, sched: Scheduler, live: LiveRequests, fleet: Fleet, metrics: Metrics,
+    def __init__(self, cfg: Config, sched: SchedulerInterface, live: LiveRequests, fleet: Fleet, metrics: Metrics,
                  clock: Callable[[], float]) -> None:
         self.cfg = cfg
         self.sched = sched

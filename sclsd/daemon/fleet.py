@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from .. import protocol as P
 from ..config import Config
 from ..core.policy import GRANT_POLICIES
-from ..core.scheduler import Scheduler
+from ..core.scheduler_api import SchedulerInterface
 from ..tokenizer import Tokenizer
 from .cost import DaemonCost
 from .transport.base import WorkerTransport
@@ -45,7 +45,7 @@ class WorkerInfo:
 class Fleet:
     """Registered workers by id and by peer (see the module docstring)."""
 
-    def __init__(self, cfg: Config, transport: WorkerTransport, sched: Scheduler, cost: DaemonCost,
+    def __init__(self, cfg: Config, transport: WorkerTransport, sched: SchedulerInterface, cost: DaemonCost,
                  tok: Tokenizer, clock: Callable[[], float], wake: Callable[[], None],
                  secret: str | None) -> None:
         self.cfg = cfg

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from .. import protocol as P
 from ..core.request import FinishReason, Request
-from ..core.scheduler import Scheduler
+from ..core.scheduler_api import SchedulerInterface
 from ..tokenizer import Detokenizer, Tokenizer
 from .metrics import Metrics
 from .sockets import Conn
@@ -73,7 +73,7 @@ class ReqCtx:
 class LiveRequests:
     """Accepted requests by id, the bounds' counters, and their terminal events."""
 
-    def __init__(self, sched: Scheduler, metrics: Metrics, clock: Callable[[], float]) -> None:
+    def __init__(self, sched: SchedulerInterface, metrics: Metrics, clock: Callable[[], float]) -> None:
         self.sched = sched
         self.metrics = metrics
         self.clock = clock

@@ -27,7 +27,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 
 from .. import protocol as P
-from ..core.scheduler import Batch, BatchOutcome, RowOutcome, Scheduler
+from ..core.batch import Batch, BatchOutcome, RowOutcome
+from ..core.scheduler_api import SchedulerInterface
 from ..tokenizer import Tokenizer
 from .dispatch import Dispatcher
 from .metrics import Metrics
@@ -47,7 +48,7 @@ class Results:
     """Applies :class:`~sclsd.protocol.Tokens` and :class:`~sclsd.protocol.Result` messages
     (see the module docstring)."""
 
-    def __init__(self, sched: Scheduler, live: LiveRequests, tok: Tokenizer, pool: Executor,
+    def __init__(self, sched: SchedulerInterface, live: LiveRequests, tok: Tokenizer, pool: Executor,
                  dispatcher: Dispatcher, metrics: Metrics, clock: Callable[[], float],
                  wake: Callable[[], None]) -> None:
         self.sched = sched
@@ -58,6 +59,9 @@ class Results:
         self.metrics = metrics
         self.clock = clock
         self.wake = wake
+        #: Engine-side counts summed over results (pad and invalid tokens, prefill and reuse,
+        #: evictions, preemptions): the status shows them beside the scheduler's.
+        self.counters: dict[str, int] = {}
         #: Per worker, the latest (preemptions, KV peak tokens) its engine reported.
         self.engine_totals: dict[str, tuple[int, int]] = {}
         #: Decodes in flight with what applies them, in arrival order.
@@ -265,7 +269,7 @@ class Results:
         """The worker dropped these requests' KV to make room."""
         if res.kv_evicted:
             self.sched.kv_evicted(res.worker_id, res.kv_evicted)
-            counters = self.sched.counters
+            counters = self.counters
             counters["kv_evicted"] = counters.get("kv_evicted", 0) + len(res.kv_evicted)
 
     def _apply_rows(self, res: P.Result, rows: Rows, texts: list[str]) -> None:
@@ -304,7 +308,7 @@ class Results:
         self.dispatcher.flush_released()
         self.metrics.batch_done(stats.prefill_s + stats.decode_s)
         # Engine-side waste and reuse, summed for status (the replay benchmark reads these).
-        counters = self.sched.counters
+        counters = self.counters
         for name, value in (("pad_tokens", stats.pad_tokens), ("invalid_tokens", stats.invalid_tokens),
                             ("prefill_tokens", stats.prefill_tokens),
                             ("reused_tokens", stats.reused_tokens),

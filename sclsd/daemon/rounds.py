@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from ..core.scheduler import Scheduler
+from ..core.scheduler_api import SchedulerInterface
 from .dispatch import Dispatcher
 from .requests import LiveRequests
 
@@ -21,7 +21,7 @@ log = logging.getLogger("sclsd")
 class Rounds:
     """Drives :class:`~sclsd.core.scheduler.Scheduler` with the real clock."""
 
-    def __init__(self, sched: Scheduler, live: LiveRequests, dispatcher: Dispatcher,
+    def __init__(self, sched: SchedulerInterface, live: LiveRequests, dispatcher: Dispatcher,
                  clock: Callable[[], float], wake: asyncio.Event) -> None:
         self.sched = sched
         self.live = live

@@ -37,9 +37,10 @@ from .. import models
 from .. import protocol as P
 from .. import tokenizer as tokenizers
 from ..config import Config
-from ..core.granting import GrantScheduler
+from ..core.grant_scheduler import SliceGrantScheduler
 from ..core.policy import GRANT_POLICIES, make_policy
 from ..core.scheduler import Scheduler
+from ..core.scheduler_api import SchedulerInterface
 from ..sdnotify import Notifier
 from ..tokenizer import Tokenizer
 from .admission import Admission
@@ -64,7 +65,7 @@ from .transport.base import WorkerTransport
 log = logging.getLogger("sclsd")
 
 
-def make_scheduler(cfg: Config, cost: DaemonCost) -> Scheduler:
+def make_scheduler(cfg: Config, cost: DaemonCost) -> SchedulerInterface:
     """The core scheduler for ``cfg``; Γ is ``scheduler.gamma_s``, else the profile's, else
     the core's default."""
     s = cfg.scheduler
@@ -73,7 +74,7 @@ def make_scheduler(cfg: Config, cost: DaemonCost) -> Scheduler:
                          batch_size=s.batch_size, gamma=gamma, lam=s.lam,
                          work_conserving=s.work_conserving, kv_reuse=s.kv_reuse)
     if s.policy in GRANT_POLICIES:
-        return GrantScheduler(policy, cost, max_failures=s.max_failures)
+        return SliceGrantScheduler(policy, cost, max_failures=s.max_failures)
     return Scheduler(policy, cost, max_failures=s.max_failures)
 
 
@@ -211,7 +212,8 @@ class Server:
             "metrics_http": self._metrics_address(),
             "serving": why is None,
             "why": why,
-            "counters": {"refused": self.metrics.refused_total,
+            "counters": {**self.results.counters,
+                         "refused": self.metrics.refused_total,
                          "bad_worker_messages": self.transport.bad_messages,
                          "workers_refused": self.fleet.refused,
                          "worker_restarts": self.supervisor.restarts},

@@ -14,7 +14,7 @@ from typing import Any
 from .. import __version__
 from .. import protocol as P
 from ..config import Config
-from ..core.scheduler import Scheduler
+from ..core.scheduler_api import SchedulerInterface
 from .admission import Admission
 from .cost import DaemonCost
 from .fleet import Fleet
@@ -26,7 +26,7 @@ from .sockets import Conn, FrameServer
 class StatusView:
     """Reads the daemon's parts (given explicitly) into a :class:`~sclsd.protocol.StatusSnapshot`."""
 
-    def __init__(self, cfg: Config, sched: Scheduler, live: LiveRequests, admission: Admission | None,
+    def __init__(self, cfg: Config, sched: SchedulerInterface, live: LiveRequests, admission: Admission | None,
                  fleet: Fleet | None, cost: DaemonCost, api: FrameServer, clock: Callable[[], float],
                  started: float, extra: Callable[[], dict[str, Any]]) -> None:
         self.cfg = cfg
@@ -87,7 +87,7 @@ class StatusView:
                 mean_abs_error_s=sum(abs(v) for v in err) / len(err) if err else None,
                 last=[P.EstimatedVsMeasured(est_s=round(e, 4), measured_s=round(m, 4)) for e, m in recent[-8:]],
             ),
-            counters={**s.counters, **x["counters"]},
+            counters={**s.stats().as_counters(), **x["counters"]},
             serving=x["serving"],
             why=x["why"],
             starting=x.get("starting", False),

@@ -103,6 +103,10 @@ class Harness:
         if res is not None:
             await res
 
+    def counters(self) -> dict[str, int]:
+        """The daemon's counters as its status shows them (scheduler and engines)."""
+        return dict(self.server.view.snapshot().counters)
+
     async def finished(self, conn: RecConn, *rids: str, timeout: float = 5.0) -> None:
         await conn.wait_for(lambda: all(conn.terminal(r) for r in rids), timeout)
 

@@ -9,7 +9,7 @@ import pytest
 
 from sclsd import protocol as P
 from sclsd.config import ConfigError, from_dict
-from sclsd.core.granting import GrantScheduler
+from sclsd.core.grant_scheduler import SliceGrantScheduler
 
 from .conftest import Harness, RecConn, held, until
 
@@ -37,7 +37,7 @@ def _serve(daemon: Any, scheduler: dict[str, Any], n: int = 12) -> tuple[dict[st
             assert isinstance(done, P.Done), done
             assert len(conn.events(rid, P.Accepted)) == 1
         out["tokens"] = _outputs(conn, rids)
-        out["counters"] = dict(h.server.sched.counters)
+        out["counters"] = h.counters()
         assert not h.server.sched.live and not h.server.sched.batches
 
     daemon(body, scheduler=scheduler)
@@ -56,7 +56,7 @@ def test_grants_serve_the_same_tokens_as_slice_rounds(daemon) -> None:
 def test_grant_scheduler_is_built_for_scls_cb(daemon) -> None:
     async def body(h: Harness) -> None:
         s = h.server.sched
-        assert isinstance(s, GrantScheduler)
+        assert isinstance(s, SliceGrantScheduler)
         assert s.policy.kv_reuse and s.grants.S == 8
 
     daemon(body, scheduler=CB)
@@ -73,7 +73,7 @@ def test_a_request_stays_on_the_worker_holding_its_kv(daemon) -> None:
         assert len(batches) == 5 and all(b.slice_len == 8 and b.kv_reuse for b in batches)
         # Every grant after the first resumed the KV its predecessor kept: no re-prefill.
         assert [len(b.requests[0].token_ids) for b in batches] == [5 + 8 * k for k in range(5)]
-        assert h.server.sched.counters["migrations"] == 0
+        assert h.counters()["migrations"] == 0
 
     daemon(body, scheduler=CB)
 
@@ -82,7 +82,7 @@ def test_reserved_kv_never_exceeds_the_budget(daemon) -> None:
     """A budget of ~100 tokens per worker: grants queue for room instead of overcommitting."""
     async def body(h: Harness) -> None:
         sched = h.server.sched
-        assert isinstance(sched, GrantScheduler)
+        assert isinstance(sched, SliceGrantScheduler)
         seen: list[int] = []
         schedule = sched.schedule
 

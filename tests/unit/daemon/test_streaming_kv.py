@@ -48,7 +48,7 @@ def test_first_delta_arrives_before_its_slice_ends(daemon) -> None:
         first = conn.events("s", P.Delta)[0]
         assert first.token_ids == reference(20)[:1]
         assert ctx(h, "s").req.first_token is not None
-        assert h.server.sched.counters["slices"] == 0  # the scheduler has not acted yet
+        assert h.counters()["slices"] == 0  # the scheduler has not acted yet
         while not conn.terminal("s"):
             await until(w.got, lambda: bool(w.held_results) or bool(conn.terminal("s")))
             w.finish()
@@ -199,8 +199,8 @@ def test_kv_worker_follows_results_and_ended_requests_are_released(daemon) -> No
         assert w.engine.kv.store.held() == {"k": len(PROMPT) + 7}
         w.release(1)
         await held(w)
-        assert h.server.sched.counters["reused_tokens"] == len(PROMPT) + 7
-        assert h.server.sched.counters["prefill_tokens"] == len(PROMPT) + 1
+        assert h.counters()["reused_tokens"] == len(PROMPT) + 7
+        assert h.counters()["prefill_tokens"] == len(PROMPT) + 1
         h.server.frontend.handle(conn, P.Cancel(id="k"))
         await until(w.got, lambda: any(isinstance(m, P.Release) for m in w.received))
         assert [m.rids for m in w.received if isinstance(m, P.Release)] == [["k"]]
@@ -249,7 +249,7 @@ def test_evicted_kv_is_forgotten(daemon) -> None:
         await held(w)
         kept = {rid: ctx(h, rid).req.kv_worker for rid in ("a", "b")}
         assert sorted(kept.values(), key=str) == [None, "w0"]  # the first kept was evicted
-        assert h.server.sched.counters["kv_evicted"] == 1
+        assert h.counters()["kv_evicted"] == 1
         w.hold = False
         w.release()
         await h.finished(conn, "a", "b")
@@ -284,7 +284,7 @@ def test_without_kv_reuse_workers_keep_nothing(daemon) -> None:
         await h.submit(conn, id="p", max_tokens=20, ignore_eos=True)
         await h.finished(conn, "p")
         assert all(not b.kv_reuse for b in w.batches())
-        assert h.server.sched.counters["reused_tokens"] == 0
+        assert h.counters()["reused_tokens"] == 0
         assert conn.terminal("p")[0].token_ids == reference(20)
 
     daemon(body)

@@ -255,7 +255,7 @@ def test_a_client_that_goes_away_cancels_its_requests_at_once(front, stream: boo
         await asyncio.wait_for(call, 5)
         await asyncio.wait_for(f.h.server.live.idle.wait(), 2)
         assert f.live == 0
-        assert f.h.server.sched.counters.get("cancelled", 0) >= 2 or not f.h.server.sched.live
+        assert f.h.counters().get("cancelled", 0) >= 2 or not f.h.server.sched.live
 
     front(body)
 

@@ -119,8 +119,8 @@ def test_worker_death_during_a_grant_loses_nothing(daemon) -> None:
         await h.submit(conn, id="b", max_tokens=20, ignore_eos=True)
         await held(w0, 2)
         w0.kill()
-        h.server.fleet.tick(h.server.clock() + 60)
-        assert "w0" not in h.server.fleet.workers
+        h.tick(h.server.clock() + 60)
+        assert "w0" not in h.members()
         assert h.server.sched.grants.queued == 2  # both wait again, first in line
         h.worker("w1")
         await h.finished(conn, "a", "b")
@@ -141,12 +141,12 @@ def test_cancel_frees_the_grant_and_releases_kept_kv(daemon) -> None:
         await held(w0, 1)
         w0.release()  # first grant served: its KV is kept on w0
         await until(w0.got, lambda: len(w0.held) >= 1)
-        h.server.frontend.handle(conn, P.Cancel(id="a"))
+        h.server.on_client(conn, P.Cancel(id="a"))
         await conn.wait_for(lambda: bool(conn.terminal("a")))
         assert conn.terminal("a")[0].finish_reason == "cancelled"
         w0.release()  # the running grant's result comes back: the policy forgets "a"
         sched = h.server.sched
-        await until(h.server.wake, lambda: "a" not in sched.grants.grants_on("w0"))
+        await until(h.wake, lambda: "a" not in sched.grants.grants_on("w0"))
         await until(w0.got, lambda: any(isinstance(m, P.Release) and "a" in m.rids for m in w0.received))
         assert sched.grants.reserved("w0") == 0 and sched.grants.queued == 0
 
@@ -171,7 +171,7 @@ def test_a_static_worker_cannot_join_a_grant_daemon(daemon) -> None:
                                 register=False)
         w.register()
         await until(w.got, lambda: any(isinstance(m, P.Shutdown) for m in w.received))
-        assert "w0" not in h.server.fleet.workers
+        assert "w0" not in h.members()
 
     daemon(body, scheduler=CB)
 

@@ -1,7 +1,7 @@
 """The ZeroMQ ROUTER that workers connect to: bind, authenticate, frame, send, receive.
 
 This module only moves messages; what they mean is decided by the sink (the
-fleet). Peers are the ROUTER's routing ids, assigned by ZeroMQ per connection:
+daemon's server and the serving core behind it). Peers are the ROUTER's routing ids, assigned by ZeroMQ per connection:
 a worker does not choose its own, so connecting alone cannot take over a
 registered worker's traffic.
 
@@ -46,7 +46,8 @@ class ZmqTransport:
         self.sock: zmq.asyncio.Socket | None = None
         self.sink: WorkerSink | None = None
         self.bad_messages = 0
-        self.authenticated = False
+        #: CURVE authenticates peers (known from the config: the server starts with it).
+        self.authenticated = bool(cfg.daemon.curve_keypair_file)
         self.auth: Any = None
         self.authorized: set[bytes] = set()
         self.server_public: bytes | None = None

@@ -25,7 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -154,7 +154,8 @@ class ZmqTransport:
         assert self.sock is not None
         # With NOBLOCK, pyzmq's asyncio socket tries the send at once and completes the
         # future before returning: read it now, or a refusal would go unnoticed.
-        fut = self.sock.send_multipart([peer, P.encode(msg)], flags=zmq.NOBLOCK)
+        # (pyzmq types it as an Awaitable; on an asyncio socket it is an asyncio Future.)
+        fut = cast("asyncio.Future[Any]", self.sock.send_multipart([peer, P.encode(msg)], flags=zmq.NOBLOCK))
         exc = fut.exception() if fut.done() else None
         if not fut.done():  # pragma: no cover - only with sends already pending
             fut.add_done_callback(self._late_send)

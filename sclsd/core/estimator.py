@@ -12,7 +12,7 @@ Because tau_decode is linear in ``l``, the sum has a closed form (see
 :meth:`Estimator.t_decode`), so one estimate costs a handful of flops: the DP
 batcher calls it O(n · batch) times per round.
 
-KV reuse (DESIGN section 8): when the worker holds part of every row's KV, a
+KV reuse (docs/design.md §8): when the worker holds part of every row's KV, a
 batch's padded context is ``past + new`` positions, of which only the ``new``
 ones are computed::
 

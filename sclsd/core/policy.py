@@ -45,7 +45,7 @@ class Policy:
     interval: Interval
     work_conserving: bool = False
     """An idle worker triggers a round at once, and a round with idle workers splits
-    batches while that lowers its estimated makespan (DESIGN section 8)."""
+    batches while that lowers its estimated makespan (docs/design.md §8)."""
     kv_reuse: bool = False
     """Rounds batch requests by the worker holding their KV, estimate only the prefill
     of uncached tokens, weigh KV affinity when placing, and admit requests without
@@ -102,7 +102,7 @@ def make_policy(
     - ``lb``: load balancing: ab plus max-min offloading.
     - ``scls``: lb plus the adaptive interval ``max(lam · min load, gamma)``.
 
-    ``work_conserving`` and ``kv_reuse`` go past the paper (DESIGN section 8; both
+    ``work_conserving`` and ``kv_reuse`` go past the paper (docs/design.md §8; both
     off reproduces it) and apply to any of them; see :class:`Policy`.
     """
     if slice_len < 1 or max_gen < 1 or batch_size < 1:

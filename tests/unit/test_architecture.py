@@ -384,7 +384,8 @@ def test_core_has_the_expected_modules() -> None:
     mods = set(core_modules())
     for m in (
         "interfaces", "request", "batch", "estimator", "memory", "batcher", "offloader",
-        "policy", "profiles", "scheduler",
+        "policy", "profiles", "scheduler_api", "mechanism", "scheduler", "grants",
+        "grant_scheduler",
     ):
         assert f"sclsd.core.{m}" in mods
 
@@ -409,6 +410,13 @@ SERVING_FORBIDDEN = ("asyncio", "socket", "selectors", "zmq", "uvloop", "torch",
 def serving_modules() -> list[str]:
     return sorted(f"sclsd.daemon.serving.{p.stem}" for p in SERVING_DIR.glob("*.py")
                   if p.stem != "__init__")
+
+
+def test_serving_core_has_its_parts() -> None:
+    mods = set(serving_modules())
+    for m in ("core", "effects", "table", "output", "events", "replies", "membership", "dispatch",
+              "streaming", "results"):
+        assert f"sclsd.daemon.serving.{m}" in mods
 
 
 def test_importing_the_serving_core_pulls_in_no_io_stack() -> None:

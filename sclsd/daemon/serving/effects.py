@@ -79,14 +79,3 @@ class Effects:
 
     def tell(self, wid: str, msg: P.DaemonToWorkerMsg) -> None:
         self.to_workers.append((wid, msg))
-
-    def extend(self, other: Effects) -> None:
-        """Append ``other``'s effects after these (what happened next)."""
-        self.to_clients += other.to_clients
-        self.to_workers += other.to_workers
-        self.lost += other.lost
-        self.decode += other.decode
-        self.ended += other.ended
-        self.batch_seconds += other.batch_seconds
-        self.refused = self.refused or other.refused
-        self.wake = self.wake or other.wake

@@ -32,7 +32,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check sclsd worker tests
-	$(BIN)/mypy sclsd/core sclsd/protocol
+	$(BIN)/mypy sclsd worker
 
 bench: $(STAMP)
 	$(BIN)/python -m sclsd.bench.all

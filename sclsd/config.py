@@ -107,7 +107,7 @@ class SchedulerConfig:
     table, Algorithm 2: the profile's, else the paper's DeepSpeed table)."""
     max_failures: int = 3
     work_conserving: bool = True
-    """An idle worker gets work at once instead of waiting out the interval (DESIGN §8)."""
+    """An idle worker gets work at once instead of waiting out the interval (docs/design.md §8)."""
     kv_reuse: bool = True
     """Batch requests by the worker keeping their KV and estimate only the uncached prefill."""
 

@@ -12,7 +12,7 @@ Because tau_decode is linear in ``l``, the sum has a closed form (see
 :meth:`Estimator.t_decode`), so one estimate costs a handful of flops: the DP
 batcher calls it O(n · batch) times per round.
 
-KV reuse (DESIGN section 8): when the worker holds part of every row's KV, a
+KV reuse (docs/design.md §8): when the worker holds part of every row's KV, a
 batch's padded context is ``past + new`` positions, of which only the ``new``
 ones are computed::
 
@@ -39,12 +39,13 @@ if TYPE_CHECKING:
 PREFILL_KEYS = ("p1", "p2", "p3", "p4")
 DECODE_KEYS = ("d1", "d2", "d3", "d4")
 
+# Samples are rows of numbers, tuples or lists alike (profiles store them as JSON lists).
 #: (n, L, seconds): one prefill of n rows padded to L tokens.
-PrefillSample = tuple[float, float, float]
+PrefillSample = Sequence[float]
 #: (n, l, seconds): one decoding iteration of n rows at context length l.
-DecodeSample = tuple[float, float, float]
+DecodeSample = Sequence[float]
 #: (n, L, S, seconds): a whole batch, prefill plus S decoding iterations.
-BatchSample = tuple[float, float, float, float]
+BatchSample = Sequence[float]
 
 #: An input length, or a numpy array of them (:meth:`Estimator.linear_terms` is elementwise).
 Lengths = TypeVar("Lengths", float, "np.ndarray")
@@ -164,7 +165,7 @@ def batch_rmse(est: Estimator, samples: Iterable[BatchSample]) -> float:
 
 
 def _fit_bilinear(
-    samples: Sequence[tuple[float, float, float]], nonneg: bool
+    samples: Sequence[Sequence[float]], nonneg: bool
 ) -> tuple[float, float, float, float]:
     """Least-squares fit of ``t = c1·x·y + c2·x + c3·y + c4`` with scipy's curve_fit."""
     import warnings

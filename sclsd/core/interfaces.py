@@ -1,6 +1,6 @@
 """What policies plug into: the cost model, batcher, offloader and interval protocols.
 
-The scheduler, the named policies and their parts (batchers, offloaders,
+The schedulers, the named policies and their parts (batchers, offloaders,
 interval rules) all speak these protocols, and this module depends on none of
 them, so the policy modules never need one another for their types.
 """
@@ -14,9 +14,10 @@ if TYPE_CHECKING:
     import numpy as np
 
     from .batch import Batch
+    from .estimator import Estimator
     from .request import Request
 
-__all__ = ["Batcher", "CachedCost", "CostModel", "Interval", "LinearCost", "Offloader"]
+__all__ = ["Batcher", "CachedCost", "CostModel", "GrantCost", "Interval", "LinearCost", "Offloader"]
 
 
 class CostModel(Protocol):
@@ -119,4 +120,29 @@ class Interval(Protocol):
 
     def next(self, loads: Mapping[str, float]) -> float:
         """Seconds until the next scheduling round, given the active workers' loads."""
+        ...
+
+
+class GrantCost(CostModel, Protocol):
+    """What the slice-grant scheduler needs of its cost model: the estimator it prices grants
+    with, and the KV a worker may reserve (Δ, ζ · M_ava, the engine's KV page)."""
+
+    @property
+    def estimator(self) -> Estimator:
+        """The serving-time model (its coefficients price a grant's decode and prefill)."""
+        ...
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Δ, bytes of KV per token."""
+        ...
+
+    @property
+    def device_kv_bytes(self) -> float:
+        """KV bytes one worker's grants may reserve (ζ · M_ava)."""
+        ...
+
+    @property
+    def kv_page_tokens(self) -> int:
+        """The engine's KV page in tokens: grants reserve whole pages (1: tokens)."""
         ...

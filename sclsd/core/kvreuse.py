@@ -3,7 +3,7 @@
 A worker keeps the KV of each unfinished request after its slice
 (``Request.kv_worker`` / ``kv_tokens``). A batch there then prefills only the
 uncached tail of each row. This module is the policy side of that
-(DESIGN section 8), pure like the rest of :mod:`sclsd.core`:
+(docs/design.md §8), pure like the rest of :mod:`sclsd.core`:
 
 - **Partition.** A round splits the pool by the worker holding each request's
   KV and runs the batcher on each part alone, so a batch's rows share one KV

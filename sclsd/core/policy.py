@@ -45,7 +45,7 @@ class Policy:
     interval: Interval
     work_conserving: bool = False
     """An idle worker triggers a round at once, and a round with idle workers splits
-    batches while that lowers its estimated makespan (DESIGN section 8)."""
+    batches while that lowers its estimated makespan (docs/design.md §8)."""
     kv_reuse: bool = False
     """Rounds batch requests by the worker holding their KV, estimate only the prefill
     of uncached tokens, weigh KV affinity when placing, and admit requests without
@@ -64,7 +64,7 @@ POLICIES = ("sls", "so", "pm", "ab", "lb", "scls")
 DEFAULT_POLICY = "scls"
 
 #: Slice grants on continuous-batching workers (:class:`sclsd.core.grants.GrantPolicy`,
-#: driven by :class:`sclsd.core.granting.GrantScheduler`): not a composition of batcher,
+#: driven by :class:`sclsd.core.grant_scheduler.SliceGrantScheduler`): not a composition of batcher,
 #: offloader and interval; :func:`make_policy` gives it inert parts and its slice length.
 GRANT_POLICIES = ("scls-cb",)
 
@@ -102,7 +102,7 @@ def make_policy(
     - ``lb``: load balancing: ab plus max-min offloading.
     - ``scls``: lb plus the adaptive interval ``max(lam · min load, gamma)``.
 
-    ``work_conserving`` and ``kv_reuse`` go past the paper (DESIGN section 8; both
+    ``work_conserving`` and ``kv_reuse`` go past the paper (docs/design.md §8; both
     off reproduces it) and apply to any of them; see :class:`Policy`.
     """
     if slice_len < 1 or max_gen < 1 or batch_size < 1:
@@ -121,7 +121,7 @@ def make_policy(
     elif name == "scls":
         parts = (slice_len, DPBatcher(), MaxMin(), AdaptiveInterval(lam, gamma))
     elif name in GRANT_POLICIES:
-        # The grant mechanism (sclsd.core.granting) decides by itself; the parts are inert.
+        # The grant scheduler (sclsd.core.grant_scheduler) decides by itself; the parts are inert.
         # Grants are work-conserving and keep KV by construction.
         parts = (slice_len, FCFSBatcher(1), MaxMin(), FixedInterval(gamma))
         work_conserving = kv_reuse = True

@@ -108,6 +108,11 @@ class ProfileCost:
         return float(mem.token_budget(self.max_total) * self.delta)
 
     @property
+    def kv_page_tokens(self) -> int:
+        """KV page in tokens: a profile knows no engine's paging, so whole tokens."""
+        return 1
+
+    @property
     def retain_bytes(self) -> float:
         """KV bytes one worker can hold for the requests it serves: device plus host memory."""
         host = self.host_kv_bytes if self.host_link else 0.0

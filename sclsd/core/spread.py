@@ -1,4 +1,4 @@
-"""Work-conserving rounds: spread a round's batches over idle workers (DESIGN section 8).
+"""Work-conserving rounds: spread a round's batches over idle workers (docs/design.md §8).
 
 Algorithm 1 minimises the *summed* serving time of a round's batches. That
 is the right goal when every worker is busy (the paper's setting: the work

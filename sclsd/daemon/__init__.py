@@ -1,20 +1,22 @@
-"""The sclsd daemon, one module per step of a request's path.
+"""The sclsd daemon: an I/O-free serving core in a shell of sockets, transport and clock.
 
 =================  ==========================================================
+``serving/``       the serving core: the request table, replies (one terminal
+                   event each), membership, dispatch, streamed tokens,
+                   results; entry points return typed effects
+``server``         the shell: feeds the core, delivers its effects; lifecycle
 ``sockets``        Unix-socket servers: framing, peer credentials, bounds
 ``frontend``       client messages to handlers (generate, cancel, ping, admin)
 ``admission``      validate, tokenize off the loop, bounds; accept or refuse
-``requests``       the live-request table: exactly one terminal event each
-``rounds``         the scheduling loop (the core scheduler with a real clock)
-``dispatch``       Batch -> typed ``batch`` message; acknowledgement, overdue
-``transport/``     how messages reach workers (ZeroMQ hub; in-process for tests)
-``fleet``          worker membership: register, heartbeat, death, drain
-``results``        a worker's result -> deltas, done, re-queues
+``fleet``          transport peers <-> worker ids; who may register
+``transport/``     how messages reach workers (ZeroMQ ROUTER; in-process for tests)
 ``supervisor``     local worker processes: spawn, restart, give up
 ``status``         the typed status snapshot and the status socket
 ``metrics``        Prometheus exposition
 ``cost``           the estimator and memory predicate the scheduler uses
-``server``         wiring and lifecycle;  ``cli``: the ``sclsd`` command
+``drain``          stop accepting, finish what is in flight, stop
+``signals``        signal handlers, restored on the way out
+``cli``            the ``sclsd`` command
 =================  ==========================================================
 
 Importing this package is cheap; ``sclsd.daemon.server`` pulls in the rest.

@@ -12,7 +12,9 @@ refuses); chat messages for a model whose tokenizer has no chat template are
 refused rather than rendered in a made-up format.
 Tokenizing runs in the thread pool, at most ``daemon.max_tokenizing`` prompts at
 once; a connection's frames are handled one after another, so one client cannot
-queue more than one prompt there.
+queue more than one prompt there. An admitted request goes to the serving core
+(:meth:`~sclsd.daemon.serving.core.ServingCore.submit`); admission returns the
+core's effects, or the refusal, for the shell to deliver.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ from typing import Any
 
 from .. import protocol as P
 from ..config import Config
-from ..core.request import Request
 from ..tokenizer import Tokenizer
 from .metrics import Metrics
-from .requests import LiveRequests
+from .serving.core import ServingCore
+from .serving.effects import Effects
 from .sockets import Conn
 
 log = logging.getLogger("sclsd")
@@ -56,21 +58,18 @@ def has_chat_template(tok: Tokenizer) -> bool:
 class Admission:
     """Turns ``generate`` frames into live requests or refusals."""
 
-    def __init__(self, cfg: Config, live: LiveRequests, tok: Tokenizer, pool: Executor,
-                 metrics: Metrics, clock: Callable[[], float], wake: Callable[[], None],
-                 is_draining: Callable[[], bool], not_serving: Callable[[], str | None],
-                 fleet_caps: Callable[[], list[P.EngineCaps]] = list) -> None:
+    def __init__(self, cfg: Config, core: ServingCore, tok: Tokenizer, pool: Executor,
+                 metrics: Metrics, clock: Callable[[], float], is_draining: Callable[[], bool],
+                 not_serving: Callable[[], str | None]) -> None:
         self.cfg = cfg
-        self.live = live
+        self.core = core
+        self.live = core.table
         self.tok = tok
         self.pool = pool
         self.metrics = metrics
         self.clock = clock
-        self.wake = wake
         self.is_draining = is_draining
         self.not_serving = not_serving
-        #: The registered workers' capabilities (what they said at register).
-        self.fleet_caps = fleet_caps
         d = cfg.daemon
         self.max_chars = cfg.model.max_input * max_token_chars(tok)
         self.tokenizing = asyncio.Semaphore(d.max_tokenizing)
@@ -78,15 +77,18 @@ class Admission:
         #: of text prompts cannot queue unbounded tokenizer work.
         self.admitting = 0
 
-    def refuse(self, conn: Conn, code: P.ErrorCode, message: str, rid: str | None) -> None:
+    def refuse(self, conn: Conn, code: P.ErrorCode, message: str, rid: str | None) -> Effects:
         self.metrics.refused(code)
         log.info("refused id=%s conn=%d code=%s: %s", rid, conn.cid, code, message)
-        conn.send(P.Error(code=code, message=message, id=rid))
+        out = Effects()
+        out.send(conn, P.Error(code=code, message=message, id=rid))
+        return out
 
-    async def on_generate(self, conn: Conn, g: P.Generate) -> None:
+    async def on_generate(self, conn: Conn, g: P.Generate) -> Effects:
+        """Admit ``g`` (the core's effects: ``accepted`` and the rest) or refuse it."""
         self.admitting += 1
         try:
-            await self._admit(conn, g)
+            return await self._admit(conn, g)
         finally:
             self.admitting -= 1
 
@@ -113,7 +115,7 @@ class Admission:
         """Why the workers cannot sample ``g`` (temperature > 0), if they cannot: what the
         registered workers said they can do (``Register.caps``), else, before any has
         registered, what the configured engine will say."""
-        caps = self.fleet_caps()
+        caps = self.core.members.caps()
         if caps:
             sampling = all(c.sampling for c in caps)
             seeded = all(c.seeded for c in caps)
@@ -139,7 +141,7 @@ class Admission:
             return "duplicate_id", f"request id {rid!r} is already live"
         return None
 
-    async def _admit(self, conn: Conn, g: P.Generate) -> None:
+    async def _admit(self, conn: Conn, g: P.Generate) -> Effects:
         m = self.cfg.model
         rid = g.id or uuid.uuid4().hex[:16]
         uid = conn.peer.uid if conn.peer is not None else None
@@ -177,7 +179,7 @@ class Admission:
             except Exception as exc:  # noqa: BLE001 - a tokenizer error is the request's fault
                 return self.refuse(conn, "bad_request", f"cannot tokenize: {exc}", g.id)
             if conn.closed:
-                return
+                return Effects()
             bad = self._check_state(rid)  # the world may have changed while we tokenized
             if bad is not None:
                 return self.refuse(conn, *bad, g.id)
@@ -189,19 +191,7 @@ class Admission:
         why = self._overloaded(uid, len(ids))
         if why is not None:
             return self.refuse(conn, "overloaded", why, g.id)
-        now = self.clock()
-        req = Request(
-            rid=rid,
-            prompt_len=len(ids),
-            max_tokens=m.max_gen if g.max_tokens is None else min(g.max_tokens, m.max_gen),
-            arrival=now,
-            priority=g.priority,
-            deadline=None if g.timeout is None else now + g.timeout,
-        )
-        self.live.add(conn, g, req, list(ids), self.tok)
-        log.debug("accepted id=%s conn=%d prompt_tokens=%d max_tokens=%d timeout=%s user=%s", rid,
-                  conn.cid, len(ids), req.max_tokens, g.timeout, g.user)
-        self.wake()
+        return self.core.submit(conn, uid, g, rid, list(ids), self.clock())
 
     async def _tokenize(self, g: P.Generate) -> list[int]:
         """Blocking work: in the thread pool, at most ``daemon.max_tokenizing`` at once."""

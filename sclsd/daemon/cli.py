@@ -11,6 +11,8 @@ import asyncio
 import logging
 import resource
 import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from ..config import ConfigError, load, override
 from ..defaults import ENGINES, force_offline
@@ -91,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     force_offline()
     from .server import Server  # after logging: importing it pulls in zmq and the core
 
+    runner: Callable[[Coroutine[Any, Any, int]], int]
     try:
         import uvloop
 

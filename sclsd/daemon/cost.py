@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import protocol as P
 from ..config import Config
+from ..core.estimator import Estimator
 from ..core.memory import KVMemory, RuleTable
 from ..core.profiles import DEFAULT_PROFILE, Profile, ProfileCost, load_profile
 
@@ -54,7 +55,7 @@ class DaemonCost:
         return max(self.pages.values(), default=1)
 
     @property
-    def estimator(self):  # noqa: ANN201 - the core's Estimator
+    def estimator(self) -> Estimator:
         return self.inner.estimator
 
     def on_register(self, reg: P.Register) -> None:

@@ -10,20 +10,34 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable
+from typing import Protocol
 
-from .requests import LiveRequests
+from .. import protocol as P
+from ..sdnotify import Notifier
 
 log = logging.getLogger("sclsd")
+
+
+class Drained(Protocol):
+    """What a drain waits on and ends: the daemon's live requests."""
+
+    idle: asyncio.Event
+    """Set while no request is live."""
+
+    def live_count(self) -> int: ...
+
+    def fail_all(self, code: P.ErrorCode, message: str) -> list[str]:
+        """End every live request with ``error``; returns their ids."""
+        ...
 
 
 class Drain:
     """The drain's state and task; ``stopped`` is set when the daemon may stop."""
 
-    def __init__(self, live: LiveRequests, timeout_s: float, on_begin: Callable[[str], None]) -> None:
-        self.live = live
+    def __init__(self, daemon: Drained, timeout_s: float, notifier: Notifier) -> None:
+        self.daemon = daemon
         self.timeout_s = timeout_s
-        self.on_begin = on_begin
+        self.notifier = notifier
         self.draining = False
         self.stopped = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
@@ -33,20 +47,21 @@ class Drain:
         """Stop accepting and finish what is in flight; a second signal ends it now."""
         self._signals += 1
         name = signal.Signals(sig).name if sig else "request"
+        live = self.daemon.live_count()
         if self.draining:
             if self._signals > 1 and sig is not None:
-                log.warning("second %s: ending %d requests now", name, len(self.live))
+                log.warning("second %s: ending %d requests now", name, live)
                 self.finish()
             return
         self.draining = True
         log.info("draining (%s): refusing new requests, finishing %d in flight within %.0fs",
-                 name, len(self.live), self.timeout_s)
-        self.on_begin(f"draining {len(self.live)} requests (up to {self.timeout_s:.0f}s)")
+                 name, live, self.timeout_s)
+        self.notifier.stopping(f"draining {live} requests (up to {self.timeout_s:.0f}s)")
         self.task = asyncio.get_running_loop().create_task(self._run(), name="drain")
 
     async def _run(self) -> None:
         try:
-            await asyncio.wait_for(self.live.idle.wait(), self.timeout_s)
+            await asyncio.wait_for(self.daemon.idle.wait(), self.timeout_s)
         except asyncio.TimeoutError:
             pass
         self.finish()
@@ -55,7 +70,7 @@ class Drain:
         """End the drain: what is left gets ``error: shutdown``; the daemon stops."""
         if self.stopped.is_set():
             return
-        left = self.live.fail_all("shutdown", "the daemon stopped before this request finished")
+        left = self.daemon.fail_all("shutdown", "the daemon stopped before this request finished")
         if left:
             log.warning("drain ended with %d requests unfinished: ids=%s", len(left), ",".join(left))
         self.stopped.set()

@@ -36,7 +36,7 @@ def setup_logging(level: str) -> None:
     """Log to stderr, one line per event (the journal's format under systemd)."""
     # At info the daemon logs a line per finished request: skip what our format never
     # shows (caller frame lookup, thread and process names) to keep a line cheap.
-    logging._srcfile = None  # type: ignore[attr-defined]
+    logging._srcfile = None
     logging.logThreads = False
     logging.logProcesses = False
     logging.logMultiprocessing = False

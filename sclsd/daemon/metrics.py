@@ -241,14 +241,14 @@ class Metrics:
                                 (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
         self.batch_time = _Hist("sclsd:batch_serve_seconds", "Measured serving time per batch",
                                 _LATENCY_BUCKETS)
-        self.registry.register(_Events([  # type: ignore[arg-type]
+        self.registry.register(_Events([
             self.requests, self.refusals, self.prompt_tokens, self.gen_tokens, self.batches, self.ttft,
             self.tpot, self.e2e, self.queue, self.req_prompt, self.req_gen, self.slices, self.batch_size,
             self.batch_time]))
 
     def watch(self, snapshot: Callable[[], StatusSnapshot]) -> None:
         """Serve the gauges from ``snapshot`` (the status view), read at each scrape."""
-        self.registry.register(_Gauges(snapshot))  # type: ignore[arg-type]
+        self.registry.register(_Gauges(snapshot))
 
     def refused(self, code: str) -> None:
         self.refused_total += 1
@@ -285,6 +285,6 @@ class Metrics:
         from ..config import parse_host_port
 
         host, port = parse_host_port(address)
-        server, thread = start_http_server(port, addr=host, registry=_OnLoop(self.registry, loop))  # type: ignore[arg-type]
+        server, thread = start_http_server(port, addr=host, registry=_OnLoop(self.registry, loop))
         log.info("metrics over HTTP on http://%s:%d/metrics", host, server.server_port)
         return HttpServer(server, thread, f"{host}:{server.server_port}")

@@ -6,9 +6,10 @@ message means is decided by the handler the daemon passes in.
 
 What a hostile or broken peer can do is bounded here: a frame is at most
 ``max_frame`` bytes (larger: ``frame_too_large`` and the connection closes), a
-connection's unread output at most ``max_buffer`` bytes (more: the connection
-is dropped, so a slow reader never makes the daemon hang or grow), and a peer
-whose uid is not on the allow-list is refused before its first frame.
+connection's unread output is bounded (past ``max_buffer`` bytes the transport
+pauses writing, and a client that then stops reading is dropped, so a slow
+reader never makes the daemon hang or grow), and a peer whose uid is not on
+the allow-list is refused before its first frame.
 """
 
 from __future__ import annotations
@@ -81,9 +82,12 @@ HARD_CAP_FACTOR = 16
 @dataclass(eq=False)
 class Conn:
     """One client connection. ``send`` never blocks, and a client that does not read
-    cannot make the daemon hang or grow: once its unread output passes ``max_buffer``
-    bytes it must drain some of it every ``SLOW_GRACE_S`` seconds, or it is
-    disconnected; past ``HARD_CAP_FACTOR × max_buffer`` it is disconnected at once.
+    cannot make the daemon hang or grow. Back-pressure comes from the transport (flow
+    control, as uvicorn's ``flow_control``): its write buffer's high-water mark is
+    ``max_buffer``, and it calls :meth:`pause_writing` when the unread output passes it
+    and :meth:`resume_writing` when the client took it back below the low-water mark.
+    While paused the client must take some of it every ``SLOW_GRACE_S`` seconds, or it
+    is disconnected; past ``HARD_CAP_FACTOR × max_buffer`` it is disconnected at once.
     A burst (thousands of requests finishing in one round) is fine for a client that
     keeps reading.
 
@@ -96,13 +100,14 @@ class Conn:
     cid: int
     max_buffer: int
     peer: PeerCred | None = None
-    rids: set[str] = field(default_factory=set)
     closed: bool = False
     _pending: list[bytes] = field(default_factory=list)
     _pending_bytes: int = 0
-    _watch: asyncio.TimerHandle | None = None
+    _paused: bool = False
+    """The transport said its write buffer is above the high-water mark."""
+    _grace: asyncio.TimerHandle | None = None
     _written: int = 0
-    _taken_at_watch: int = 0
+    _taken_at_grace: int = 0
 
     def unread(self) -> int:
         """Bytes sent to this client and not yet taken by it."""
@@ -121,7 +126,7 @@ class Conn:
         self._pending.append(body)
         self._pending_bytes += len(body)
         if self._pending_bytes > self.max_buffer:
-            self._over()
+            self._check_hard_cap()
 
     def flush(self) -> None:
         """Write what ``send`` queued (called once per loop turn; safe to call any time)."""
@@ -133,32 +138,42 @@ class Conn:
         self._pending.clear()
         self._pending_bytes = 0
         self._written += len(data)
-        self.writer.write(data)
-        if self.writer.transport.get_write_buffer_size() > self.max_buffer:
-            self._over()
+        self.writer.write(data)  # past the high-water mark, the transport pauses us
+        if self._paused:
+            self._check_hard_cap()
 
-    def _over(self) -> None:
-        """Unread output passed the bound: watch whether the client drains it."""
+    # ------------------------------------------------------------------ flow control
+
+    def pause_writing(self) -> None:
+        """The unread output passed ``max_buffer``: the client must take some of it within
+        ``SLOW_GRACE_S``."""
+        self._paused = True
+        if self._grace is None and not self.closed:
+            self._taken_at_grace = self.taken()
+            self._grace = asyncio.get_running_loop().call_later(SLOW_GRACE_S, self._grace_over)
+
+    def resume_writing(self) -> None:
+        """The client took its output back below the low-water mark."""
+        self._paused = False
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
+
+    def _grace_over(self) -> None:
+        self._grace = None
+        if self.closed or not self._paused:
+            return
+        taken = self.taken()
+        if taken <= self._taken_at_grace:
+            self._slow(self.unread())  # read nothing for SLOW_GRACE_S while over the bound
+        else:
+            self._taken_at_grace = taken
+            self._grace = asyncio.get_running_loop().call_later(SLOW_GRACE_S, self._grace_over)
+
+    def _check_hard_cap(self) -> None:
         size = self.unread()
         if size > HARD_CAP_FACTOR * self.max_buffer:
             self._slow(size)
-        elif self._watch is None:
-            self._taken_at_watch = self.taken()
-            self._watch = asyncio.get_running_loop().call_later(SLOW_GRACE_S, self._check)
-
-    def _check(self) -> None:
-        self._watch = None
-        if self.closed:
-            return
-        size = self.unread()
-        if size <= self.max_buffer:
-            return
-        taken = self.taken()
-        if taken <= self._taken_at_watch:
-            self._slow(size)  # read nothing for SLOW_GRACE_S while over the bound
-        else:
-            self._taken_at_watch = taken
-            self._watch = asyncio.get_running_loop().call_later(SLOW_GRACE_S, self._check)
 
     def _slow(self, size: int) -> None:
         log.warning("conn=%d slow client: %d bytes unread, disconnecting", self.cid, size)
@@ -168,15 +183,34 @@ class Conn:
         if not self.closed:
             self.closed = True
             self._pending.clear()
-            if self._watch is not None:
-                self._watch.cancel()
+            if self._grace is not None:
+                self._grace.cancel()
             self.writer.transport.abort()
 
     def close(self) -> None:
         if not self.closed:
             self.flush()  # what was sent goes out before the close
             self.closed = True
+            if self._grace is not None:
+                self._grace.cancel()
             self.writer.close()
+
+
+class _FlowProtocol(asyncio.StreamReaderProtocol):
+    """A stream protocol that also tells its :class:`Conn` when the transport pauses and
+    resumes writing (the stream's own ``drain()`` keeps working as before)."""
+
+    conn: Conn | None = None
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.conn is not None:
+            self.conn.pause_writing()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.conn is not None:
+            self.conn.resume_writing()
 
 
 Handler = Callable[[Conn, Any], Awaitable[None] | None]
@@ -326,17 +360,26 @@ class FrameServer:
         """Wrap an accepted socket in a stream (what asyncio.start_unix_server does)."""
         assert self._loop is not None
         reader = asyncio.StreamReader(limit=1 << 16)
-        protocol = asyncio.StreamReaderProtocol(reader, self._serve)
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await self._serve(reader, writer, protocol)
+
+        protocol = _FlowProtocol(reader, serve)
         try:
             await self._loop.connect_accepted_socket(lambda: protocol, sock)
         except OSError as exc:
             log.info("%s: connection lost before it started: %s", self.name, exc)
             sock.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     protocol: _FlowProtocol) -> None:
         self._next_cid += 1
         peer = peer_cred(writer.get_extra_info("socket"))
         conn = Conn(writer, self._next_cid, self.max_buffer, peer)
+        # The transport pauses us past max_buffer unread bytes (the low-water mark is a
+        # quarter of it, as asyncio's default ratio).
+        writer.transport.set_write_buffer_limits(high=self.max_buffer)
+        protocol.conn = conn
         if peer:
             log.log(self.conn_log_level, "%s conn=%d open pid=%d uid=%d gid=%d", self.name, conn.cid,
                     peer.pid, peer.uid, peer.gid)

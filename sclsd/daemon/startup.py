@@ -1,7 +1,8 @@
-"""Start-up helpers: blocking loads off the loop, and worker messages held until the fleet exists.
+"""Start-up helpers: blocking loads off the loop, and worker messages held until the daemon
+can serve.
 
 Workers load their models while the daemon loads its tokenizer; what they send
-before the daemon can serve waits in :class:`EarlySink`, in order.
+before the daemon can serve waits in :class:`EarlyMessages`, in order.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import protocol as P
-from .fleet import Fleet
 
 
 async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
@@ -39,31 +39,25 @@ async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
     return await fut
 
 
-class EarlySink:
-    """The transport's sink: worker messages that arrive before the fleet exists (workers
-    load while the daemon loads its tokenizer) wait here, in order, and go to the fleet
-    once it is attached; after that every message goes straight through."""
+class EarlyMessages:
+    """Worker messages that arrive before the daemon can serve (workers load while the
+    daemon loads its tokenizer): held in order, handed over once it can."""
 
     #: A worker sends one ``register`` and waits: more than this is no worker of ours.
     MAX_EARLY = 1024
 
     def __init__(self) -> None:
-        self.fleet: Fleet | None = None
-        self.early: list[tuple[bytes, P.WorkerMsg]] = []
+        self.held: list[tuple[bytes, P.WorkerMsg]] = []
 
-    def on_message(self, peer: bytes, msg: P.WorkerMsg) -> None:
-        if self.fleet is not None:
-            self.fleet.on_message(peer, msg)
-            return
+    def hold(self, peer: bytes, msg: P.WorkerMsg) -> None:
         if isinstance(msg, P.Register):
             # A worker left unanswered registers again every few seconds: only its latest
-            # counts (the fleet takes a second register from a peer for a restart).
-            self.early = [(p, m) for p, m in self.early if p != peer or not isinstance(m, P.Register)]
-        if len(self.early) < self.MAX_EARLY:  # beyond: dropped; a worker registers again
-            self.early.append((peer, msg))
+            # counts (a second register from a peer would be taken for a restart).
+            self.held = [(p, m) for p, m in self.held if p != peer or not isinstance(m, P.Register)]
+        if len(self.held) < self.MAX_EARLY:  # beyond: dropped; a worker registers again
+            self.held.append((peer, msg))
 
-    def attach(self, fleet: Fleet) -> None:
-        self.fleet = fleet
-        early, self.early = self.early, []
-        for peer, msg in early:
-            fleet.on_message(peer, msg)
+    def take(self) -> list[tuple[bytes, P.WorkerMsg]]:
+        """Everything held, in arrival order (and nothing held any more)."""
+        held, self.held = self.held, []
+        return held

@@ -9,64 +9,73 @@ on the status socket changes the daemon's state.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import __version__
 from .. import protocol as P
 from ..config import Config
-from ..core.scheduler import Scheduler
-from .admission import Admission
+from ..core.scheduler_api import SchedulerInterface
 from .cost import DaemonCost
-from .fleet import Fleet
 from .metrics import Metrics
-from .requests import LiveRequests
+from .serving.core import ServingCore
 from .sockets import Conn, FrameServer
 
 
-class StatusView:
-    """Reads the daemon's parts (given explicitly) into a :class:`~sclsd.protocol.StatusSnapshot`."""
+@dataclass(frozen=True)
+class DaemonState:
+    """What the server knows beyond the serving core: its lifecycle and its own counts."""
 
-    def __init__(self, cfg: Config, sched: Scheduler, live: LiveRequests, admission: Admission | None,
-                 fleet: Fleet | None, cost: DaemonCost, api: FrameServer, clock: Callable[[], float],
-                 started: float, extra: Callable[[], dict[str, Any]]) -> None:
+    draining: bool
+    serving: bool
+    why: str | None
+    """Why it cannot serve (starting, no workers), when it cannot."""
+    starting: bool
+    metrics_http: str | None
+    loading: list[P.LoadingWorker] = field(default_factory=list)
+    admitting: int = 0
+    counters: dict[str, int] = field(default_factory=dict)
+    """Refusals, bad worker messages, refused registrations, restarts."""
+
+
+class StatusView:
+    """Reads the scheduler, the cost model and the serving core (once there is one) into a
+    :class:`~sclsd.protocol.StatusSnapshot`."""
+
+    def __init__(self, cfg: Config, sched: SchedulerInterface, cost: DaemonCost, api: FrameServer,
+                 clock: Callable[[], float], started: float) -> None:
         self.cfg = cfg
         self.sched = sched
-        self.live = live
-        #: None while the daemon starts (the server sets both once it is wired).
-        self.admission = admission
-        self.fleet = fleet
         self.cost = cost
         self.api = api
         self.clock = clock
         self.started = started
-        #: ``draining``, ``metrics_http``, ``serving``, ``why``, ``starting``, ``loading`` and
-        #: extra counters, from the server.
-        self.extra = extra
 
-    def snapshot(self) -> P.StatusSnapshot:
+    def snapshot(self, core: ServingCore | None, state: DaemonState) -> P.StatusSnapshot:
         s = self.sched
         now = self.clock()
         workers = []
+        members = core.members if core is not None else None
         for wid, ws in sorted(s.workers.items()):
-            info = self.fleet.workers.get(wid) if self.fleet is not None else None
-            if info is None:
+            info = members.workers.get(wid) if members is not None else None
+            if members is None or info is None:
                 continue
             reg = info.reg
             workers.append(P.WorkerStatus(
                 id=wid, engine=reg.engine, model=reg.model, device=reg.device, pid=reg.pid,
-                state=self.fleet.state(wid), load_s=round(ws.load, 4), batches_inflight=len(ws.batches),
+                state=members.state(wid), load_s=round(ws.load, 4), batches_inflight=len(ws.batches),
                 queued_batches=info.queued_batches, busy=info.busy, batches_done=ws.batches_done,
                 tokens_done=ws.tokens_done, heartbeat_age_s=round(now - info.last_seen, 3),
             ))
         recent = list(s.recent)
         err = [m - e for e, m in recent]
-        x = self.extra()
         d = self.cfg.daemon
+        engines = core.results.engines.as_counters() if core is not None else {}
         return P.StatusSnapshot(
             version=__version__,
             protocol=P.PROTOCOL_VERSION,
             uptime_s=round(now - self.started, 3),
-            draining=x["draining"],
+            draining=state.draining,
             model=self.cfg.model.name,
             policy=s.policy.name,
             slice_len=s.policy.slice_len,
@@ -74,11 +83,11 @@ class StatusView:
             pool_size=len(s.pool),
             live_requests=len(s.live),
             running_requests=len(s.live) - len(s.pool),
-            admitting=self.admission.admitting if self.admission is not None else 0,
-            queued_tokens=self.live.queued_tokens,
+            admitting=state.admitting,
+            queued_tokens=core.table.queued_tokens if core is not None else 0,
             limits=P.Limits(max_queued_requests=d.max_queued_requests, max_queued_tokens=d.max_queued_tokens),
             connections=len(self.api.conns),
-            metrics_http=x["metrics_http"],
+            metrics_http=state.metrics_http,
             workers=workers,
             estimator=self.cost.estimator.to_dict(),
             estimator_error=P.EstimatorError(
@@ -87,23 +96,23 @@ class StatusView:
                 mean_abs_error_s=sum(abs(v) for v in err) / len(err) if err else None,
                 last=[P.EstimatedVsMeasured(est_s=round(e, 4), measured_s=round(m, 4)) for e, m in recent[-8:]],
             ),
-            counters={**s.counters, **x["counters"]},
-            serving=x["serving"],
-            why=x["why"],
-            starting=x.get("starting", False),
-            loading=x.get("loading", []),
+            counters={**s.stats().as_counters(), **engines, **state.counters},
+            serving=state.serving,
+            why=state.why,
+            starting=state.starting,
+            loading=state.loading,
         )
 
 
 class StatusHandler:
     """Answers :class:`~sclsd.protocol.StatusRequest` and :class:`~sclsd.protocol.MetricsRequest`."""
 
-    def __init__(self, view: StatusView, metrics: Metrics) -> None:
-        self.view = view
+    def __init__(self, snapshot: Callable[[], P.StatusSnapshot], metrics: Metrics) -> None:
+        self.snapshot = snapshot
         self.metrics = metrics
 
     def handle(self, conn: Conn, msg: Any) -> None:
         if isinstance(msg, P.StatusRequest):
-            conn.send(P.StatusReply(status=self.view.snapshot()))
+            conn.send(P.StatusReply(status=self.snapshot()))
         elif isinstance(msg, P.MetricsRequest):
             conn.send(P.MetricsReply(text=self.metrics.exposition()))

@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 from ..config import Config
@@ -114,7 +114,7 @@ class Supervisor:
     def progress_file(self, wid: str) -> str:
         return os.path.join(self.run_dir, f"{wid}.progress")
 
-    def loading(self, registered: set[str] | dict[str, object]) -> list[Loading]:
+    def loading(self, registered: Container[str]) -> list[Loading]:
         """Local workers whose process runs and that are not in ``registered``, oldest first.
 
         Reads each one's progress file: a few bytes, and only while workers load.

@@ -13,7 +13,7 @@ oracles run here; the continuous-batching baselines have their own loop in
 The settings and the result of a run are in :mod:`sclsd.sim.common`.
 
 With KV reuse each worker keeps its unfinished rows' KV after a slice
-(:class:`~sclsd.sim.kvstore.KVStore`: device room beside the running batch,
+(:class:`~sclsd.sim.retained_kv.RetainedKV`: device room beside the running batch,
 then host memory, LRU evictions reported to the scheduler) and a batch
 prefills only what its worker does not hold. A request's first token is
 recorded when the prefill that produces it ends (tokens are streamed).
@@ -31,8 +31,8 @@ from ..core.policy import GRANT_POLICIES, Policy, make_policy
 from ..core.scheduler import Batch, BatchOutcome, Scheduler
 from ..eval.metrics import BatchStats
 from .common import SimConfig, SimResult, make_requests, progress_bar, record_of
-from .kvstore import KVStore
 from .oracle import make_oracle_policy, make_static_oracle_policy
+from .retained_kv import RetainedKV
 from .workers import Noise, Served, SimPayload, SimWorker, serve_ragged, serve_static
 from .workload import Workload
 
@@ -60,7 +60,7 @@ class StaticSimulation:
             self.sched.add_worker(wid)
             if policy.kv_reuse:
                 host = (prof.host_kv_bytes or 0.0) if self.host_link else 0.0
-                w.store = KVStore(self.delta, cfg.kv_token_capacity * self.delta, host)
+                w.store = RetainedKV(self.delta, cfg.kv_token_capacity * self.delta, host)
         self.host_copy_s = 0.0
         self.requests = make_requests(workload, cfg.max_gen)
         self.noise = Noise(cfg.noise, cfg.seed)

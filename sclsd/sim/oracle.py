@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -211,7 +212,8 @@ class StaticOracleBatcher:
             L = np.maximum.accumulate(Ls[i - k : i][::-1]).astype(np.float64)
             m = np.arange(1, k + 1, dtype=np.float64)
             ok = _allowed(cost, m, L, out)
-            t = est.t_prefill(m, L) + est.t_decode(m, L, out) + T[i - m.astype(np.int64)]
+            vec: Any = est  # its closed forms are numpy-vectorised: arrays in, arrays out
+            t = vec.t_prefill(m, L) + vec.t_decode(m, L, out) + T[i - m.astype(np.int64)]
             t = np.where(ok, t, np.inf)
             best = int(t.argmin())  # ties: the smallest batch, as Algorithm 1's strict <
             T[i] = t[best]

@@ -17,7 +17,7 @@ import numpy as np
 from ..core.batch import Batch, RowOutcome
 from ..core.estimator import Estimator
 from ..core.request import FinishReason, Request
-from .kvstore import KVStore
+from .retained_kv import RetainedKV
 
 
 @dataclass(slots=True)
@@ -214,5 +214,5 @@ class SimWorker:
     busy: bool = False
     last_completion: float | None = None
     busy_time: float = 0.0
-    store: KVStore | None = None
+    store: RetainedKV | None = None
     """Retained KV across slices (KV reuse); None: nothing is kept."""

@@ -6,7 +6,7 @@
 - **Size limits**: no class over 300 lines, no module over 600.
 - **Light imports**: the client library, the wire protocol and the policy
   core pull in only what they need (the core is pure policy: no I/O stack,
-  no ML stack, no clock).
+  no ML stack, no clock); the daemon's serving core does no I/O either.
 
 Each rule's machinery is also run on a small synthetic case here, so a rule
 that silently stopped detecting anything would fail too.
@@ -384,7 +384,8 @@ def test_core_has_the_expected_modules() -> None:
     mods = set(core_modules())
     for m in (
         "interfaces", "request", "batch", "estimator", "memory", "batcher", "offloader",
-        "policy", "profiles", "scheduler",
+        "policy", "profiles", "scheduler_api", "mechanism", "scheduler", "grants",
+        "grant_scheduler",
     ):
         assert f"sclsd.core.{m}" in mods
 
@@ -397,6 +398,51 @@ def test_importing_core_pulls_in_no_io_or_ml_stack() -> None:
         "for n in builtin_profiles(): load_profile(n).cost().t_serve(4, 100, 128)"
     )
     assert loaded_after(stmts, CORE_FORBIDDEN) == []
+
+
+SERVING_DIR = ROOT / "sclsd" / "daemon" / "serving"
+#: The daemon's serving core is I/O-free: no event loop, sockets, transport or clock; the
+#: shell around it (sclsd.daemon.server, .shell) does all of that.
+SERVING_FORBIDDEN = ("asyncio", "socket", "selectors", "zmq", "uvloop", "torch", "transformers",
+                     "prometheus_client")
+
+
+def serving_modules() -> list[str]:
+    return sorted(f"sclsd.daemon.serving.{p.stem}" for p in SERVING_DIR.glob("*.py")
+                  if p.stem != "__init__")
+
+
+def test_serving_core_has_its_parts() -> None:
+    mods = set(serving_modules())
+    for m in ("core", "effects", "table", "output", "events", "replies", "membership", "dispatch",
+              "streaming", "results"):
+        assert f"sclsd.daemon.serving.{m}" in mods
+
+
+def test_importing_the_serving_core_pulls_in_no_io_stack() -> None:
+    stmts = (
+        "import importlib\n"
+        f"for m in {['sclsd.daemon.serving', *serving_modules()]!r}: importlib.import_module(m)"
+    )
+    assert loaded_after(stmts, SERVING_FORBIDDEN) == []
+
+
+@pytest.mark.parametrize("path", sorted(SERVING_DIR.glob("*.py")), ids=lambda p: p.name)
+def test_serving_core_sources_import_no_io_or_clock(path: Path) -> None:
+    """Time and text come in as arguments; effects go out as data. Within the daemon the
+    core uses only itself (the shell depends on it, never the other way)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.ImportFrom) and node.level == 2:  # from ..x: the daemon's
+            raise AssertionError(f"{path.name} imports sclsd.daemon.{node.module}")
+        for name in names:
+            root = name.split(".")[0]
+            assert root not in ("time", "datetime", *SERVING_FORBIDDEN), f"{path.name} imports {name}"
 
 
 def test_importing_the_client_pulls_in_no_ml_stack() -> None:

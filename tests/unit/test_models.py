@@ -61,7 +61,7 @@ def test_kv_bytes_per_token():
         head_dim=64,
         hidden_size=576,
     )
-    assert models.kv_bytes_per_token(smol, "float32") == 46_080  # DESIGN section 9
+    assert models.kv_bytes_per_token(smol, "float32") == 46_080  # docs/design.md §9
     assert models.kv_bytes_per_token(smol, "float16") == 23_040
     # No head_dim / kv heads: derived from hidden size and attention heads (MHA).
     mha = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, hidden_size=64)

@@ -102,7 +102,7 @@ def test_policy_drives_the_scheduler(name):
     assert sum(b.size for b in batches2) == len(lens) - len(stop) + 2
     for b in batches2:
         s.on_result(outcome(b), now=20.0)
-    assert s.counters["slices"] == len(lens) + len(lens) - len(stop) + 2
+    assert s.stats().slices == len(lens) + len(lens) - len(stop) + 2
 
 
 def test_fixed_batch_size_caps_sls_so_pm_but_not_ab():

@@ -42,7 +42,7 @@ def test_slices_requeue_until_done_and_loads_return_to_zero() -> None:
     assert sorted(r.rid for r in finished) == [f"r{i}" for i in range(6)]
     assert all(r.num_generated == 6 and r.finish_reason == "length" and r.slices == 2 for r in finished)
     assert s.loads() == {"a": 0.0, "b": 0.0}
-    assert s.counters["finished"] == 6
+    assert s.stats().finished == 6
 
 
 def test_input_len_grows_with_generated_tokens() -> None:
@@ -118,9 +118,9 @@ def test_early_return_only_when_every_row_ends_before_the_slice() -> None:
     s.add(req(1), 0.0)
     (b,) = s.schedule(0.0)
     s.on_result(BatchOutcome(b.bid, [RowOutcome("r0", 4, "stop"), RowOutcome("r1", 2, "stop")]), 1.0)
-    assert s.counters["early_returns"] == 0  # a row ran all 4 iterations
+    assert s.stats().early_returns == 0  # a row ran all 4 iterations
     s.add(req(2), 2.0)
     s.add(req(3), 2.0)
     (b,) = s.schedule(5.0)
     s.on_result(BatchOutcome(b.bid, [RowOutcome("r2", 3, "stop"), RowOutcome("r3", 1, "stop")]), 6.0)
-    assert s.counters["early_returns"] == 1
+    assert s.stats().early_returns == 1

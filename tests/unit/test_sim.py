@@ -71,7 +71,7 @@ def test_scheduler_reports_each_request_finished_exactly_once() -> None:
     sim.sched.on_result = spy  # type: ignore[method-assign]
     sim.run()
     assert len(seen) == len(set(seen)) == 60
-    assert sim.sched.counters["finished"] == 60 and not sim.sched.live and not sim.sched.pool
+    assert sim.sched.stats().finished == 60 and not sim.sched.live and not sim.sched.pool
 
 
 def test_one_batch_takes_exactly_t_serve() -> None:

@@ -15,8 +15,8 @@ from sclsd.core.profiles import Profile, ProfileCost
 from sclsd.core.request import Request
 from sclsd.sim.common import SimConfig
 from sclsd.sim.engine import StaticSimulation, simulate
-from sclsd.sim.kvstore import KVStore
 from sclsd.sim.oracle import StaticOracleBatcher
+from sclsd.sim.retained_kv import RetainedKV
 from sclsd.sim.workers import SimPayload
 from sclsd.sim.workload import Workload
 
@@ -130,7 +130,7 @@ def test_host_tier_keeps_kv_at_a_copy_cost() -> None:
 
 
 def test_kv_store_tiers_and_lru() -> None:
-    s = KVStore(delta=1, device_bytes=100, host_bytes=50)
+    s = RetainedKV(delta=1, device_bytes=100, host_bytes=50)
     assert s.put([("a", 40), ("b", 40), ("c", 40)]) == []  # 120 > 100: "a" (LRU) to host
     co = s.checkout(["a"], running_bytes=0)
     assert co.held == [40] and co.host_bytes == 40

@@ -463,20 +463,17 @@ def test_an_unusable_cache_falls_back_and_a_damaged_entry_is_removed(tmp_path, c
     assert "cannot be read (bad safetensors header)" in caplog.text and not entry.exists()
 
 
-def test_early_sink_hands_over_each_workers_latest_register_in_order():
-    from sclsd.daemon.startup import EarlySink
+def test_early_messages_hand_over_each_workers_latest_register_in_order():
+    from sclsd.daemon.startup import EarlyMessages
 
     def reg(wid: str, pid: int) -> P.Register:
         return P.Register(worker_id=wid, engine="fake", model="fake", device="cpu", kv_bytes_per_token=1,
                           mem_available=1, pid=pid)
 
-    sink = EarlySink()
-    sink.on_message(b"a", reg("w0", 1))
-    sink.on_message(b"b", reg("w1", 2))
-    sink.on_message(b"a", reg("w0", 3))  # w0 registered again while the daemon was starting
-    got: list[tuple[bytes, Any]] = []
-    fleet = SimpleNamespace(on_message=lambda peer, msg: got.append((peer, msg.pid)))
-    sink.attach(fleet)  # type: ignore[arg-type]
+    early = EarlyMessages()
+    early.hold(b"a", reg("w0", 1))
+    early.hold(b"b", reg("w1", 2))
+    early.hold(b"a", reg("w0", 3))  # w0 registered again while the daemon was starting
+    got = [(peer, msg.pid) for peer, msg in early.take()]
     assert got == [(b"b", 2), (b"a", 3)]
-    sink.on_message(b"c", reg("w2", 4))  # attached: straight through
-    assert got[-1] == (b"c", 4) and sink.early == []
+    assert early.take() == []  # handed over once

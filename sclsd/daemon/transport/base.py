@@ -2,8 +2,8 @@
 
 A transport moves typed messages between the daemon and worker *peers*: opaque
 byte strings it assigns per connection (the ROUTER's routing ids). It never
-decides what a message means: :class:`WorkerSink` (the fleet) does, and maps
-peers to worker ids only after a worker authenticated at registration.
+decides what a message means: :class:`WorkerSink` (the daemon's server) does; its
+fleet maps peers to worker ids only after a worker authenticated at registration.
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ from sclsd import protocol as P
 from sclsd.config import from_dict
 from sclsd.core.policy import GRANT_POLICIES
 from sclsd.daemon.server import Server
+from sclsd.daemon.serving.core import ServingCore
+from sclsd.daemon.serving.effects import Effects
+from sclsd.daemon.serving.table import Entry, RequestTable
+from sclsd.daemon.shell import Shell
 from sclsd.daemon.sockets import Conn, PeerCred
 from sclsd.daemon.transport.inproc import InprocTransport, InprocWorker
 from sclsd.tokenizer import ByteTokenizer
@@ -71,11 +75,56 @@ async def held(w: InprocWorker, n: int = 1) -> None:
 
 
 class Harness:
-    """A started :class:`Server` plus helpers to add workers and submit requests."""
+    """A started :class:`Server` plus helpers to add workers and submit requests, and to feed
+    the serving core what the shell would (a worker lost, a heartbeat tick)."""
 
     def __init__(self, server: Server, transport: InprocTransport) -> None:
         self.server = server
         self.transport = transport
+
+    @property
+    def shell(self) -> Shell:
+        assert self.server.shell is not None, "the server is started"
+        return self.server.shell
+
+    @property
+    def core(self) -> ServingCore:
+        return self.shell.core
+
+    @property
+    def wake(self) -> asyncio.Event:
+        """Set whenever the scheduling loop is asked to look again."""
+        return self.shell.wake
+
+    def deliver(self, eff: Effects) -> None:
+        """Do what the core said, as the shell does."""
+        self.shell.deliver(eff)
+
+    @property
+    def live(self) -> RequestTable:
+        """The live requests."""
+        return self.core.table
+
+    def entry(self, rid: str) -> Entry:
+        e = self.live.get(rid)
+        assert e is not None, f"{rid} is not live"
+        return e
+
+    def tick(self, now: float) -> None:
+        """The heartbeat tick at ``now``: silent workers and overdue batches are lost."""
+        self.deliver(self.core.tick(now))
+
+    def lose(self, wid: str, why: str = "test") -> None:
+        """Declare a worker lost, as a silence, a failed send or its exit would."""
+        self.deliver(self.core.worker_lost(wid, why, self.server.clock()))
+
+    def drain(self, wid: str, resume: bool = False) -> None:
+        """Take a worker out of rotation (or back in), as an admin's ``drain_worker`` does."""
+        self.deliver(self.core.drain_worker(wid, resume, requester=RecConn(uid=0)))
+
+    def members(self) -> dict[str, bytes]:
+        """Registered workers and their peers."""
+        return self.server.fleet.peers
 
     def worker(self, wid: str, *, auth: str | None = None, hold: bool = False, ack: bool = True,
                hold_results: bool = False, **engine: Any) -> InprocWorker:
@@ -88,7 +137,7 @@ class Harness:
     async def registered(self, *wids: str, timeout: float = 5.0) -> None:
         """Wait until the workers are members (registration goes through the loop)."""
         async def loop() -> None:
-            while not all(w in self.server.fleet.workers for w in wids):
+            while not all(w in self.server.fleet.peers for w in wids):
                 await asyncio.sleep(0)  # one loop turn: the transport delivers on the next
 
         await asyncio.wait_for(loop(), timeout)
@@ -99,9 +148,13 @@ class Harness:
         fields.setdefault("stream", False)
         if "prompt" not in fields and "prompt_ids" not in fields and "messages" not in fields:
             fields["prompt"] = "hello"
-        res = self.server.frontend.handle(conn, P.Generate(**fields))
+        res = self.server.on_client(conn, P.Generate(**fields))
         if res is not None:
             await res
+
+    def counters(self) -> dict[str, int]:
+        """The daemon's counters as its status shows them (scheduler and engines)."""
+        return dict(self.server.snapshot().counters)
 
     async def finished(self, conn: RecConn, *rids: str, timeout: float = 5.0) -> None:
         await conn.wait_for(lambda: all(conn.terminal(r) for r in rids), timeout)

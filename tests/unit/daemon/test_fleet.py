@@ -10,7 +10,7 @@ from .conftest import Harness, RecConn, held, until
 
 async def _one_batch_on(h: Harness, wid: str, conn: RecConn, rid: str = "r") -> None:
     await h.submit(conn, id=rid, max_tokens=32)
-    await held(h.transport.workers[h.server.fleet.workers[wid].peer])
+    await held(h.transport.workers[h.members()[wid]])
 
 
 def test_dead_worker_gives_its_requests_back(daemon) -> None:
@@ -20,8 +20,8 @@ def test_dead_worker_gives_its_requests_back(daemon) -> None:
         conn = RecConn()
         await _one_batch_on(h, "w0", conn)
         w0.kill()
-        h.server.fleet.tick(h.server.clock() + 60)  # heartbeats long overdue
-        assert "w0" not in h.server.fleet.workers and h.server.sched.pool  # back in the pool
+        h.tick(h.server.clock() + 60)  # heartbeats long overdue
+        assert "w0" not in h.members() and h.server.sched.pool  # back in the pool
         h.worker("w1")
         await h.finished(conn, "r")
         (done,) = conn.terminal("r")
@@ -37,7 +37,7 @@ def test_refused_send_requeues_instead_of_losing(daemon) -> None:
         h.transport.refuse_sends.add(w0.peer)  # as a full or vanished ZeroMQ pipe would
         conn = RecConn()
         await h.submit(conn, id="r", max_tokens=8)
-        await conn.wait_for(lambda: "w0" not in h.server.fleet.workers)
+        await conn.wait_for(lambda: "w0" not in h.members())
         assert not w0.batches()
         h.worker("w1")
         await h.finished(conn, "r")
@@ -52,16 +52,17 @@ def test_unacknowledged_batch_drops_the_worker(daemon) -> None:
         await h.registered("w0")
         conn = RecConn()
         await _one_batch_on(h, "w0", conn)
-        d = h.server.dispatcher
-        d.check(h.server.clock() + 1.0)  # within daemon.batch_ack_timeout_s: nothing happens
-        assert "w0" in h.server.fleet.workers
-        d.check(h.server.clock() + h.server.cfg.daemon.batch_ack_timeout_s + 1)
-        assert "w0" not in h.server.fleet.workers
+        h.tick(h.server.clock() + 1.0)  # within daemon.batch_ack_timeout_s: nothing happens
+        assert "w0" in h.members()
+        h.tick(h.server.clock() + h.server.cfg.daemon.batch_ack_timeout_s + 1)
+        assert "w0" not in h.members()
         h.worker("w1")
         await h.finished(conn, "r")
         assert conn.terminal("r")[0].worker == "w1"
 
-    daemon(body)
+    # The tick also loses workers silent past the heartbeat timeout: let only the missing
+    # acknowledgement count here.
+    daemon(body, daemon={"heartbeat_timeout_s": 60.0})
 
 
 def test_overdue_batch_drops_the_worker_even_when_acknowledged(daemon) -> None:
@@ -70,14 +71,17 @@ def test_overdue_batch_drops_the_worker_even_when_acknowledged(daemon) -> None:
         await h.registered("w0")
         conn = RecConn()
         await _one_batch_on(h, "w0", conn)
-        d = h.server.dispatcher
+        d = h.core.dispatch
         await conn.wait_for(lambda: not d.unacked)  # the ack went through the loop
-        d.check(h.server.clock() + h.server.cfg.daemon.batch_overdue_min_s - 1)
-        assert "w0" in h.server.fleet.workers
-        d.check(h.server.clock() + h.server.cfg.daemon.batch_overdue_min_s + 1)
-        assert "w0" not in h.server.fleet.workers
+        h.tick(h.server.clock() + h.server.cfg.daemon.batch_overdue_min_s - 1)
+        assert "w0" in h.members()
+        h.tick(h.server.clock() + h.server.cfg.daemon.batch_overdue_min_s + 1)
+        assert "w0" not in h.members()
 
-    daemon(body, daemon={"batch_overdue_factor": 1.0, "batch_overdue_min_s": 10.0})
+    # The tick also loses workers silent past the heartbeat timeout: let only the batch's
+    # deadline count here.
+    daemon(body, daemon={"batch_overdue_factor": 1.0, "batch_overdue_min_s": 10.0,
+                         "heartbeat_timeout_s": 60.0})
 
 
 def test_registration_needs_the_secret_and_cannot_take_over(daemon) -> None:
@@ -87,7 +91,7 @@ def test_registration_needs_the_secret_and_cannot_take_over(daemon) -> None:
         forged = h.worker("w0", auth="guess")
         await forged.got.wait()
         assert isinstance(forged.received[-1], P.Shutdown)
-        assert h.server.fleet.workers["w0"].peer == real.peer  # the real one stays
+        assert h.members()["w0"] == real.peer  # the real one stays
         assert h.server.fleet.refused == 1
         conn = RecConn()
         await _one_batch_on(h, "w0", conn)
@@ -100,7 +104,7 @@ def test_registration_refuses_a_model_that_does_not_fit_the_tokenizer(daemon) ->
     async def body(h: Harness) -> None:
         small = h.worker("w0", vocab=100)  # the byte tokenizer needs 256 ids
         await small.got.wait()
-        assert isinstance(small.received[-1], P.Shutdown) and "w0" not in h.server.fleet.workers
+        assert isinstance(small.received[-1], P.Shutdown) and "w0" not in h.members()
 
     daemon(body)
 
@@ -112,7 +116,7 @@ def test_reregistration_with_the_secret_replaces_the_old_connection(daemon) -> N
         conn = RecConn()
         await _one_batch_on(h, "w0", conn)
         new = h.worker("w0")  # restarted: a new connection, the same secret
-        await conn.wait_for(lambda: h.server.fleet.workers["w0"].peer == new.peer)
+        await conn.wait_for(lambda: h.members()["w0"] == new.peer)
         await h.finished(conn, "r")  # the held batch was re-queued and served by the new one
         assert len(conn.terminal("r")) == 1
         old.release()  # the old connection's late result is ignored
@@ -127,7 +131,7 @@ def test_drain_then_resume(daemon) -> None:
         h.worker("w1")
         await h.registered("w0", "w1")
         admin = RecConn(uid=0)
-        h.server.frontend.handle(admin, P.DrainWorker(worker="w0"))
+        h.server.on_client(admin, P.DrainWorker(worker="w0"))
         assert admin.sent[-1] == P.WorkerStateReply(worker="w0", state="drained", batches_inflight=0)
         await until(w0.got, lambda: isinstance(w0.received[-1], P.Drain))
         conn = RecConn(uid=1000)
@@ -135,9 +139,9 @@ def test_drain_then_resume(daemon) -> None:
             await h.submit(conn, id=f"r{i}")
         await h.finished(conn, *[f"r{i}" for i in range(5)])
         assert not w0.batches() and {m.worker for m in conn.sent if isinstance(m, P.Done)} == {"w1"}
-        h.server.frontend.handle(conn, P.DrainWorker(worker="w0", resume=True))
+        h.server.on_client(conn, P.DrainWorker(worker="w0", resume=True))
         assert conn.sent[-1].code == "forbidden"  # uid 1000 is no admin
-        h.server.frontend.handle(admin, P.DrainWorker(worker="w0", resume=True))
+        h.server.on_client(admin, P.DrainWorker(worker="w0", resume=True))
         assert admin.sent[-1].state == "active"
 
     daemon(body)
@@ -149,7 +153,7 @@ def test_status_snapshot_and_gauges_agree(daemon) -> None:
         await h.registered("w0")
         conn = RecConn()
         await _one_batch_on(h, "w0", conn)
-        st = h.server.view.snapshot()
+        st = h.server.snapshot()
         assert isinstance(st, P.StatusSnapshot)
         assert st.live_requests == 1 and st.running_requests == 1 and st.pool_size == 0
         (ws,) = st.workers
@@ -161,7 +165,7 @@ def test_status_snapshot_and_gauges_agree(daemon) -> None:
         w0.hold = False  # serve this batch and the request's next slices at once
         w0.release()
         await h.finished(conn, "r")
-        st = h.server.view.snapshot()
+        st = h.server.snapshot()
         assert st.live_requests == 0 and st.counters["finished"] == 1
         assert st.estimator_error.batches >= 1
         # The snapshot survives the wire as the typed struct.
@@ -182,7 +186,7 @@ def test_no_workers_left_ends_queued_requests_and_refuses_new_ones(daemon) -> No
         assert err.code == "no_workers"
         await h.submit(conn, id="new")
         assert conn.terminal("new")[0].code == "no_workers"
-        st = h.server.view.snapshot()
+        st = h.server.snapshot()
         assert not st.serving and "w0" in (st.why or "")
 
     daemon(body)

@@ -9,7 +9,7 @@ import pytest
 
 from sclsd import protocol as P
 from sclsd.config import ConfigError, from_dict
-from sclsd.core.granting import GrantScheduler
+from sclsd.core.grant_scheduler import SliceGrantScheduler
 
 from .conftest import Harness, RecConn, held, until
 
@@ -37,7 +37,7 @@ def _serve(daemon: Any, scheduler: dict[str, Any], n: int = 12) -> tuple[dict[st
             assert isinstance(done, P.Done), done
             assert len(conn.events(rid, P.Accepted)) == 1
         out["tokens"] = _outputs(conn, rids)
-        out["counters"] = dict(h.server.sched.counters)
+        out["counters"] = h.counters()
         assert not h.server.sched.live and not h.server.sched.batches
 
     daemon(body, scheduler=scheduler)
@@ -56,7 +56,7 @@ def test_grants_serve_the_same_tokens_as_slice_rounds(daemon) -> None:
 def test_grant_scheduler_is_built_for_scls_cb(daemon) -> None:
     async def body(h: Harness) -> None:
         s = h.server.sched
-        assert isinstance(s, GrantScheduler)
+        assert isinstance(s, SliceGrantScheduler)
         assert s.policy.kv_reuse and s.grants.S == 8
 
     daemon(body, scheduler=CB)
@@ -73,7 +73,7 @@ def test_a_request_stays_on_the_worker_holding_its_kv(daemon) -> None:
         assert len(batches) == 5 and all(b.slice_len == 8 and b.kv_reuse for b in batches)
         # Every grant after the first resumed the KV its predecessor kept: no re-prefill.
         assert [len(b.requests[0].token_ids) for b in batches] == [5 + 8 * k for k in range(5)]
-        assert h.server.sched.counters["migrations"] == 0
+        assert h.counters()["migrations"] == 0
 
     daemon(body, scheduler=CB)
 
@@ -82,7 +82,7 @@ def test_reserved_kv_never_exceeds_the_budget(daemon) -> None:
     """A budget of ~100 tokens per worker: grants queue for room instead of overcommitting."""
     async def body(h: Harness) -> None:
         sched = h.server.sched
-        assert isinstance(sched, GrantScheduler)
+        assert isinstance(sched, SliceGrantScheduler)
         seen: list[int] = []
         schedule = sched.schedule
 
@@ -119,8 +119,8 @@ def test_worker_death_during_a_grant_loses_nothing(daemon) -> None:
         await h.submit(conn, id="b", max_tokens=20, ignore_eos=True)
         await held(w0, 2)
         w0.kill()
-        h.server.fleet.tick(h.server.clock() + 60)
-        assert "w0" not in h.server.fleet.workers
+        h.tick(h.server.clock() + 60)
+        assert "w0" not in h.members()
         assert h.server.sched.grants.queued == 2  # both wait again, first in line
         h.worker("w1")
         await h.finished(conn, "a", "b")
@@ -141,12 +141,12 @@ def test_cancel_frees_the_grant_and_releases_kept_kv(daemon) -> None:
         await held(w0, 1)
         w0.release()  # first grant served: its KV is kept on w0
         await until(w0.got, lambda: len(w0.held) >= 1)
-        h.server.frontend.handle(conn, P.Cancel(id="a"))
+        h.server.on_client(conn, P.Cancel(id="a"))
         await conn.wait_for(lambda: bool(conn.terminal("a")))
         assert conn.terminal("a")[0].finish_reason == "cancelled"
         w0.release()  # the running grant's result comes back: the policy forgets "a"
         sched = h.server.sched
-        await until(h.server.wake, lambda: "a" not in sched.grants.grants_on("w0"))
+        await until(h.wake, lambda: "a" not in sched.grants.grants_on("w0"))
         await until(w0.got, lambda: any(isinstance(m, P.Release) and "a" in m.rids for m in w0.received))
         assert sched.grants.reserved("w0") == 0 and sched.grants.queued == 0
 
@@ -171,7 +171,7 @@ def test_a_static_worker_cannot_join_a_grant_daemon(daemon) -> None:
                                 register=False)
         w.register()
         await until(w.got, lambda: any(isinstance(m, P.Shutdown) for m in w.received))
-        assert "w0" not in h.server.fleet.workers
+        assert "w0" not in h.members()
 
     daemon(body, scheduler=CB)
 

@@ -39,7 +39,7 @@ def serve_all(daemon, reuse: bool, retain: int | None) -> tuple[list[list[int]],
             (done,) = conn.terminal(f"q{i}")
             assert isinstance(done, P.Done) and done.finish_reason == "length"
             got[f"q{i}"] = done.token_ids
-        counters.update(h.server.sched.counters)
+        counters.update(h.counters())
 
     daemon(body, scheduler={"slice_len": 4})
     return [got[f"q{i}"] for i in range(len(PROMPTS))], counters

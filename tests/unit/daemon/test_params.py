@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from sclsd import protocol as P
-from sclsd.daemon.requests import kept_tokens
+from sclsd.daemon.serving.output import kept_tokens
 from sclsd.tokenizer import ByteTokenizer
 from worker.engines.fake import FakeEngine
 

@@ -22,7 +22,7 @@ def test_requests_served_each_with_one_terminal_event(daemon) -> None:
             (done,) = conn.terminal(rid)
             assert isinstance(done, P.Done) and done.finish_reason in ("stop", "length")
             assert done.usage.completion_tokens == len(done.token_ids or [])
-        assert len(h.server.live) == 0 and not h.server.sched.live
+        assert len(h.live) == 0 and not h.server.sched.live
         served = {m.worker for m in conn.sent if isinstance(m, P.Done)}
         assert served <= {"w0", "w1"}
 
@@ -83,9 +83,9 @@ def test_duplicate_id_and_cancel(daemon) -> None:
         assert conn.events("x", P.Error)[0].code == "duplicate_id"
         await held(w)
         other = RecConn(cid=2)
-        h.server.frontend.handle(other, P.Cancel(id="x"))
+        h.server.on_client(other, P.Cancel(id="x"))
         assert other.sent[-1].code == "unknown_id"  # not its request
-        h.server.frontend.handle(conn, P.Cancel(id="x"))
+        h.server.on_client(conn, P.Cancel(id="x"))
         (done,) = conn.events("x", P.Done)  # the duplicate's refusal named "x" too
         assert done.finish_reason == "cancelled"
         w.release()  # the late result of a cancelled request changes nothing
@@ -105,8 +105,8 @@ def test_disconnect_cancels_without_events(daemon) -> None:
         conn = RecConn()
         await h.submit(conn, id="gone", max_tokens=100)
         conn.closed = True
-        h.server.frontend.on_close(conn)
-        assert "gone" not in h.server.live and not h.server.sched.live
+        h.server.on_client_close(conn)
+        assert "gone" not in h.live and not h.server.sched.live
         assert h.server.metrics.requests.values == {"cancelled": 1.0}
 
     daemon(body)

@@ -31,9 +31,7 @@ def streamed_ids(conn: RecConn, rid: str) -> list[int]:
 
 
 def ctx(h: Harness, rid: str) -> Any:
-    c = h.server.live.get(rid)
-    assert c is not None
-    return c
+    return h.entry(rid)
 
 
 def test_first_delta_arrives_before_its_slice_ends(daemon) -> None:
@@ -48,7 +46,7 @@ def test_first_delta_arrives_before_its_slice_ends(daemon) -> None:
         first = conn.events("s", P.Delta)[0]
         assert first.token_ids == reference(20)[:1]
         assert ctx(h, "s").req.first_token is not None
-        assert h.server.sched.counters["slices"] == 0  # the scheduler has not acted yet
+        assert h.counters()["slices"] == 0  # the scheduler has not acted yet
         while not conn.terminal("s"):
             await until(w.got, lambda: bool(w.held_results) or bool(conn.terminal("s")))
             w.finish()
@@ -116,9 +114,9 @@ def test_streamed_tokens_stand_when_the_worker_is_lost(daemon) -> None:
         await h.submit(conn, id="s", max_tokens=20, stream=True, ignore_eos=True)
         await until(w0.got, lambda: bool(w0.held_results))
         await conn.wait_for(lambda: len(streamed_ids(conn, "s")) == 8)  # the whole first slice
-        h.server.fleet.declare_dead("w0", "test")  # its result never comes
+        h.lose("w0")  # its result never comes
         c = ctx(h, "s")
-        assert c.req.num_generated == 8 and c.out_ids == reference(20)[:8]
+        assert c.req.num_generated == 8 and c.out.ids == reference(20)[:8]
         h.worker("w1")
         await h.finished(conn, "s")
         (done,) = conn.terminal("s")
@@ -136,7 +134,7 @@ def test_streamed_end_of_a_row_finishes_it_when_the_worker_is_lost(daemon) -> No
         await h.submit(conn, id="s", max_tokens=5, stream=True, ignore_eos=True)
         await until(w0.got, lambda: bool(w0.held_results))
         await conn.wait_for(lambda: len(streamed_ids(conn, "s")) == 5)
-        h.server.fleet.declare_dead("w0", "test")
+        h.lose("w0")
         await h.finished(conn, "s")
         (done,) = conn.terminal("s")
         assert done.finish_reason == "length" and done.usage.completion_tokens == 5
@@ -152,7 +150,7 @@ def test_tokens_are_checked_like_results(daemon) -> None:
         await h.registered("w0", "w1")
         conn = RecConn()
         await h.submit(conn, id="s", max_tokens=3, stream=True, ignore_eos=True)
-        await until(h.server.wake, lambda: bool(w0.held or w1.held))
+        await until(h.wake, lambda: bool(w0.held or w1.held))
         owner, other = (w0, w1) if w0.held else (w1, w0)
         bid = owner.held[0].batch_id
 
@@ -199,9 +197,9 @@ def test_kv_worker_follows_results_and_ended_requests_are_released(daemon) -> No
         assert w.engine.kv.store.held() == {"k": len(PROMPT) + 7}
         w.release(1)
         await held(w)
-        assert h.server.sched.counters["reused_tokens"] == len(PROMPT) + 7
-        assert h.server.sched.counters["prefill_tokens"] == len(PROMPT) + 1
-        h.server.frontend.handle(conn, P.Cancel(id="k"))
+        assert h.counters()["reused_tokens"] == len(PROMPT) + 7
+        assert h.counters()["prefill_tokens"] == len(PROMPT) + 1
+        h.server.on_client(conn, P.Cancel(id="k"))
         await until(w.got, lambda: any(isinstance(m, P.Release) for m in w.received))
         assert [m.rids for m in w.received if isinstance(m, P.Release)] == [["k"]]
         assert w.engine.kv.store.held() == {}
@@ -217,9 +215,9 @@ def test_a_request_moving_to_another_worker_is_released_on_the_old_one(daemon) -
         conn = RecConn()
         await h.submit(conn, id="m", max_tokens=20, ignore_eos=True)
         await held(w0)
-        h.server.fleet.drain("w0")  # its next slice must go elsewhere
+        h.drain("w0")  # its next slice must go elsewhere
         w0.release(1)
-        await until(h.server.wake, lambda: ctx(h, "m").req.num_generated == 8)
+        await until(h.wake, lambda: ctx(h, "m").req.num_generated == 8)
         assert ctx(h, "m").req.kv_worker == "w0"  # kept there while it waits
         w1 = h.worker("w1", hold=True)
         await held(w1)
@@ -249,7 +247,7 @@ def test_evicted_kv_is_forgotten(daemon) -> None:
         await held(w)
         kept = {rid: ctx(h, rid).req.kv_worker for rid in ("a", "b")}
         assert sorted(kept.values(), key=str) == [None, "w0"]  # the first kept was evicted
-        assert h.server.sched.counters["kv_evicted"] == 1
+        assert h.counters()["kv_evicted"] == 1
         w.hold = False
         w.release()
         await h.finished(conn, "a", "b")
@@ -269,7 +267,7 @@ def test_dead_worker_forgets_its_kv(daemon) -> None:
         w0.release(1)
         await held(w0)
         assert ctx(h, "d").req.kv_worker == "w0"
-        h.server.fleet.declare_dead("w0", "test")
+        h.lose("w0")
         assert ctx(h, "d").req.kv_worker is None and ctx(h, "d").req.kv_tokens == 0
 
     daemon(body)
@@ -284,7 +282,7 @@ def test_without_kv_reuse_workers_keep_nothing(daemon) -> None:
         await h.submit(conn, id="p", max_tokens=20, ignore_eos=True)
         await h.finished(conn, "p")
         assert all(not b.kv_reuse for b in w.batches())
-        assert h.server.sched.counters["reused_tokens"] == 0
+        assert h.counters()["reused_tokens"] == 0
         assert conn.terminal("p")[0].token_ids == reference(20)
 
     daemon(body)

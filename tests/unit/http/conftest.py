@@ -30,7 +30,7 @@ class Front:
 
     @property
     def live(self) -> int:
-        return len(self.h.server.live)
+        return len(self.h.live)
 
     def openai(self, **kw: Any) -> Any:
         import openai

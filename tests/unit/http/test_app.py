@@ -13,7 +13,7 @@ import pytest
 
 from sclsd import protocol as P
 
-from ..daemon.conftest import RecConn
+from ..daemon.conftest import RecConn, until
 from .conftest import Front
 
 
@@ -204,7 +204,7 @@ def test_overload_is_429(front) -> None:
     async def body(f: Front) -> None:
         w = f.h.worker("slow", hold=True)
         await f.h.registered("slow")
-        f.h.server.fleet.drain("w0")  # only the holding worker serves
+        f.h.drain("w0")  # only the holding worker serves
         await f.h.submit(RecConn(), id="hog", max_tokens=4)
         with pytest.raises(openai.RateLimitError) as rl:
             await f.openai().completions.create(model="fake", prompt="x", max_tokens=2)
@@ -215,8 +215,9 @@ def test_overload_is_429(front) -> None:
 
 
 async def _asgi(app: Any, path: str, payload: dict[str, Any], gone: asyncio.Event,
-                sent: list[dict[str, Any]]) -> None:
-    """Call the app as a server would, the client disconnecting once ``gone`` is set."""
+                sent: list[dict[str, Any]], progress: asyncio.Event) -> None:
+    """Call the app as a server would, the client disconnecting once ``gone`` is set;
+    ``progress`` is set at each message the app sends."""
     body = msgspec.json.encode(payload)
     messages = [{"type": "http.request", "body": body, "more_body": False}]
 
@@ -228,6 +229,7 @@ async def _asgi(app: Any, path: str, payload: dict[str, Any], gone: asyncio.Even
 
     async def send(msg: dict[str, Any]) -> None:
         sent.append(msg)
+        progress.set()
 
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
              "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
@@ -241,36 +243,33 @@ def test_a_client_that_goes_away_cancels_its_requests_at_once(front, stream: boo
     async def body(f: Front) -> None:
         w = f.h.worker("slow", hold=True)  # holds every batch: nothing would ever finish
         await f.h.registered("slow")
-        f.h.server.fleet.drain("w0")
-        gone, sent = asyncio.Event(), []
+        f.h.drain("w0")
+        gone, sent, progress = asyncio.Event(), [], asyncio.Event()
         call = asyncio.ensure_future(_asgi(f.app, "/v1/chat/completions", {
             "messages": [{"role": "user", "content": "x"}], "n": 2, "max_tokens": 50, "stream": stream,
-        }, gone, sent))
-        while len(f.h.server.live) < 2 or not w.held:
-            await asyncio.sleep(0.01)
+        }, gone, sent, progress))
+        await until(w.got, lambda: len(f.h.live) >= 2 and bool(w.held))
         if stream:  # the response started: the role chunks
-            while not any(m.get("body") for m in sent):
-                await asyncio.sleep(0.01)
+            await until(progress, lambda: any(m.get("body") for m in sent))
         gone.set()
         await asyncio.wait_for(call, 5)
-        await asyncio.wait_for(f.h.server.live.idle.wait(), 2)
+        await asyncio.wait_for(f.h.server.idle.wait(), 2)
         assert f.live == 0
-        assert f.h.server.sched.counters.get("cancelled", 0) >= 2 or not f.h.server.sched.live
+        assert f.h.counters().get("cancelled", 0) >= 2 or not f.h.server.sched.live
 
     front(body)
 
 
 def test_a_stream_that_fails_after_it_started_sends_one_error_event(front) -> None:
     async def body(f: Front) -> None:
-        f.h.worker("slow", hold=True)
+        w = f.h.worker("slow", hold=True)
         await f.h.registered("slow")
-        f.h.server.fleet.drain("w0")
+        f.h.drain("w0")
         call = asyncio.ensure_future(f.http.post("/v1/completions", json={
             "prompt": "x", "max_tokens": 5, "stream": True}))
-        while not f.h.server.live.ctx:
-            await asyncio.sleep(0.01)
-        (rid,) = list(f.h.server.live.ctx)
-        f.h.server.live.fail(rid, "internal", "worker exploded")
+        await until(w.got, lambda: bool(w.held))  # live, and its first slice on the worker
+        (rid,) = f.h.live.ids()
+        f.h.deliver(f.h.core.fail(rid, "internal", "worker exploded", f.h.server.clock()))
         r = await asyncio.wait_for(call, 5)
         events = sse(r.text)
         assert r.status_code == 200 and events[-1] == "[DONE]"
@@ -285,16 +284,15 @@ def test_protocol_fields_reach_the_daemon(front) -> None:
     async def body(f: Front) -> None:
         w = f.h.worker("slow", hold=True)
         await f.h.registered("slow")
-        f.h.server.fleet.drain("w0")
+        f.h.drain("w0")
         call = asyncio.ensure_future(f.http.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 9, "max_tokens": 3,
             "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "seed": 4, "stop": "zz",
             "stop_token_ids": [7], "presence_penalty": 0.1, "frequency_penalty": 0.2,
             "repetition_penalty": 1.1, "ignore_eos": True, "user": "u1", "logprobs": True,
             "top_logprobs": 2}))
-        while not w.held:
-            await asyncio.sleep(0.01)
-        (c,) = f.h.server.live.ctx.values()
+        await until(w.got, lambda: bool(w.held))
+        (c,) = list(f.h.live)
         g = c.gen
         assert (g.max_tokens, g.cap_max_tokens, g.temperature, g.top_p, g.top_k, g.min_p, g.seed) == (
             9, False, 0.5, 0.9, 5, 0.05, 4)

@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sclsd.http.settings import Limits
 
+from ..daemon.conftest import held
 from .conftest import Front
 
 ONE = {"model": "fake", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -119,22 +120,26 @@ def test_a_request_larger_than_a_daemon_frame_is_413_and_the_connection_lives(fr
     front(body, settings={"max_frame_bytes": 2048, "connections": 1})
 
 
+async def until_live(f: Front, n: int) -> None:
+    """Until the daemon holds ``n`` live requests (callers bound the wait)."""
+    while len(f.h.live) < n:
+        await asyncio.sleep(0.005)
+
+
 def test_requests_in_flight_per_client_are_bounded(front) -> None:
     async def body(f: Front) -> None:
         w = f.h.worker("slow", hold=True)
         await f.h.registered("slow")
-        f.h.server.fleet.drain("w0")
+        f.h.drain("w0")
         first = asyncio.ensure_future(f.http.post("/v1/completions", json={**ONE, "prompt": "a"},
                                                   headers={"authorization": "Bearer k1"}))
-        while not w.held:
-            await asyncio.sleep(0.01)
+        await held(w)
         r = await f.http.post("/v1/completions", json={**ONE, "prompt": "b"},
                               headers={"authorization": "Bearer k1"})
         assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_requests"
         other = asyncio.ensure_future(f.http.post("/v1/completions", json={**ONE, "prompt": "c"},
                                                   headers={"authorization": "Bearer k2"}))
-        while len(f.h.server.live) < 2:  # another key is not held back
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(until_live(f, 2), 5)  # another key is not held back
         assert (await f.http.get("/health")).status_code == 200  # nor are other routes
         w.hold = False
         w.release()

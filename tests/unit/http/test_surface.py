@@ -9,6 +9,7 @@ import asyncio
 from sclsd import protocol as P
 from sclsd.http.params import ALLOWED
 
+from ..daemon.conftest import held
 from .conftest import Front
 from .test_app import sse
 
@@ -52,10 +53,9 @@ def test_created_is_the_arrival_and_every_answer_has_a_fingerprint(front, monkey
     async def body(f: Front) -> None:
         w = f.h.worker("slow", hold=True)
         await f.h.registered("slow")
-        f.h.server.fleet.drain("w0")
+        f.h.drain("w0")
         call = asyncio.ensure_future(f.http.post("/v1/completions", json={**ONE, "prompt": "x"}))
-        while not w.held:
-            await asyncio.sleep(0.01)
+        await held(w)
         clock[0] += 8.0  # the answer takes 8 s: ``created`` must not move
         w.hold = False
         w.release()
@@ -134,13 +134,12 @@ def test_engine_features_are_refused_until_the_daemon_lists_them(front) -> None:
         f.app.state.api.link.features = frozenset(P.GENERATE_FEATURES)
         w = f.h.worker("slow", hold=True)
         await f.h.registered("slow")
-        f.h.server.fleet.drain("w0")
+        f.h.drain("w0")
         call = asyncio.ensure_future(f.http.post("/v1/chat/completions", json={
             **ONE, "messages": [{"role": "user", "content": "x"}], "min_tokens": 3,
             "logit_bias": {"65": -100, "66": 5}, "skip_special_tokens": False}))
-        while not w.held:
-            await asyncio.sleep(0.01)
-        (c,) = f.h.server.live.ctx.values()
+        await held(w)
+        (c,) = list(f.h.live)
         assert (c.gen.min_tokens, c.gen.logit_bias, c.gen.skip_special_tokens) == (
             3, {65: -100.0, 66: 5.0}, False)
         w.hold = False

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["KVStore", "Checkout"]
+__all__ = ["Checkout", "RetainedKV"]
 
 
 @dataclass(slots=True)
@@ -37,7 +37,7 @@ class Checkout:
     """Requests whose KV was dropped to make room for the batch."""
 
 
-class KVStore:
+class RetainedKV:
     """LRU entries in two tiers: ``device_bytes`` shared with the running batch, ``host_bytes``."""
 
     def __init__(self, delta: int, device_bytes: float, host_bytes: float = 0.0) -> None:

@@ -1,7 +1,7 @@
 """The ZeroMQ ROUTER that workers connect to: bind, authenticate, frame, send, receive.
 
 This module only moves messages; what they mean is decided by the sink (the
-fleet). Peers are the ROUTER's routing ids, assigned by ZeroMQ per connection:
+daemon's server and the serving core behind it). Peers are the ROUTER's routing ids, assigned by ZeroMQ per connection:
 a worker does not choose its own, so connecting alone cannot take over a
 registered worker's traffic.
 
@@ -25,7 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -46,7 +46,8 @@ class ZmqTransport:
         self.sock: zmq.asyncio.Socket | None = None
         self.sink: WorkerSink | None = None
         self.bad_messages = 0
-        self.authenticated = False
+        #: CURVE authenticates peers (known from the config: the server starts with it).
+        self.authenticated = bool(cfg.daemon.curve_keypair_file)
         self.auth: Any = None
         self.authorized: set[bytes] = set()
         self.server_public: bytes | None = None
@@ -153,7 +154,8 @@ class ZmqTransport:
         assert self.sock is not None
         # With NOBLOCK, pyzmq's asyncio socket tries the send at once and completes the
         # future before returning: read it now, or a refusal would go unnoticed.
-        fut = self.sock.send_multipart([peer, P.encode(msg)], flags=zmq.NOBLOCK)
+        # (pyzmq types it as an Awaitable; on an asyncio socket it is an asyncio Future.)
+        fut = cast("asyncio.Future[Any]", self.sock.send_multipart([peer, P.encode(msg)], flags=zmq.NOBLOCK))
         exc = fut.exception() if fut.done() else None
         if not fut.done():  # pragma: no cover - only with sends already pending
             fut.add_done_callback(self._late_send)

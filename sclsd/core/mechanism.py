@@ -1,0 +1,286 @@
+"""The mechanism every scheduler shares: the pool, live requests, deadlines, workers, outcomes.
+
+Both schedulers (:class:`~sclsd.core.scheduler.Scheduler`, slice rounds, and
+:class:`~sclsd.core.grant_scheduler.SliceGrantScheduler`, slice grants) keep
+requests and workers the same way and apply a batch's outcome the same way;
+they differ in how a round is decided and in who keeps track of the KV a
+worker holds after a slice. This base does the former and asks its subclass
+for the latter through a few ``_on_*`` hooks (each a no-op here).
+
+Pure, like the rest of the core: time arrives as an argument.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+from .batch import Batch, BatchOutcome, RowOutcome
+from .request import FinishReason, Request, State
+from .scheduler_api import SchedulerStats, WorkerState
+
+if TYPE_CHECKING:
+    from .policy import Policy
+
+__all__ = ["SchedulerMechanism"]
+
+StatsT = TypeVar("StatsT", bound=SchedulerStats)
+
+
+class SchedulerMechanism(Generic[StatsT]):
+    """Requests and workers as both schedulers keep them (see the module docstring).
+
+    Subclasses implement ``due``, ``schedule``, ``kv_evicted`` and ``take_released``
+    (:class:`~sclsd.core.scheduler_api.SchedulerInterface`) and may override the hooks.
+    """
+
+    def __init__(self, policy: Policy, *, max_failures: int, history: int,
+                 stats: StatsT) -> None:
+        self.policy = policy
+        self.max_failures = max_failures
+        self.pool: dict[str, Request] = {}
+        """Requests waiting for a slice (or a grant)."""
+        self.live: dict[str, Request] = {}
+        """Every request not ended yet: in the pool or in a batch."""
+        self.batches: dict[int, Batch] = {}
+        """Batches on workers, by id, until their outcome."""
+        self.workers: dict[str, WorkerState] = {}
+        self.interval = policy.interval.initial
+        self.next_at = float("-inf")
+        self.recent: deque[tuple[float, float]] = deque(maxlen=history)
+        """(estimated, measured) serving time of the latest batches."""
+        #: Something changed since the last round (a request, a result, a worker): a
+        #: work-conserving round is worth running; cleared by each round.
+        self._changed = True
+        self._bids = itertools.count(1)
+        self._deadlines: list[tuple[float, str]] = []
+        self._stats = stats
+
+    def stats(self) -> StatsT:
+        """A copy of the event counts."""
+        return self._stats.copy()
+
+    # ------------------------------------------------------------------ workers
+
+    def add_worker(self, wid: str) -> None:
+        """A worker (re)joined: it starts with no load and holds no KV."""
+        self.workers[wid] = WorkerState(wid)
+        self._changed = True
+        self._on_worker_added(wid)
+
+    def set_active(self, wid: str, active: bool) -> None:
+        """Take a worker in or out of rotation (drain) without touching its batches."""
+        self.workers[wid].active = active
+        self._changed = True
+        self._on_active(wid, active)
+
+    def remove_worker(self, wid: str, now: float) -> list[Request]:
+        """A worker died: its batches' requests go back to the pool.
+
+        Tokens of the unfinished slice never reached us, so each request
+        continues from its last completed slice and output stays consistent.
+        """
+        ws = self.workers.pop(wid, None)
+        if ws is None:
+            return []
+        self._changed = True
+        back: list[Request] = []
+        for bid in sorted(ws.batches):
+            batch = self.batches.pop(bid, None)
+            if batch is None:
+                continue
+            for r in batch.requests:
+                if not r.state.terminal:
+                    self._requeue(r, now)
+                    back.append(r)
+        self._on_worker_removed(wid, back)
+        return back
+
+    def active_workers(self) -> list[str]:
+        return [w for w, s in self.workers.items() if s.active]
+
+    def idle_workers(self) -> list[str]:
+        """Active workers with no batch in flight."""
+        return [w for w, s in self.workers.items() if s.active and not s.batches]
+
+    def loads(self) -> dict[str, float]:
+        return {w: s.load for w, s in self.workers.items()}
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, req: Request, now: float) -> None:
+        """Accept a request into the pool."""
+        req.state = State.QUEUED
+        req.pooled_at = now
+        self.pool[req.rid] = req
+        self.live[req.rid] = req
+        self._stats.accepted += 1
+        self._changed = True
+        if req.deadline is not None:
+            heapq.heappush(self._deadlines, (req.deadline, req.rid))
+        self._on_added(req)
+
+    def get(self, rid: str) -> Request | None:
+        return self.live.get(rid)
+
+    def cancel(self, rid: str, now: float, reason: FinishReason = "cancelled") -> Request | None:
+        """End a live request now. A batch holding it still runs; its row is ignored."""
+        req = self.live.pop(rid, None)
+        if req is None:
+            return None
+        self.pool.pop(rid, None)
+        req.state = State.CANCELLED
+        req.finish_reason = reason
+        req.finished_at = now
+        if reason == "timeout":
+            self._stats.timed_out += 1
+        else:
+            self._stats.cancelled += 1
+        self._on_cancelled(req)
+        return req
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a live request (None: none has one)."""
+        while self._deadlines and self._deadlines[0][1] not in self.live:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def expire(self, now: float) -> list[Request]:
+        """Cancel (reason ``timeout``) every live request whose deadline has passed."""
+        out: list[Request] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, rid = heapq.heappop(self._deadlines)
+            req = self.cancel(rid, now, "timeout")
+            if req is not None:
+                out.append(req)
+        return out
+
+    # ------------------------------------------------------------------ batches
+
+    def _start(self, batch: Batch, wid: str, now: float) -> None:
+        """Put ``batch`` on worker ``wid``: a fresh id, the worker's load, its requests out
+        of the pool."""
+        batch.bid = next(self._bids)
+        batch.worker = wid
+        ws = self.workers[wid]
+        ws.load += batch.est_time
+        ws.batches.add(batch.bid)
+        self.batches[batch.bid] = batch
+        for r in batch.requests:
+            del self.pool[r.rid]
+            r.state = State.SCHEDULED
+            r.worker = wid
+            r.batch_id = batch.bid
+            if r.first_dispatch is None:
+                r.first_dispatch = now
+        self._stats.batches += 1
+
+    def on_result(self, outcome: BatchOutcome, now: float) -> list[Request]:
+        """Apply a worker's result. Returns the requests that reached a terminal state.
+
+        Unfinished requests go back to the pool with their new context length.
+        """
+        batch = self.batches.pop(outcome.batch_id, None)
+        if batch is None:
+            return []  # batch of a worker already declared dead: its requests were re-queued
+        ws = self.workers.get(batch.worker or "")
+        if ws is not None:
+            # Subtract the estimate, not the measurement, so errors don't accumulate (paper 4.5).
+            ws.load = max(0.0, ws.load - batch.est_time)
+            ws.batches.discard(batch.bid)
+            ws.batches_done += 1
+            ws.last_completion = now
+        if outcome.ok and outcome.elapsed is not None:
+            self.recent.append((batch.est_time, outcome.elapsed))
+        self._changed = True
+        rows = {row.rid: row for row in outcome.rows}
+        done: list[Request] = []
+        early = outcome.ok and bool(rows)
+        for r in batch.requests:
+            if r.state.terminal or self.live.get(r.rid) is not r:
+                continue  # cancelled or timed out while its batch ran
+            row = rows.get(r.rid)
+            if not outcome.ok or row is None:
+                self._on_row_failed(r, batch)
+                r.failures += 1
+                if r.failures > self.max_failures:
+                    done.append(self._finish(r, now, "error", State.FAILED))
+                else:
+                    self._requeue(r, now)
+                early = False
+                continue
+            if not self._apply_row(r, row, batch, ws, now, done):
+                early = False
+        # Early return: every row finished before the slice's last iteration (paper 4.2).
+        if early and max((row.new_tokens for row in outcome.rows), default=0) < batch.slice_len:
+            self._stats.early_returns += 1
+        self._on_outcome(batch, outcome, done)
+        return done
+
+    def _apply_row(self, r: Request, row: RowOutcome, batch: Batch, ws: WorkerState | None,
+                   now: float, done: list[Request]) -> bool:
+        """One row of a served batch; True when it finished the request."""
+        r.slices += 1
+        self._stats.slices += 1
+        if row.new_tokens:
+            r.num_generated += row.new_tokens
+            if r.first_token is None:
+                r.first_token = now
+            if ws is not None:
+                ws.tokens_done += row.new_tokens
+        reason: FinishReason | None = row.finish_reason
+        if reason is None and r.remaining <= 0:
+            reason = "length"
+        if reason is not None:
+            r.kv_worker, r.kv_tokens = None, 0  # a finished row's KV is not kept
+            done.append(self._finish(r, now, reason, State.FINISHED))
+            return True
+        self._on_row_continues(r, row, batch)
+        self._requeue(r, now)
+        return False
+
+    def _requeue(self, r: Request, now: float) -> None:
+        r.state = State.QUEUED
+        r.pooled_at = now
+        r.batch_id = None
+        self.pool[r.rid] = r
+        self._stats.requeued += 1
+
+    def _finish(self, r: Request, now: float, reason: FinishReason, state: State) -> Request:
+        r.state = state
+        r.finish_reason = reason
+        r.finished_at = now
+        self.live.pop(r.rid, None)
+        if state is State.FAILED:
+            self._stats.failed += 1
+        else:
+            self._stats.finished += 1
+        return r
+
+    # ------------------------------------------------------------------ hooks (KV, policy state)
+
+    def _on_worker_added(self, wid: str) -> None:
+        """A worker joined (or rejoined: it keeps nothing)."""
+
+    def _on_active(self, wid: str, active: bool) -> None:
+        """A worker went out of rotation or back in."""
+
+    def _on_worker_removed(self, wid: str, back: list[Request]) -> None:
+        """A worker died; ``back``: its requests, already back in the pool, oldest batch first."""
+
+    def _on_added(self, req: Request) -> None:
+        """A request joined the pool."""
+
+    def _on_cancelled(self, req: Request) -> None:
+        """A live request ended outside a result (cancelled, timed out)."""
+
+    def _on_row_failed(self, r: Request, batch: Batch) -> None:
+        """``r``'s batch failed or left its row out: whatever its worker kept is suspect."""
+
+    def _on_row_continues(self, r: Request, row: RowOutcome, batch: Batch) -> None:
+        """``r`` got its slice and goes back to the pool (``row.kv_tokens``: KV kept)."""
+
+    def _on_outcome(self, batch: Batch, outcome: BatchOutcome, done: list[Request]) -> None:
+        """A batch's outcome was applied; ``done``: the requests it ended."""

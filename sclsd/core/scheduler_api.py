@@ -1,0 +1,169 @@
+"""What a driver (the daemon, the simulator) sees of a scheduler: the interface both
+schedulers implement, each worker's state and the typed counts they report.
+
+The scheduler owns its tables and counts; a driver reads them and never
+writes them (:meth:`SchedulerInterface.stats` returns a copy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from .batch import Batch, BatchOutcome
+    from .policy import Policy
+    from .request import FinishReason, Request
+
+__all__ = ["GrantStats", "SchedulerInterface", "SchedulerStats", "WorkerState"]
+
+_S = TypeVar("_S", bound="SchedulerStats")
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """The scheduler's view of one worker: rotation, estimated load, counters."""
+
+    wid: str
+    active: bool = True
+    load: float = 0.0
+    """Estimated seconds of work queued on the worker (paper eq. 11)."""
+    batches: set[int] = field(default_factory=set)
+    batches_done: int = 0
+    tokens_done: int = 0
+    last_completion: float | None = None
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Event counts since the scheduler started (the status socket's ``counters``)."""
+
+    accepted: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    timed_out: int = 0
+    failed: int = 0
+    batches: int = 0
+    slices: int = 0
+    requeued: int = 0
+    early_returns: int = 0
+    """Batches whose rows all finished before the slice's last iteration (paper 4.2)."""
+
+    def as_counters(self) -> dict[str, int]:
+        """The counts by name, as the status snapshot carries them."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def copy(self: _S) -> _S:
+        return dataclasses.replace(self)
+
+
+@dataclass(slots=True)
+class GrantStats(SchedulerStats):
+    """The slice-grant scheduler's counts: those of every scheduler, plus its grants."""
+
+    grants: int = 0
+    migrations: int = 0
+    """Grants placed on another worker than the one holding the request's KV."""
+
+
+class SchedulerInterface(Protocol):
+    """What a driver (the daemon, the simulator) sees of a scheduler; the slice scheduler
+    (:class:`~sclsd.core.scheduler.Scheduler`) and the slice-grant scheduler
+    (:class:`~sclsd.core.grant_scheduler.SliceGrantScheduler`) implement it.
+
+    The driver reports arrivals, cancellations, workers and outcomes, asks for a
+    round when one is :meth:`due`, sends the batches it returns, and tells workers
+    to drop the KV :meth:`take_released` names. Time is always an argument.
+    The tables are the scheduler's: a driver reads them and never writes them.
+    """
+
+    policy: Policy
+    interval: float
+    """The current scheduling interval T (seconds)."""
+    next_at: float
+    """When the interval rule runs the next round (inf: on changes only)."""
+    recent: deque[tuple[float, float]]
+    """(estimated, measured) serving time of the latest batches."""
+
+    @property
+    def pool(self) -> Mapping[str, Request]:
+        """Requests waiting for a slice."""
+        ...
+
+    @property
+    def live(self) -> Mapping[str, Request]:
+        """Requests not ended yet (in the pool or in a batch)."""
+        ...
+
+    @property
+    def batches(self) -> Mapping[int, Batch]:
+        """Batches on workers, until their outcome."""
+        ...
+
+    @property
+    def workers(self) -> Mapping[str, WorkerState]:
+        """Every registered worker's state, by id."""
+        ...
+
+    def stats(self) -> SchedulerStats:
+        """A copy of the scheduler's event counts."""
+        ...
+
+    # workers
+    def add_worker(self, wid: str) -> None:
+        """A worker joined (or rejoined): no load, no KV."""
+        ...
+
+    def set_active(self, wid: str, active: bool) -> None:
+        """Take a worker out of rotation (drain) or back in; its batches keep running."""
+        ...
+
+    def remove_worker(self, wid: str, now: float) -> list[Request]:
+        """A worker died: returns its batches' requests, back in the pool."""
+        ...
+
+    def active_workers(self) -> list[str]:
+        """Workers in rotation."""
+        ...
+
+    # requests
+    def add(self, req: Request, now: float) -> None:
+        """Accept a request into the pool."""
+        ...
+
+    def cancel(self, rid: str, now: float, reason: FinishReason = "cancelled") -> Request | None:
+        """End a live request now (None: not live); a batch holding it still runs."""
+        ...
+
+    def expire(self, now: float) -> list[Request]:
+        """Cancel (``timeout``) the live requests whose deadline has passed."""
+        ...
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a live request."""
+        ...
+
+    # rounds and outcomes
+    def due(self, now: float) -> bool:
+        """Whether a round should run now."""
+        ...
+
+    def schedule(self, now: float) -> list[Batch]:
+        """Run a round: the batches to send, each with its worker set."""
+        ...
+
+    def on_result(self, outcome: BatchOutcome, now: float) -> list[Request]:
+        """Apply a batch's outcome; returns the requests it ended (the rest are re-queued)."""
+        ...
+
+    # retained KV
+    def kv_evicted(self, wid: str, rids: Iterable[str]) -> None:
+        """Worker ``wid`` dropped these requests' kept KV by itself."""
+        ...
+
+    def take_released(self) -> dict[str, list[str]]:
+        """KV the scheduler no longer counts on since the last call, by worker."""
+        ...

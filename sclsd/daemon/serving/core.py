@@ -1,0 +1,234 @@
+"""The serving core: every request's life in the daemon, as plain calls that return effects.
+
+Its entry points take what happened (a request submitted or cancelled, a
+client gone, a worker joined, a worker's message, a worker lost, detokenized
+text, the scheduling step, the heartbeat tick) with the time, change the
+daemon's state, and return an :class:`~sclsd.daemon.serving.effects.Effects`
+saying what to send where. No sockets, no event loop, no clock inside: the
+shell (:mod:`sclsd.daemon.server`) feeds the inputs in and delivers the
+effects, so the core's tests are synchronous calls.
+
+The parts, by responsibility:
+
+- :class:`~.table.RequestTable`: the one table of live requests; each entry
+  owns its :class:`~sclsd.core.request.Request` and its :class:`~.output.Output`.
+- :class:`~.replies.Replies`: accepting and ending requests (exactly one
+  terminal event each); :class:`~.events.ClientEvents` builds the events.
+- :class:`~.membership.Membership`: which workers serve, and who is lost.
+- :class:`~.dispatch.DispatchBook`: batches sent, their acknowledgements and
+  deadlines, KV releases.
+- :class:`~.streaming.Streaming`: ``tokens`` messages (streamed tokens).
+- :class:`~.results.Results`: ``result`` messages (a slice's end).
+- the scheduler (:class:`~sclsd.core.scheduler_api.SchedulerInterface`): what
+  runs where and when.
+
+A result's way through, top to bottom: :meth:`ServingCore.worker_message`
+→ :meth:`Results.on_result <.results.Results.on_result>` checks it and asks
+for its text (a :class:`~.results.ResultJob` in ``Effects.decode``) →
+:meth:`ServingCore.decoded` → :meth:`Results.apply <.results.Results.apply>`:
+outputs grow, the scheduler applies the batch's outcome, and
+:class:`~.replies.Replies` sends the deltas and the terminal events.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ... import protocol as P
+from ...config import Config
+from ...core.request import Request
+from ...core.scheduler_api import SchedulerInterface
+from ...tokenizer import Detokenizer, Tokenizer
+from .dispatch import DispatchBook
+from .effects import Client, DecodeJob, Effects
+from .events import ClientEvents
+from .membership import Membership, WorkerCosts
+from .output import Output
+from .replies import Replies
+from .results import ResultJob, Results
+from .streaming import Streaming, TokensJob
+from .table import Entry, RequestTable
+
+log = logging.getLogger("sclsd")
+
+__all__ = ["ServingCore"]
+
+
+class ServingCore:
+    """The daemon's state and decisions, I/O-free (see the module docstring)."""
+
+    def __init__(self, cfg: Config, sched: SchedulerInterface, cost: WorkerCosts, tok: Tokenizer) -> None:
+        self.cfg = cfg
+        self.sched = sched
+        self.tok = tok
+        self.table = RequestTable()
+        self.replies = Replies(self.table, sched, ClientEvents(tok))
+        self.members = Membership(cfg, sched, cost, tok)
+        self.dispatch = DispatchBook(cfg, sched, self.table, self.members)
+        self.streaming = Streaming(sched, self.table, self.replies, self.dispatch)
+        self.results = Results(sched, self.table, self.replies, self.dispatch, self.streaming)
+
+    # ------------------------------------------------------------------ clients
+
+    def submit(self, client: Client, uid: int | None, gen: P.Generate, rid: str,
+               prompt_ids: list[int], now: float) -> Effects:
+        """Accept an admitted request (admission checked it): ``accepted``, then the pool."""
+        out = Effects()
+        if rid in self.table:  # admission refuses these; never two requests of one id
+            out.send(client, P.Error(code="duplicate_id", message=f"request id {rid!r} is already live",
+                                     id=rid))
+            return out
+        m = self.cfg.model
+        req = Request(
+            rid=rid,
+            prompt_len=len(prompt_ids),
+            max_tokens=m.max_gen if gen.max_tokens is None else min(gen.max_tokens, m.max_gen),
+            arrival=now,
+            priority=gen.priority,
+            deadline=None if gen.timeout is None else now + gen.timeout,
+        )
+        out_ = Output(Detokenizer(stop=list(gen.stop)), self.tok)
+        self.replies.accept(Entry(req, client, uid, gen, list(prompt_ids), out_), out)
+        log.debug("accepted id=%s prompt_tokens=%d max_tokens=%d timeout=%s user=%s", rid,
+                  len(prompt_ids), req.max_tokens, gen.timeout, gen.user)
+        out.wake = True
+        return out
+
+    def cancel(self, rid: str, now: float, *, requester: Client, any_client: bool = False) -> Effects:
+        """``requester`` cancels ``rid``: its own request, or anyone's with ``any_client`` (an
+        admin). The request's client gets ``done`` (cancelled); the requester ``unknown_id``
+        when there is no such live request of its own."""
+        out = Effects()
+        mine = any_client or rid in self.table.of_client(requester)
+        if not mine or not self.replies.cancel(rid, "cancelled", now, out):
+            out.send(requester, P.Error(code="unknown_id", message=f"no live request {rid!r}", id=rid))
+        self.dispatch.flush_released(out)
+        return out
+
+    def owns(self, client: Client, rid: str) -> bool:
+        """Whether ``rid`` is a live request of ``client``."""
+        return rid in self.table.of_client(client)
+
+    def client_gone(self, client: Client, now: float) -> Effects:
+        """A client disconnected: its requests are cancelled, without events."""
+        out = Effects()
+        self.replies.client_gone(client, now, out)
+        self.dispatch.flush_released(out)
+        return out
+
+    def fail(self, rid: str, code: P.ErrorCode, message: str, now: float) -> Effects:
+        """End one live request with ``error`` (a daemon-side failure)."""
+        out = Effects()
+        self.replies.fail(rid, code, message, now, out)
+        self.dispatch.flush_released(out)
+        return out
+
+    def fail_all(self, code: P.ErrorCode, message: str, now: float) -> Effects:
+        """End every live request with ``error`` (shutdown, no workers left)."""
+        out = Effects()
+        self.replies.fail_all(code, message, now, out)
+        self.dispatch.flush_released(out)
+        return out
+
+    # ------------------------------------------------------------------ workers
+
+    def join_refusal(self, reg: P.Register) -> str | None:
+        """Why an authenticated worker may not join, if it may not (its model or engine)."""
+        return self.members.refusal(reg)
+
+    def worker_joined(self, reg: P.Register, now: float) -> Effects:
+        """An authenticated worker that fits registered: it serves from now on, unless the
+        cost model cannot use its report (``Effects.refused``). A worker of the same id must
+        have been lost first (:meth:`worker_lost`)."""
+        out = Effects()
+        self.members.join(reg, now, out)
+        return out
+
+    def worker_message(self, wid: str, msg: P.WorkerMsg, now: float) -> Effects:
+        """A member's heartbeat, acknowledgement, streamed tokens or result."""
+        out = Effects()
+        self.members.heard(wid, msg, now)
+        if isinstance(msg, P.BatchAck):
+            self.dispatch.acked(wid, msg.batch_id)
+        elif isinstance(msg, P.Tokens):
+            self.streaming.on_tokens(msg, now, out)
+        elif isinstance(msg, P.Result):
+            self.results.on_result(msg, now, out)
+        return out
+
+    def decoded(self, job: DecodeJob, texts: list[str] | BaseException, now: float) -> Effects:
+        """The text of a job from ``Effects.decode`` (or why detokenizing failed). Jobs must
+        come back in the order they were asked for: a request's deltas keep their order."""
+        out = Effects()
+        if isinstance(job, TokensJob):
+            if isinstance(texts, BaseException):
+                log.warning("detokenizing streamed tokens failed (%r); ids=%s", texts,
+                            ",".join(e.rid for e, _ in job.chunks))
+            self.streaming.apply(job, None if isinstance(texts, BaseException) else texts, out)
+        elif isinstance(job, ResultJob):
+            self.results.apply(job, texts, now, out)
+        else:
+            raise TypeError(f"not a job of this core: {job!r}")
+        self.dispatch.flush_released(out)
+        return out
+
+    def worker_lost(self, wid: str, why: str, now: float) -> Effects:
+        """A member is gone (silent, unreachable, exited, replaced, overdue): its batches go
+        back to the pool; what it streamed to clients stands."""
+        out = Effects()
+        self._lose(wid, why, now, out)
+        return out
+
+    def drain_worker(self, wid: str, resume: bool, requester: Client) -> Effects:
+        """Take a member out of rotation (or back in); ``requester`` hears its state."""
+        out = Effects()
+        ok = self.members.resume(wid, out) if resume else self.members.drain(wid, out)
+        if ok:
+            out.send(requester, P.WorkerStateReply(worker=wid, state=self.members.state(wid),
+                                                   batches_inflight=self.members.inflight(wid)))
+        else:
+            out.send(requester, P.Error(code="unknown_worker", message=f"no registered worker {wid!r}"))
+        return out
+
+    def _lose(self, wid: str, why: str, now: float, out: Effects) -> None:
+        if self.members.leave(wid, why, now, out):
+            self.streaming.settle(None, now, out)
+            self.dispatch.flush_released(out)
+
+    # ------------------------------------------------------------------ time
+
+    def step(self, now: float) -> tuple[Effects, float]:
+        """Time out what is overdue and run a scheduling round when one is due. Returns the
+        effects and the seconds until the next step is needed (unless something changes)."""
+        out = Effects()
+        sched = self.sched
+        for req in sched.expire(now):
+            e = self.table.get(req.rid)
+            if e is not None:
+                log.info("id=%s timed out", req.rid)
+                self.replies.finish(e, "timeout", now, out)
+        if sched.due(now):
+            for batch in sched.schedule(now):
+                self.dispatch.dispatch(batch, now, out)
+        self.dispatch.flush_released(out)
+        wait = 1.0
+        if sched.pool and sched.active_workers():
+            wait = min(wait, sched.next_at - now)
+        nd = sched.next_deadline()
+        if nd is not None:
+            wait = min(wait, nd - now)
+        return out, wait
+
+    def tick(self, now: float) -> Effects:
+        """Once per heartbeat interval: silent workers are lost, the others get a keepalive;
+        then workers that left a batch unacknowledged or overdue are lost."""
+        out = Effects()
+        for wid in list(self.members.workers):
+            quiet = self.members.silent_for(wid, now)
+            if quiet is not None:
+                self._lose(wid, f"no heartbeat for {quiet:.1f}s", now, out)
+            else:
+                out.tell(wid, P.Keepalive())
+        for wid, why in self.dispatch.overdue(now):
+            self._lose(wid, why, now, out)
+        return out

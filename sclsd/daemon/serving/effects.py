@@ -1,0 +1,81 @@
+"""What the serving core asks its shell to do: one typed record per entry point.
+
+Every entry point of :class:`~sclsd.daemon.serving.core.ServingCore` returns an
+:class:`Effects`: the events for client connections and the messages for
+workers, in the order they must go out; the workers it dropped; the
+detokenizing it needs (run off the event loop, then handed back to
+:meth:`~sclsd.daemon.serving.core.ServingCore.decoded`); what the metrics
+record; whether the scheduling loop should look again. The core never
+performs any of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ... import protocol as P
+from ...core.request import FinishReason
+
+__all__ = ["Client", "DecodeJob", "Effects", "Ended", "Lost"]
+
+#: Whoever submitted a request: the shell's connection, opaque to the core (it only hands
+#: it back with the events for it).
+Client = Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """A request got its terminal event (for the metrics)."""
+
+    rid: str
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    timings: P.Timings
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """A worker the core dropped: the shell forgets its connection and kills its local
+    process, if it has one (a spawned worker restarts)."""
+
+    wid: str
+    why: str
+
+
+class DecodeJob(Protocol):
+    """Token ids to detokenize (``seqs``: each one a request's whole output so far); the
+    texts go back to the core with the job (streamed tokens or a result's rows)."""
+
+    seqs: list[list[int]]
+
+
+@dataclass(slots=True)
+class Effects:
+    """What one entry point of the core decided (see the module docstring)."""
+
+    to_clients: list[tuple[Client, P.ServerMsg]] = field(default_factory=list)
+    """Events for client connections, in order."""
+    to_workers: list[tuple[str, P.DaemonToWorkerMsg]] = field(default_factory=list)
+    """Messages for workers (by worker id), in order. A send that fails is reported
+    back (:meth:`~sclsd.daemon.serving.core.ServingCore.worker_lost`)."""
+    lost: list[Lost] = field(default_factory=list)
+    """Workers dropped (their batches are back in the pool already)."""
+    decode: list[DecodeJob] = field(default_factory=list)
+    """Detokenizing to run off the loop; its texts go back to ``decoded`` in this order."""
+    ended: list[Ended] = field(default_factory=list)
+    """Requests that got their terminal event."""
+    batch_seconds: list[float] = field(default_factory=list)
+    """Measured serving time of each batch whose result was applied."""
+    refused: str | None = None
+    """Why a worker's registration was refused (``worker_joined`` only)."""
+    wake: bool = False
+    """Something changed that the scheduling loop should look at."""
+
+    def send(self, client: Client, event: P.ServerMsg) -> None:
+        self.to_clients.append((client, event))
+
+    def tell(self, wid: str, msg: P.DaemonToWorkerMsg) -> None:
+        self.to_workers.append((wid, msg))

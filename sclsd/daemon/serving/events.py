@@ -1,0 +1,82 @@
+"""The events a client hears about its request, built from the request's entry.
+
+``delta`` carries new tokens and text (trimmed at a stop string) and, when
+asked for, their log-probabilities with each token's text; ``done`` the
+usage and timings, and for a request that does not stream the whole output.
+Building an event changes nothing but the output's stop-string and
+sent-logprobs marks; sending it is the caller's business.
+"""
+
+from __future__ import annotations
+
+from ... import protocol as P
+from ...core.request import FinishReason
+from ...tokenizer import Tokenizer
+from .table import Entry
+
+__all__ = ["ClientEvents"]
+
+
+class ClientEvents:
+    """Builds ``delta``, ``done`` and ``error`` events (see the module docstring)."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+        #: Token id -> text, for logprobs (bounded by the vocabulary).
+        self._texts: dict[int, str] = {}
+
+    def delta(self, e: Entry, ids: list[int], text: str) -> P.Delta | None:
+        """New tokens ``ids`` (the tail of the output) and their text, as a ``delta`` for a
+        streaming request (None: nothing to send, or the request does not stream). Notes
+        where a stop string ended the request either way."""
+        out = e.out
+        if out.detok.stop:
+            ids = out.stop_cut(ids)
+        if not e.streams:
+            return None
+        lps = None
+        if e.wants_logprobs:
+            lps = self._named(out.unsent_logprobs()) or None
+        if ids or text or lps:
+            return P.Delta(id=e.rid, token_ids=ids, text=text, logprobs=lps)
+        return None
+
+    def done(self, e: Entry, reason: FinishReason, now: float) -> P.Done:
+        """The terminal ``done``; the output is trimmed where a stop string ended it."""
+        out = e.out
+        out.trim_to_stop()
+        r = e.req
+        streams = e.streams
+        return P.Done(
+            id=r.rid,
+            finish_reason=reason,
+            usage=P.Usage(prompt_tokens=len(e.prompt_ids), completion_tokens=len(out.ids)),
+            timings=self.timings(e, now),
+            text=None if streams else out.detok.text,
+            token_ids=None if streams else list(out.ids),
+            worker=r.worker,
+            logprobs=self._named(out.logprobs) if e.wants_logprobs and not streams else None,
+        )
+
+    @staticmethod
+    def timings(e: Entry, now: float) -> P.Timings:
+        r = e.req
+        return P.Timings(
+            queued_s=(r.first_dispatch if r.first_dispatch is not None else now) - r.arrival,
+            ttft_s=None if r.first_token is None else r.first_token - r.arrival,
+            e2e_s=now - r.arrival,
+            slices=r.slices,
+        )
+
+    def _named(self, lps: list[P.TokenLogprobs]) -> list[P.TokenLogprobs]:
+        """``lps`` with each token's text filled in (cached per id: a vocabulary's worth)."""
+        texts = self._texts
+        decode = self.tok.decode
+
+        def named(x: P.Logprob) -> P.Logprob:
+            t = texts.get(x.id)
+            if t is None:
+                t = texts[x.id] = decode([x.id])
+            return P.Logprob(x.id, x.logprob, t)
+
+        return [P.TokenLogprobs(named(e.chosen), [named(a) for a in e.top]) for e in lps]

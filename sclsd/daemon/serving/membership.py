@@ -1,0 +1,162 @@
+"""Worker membership: who may serve, what each worker told us, and who is lost.
+
+A worker the shell authenticated joins (:meth:`Membership.join`) unless its
+model cannot serve the daemon's token ids, its engine cannot serve the
+configured policy, or the cost model cannot use its report; it then gets a
+``welcome`` and the scheduler a worker. Members heartbeat; the daemon sends
+each a ``keepalive`` as often. A member leaves (:meth:`Membership.leave`)
+when it is lost: its heartbeats stopped, a send to it failed, it registered
+again (restarted), or it left a batch unacknowledged or overdue; its batches
+go back to the pool. Draining takes a member out of rotation without
+touching the batches it holds.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+from ... import protocol as P
+from ...config import Config
+from ...core.policy import GRANT_POLICIES
+from ...core.scheduler_api import SchedulerInterface
+from ...tokenizer import Tokenizer
+from .effects import Effects, Lost
+
+log = logging.getLogger("sclsd.workers")
+
+__all__ = ["Membership", "WorkerCosts", "WorkerInfo"]
+
+
+class WorkerCosts(Protocol):
+    """The cost model's side of membership: it learns each worker's memory and profile at
+    register and forgets them when the worker is lost (the daemon's ``DaemonCost``)."""
+
+    def on_register(self, reg: P.Register) -> None:
+        """Take the worker's report into account; raises when it cannot be used."""
+        ...
+
+    def on_dead(self, wid: str) -> None: ...
+
+
+@dataclass(eq=False)
+class WorkerInfo:
+    """What a member told the daemon: its registration and latest heartbeat."""
+
+    wid: str
+    reg: P.Register
+    last_seen: float
+    queued_batches: int = 0
+    busy: bool = False
+    registered_at: float = 0.0
+
+
+class Membership:
+    """The registered workers (see the module docstring)."""
+
+    def __init__(self, cfg: Config, sched: SchedulerInterface, cost: WorkerCosts, tok: Tokenizer) -> None:
+        self.cfg = cfg
+        self.sched = sched
+        self.cost = cost
+        self.tok = tok
+        self.workers: dict[str, WorkerInfo] = {}
+
+    def __contains__(self, wid: object) -> bool:
+        return wid in self.workers
+
+    def refusal(self, reg: P.Register) -> str | None:
+        """Why this worker cannot serve the daemon's requests, if it cannot."""
+        vocab = self.tok.vocab_size
+        if reg.vocab_size and reg.vocab_size < vocab:
+            return (f"its vocabulary has {reg.vocab_size} tokens, the daemon's tokenizer "
+                    f"({self.cfg.model.name}) {vocab}: is the worker running the same model?")
+        if self.cfg.scheduler.policy in GRANT_POLICIES and reg.caps.batching != "continuous":
+            return (f"engine {reg.engine!r} serves static batches; scheduler.policy "
+                    f"{self.cfg.scheduler.policy!r} needs continuous batching (engine hf-cb)")
+        eos = set(getattr(self.tok, "eos_token_ids", ()) or ())
+        if eos and reg.eos_token_ids and not eos & set(reg.eos_token_ids):
+            return f"its EOS ids {reg.eos_token_ids} are not the tokenizer's {sorted(eos)}"
+        return None
+
+    def join(self, reg: P.Register, now: float, out: Effects) -> None:
+        """An authenticated worker that fits (see :meth:`refusal`) becomes a member; a report
+        the cost model cannot use is refused (``out.refused``)."""
+        wid = reg.worker_id
+        assert wid not in self.workers, f"worker {wid} joins twice"
+        try:
+            self.cost.on_register(reg)
+        except Exception as exc:  # noqa: BLE001 - a peer's registration, not the daemon, is at fault
+            out.refused = f"the daemon cannot use it: {exc}"
+            return
+        self.workers[wid] = WorkerInfo(wid, reg, now, registered_at=now)
+        self.sched.add_worker(wid)
+        log.info("worker=%s registered engine=%s model=%s device=%s pid=%d kv_bytes_per_token=%d "
+                 "mem_available=%d vocab=%d", wid, reg.engine, reg.model, reg.device, reg.pid,
+                 reg.kv_bytes_per_token, reg.mem_available, reg.vocab_size)
+        out.tell(wid, P.Welcome(heartbeat_interval_s=self.cfg.daemon.heartbeat_interval_s))
+        out.wake = True
+
+    def leave(self, wid: str, why: str, now: float, out: Effects) -> bool:
+        """``wid`` is lost: its batches go back to the pool. False if it was no member."""
+        if self.workers.pop(wid, None) is None:
+            return False
+        log.warning("worker=%s lost: %s", wid, why)
+        back = self.sched.remove_worker(wid, now)
+        if back:
+            log.warning("worker=%s lost with %d requests; re-queued: %s", wid, len(back),
+                        ",".join(r.rid for r in back))
+        self.cost.on_dead(wid)
+        out.lost.append(Lost(wid, why))
+        out.wake = True
+        return True
+
+    def heard(self, wid: str, msg: P.WorkerMsg, now: float) -> None:
+        """A member's message arrived (a heartbeat also says how busy it is)."""
+        info = self.workers[wid]
+        info.last_seen = now
+        if isinstance(msg, P.Heartbeat):
+            info.queued_batches = msg.queued_batches
+            info.busy = msg.busy
+
+    def silent_for(self, wid: str, now: float) -> float | None:
+        """Seconds since ``wid`` was last heard from, when that is past the heartbeat timeout."""
+        quiet = now - self.workers[wid].last_seen
+        return quiet if quiet > self.cfg.daemon.heartbeat_timeout_s else None
+
+    # ------------------------------------------------------------------ rotation
+
+    def drain(self, wid: str, out: Effects) -> bool:
+        """Take a member out of rotation: no new batches; those it holds finish normally."""
+        if wid not in self.workers:
+            return False
+        self.sched.set_active(wid, False)
+        out.tell(wid, P.Drain())
+        log.info("worker=%s draining: no new batches, %d in flight", wid, self.inflight(wid))
+        return True
+
+    def resume(self, wid: str, out: Effects) -> bool:
+        """Put a drained member back into rotation."""
+        if wid not in self.workers:
+            return False
+        self.sched.set_active(wid, True)
+        out.tell(wid, P.Resume())
+        log.info("worker=%s resumed", wid)
+        out.wake = True
+        return True
+
+    def state(self, wid: str) -> P.WorkerStateName:
+        """active, draining (out of rotation, batches in flight) or drained."""
+        ws = self.sched.workers[wid]
+        if ws.active:
+            return "active"
+        return "draining" if ws.batches else "drained"
+
+    def inflight(self, wid: str) -> int:
+        """Batches sent to ``wid`` and not answered."""
+        ws = self.sched.workers.get(wid)
+        return len(ws.batches) if ws is not None else 0
+
+    def caps(self) -> list[P.EngineCaps]:
+        """What the members said they can do (``Register.caps``)."""
+        return [w.reg.caps for w in self.workers.values()]

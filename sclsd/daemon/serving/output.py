@@ -1,0 +1,180 @@
+"""One request's output: its tokens, text and log-probabilities, and what workers streamed.
+
+Tokens reach a request two ways. While a slice runs, the worker streams them
+(``tokens`` messages): each message's tokens become a :class:`Chunk` that
+waits in :attr:`Output.inbound` while it is detokenized, then lands in
+:attr:`Output.ids`; :attr:`Output.streamed` counts the running slice's
+streamed tokens. When the slice ends, its ``result`` brings every token of
+the slice: only those after the ``streamed`` ones are new. A slice that ends
+without a result (its worker lost, its batch failed) keeps what was streamed:
+:meth:`Output.settle` makes it part of the output.
+
+A request that ends at a stop string keeps only the tokens up to the one that
+completed it (:meth:`Output.stop_cut`, :meth:`Output.trim_to_stop`): the count
+is found when the stop appears, with a few decodes of a window of at most a
+slice plus the stop string's length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ... import protocol as P
+from ...core.request import FinishReason
+from ...tokenizer import Detokenizer, Tokenizer
+
+__all__ = ["Chunk", "Output", "kept_tokens"]
+
+
+@dataclass(eq=False, slots=True)
+class Chunk:
+    """The tokens (and log-probabilities) of one ``tokens`` message for one request."""
+
+    ids: list[int]
+    logprobs: list[P.TokenLogprobs]
+
+
+@dataclass(eq=False)
+class Output:
+    """What a request generated so far (see the module docstring)."""
+
+    detok: Detokenizer
+    tok: Tokenizer | None = None
+    """The daemon's tokenizer: the tokens kept at a stop string."""
+    ids: list[int] = field(default_factory=list)
+    """Generated token ids, in order (streamed ones included once they landed)."""
+    logprobs: list[P.TokenLogprobs] = field(default_factory=list)
+    """Of ``ids``, in order, as far as workers sent them (requests with logprobs)."""
+    sent_logprobs: int = 0
+    """Entries of ``logprobs`` already sent in deltas."""
+    stop_free: int = 0
+    """Leading tokens of ``ids`` known not to complete a stop string."""
+    kept: int | None = None
+    """Tokens kept once a stop string ended the request (None: none did)."""
+    inbound: list[Chunk] = field(default_factory=list)
+    """Streamed chunks being detokenized, on their way to ``ids``."""
+    streamed: int = 0
+    """Tokens of the running slice (batch ``streamed_bid``) taken from its ``tokens``
+    messages; its result adds only what follows them."""
+    streamed_bid: int | None = None
+    streamed_reason: FinishReason | None = None
+    """The worker said the row finished in a ``tokens`` message (kept in case no result comes)."""
+
+    def context(self) -> list[int]:
+        """The output including streamed tokens still being detokenized."""
+        out = list(self.ids)
+        for chunk in self.inbound:
+            out += chunk.ids
+        return out
+
+    # ------------------------------------------------------------------ streamed tokens
+
+    def room(self, bid: int, remaining: int) -> int:
+        """How many more tokens batch ``bid`` may stream for this request, whose scheduler
+        entry has ``remaining`` tokens left before the slice (a new batch starts afresh)."""
+        if self.streamed_bid != bid:
+            self.streamed_bid, self.streamed, self.streamed_reason = bid, 0, None
+        return max(0, remaining - self.streamed)
+
+    def stream(self, ids: list[int], logprobs: list[P.TokenLogprobs],
+               reason: FinishReason | None) -> Chunk:
+        """Count ``ids`` as streamed in the running slice; returns the chunk to detokenize."""
+        self.streamed += len(ids)
+        self.streamed_reason = reason
+        chunk = Chunk(list(ids), list(logprobs[: len(ids)]))
+        self.inbound.append(chunk)
+        return chunk
+
+    def land(self, chunk: Chunk) -> None:
+        """``chunk`` was detokenized: its tokens join the output (unless its slice ended
+        without a result meanwhile, which already put them there)."""
+        if self.inbound and self.inbound[0] is chunk:
+            self.inbound.pop(0)
+            self.ids.extend(chunk.ids)
+            self.logprobs.extend(chunk.logprobs)
+
+    def streamed_in(self, bid: int) -> int:
+        """Tokens of batch ``bid``'s slice already streamed (0 for another batch)."""
+        return self.streamed if self.streamed_bid == bid else 0
+
+    # ------------------------------------------------------------------ slice ends
+
+    def apply_slice(self, streamed: int, out: P.RequestOutput) -> list[int]:
+        """The slice's result ``out``, whose first ``streamed`` tokens are in ``ids``
+        already: add the rest; returns those new tokens."""
+        tail = list(out.token_ids[streamed:])
+        base = len(self.ids) - streamed  # tokens before this slice
+        self.ids.extend(tail)
+        if out.logprobs:  # the result's are authoritative, streamed ones included
+            del self.logprobs[base:]
+            self.logprobs.extend(out.logprobs)
+        self.streamed, self.streamed_bid, self.streamed_reason = 0, None, None
+        return tail
+
+    def settle(self) -> tuple[int, FinishReason | None]:
+        """The running slice ended without a result: what it streamed stays in the output.
+        Returns how many tokens that was and whether the worker said they ended the row."""
+        k, reason = self.streamed, self.streamed_reason
+        self.streamed, self.streamed_bid, self.streamed_reason = 0, None, None
+        for chunk in self.inbound:
+            self.ids.extend(chunk.ids)
+            self.logprobs.extend(chunk.logprobs)
+        self.inbound.clear()
+        return k, reason
+
+    # ------------------------------------------------------------------ stop strings
+
+    def stop_cut(self, new: list[int]) -> list[int]:
+        """Of the newest tokens ``new`` (the tail of ``ids``), those before or completing a
+        stop string."""
+        n = len(self.ids)
+        if not self.detok.stopped:
+            self.stop_free = n
+            return new
+        if self.kept is None:
+            self.kept = kept_tokens(self.ids, self.detok.stop, self.stop_free, self.tok)
+        return new[: max(0, self.kept - (n - len(new)))]
+
+    def trim_to_stop(self) -> None:
+        """The request ends: drop the tokens after the one that completed its stop string."""
+        if self.detok.stopped and self.detok.stop:
+            self.stop_cut([])
+            assert self.kept is not None
+            del self.ids[self.kept:]
+            del self.logprobs[self.kept:]
+
+    def unsent_logprobs(self) -> list[P.TokenLogprobs]:
+        """Log-probabilities not sent yet (none past a stop string's end); marks them sent."""
+        upto = len(self.logprobs) if self.kept is None else min(self.kept, len(self.logprobs))
+        out = self.logprobs[self.sent_logprobs:upto]
+        self.sent_logprobs = max(self.sent_logprobs, upto)
+        return out
+
+
+def kept_tokens(ids: list[int], stops: list[str], stop_free: int, tok: Tokenizer | None) -> int:
+    """How many of ``ids`` to keep when the text of ``ids`` contains a stop string: up to and
+    including the token that completed it (the first ``stop_free`` are known not to).
+
+    Binary search over decodes of a window that starts a stop string's worth of tokens
+    before ``stop_free`` (the stop cannot start earlier): cheap, and monotone in its end.
+    """
+    n = len(ids)
+    if tok is None or n <= stop_free:
+        return n
+    # A character is at most 4 byte-level tokens; special tokens decode to nothing.
+    start = max(0, stop_free - 4 * max(len(s) for s in stops) - 8)
+
+    def hit(k: int) -> bool:
+        text = tok.decode(ids[start:k])
+        return any(s in text for s in stops)
+
+    lo, hi = stop_free, n
+    if not hit(hi):
+        return n  # a tokenizer that rewrites earlier text: keep everything rather than guess
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if hit(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi

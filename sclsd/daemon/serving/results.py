@@ -1,0 +1,195 @@
+"""Results: a worker's ``result`` for a batch becomes deltas, finished requests and re-queues.
+
+A result is authoritative: it brings every token of the slice (only those
+not streamed yet are new, see :mod:`~sclsd.daemon.serving.streaming`). It is
+checked before it counts, as streamed tokens are: for a batch in flight on
+the worker that sent it; only rows of that batch's live requests, each once,
+never past the request's budget. Its rows are detokenized off the loop (a
+:class:`ResultJob`), then applied: the outputs grow, the scheduler gets the
+batch's outcome (finished requests, the rest back in the pool, the KV the
+worker keeps), clients get their deltas and terminal events. A result with an
+error fails the batch: its requests go back to the pool, or end after
+``scheduler.max_failures`` failures.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ... import protocol as P
+from ...core.batch import Batch, BatchOutcome, RowOutcome
+from ...core.scheduler_api import SchedulerInterface
+from .dispatch import DispatchBook
+from .effects import Effects
+from .engine_stats import EngineStats
+from .replies import Replies
+from .streaming import Streaming
+from .table import Entry, RequestTable
+
+log = logging.getLogger("sclsd")
+
+__all__ = ["ResultJob", "Results", "Row"]
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """An accepted row of a result: its request, its output (budget-capped), and how many of
+    its tokens were streamed already."""
+
+    entry: Entry
+    output: P.RequestOutput
+    streamed: int
+
+
+@dataclass(eq=False, slots=True)
+class ResultJob:
+    """A result's rows to detokenize: ``seqs[i]`` is row ``i``'s whole output with the slice."""
+
+    result: P.Result
+    rows: list[Row]
+    seqs: list[list[int]]
+
+
+class Results:
+    """Applies ``result`` messages (see the module docstring)."""
+
+    def __init__(self, sched: SchedulerInterface, table: RequestTable, replies: Replies,
+                 dispatch: DispatchBook, streaming: Streaming) -> None:
+        self.sched = sched
+        self.table = table
+        self.replies = replies
+        self.dispatch = dispatch
+        self.streaming = streaming
+        self.engines = EngineStats()
+
+    # ------------------------------------------------------------------ arrival (validation)
+
+    def on_result(self, res: P.Result, now: float, out: Effects) -> None:
+        """A worker's result for one of its batches."""
+        batch = self._batch(res.worker_id, res.batch_id)
+        if batch is None:
+            return
+        self.dispatch.acked(res.worker_id, res.batch_id)  # a result implies receipt
+        if res.error is not None:
+            log.error("worker=%s batch=%d failed: %s; ids=%s", res.worker_id, res.batch_id, res.error,
+                      ",".join(r.rid for r in batch.requests))
+            self._evicted(res)
+            self.fail_batch(res.batch_id, now, out)
+            return
+        members = {r.rid: r for r in batch.requests}
+        rows: list[Row] = []
+        seen: set[str] = set()
+        stray: list[str] = []
+        for o in res.outputs:
+            req = members.get(o.rid)
+            e = self.table.get(o.rid)
+            if req is None or e is None or e.req is not req or o.rid in seen:
+                if o.kv_tokens and o.rid not in seen:
+                    stray.append(o.rid)  # e.g. cancelled during the slice: nobody needs its KV
+                continue
+            seen.add(o.rid)
+            budget = max(0, req.remaining)
+            if len(o.token_ids) > budget:
+                o = P.RequestOutput(rid=o.rid, token_ids=o.token_ids[:budget], finish_reason="length",
+                                    logprobs=o.logprobs[:budget])
+            k = e.out.streamed_in(res.batch_id)
+            context = e.out.context()
+            if k and context[-k:] != o.token_ids[:k]:
+                log.warning("worker=%s batch=%d id=%s: result differs from the %d tokens it streamed; "
+                            "the streamed ones stand", res.worker_id, res.batch_id, o.rid, k)
+            rows.append(Row(e, o, k))
+        self.dispatch.release(res.worker_id, stray, out)
+        seqs = [r.entry.out.context() + list(r.output.token_ids[r.streamed:]) for r in rows]
+        out.decode.append(ResultJob(res, rows, seqs))
+
+    def _batch(self, wid: str, bid: int) -> Batch | None:
+        batch = self.sched.batches.get(bid)
+        if batch is None:
+            log.info("result for unknown batch=%d from worker=%s ignored", bid, wid)
+            return None
+        if batch.worker != wid:
+            log.warning("result for batch=%d from worker=%s, but it was sent to worker=%s; ignored",
+                        bid, wid, batch.worker)
+            return None
+        return batch
+
+    # ------------------------------------------------------------------ applying
+
+    def apply(self, job: ResultJob, texts: list[str] | BaseException, now: float,
+              out: Effects) -> None:
+        """The rows were detokenized (or that failed: the batch fails); apply them."""
+        res = job.result
+        ids = ",".join(r.entry.rid for r in job.rows)
+        if isinstance(texts, BaseException):
+            log.error("detokenizing batch=%d failed: %r; ids=%s", res.batch_id, texts, ids,
+                      exc_info=texts)
+            self.fail_batch(res.batch_id, now, out)
+            return
+        if res.batch_id not in self.sched.batches:
+            return  # its worker was declared dead meanwhile: requests already re-queued
+        try:
+            self._apply_rows(res, job.rows, texts, now, out)
+        except Exception:
+            # A bug here must not leave requests hanging: log it with the ids, fail the
+            # batch (its requests are re-queued, up to scheduler.max_failures).
+            log.exception("applying batch=%d failed; ids=%s", res.batch_id, ids)
+            self.fail_batch(res.batch_id, now, out)
+
+    def fail_batch(self, batch_id: int, now: float, out: Effects) -> None:
+        """The batch failed: its requests go back to the pool, or end after too many failures."""
+        self.dispatch.settled(batch_id)
+        batch = self.sched.batches.get(batch_id)
+        members = [r.rid for r in batch.requests] if batch is not None else []
+        done = self.sched.on_result(BatchOutcome(batch_id, ok=False), now)
+        self.dispatch.flush_released(out)
+        self.streaming.settle(members, now, out)
+        for r in done:
+            e = self.table.get(r.rid)
+            if e is not None:
+                self.replies.finish(e, "error", now, out)
+        out.wake = True
+
+    def _evicted(self, res: P.Result) -> None:
+        """The worker dropped these requests' KV to make room."""
+        if res.kv_evicted:
+            self.sched.kv_evicted(res.worker_id, res.kv_evicted)
+            self.engines.kv_evicted += len(res.kv_evicted)
+
+    def _apply_rows(self, res: P.Result, rows: list[Row], texts: list[str], now: float,
+                    out: Effects) -> None:
+        outcomes: list[RowOutcome] = []
+        deltas: list[tuple[Entry, list[int], str]] = []
+        stray: list[str] = []
+        for row, full in zip(rows, texts, strict=True):
+            e, o, k = row.entry, row.output, row.streamed
+            if not self.table.holds(e):
+                if o.kv_tokens:
+                    stray.append(e.rid)
+                continue  # cancelled or timed out while we decoded: its row is ignored
+            tail = e.out.apply_slice(k, o)
+            final = o.finish_reason is not None
+            new_text = e.out.detok.apply(full, final=final)
+            reason = "stop" if e.out.detok.stopped else o.finish_reason
+            kv = o.kv_tokens
+            if kv and reason is not None:
+                stray.append(e.rid)  # ended here (a stop string): the worker kept its KV for nothing
+                kv = 0
+            outcomes.append(RowOutcome(o.rid, k + len(tail), reason, kv_tokens=kv))
+            deltas.append((e, tail, new_text))
+        stats = res.stats
+        self.dispatch.settled(res.batch_id)
+        elapsed = stats.prefill_s + stats.decode_s
+        done = self.sched.on_result(BatchOutcome(res.batch_id, outcomes, elapsed=elapsed), now)
+        self._evicted(res)  # after the rows: a row kept early in the batch may be evicted later
+        self.dispatch.release(res.worker_id, stray, out)
+        self.dispatch.flush_released(out)
+        out.batch_seconds.append(elapsed)
+        self.engines.add(res.worker_id, stats, len(res.outputs))
+        for e, ids, text in deltas:
+            self.replies.delta(e, ids, text, out)
+        for r in done:
+            ended = self.table.get(r.rid)
+            if ended is not None:
+                self.replies.finish(ended, r.finish_reason or "error", now, out)
+        out.wake = True

@@ -1,0 +1,111 @@
+"""Streamed tokens: a running batch's ``tokens`` messages become deltas at once.
+
+A ``tokens`` message counts only for a batch in flight on the worker that
+sent it, only for rows of that batch's live requests, each once, never past
+the request's budget: a buggy or hostile worker cannot write into another
+request's output. A request's first streamed token sets its first-token time;
+a streaming request's tokens are detokenized (off the loop: a
+:class:`TokensJob`) and sent as a ``delta``, and join its output (see
+:mod:`~sclsd.daemon.serving.output`). The scheduler hears of them only at the
+slice's end, through the result.
+
+A batch that ends without a result (its worker lost, or it failed) keeps the
+tokens its clients already saw (:meth:`Streaming.settle`): they count as
+generated, and each request continues after them, or ends if they ended it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ... import protocol as P
+from ...core.scheduler_api import SchedulerInterface
+from .dispatch import DispatchBook
+from .effects import Effects
+from .output import Chunk
+from .replies import Replies
+from .table import Entry, RequestTable
+
+log = logging.getLogger("sclsd")
+
+__all__ = ["Streaming", "TokensJob"]
+
+
+@dataclass(eq=False, slots=True)
+class TokensJob:
+    """Streamed chunks to detokenize: ``seqs[i]`` is ``chunks[i]``'s request's output so far."""
+
+    chunks: list[tuple[Entry, Chunk]]
+    seqs: list[list[int]]
+
+
+class Streaming:
+    """Applies ``tokens`` messages (see the module docstring)."""
+
+    def __init__(self, sched: SchedulerInterface, table: RequestTable, replies: Replies,
+                 dispatch: DispatchBook) -> None:
+        self.sched = sched
+        self.table = table
+        self.replies = replies
+        self.dispatch = dispatch
+
+    def on_tokens(self, msg: P.Tokens, now: float, out: Effects) -> None:
+        """Tokens of a running batch: streamed to their clients, counted at its result."""
+        batch = self.sched.batches.get(msg.batch_id)
+        if batch is None or batch.worker != msg.worker_id:
+            return  # re-queued meanwhile (its worker lost), or not this worker's
+        self.dispatch.acked(msg.worker_id, msg.batch_id)  # it runs: it was received
+        members = {r.rid: r for r in batch.requests}
+        chunks: list[tuple[Entry, Chunk]] = []
+        seen: set[str] = set()
+        for row in msg.outputs:
+            req = members.get(row.rid)
+            e = self.table.get(row.rid)
+            if (req is None or e is None or e.req is not req or row.rid in seen
+                    or req.batch_id != msg.batch_id):
+                continue
+            seen.add(row.rid)
+            ids = row.token_ids[: e.out.room(msg.batch_id, req.remaining)]
+            if not ids:
+                continue
+            if req.first_token is None:
+                req.first_token = now
+            if not e.streams:
+                continue  # its client hears the whole output at the end: the result brings it
+            chunks.append((e, e.out.stream(list(ids), row.logprobs, row.finish_reason)))
+        if chunks:
+            out.decode.append(TokensJob(chunks, [e.out.context() for e, _ in chunks]))
+
+    def apply(self, job: TokensJob, texts: list[str] | None, out: Effects) -> None:
+        """The chunks were detokenized (``texts`` None: that failed; their text follows with
+        the next): each lands in its output and goes to its client."""
+        for i, (e, chunk) in enumerate(job.chunks):
+            if not self.table.holds(e):
+                continue
+            e.out.land(chunk)
+            text = e.out.detok.apply(texts[i]) if texts is not None else ""
+            self.replies.delta(e, chunk.ids, text, out)
+
+    def settle(self, rids: Iterable[str] | None, now: float, out: Effects) -> None:
+        """Requests whose batch ended without a result keep the tokens already streamed to
+        their clients: counted as generated, the request continues after them (or ends, if
+        the worker said they ended it). ``rids``: those to look at (None: every live one)."""
+        entries = list(self.table) if rids is None else [self.table.get(r) for r in rids]
+        for e in entries:
+            if e is None or not e.out.streamed or e.out.streamed_bid in self.sched.batches:
+                continue
+            k, reason = e.out.settle()
+            r = e.req
+            r.num_generated += k
+            if r.state.terminal:
+                continue  # failed for good: its error follows
+            if e.out.detok.stopped:
+                reason = "stop"
+            elif reason is None and r.remaining <= 0:
+                reason = "length"
+            log.info("id=%s keeps %d streamed tokens of a batch that ended without a result%s",
+                     r.rid, k, f"; finished ({reason})" if reason else "")
+            if reason is not None and self.sched.cancel(r.rid, now, reason) is not None:
+                self.replies.finish(e, reason, now, out)

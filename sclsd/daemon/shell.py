@@ -1,0 +1,204 @@
+"""The shell around the serving core: what happens goes in, what the core says goes out.
+
+The serving core (:mod:`sclsd.daemon.serving`) decides everything about
+requests and workers and returns :class:`~sclsd.daemon.serving.effects.Effects`;
+the shell feeds it and delivers them (:meth:`Shell.deliver`). A request's path::
+
+    client socket (sockets) ─▶ frontend ─▶ admission ─▶ core.submit
+    core.step (the scheduling loop here) ─▶ batch message ─▶ transport ─▶ worker
+    worker ─▶ transport ─▶ fleet (peer → worker id) ─▶ core.worker_message
+        ─▶ text to detokenize (the thread pool, here) ─▶ core.decoded
+        ─▶ delta / done to the client's connection
+
+Delivering is the only place the daemon's I/O meets its decisions: events to
+client connections, messages to workers through the fleet (a send the
+transport refuses is fed back as the worker's loss), local processes of lost
+workers killed (a spawned worker restarts), detokenizing in the thread pool
+(handed back in the order asked, so a request's deltas keep theirs), metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from typing import Any, cast
+
+from .. import protocol as P
+from ..config import Config
+from ..tokenizer import Tokenizer
+from .fleet import Fleet
+from .frontend import Frontend
+from .metrics import Metrics
+from .serving.core import ServingCore
+from .serving.effects import DecodeJob, Effects
+from .sockets import Conn
+from .supervisor import Supervisor
+
+log = logging.getLogger("sclsd")
+
+
+def _decode_all(tok: Tokenizer, seqs: list[list[int]]) -> list[str]:
+    return [tok.decode(s) for s in seqs]
+
+
+class Shell:
+    """Feeds the serving core and delivers its effects (see the module docstring)."""
+
+    def __init__(self, cfg: Config, core: ServingCore, frontend: Frontend, fleet: Fleet,
+                 supervisor: Supervisor, metrics: Metrics, pool: Executor, idle: asyncio.Event,
+                 clock: Callable[[], float]) -> None:
+        self.cfg = cfg
+        self.core = core
+        self.frontend = frontend
+        self.fleet = fleet
+        self.supervisor = supervisor
+        self.metrics = metrics
+        self.pool = pool
+        self.idle = idle
+        """Set while no request is live (the drain waits for it)."""
+        self.clock = clock
+        self.wake = asyncio.Event()
+        """Set when something changed that the scheduling loop should look at."""
+        self._decoding: deque[tuple[asyncio.Future[list[str]], DecodeJob]] = deque()
+
+    # ------------------------------------------------------------------ inputs: clients
+
+    def on_client(self, conn: Conn, msg: Any) -> Awaitable[None] | None:
+        """A decoded client message (an awaitable when admission must tokenize first)."""
+        handled = self.frontend.handle(conn, msg)
+        if isinstance(handled, Effects):
+            self.deliver(handled)
+            return None
+        return self._deliver_later(handled)
+
+    async def _deliver_later(self, handled: Awaitable[Effects]) -> None:
+        self.deliver(await handled)
+
+    def on_client_close(self, conn: Conn) -> None:
+        self.deliver(self.frontend.on_close(conn))
+
+    # ------------------------------------------------------------------ inputs: workers
+
+    def on_message(self, peer: bytes, msg: P.WorkerMsg) -> None:
+        """A decoded worker message with its transport peer."""
+        now = self.clock()
+        if isinstance(msg, P.Register):
+            self._register(peer, msg, now)
+            return
+        wid = self.fleet.member(peer, msg)
+        if wid is not None:
+            self.deliver(self.core.worker_message(wid, msg, now))
+
+    def _register(self, peer: bytes, reg: P.Register, now: float) -> None:
+        """Authenticated and fit, a worker replaces whatever its connection or its id was
+        (restarted, reconnected) and joins; else it is refused."""
+        core = self.core
+        wid = reg.worker_id
+        why = self.fleet.authenticate(reg) or core.join_refusal(reg)
+        if why is not None:
+            self.fleet.refuse(peer, reg, why)
+            return
+        old = self.fleet.by_peer.get(peer)
+        if old is not None and old != wid:
+            self.deliver(core.worker_lost(old, f"its connection registered as {wid}", now))
+        if wid in core.members:
+            # An authenticated re-registration: the worker restarted or reconnected, and
+            # whatever it held is gone.
+            self.deliver(core.worker_lost(wid, "re-registered (restarted)", now))
+        joined = core.worker_joined(reg, now)
+        if joined.refused is not None:
+            self.fleet.refuse(peer, reg, joined.refused)
+        else:
+            self.fleet.bind(peer, wid)
+        self.deliver(joined)
+
+    def worker_exited(self, wid: str, why: str) -> None:
+        """A local worker's process ended (the supervisor restarts it)."""
+        self.deliver(self.core.worker_lost(wid, why, self.clock()))
+
+    # ------------------------------------------------------------------ effects
+
+    def deliver(self, eff: Effects) -> None:
+        """Do what the core said (see the module docstring), then wake the scheduling loop
+        if it asked."""
+        for lost in eff.lost:
+            self.fleet.unbind(lost.wid)
+            self.supervisor.kill(lost.wid)  # a spawned one restarts
+        for client, event in eff.to_clients:
+            cast(Conn, client).send(event)  # the core's clients are the connections we gave it
+        unreachable: dict[str, str] = {}
+        for wid, msg in eff.to_workers:
+            if wid in unreachable:
+                continue
+            if isinstance(msg, P.BatchMsg):
+                self.metrics.dispatched(len(msg.requests))
+            if self.fleet.send(wid, msg) is False:
+                unreachable[wid] = f"unreachable: sending {type(msg).__name__} failed"
+        for ended in eff.ended:
+            self.metrics.finished(ended.reason, ended.prompt_tokens, ended.completion_tokens, ended.timings)
+        for seconds in eff.batch_seconds:
+            self.metrics.batch_done(seconds)
+        for job in eff.decode:
+            self._decode(job)
+        if eff.wake:
+            self.wake.set()
+        if len(self.core.table):
+            self.idle.clear()
+        else:
+            self.idle.set()
+        for wid, why in unreachable.items():  # its batches go back to the pool
+            self.deliver(self.core.worker_lost(wid, why, self.clock()))
+
+    def _decode(self, job: DecodeJob) -> None:
+        fut = asyncio.get_running_loop().run_in_executor(self.pool, _decode_all, self.core.tok, job.seqs)
+        self._decoding.append((fut, job))
+        fut.add_done_callback(self._decoded)
+
+    def _decoded(self, _done: asyncio.Future[list[str]]) -> None:
+        """Hand every detokenized job at the head of the order to the core."""
+        while self._decoding and self._decoding[0][0].done():
+            fut, job = self._decoding.popleft()
+            texts: list[str] | BaseException
+            try:
+                texts = fut.result()
+            except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - the core decides
+                texts = exc
+            try:
+                self.deliver(self.core.decoded(job, texts, self.clock()))
+            except Exception:  # noqa: BLE001 - the next ones still apply; logged loudly
+                log.exception("applying a worker's message failed")
+
+    # ------------------------------------------------------------------ time
+
+    async def schedule(self) -> None:
+        """The scheduling loop: a core step whenever something changed or a timer is due."""
+        loop = asyncio.get_running_loop()
+        while True:
+            self.wake.clear()
+            eff, wait = self.core.step(self.clock())
+            self.deliver(eff)
+            if wait > 0:
+                # A timer sets the same event a change would (not asyncio.wait_for, whose
+                # timeout racing a cancellation can swallow the cancel on Python 3.11).
+                timer = loop.call_later(wait, self.wake.set)
+                try:
+                    await self.wake.wait()
+                finally:
+                    timer.cancel()
+            else:
+                await asyncio.sleep(0)
+
+    async def monitor(self) -> None:
+        """Every heartbeat interval: keepalives, silent workers, unacknowledged or overdue batches."""
+        while True:
+            await asyncio.sleep(self.cfg.daemon.heartbeat_interval_s)
+            self.deliver(self.core.tick(self.clock()))
+
+    def fail_all(self, code: P.ErrorCode, message: str) -> list[str]:
+        """End every live request with ``error``; returns their ids."""
+        eff = self.core.fail_all(code, message, self.clock())
+        self.deliver(eff)
+        return [e.rid for e in eff.ended]

@@ -17,6 +17,13 @@ ENGINES: tuple[str, ...] = ("hf", "hf-cb", "deepspeed", "fake")
 #: Engines that take slice grants (policy ``scls-cb``): continuous batching that keeps a
 #: request's KV between grants (``fake`` stands in for it in tests and load tests).
 GRANT_ENGINES: tuple[str, ...] = ("hf-cb", "fake")
+#: Optional request features and the engines that apply them (``EngineCaps``), for admission
+#: before any worker has registered (after that, the workers' own caps decide).
+ENGINE_FEATURES: dict[str, tuple[str, ...]] = {
+    "min_tokens": ("hf", "deepspeed", "fake"),
+    "logit_bias": ("hf", "deepspeed", "fake"),
+    "grammar": ("hf", "deepspeed"),
+}
 
 #: Client API socket of a system install (``daemon.socket``; ``sclsctl --socket``).
 SOCKET = "/run/sclsd/sclsd.sock"

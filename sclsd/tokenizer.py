@@ -17,7 +17,7 @@ class Tokenizer(Protocol):
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class ByteTokenizer:
@@ -31,7 +31,8 @@ class ByteTokenizer:
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return self.encode("".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>")
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        del skip_special_tokens  # bytes have no special tokens
         return bytes(i % 256 for i in ids).decode("utf-8", errors="replace")
 
 
@@ -57,8 +58,8 @@ class HFTokenizer:
             return [int(i) for i in out]
         return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: ")
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def load(spec: str, cache_dir: str | os.PathLike[str] | None = None) -> Tokenizer:

@@ -28,6 +28,8 @@ from typing import Any
 
 from .. import protocol as P
 from ..config import Config
+from ..defaults import ENGINE_FEATURES
+from ..structured import check as check_structured
 from ..tokenizer import Tokenizer
 from .metrics import Metrics
 from .serving.core import ServingCore
@@ -131,6 +133,35 @@ class Admission:
             return "seed: these workers cannot seed a request (hf-cb seeds per manager, not per request)"
         return None
 
+    def _feature_refusal(self, g: P.Generate) -> str | None:
+        """Why ``g``'s ``min_tokens``, ``logit_bias`` or ``structured`` cannot be served, if they
+        cannot: a bad value, or workers that do not apply it (their ``caps``; before any has
+        registered, the configured engine's)."""
+        caps = self.core.members.caps()
+        engine = self.cfg.workers.engine
+
+        def can(flag: str) -> bool:
+            if caps:
+                return all(getattr(c, flag) for c in caps)
+            return engine in ENGINE_FEATURES.get(flag, ())
+
+        if g.min_tokens:
+            if g.max_tokens is not None and g.min_tokens > g.max_tokens:
+                return f"min_tokens: {g.min_tokens} is more than max_tokens ({g.max_tokens})"
+            if not can("min_tokens"):
+                return f"min_tokens: these workers ({engine}) do not apply it"
+        if g.logit_bias:
+            vocab = self.tok.vocab_size
+            bad = [t for t in g.logit_bias if t >= vocab]
+            if bad:
+                return f"logit_bias: token id {bad[0]} is not below the vocabulary size {vocab}"
+            if not can("logit_bias"):
+                return f"logit_bias: these workers ({engine}) do not apply it"
+        if g.structured is not None:
+            if not can("grammar"):
+                return f"structured output: these workers ({engine}) do not enforce grammars"
+        return None
+
     def _check_state(self, rid: str) -> tuple[P.ErrorCode, str] | None:
         if self.is_draining():
             return "draining", "the daemon is shutting down"
@@ -158,6 +189,13 @@ class Admission:
         if g.temperature > 0 and (why := self._sampling_refusal(g)) is not None:
             # Refused here rather than by every worker it would be sent to.
             return self.refuse(conn, "bad_request", why, g.id)
+        if (why := self._feature_refusal(g)) is not None:
+            return self.refuse(conn, "bad_request", why, g.id)
+        if g.structured is not None:
+            # Compiling a grammar is blocking work (milliseconds; more for a hostile schema).
+            why = await asyncio.get_running_loop().run_in_executor(self.pool, check_structured, g.structured)
+            if why is not None:
+                return self.refuse(conn, "bad_request", f"structured output: {why}", g.id)
         if g.messages is not None and not has_chat_template(self.tok):
             return self.refuse(conn, "bad_request", "messages: the model's tokenizer has no chat "
                                "template; send a prompt instead", g.id)

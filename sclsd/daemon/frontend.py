@@ -61,7 +61,7 @@ class Frontend:
 
     def on_ping(self, conn: Conn, msg: P.Ping) -> Effects:
         out = Effects()
-        out.send(conn, P.Pong(nonce=msg.nonce))
+        out.send(conn, P.Pong(nonce=msg.nonce, features=list(P.GENERATE_FEATURES)))
         return out
 
     def on_cancel(self, conn: Conn, msg: P.Cancel) -> Effects:

@@ -146,7 +146,7 @@ class Server:
         if self.shell is not None:
             return self.shell.on_client(conn, msg)
         if isinstance(msg, P.Ping):
-            conn.send(P.Pong(nonce=msg.nonce))
+            conn.send(P.Pong(nonce=msg.nonce, features=list(P.GENERATE_FEATURES)))
         else:
             conn.send(P.Error(code="starting", id=getattr(msg, "id", None),
                               message=f"sclsd is starting ({self.starting}): retry shortly, or "

@@ -40,8 +40,8 @@ from .supervisor import Supervisor
 log = logging.getLogger("sclsd")
 
 
-def _decode_all(tok: Tokenizer, seqs: list[list[int]]) -> list[str]:
-    return [tok.decode(s) for s in seqs]
+def _decode_all(tok: Tokenizer, seqs: list[list[int]], keep_special: list[bool]) -> list[str]:
+    return [tok.decode(s, skip_special_tokens=not k) for s, k in zip(seqs, keep_special, strict=True)]
 
 
 class Shell:
@@ -153,7 +153,8 @@ class Shell:
             self.deliver(self.core.worker_lost(wid, why, self.clock()))
 
     def _decode(self, job: DecodeJob) -> None:
-        fut = asyncio.get_running_loop().run_in_executor(self.pool, _decode_all, self.core.tok, job.seqs)
+        fut = asyncio.get_running_loop().run_in_executor(self.pool, _decode_all, self.core.tok, job.seqs,
+                                                             job.keep_special)
         self._decoding.append((fut, job))
         fut.add_done_callback(self._decoded)
 

@@ -98,7 +98,9 @@ async def prepare(host: Host, parsed: Parsed) -> None:
     await host.link.client()  # connected, so ``features`` is this daemon's
     missing = sorted(parsed.features - host.link.features)
     if missing:
-        raise unsupported(missing[0], "this daemon's engines do not apply it yet (the daemon "
+        # The OpenAI parameter behind each daemon feature.
+        param = {"structured": "response_format"}.get(missing[0], missing[0])
+        raise unsupported(param, "this daemon's engines do not apply it yet (the daemon "
                           "lists what it applies; docs/operations.md, sclsd-http)")
 
 

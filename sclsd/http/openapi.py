@@ -48,7 +48,8 @@ PARAMS: dict[str, tuple[dict[str, Any], str]] = {
     "tools": ({"type": "array", "items": _OBJ}, "chat: functions the model may call"),
     "tool_choice": ({"anyOf": [_STR, _OBJ]}, "chat: auto or none"),
     "parallel_tool_calls": (_BOOL, "chat: false keeps the first call only"),
-    "response_format": (_OBJ, 'only {"type": "text"}'),
+    "response_format": (_OBJ, '{"type": "text" | "json_object" | "json_schema", "json_schema": '
+                               '{"name", "schema"}}: the output follows the JSON schema'),
     "stream": (_BOOL, "server-sent events"),
     "stream_options": (_OBJ, "include_usage, continuous_usage_stats"),
     "user": (_STR, "logged by the daemon"),

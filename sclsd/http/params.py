@@ -21,6 +21,7 @@ Some prompt forms need the model's tokenizer in this process (:mod:`.tokens`):
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -234,16 +235,24 @@ def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
     return include, include and cont
 
 
-def _response_format(body: dict[str, Any]) -> None:
+def _response_format(body: dict[str, Any]) -> dict[str, str] | None:
+    """The daemon's ``structured`` for OpenAI's ``response_format`` (None: plain text):
+    ``{"type": "json_object"}``, or ``{"type": "json_schema", "json_schema": {"name": ...,
+    "schema": {...}, "strict": ...}}``; the daemon checks the schema itself."""
     rf = body.get("response_format")
     if rf is None:
-        return
+        return None
     kind = rf.get("type") if isinstance(rf, dict) else None
     if kind == "text":
-        return
-    if kind in ("json_object", "json_schema"):
-        raise unsupported("response_format", f"{kind}: structured output is not served yet "
-                          "(text only)")
+        return None
+    if kind == "json_object":
+        return {"kind": "json_object"}
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise bad("response_format", "response_format: json_schema.schema must be a JSON schema object")
+        return {"kind": "json_schema", "value": json.dumps(schema)}
     raise bad("response_format", 'response_format: must be {"type": "text" | "json_object" | '
               '"json_schema", ...}')
 
@@ -283,7 +292,7 @@ def parse(kind: Kind, body: Any, max_choices: int) -> Parsed:
         raise bad("model", "model: must be a string")
     stream = _bool(body, "stream", False)
     include_usage, continuous = _stream_options(body, stream)
-    _response_format(body)
+    structured = _response_format(body)
     n = _int(body, "n", 1, max_choices) or 1
     the_chat = chat(body) if kind == "chat" else None
     if the_chat is not None:
@@ -315,6 +324,8 @@ def parse(kind: Kind, body: Any, max_choices: int) -> Parsed:
         "seed": seed, "user": user, "logprobs": top is not None, "top_logprobs": top or 0,
         "min_tokens": min_tokens, "logit_bias": logit_bias, "skip_special_tokens": skip_special,
     }
+    if structured is not None:
+        params["structured"] = structured
     stop_ids = _token_ids(body, "stop_token_ids")
     if stop_ids is not None:
         params["stop_token_ids"] = stop_ids
@@ -326,7 +337,8 @@ def parse(kind: Kind, body: Any, max_choices: int) -> Parsed:
         params["temperature"] = 1.0  # OpenAI's default (the daemon's too)
     features = frozenset(name for name, on in (("min_tokens", min_tokens > 0),
                                                ("logit_bias", bool(logit_bias)),
-                                               ("skip_special_tokens", not skip_special)) if on)
+                                               ("skip_special_tokens", not skip_special),
+                                               ("structured", structured is not None)) if on)
     parsed = Parsed(kind, model, stream, include_usage, n, prompts, params, top,
                     continuous_usage=continuous, echo=echo, chat=the_chat, features=features)
     if kind == "completion":

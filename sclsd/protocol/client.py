@@ -32,6 +32,16 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     content: Annotated[str, Meta(max_length=1_000_000)]
 
 
+class Structured(msgspec.Struct, forbid_unknown_fields=True):
+    """What a request's output must follow (structured output)."""
+
+    kind: Literal["json_object", "json_schema", "regex", "lark", "choice"]
+    """``json_object``: any JSON object (``value`` ignored); ``json_schema``: the JSON schema in
+    ``value`` (JSON text); ``regex``: a regular expression; ``lark``: a Lark grammar (llguidance's
+    dialect); ``choice``: a JSON list of strings, one of which is the output."""
+    value: Annotated[str, Meta(max_length=1_000_000)] = ""
+
+
 class Generate(_Msg, tag="generate"):
     """Submit one request. Exactly one of ``prompt``, ``prompt_ids``, ``messages``."""
 
@@ -82,6 +92,9 @@ class Generate(_Msg, tag="generate"):
     skip_special_tokens: bool = True
     """Leave special tokens out of the output text (False: keep them; needs the feature
     ``skip_special_tokens`` in :attr:`Pong.features`)."""
+    structured: Structured | None = None
+    """The output must follow this (JSON schema, regex, grammar): checked at admission,
+    enforced by the workers as a token mask (needs the feature ``structured``)."""
     logprobs: bool = False
     """Return the log-probability of each generated token (``delta``/``done`` ``logprobs``)."""
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0
@@ -200,8 +213,8 @@ class Pong(_Msg, tag="pong"):
 
 
 #: Optional ``generate`` fields a daemon applies only once it says so in ``Pong.features``:
-#: ``min_tokens`` > 0, a non-empty ``logit_bias``, ``skip_special_tokens = false``.
-GENERATE_FEATURES = ("min_tokens", "logit_bias", "skip_special_tokens")
+#: ``min_tokens`` > 0, a non-empty ``logit_bias``, ``skip_special_tokens = false``, ``structured``.
+GENERATE_FEATURES = ("min_tokens", "logit_bias", "skip_special_tokens", "structured")
 
 
 class WorkerStateReply(_Msg, tag="worker_state"):

@@ -149,6 +149,9 @@ class RequestOutput(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     kv_tokens: NonNegInt = 0
     """In a :class:`Result`: tokens of this request's context whose KV the worker keeps after
     the slice (its next slice there prefills only the rest); 0: none kept."""
+    reused_tokens: NonNegInt = 0
+    """In a :class:`Result`: tokens of this row's context whose KV the engine took from what
+    it kept, instead of computing them (the daemon's ``usage.cached_tokens``)."""
 
 
 class BatchStats(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

@@ -211,7 +211,7 @@ class FakeEngine(Engine):
 
         outputs = [
             RequestOutput(rid=r.rid, token_ids=outs[i], finish_reason=reasons[i],  # type: ignore[arg-type]
-                          logprobs=lps[i], kv_tokens=kept[i])
+                          logprobs=lps[i], kv_tokens=kept[i], reused_tokens=used[i])
             for i, r in enumerate(reqs)
         ]
         stats = BatchStats(

@@ -400,8 +400,8 @@ class HFEngine(Engine):
 
         outputs = [
             RequestOutput(rid=r.req.rid, token_ids=r.out, finish_reason=r.reason,  # type: ignore[arg-type]
-                          kv_tokens=k, logprobs=r.logprobs)
-            for r, k in zip(rows, kept, strict=True)
+                          kv_tokens=k, logprobs=r.logprobs, reused_tokens=u)
+            for r, k, u in zip(rows, kept, used, strict=True)
         ]
         fresh = [x - u for x, u in zip(lens, used, strict=True)]
         stats = BatchStats(

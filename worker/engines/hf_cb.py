@@ -170,6 +170,8 @@ class _Row:
     keep: bool
     sent: int = 0
     """Tokens of this batch already streamed."""
+    reused: int = 0
+    """Context tokens resumed from the request's kept KV (no prefill)."""
 
 
 def _stream_new(row: _Row, toks: list[int], stream: Stream | None) -> None:
@@ -456,7 +458,7 @@ class HFCBEngine(HFEngine):
                 and self._control.resume(kept.tid, Allowance(len(ctx) + cap, keep))):
             p.reused_tokens += len(ctx) - 1
             return _Row(batch.batch_id, r, kept.tid, cap, len(ctx) - kept.added_len, kept.added_len,
-                        stops, keep)
+                        stops, keep, reused=len(ctx) - 1)
         if kept is not None:
             self._control.drop(kept.tid)
         tid = f"{r.rid}#{next(self._tids)}"  # unique: a rid served again never meets its old self
@@ -504,7 +506,8 @@ class HFCBEngine(HFEngine):
             reason = None  # the slice ended first
         kept = self._paused.end(row, toks if reason is None and not finished else None, self._control)
         p.outputs[row.req.rid] = RequestOutput(
-            rid=row.req.rid, token_ids=toks, finish_reason=reason, kv_tokens=kept)  # type: ignore[arg-type]
+            rid=row.req.rid, token_ids=toks, finish_reason=reason, kv_tokens=kept,  # type: ignore[arg-type]
+            reused_tokens=row.reused)
         if len(p.outputs) == len(p.batch.requests):
             del pending[row.batch_id]
             self._emit_done(p, emit)

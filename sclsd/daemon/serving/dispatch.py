@@ -22,6 +22,7 @@ from ... import protocol as P
 from ...config import Config
 from ...core.batch import Batch
 from ...core.scheduler_api import SchedulerInterface
+from ...structured import grammar_text
 from .effects import Effects
 from .table import RequestTable
 
@@ -58,7 +59,8 @@ class DispatchBook:
                 generated=r.num_generated, stop_token_ids=list(g.stop_token_ids), ignore_eos=g.ignore_eos,
                 min_p=g.min_p, presence_penalty=g.presence_penalty, frequency_penalty=g.frequency_penalty,
                 repetition_penalty=g.repetition_penalty, logprobs=e.wants_logprobs,
-                top_logprobs=g.top_logprobs,
+                top_logprobs=g.top_logprobs, min_tokens=g.min_tokens, logit_bias=dict(g.logit_bias),
+                grammar=None if g.structured is None else grammar_text(g.structured),
             ))
         return P.BatchMsg(batch_id=batch.bid, slice_len=batch.slice_len, requests=rows,
                           kv_reuse=self.sched.policy.kv_reuse)

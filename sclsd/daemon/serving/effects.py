@@ -50,6 +50,9 @@ class DecodeJob(Protocol):
     texts go back to the core with the job (streamed tokens or a result's rows)."""
 
     seqs: list[list[int]]
+    keep_special: list[bool]
+    """Per sequence: its text keeps the special tokens (the request's ``skip_special_tokens``
+    is false)."""
 
 
 @dataclass(slots=True)

@@ -50,7 +50,8 @@ class ClientEvents:
         return P.Done(
             id=r.rid,
             finish_reason=reason,
-            usage=P.Usage(prompt_tokens=len(e.prompt_ids), completion_tokens=len(out.ids)),
+            usage=P.Usage(prompt_tokens=len(e.prompt_ids), completion_tokens=len(out.ids),
+                          cached_tokens=e.cached_tokens),
             timings=self.timings(e, now),
             text=None if streams else out.detok.text,
             token_ids=None if streams else list(out.ids),

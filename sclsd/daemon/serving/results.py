@@ -49,6 +49,7 @@ class ResultJob:
     result: P.Result
     rows: list[Row]
     seqs: list[list[int]]
+    keep_special: list[bool]
 
 
 class Results:
@@ -93,6 +94,7 @@ class Results:
             if len(o.token_ids) > budget:
                 o = P.RequestOutput(rid=o.rid, token_ids=o.token_ids[:budget], finish_reason="length",
                                     logprobs=o.logprobs[:budget])
+            e.cached_tokens = max(e.cached_tokens, min(o.reused_tokens, len(e.prompt_ids)))
             k = e.out.streamed_in(res.batch_id)
             context = e.out.context()
             if k and context[-k:] != o.token_ids[:k]:
@@ -101,7 +103,7 @@ class Results:
             rows.append(Row(e, o, k))
         self.dispatch.release(res.worker_id, stray, out)
         seqs = [r.entry.out.context() + list(r.output.token_ids[r.streamed:]) for r in rows]
-        out.decode.append(ResultJob(res, rows, seqs))
+        out.decode.append(ResultJob(res, rows, seqs, [not r.entry.gen.skip_special_tokens for r in rows]))
 
     def _batch(self, wid: str, bid: int) -> Batch | None:
         batch = self.sched.batches.get(bid)

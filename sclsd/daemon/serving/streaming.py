@@ -39,6 +39,7 @@ class TokensJob:
 
     chunks: list[tuple[Entry, Chunk]]
     seqs: list[list[int]]
+    keep_special: list[bool]
 
 
 class Streaming:
@@ -76,7 +77,8 @@ class Streaming:
                 continue  # its client hears the whole output at the end: the result brings it
             chunks.append((e, e.out.stream(list(ids), row.logprobs, row.finish_reason)))
         if chunks:
-            out.decode.append(TokensJob(chunks, [e.out.context() for e, _ in chunks]))
+            out.decode.append(TokensJob(chunks, [e.out.context() for e, _ in chunks],
+                                        [not e.gen.skip_special_tokens for e, _ in chunks]))
 
     def apply(self, job: TokensJob, texts: list[str] | None, out: Effects) -> None:
         """The chunks were detokenized (``texts`` None: that failed; their text follows with

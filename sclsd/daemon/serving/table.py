@@ -33,6 +33,8 @@ class Entry:
     gen: P.Generate
     prompt_ids: list[int]
     out: Output
+    cached_tokens: int = 0
+    """Most prompt tokens one slice took from KV a worker kept (``usage.cached_tokens``)."""
 
     @property
     def rid(self) -> str:

@@ -207,6 +207,48 @@ def test_batch_rows_carry_the_sampling_parameters(daemon) -> None:
     daemon(body)
 
 
+def test_min_tokens_logit_bias_and_structured_output_are_checked_and_reach_the_rows(daemon) -> None:
+    async def body(h: Harness) -> None:
+        conn = RecConn()
+        # Before any worker registered: the configured engine (fake) decides; it has no grammars.
+        await h.submit(conn, id="s0", structured=P.Structured(kind="json_object"))
+        (err,) = conn.terminal("s0")
+        assert err.code == "bad_request" and "do not enforce grammars" in err.message
+        w = h.transport.connect("w0", FakeEngine(vocab=300, decode_s=0.0), auth=h.server.fleet.secret or "",
+                                hold=True, register=False)
+        w.register(caps=P.EngineCaps(grammar=True))  # as a torch engine says it
+        await h.registered("w0")
+        for rid, fields, why in [
+            ("m", dict(min_tokens=9, max_tokens=4), "more than max_tokens"),
+            ("b", dict(logit_bias={5000: 1.0}), "not below the vocabulary size"),
+            ("j", dict(structured=P.Structured(kind="json_schema", value="{not json")), "json_schema"),
+            ("r", dict(structured=P.Structured(kind="regex", value="[a-z")), "regex"),
+        ]:
+            await h.submit(conn, id=rid, **fields)
+            (err,) = conn.terminal(rid)
+            assert err.code == "bad_request" and why in err.message, err
+        await h.submit(conn, id="ok", max_tokens=4, min_tokens=2, logit_bias={65: -100.0},
+                       structured=P.Structured(kind="json_schema", value='{"type": "object"}'))
+        await held(w)
+        (row,) = w.held[0].requests
+        assert row.min_tokens == 2 and row.logit_bias == {65: -100.0}
+        assert row.grammar is not None and '"json_schema"' in row.grammar and "whitespace_flexible" in row.grammar
+        w.release()
+
+    daemon(body)
+
+
+def test_the_daemon_lists_its_generate_features_in_pong(daemon) -> None:
+    async def body(h: Harness) -> None:
+        conn = RecConn()
+        h.server.on_client(conn, P.Ping(nonce=7))
+        await conn.wait_for(lambda: any(isinstance(m, P.Pong) for m in conn.sent))
+        (pong,) = [m for m in conn.sent if isinstance(m, P.Pong)]
+        assert pong.nonce == 7 and set(pong.features) == set(P.GENERATE_FEATURES)
+
+    daemon(body)
+
+
 # ---------------------------------------------------------------------- sampling
 
 torch = pytest.importorskip("torch")

@@ -313,3 +313,19 @@ def test_a_stop_string_seen_in_streamed_text_ends_the_request_at_its_slice_end(d
         assert done.usage.completion_tokens == 5
 
     daemon(body)
+
+
+def test_done_counts_the_prompt_tokens_a_slice_took_from_kept_kv(daemon) -> None:
+    async def body(h: Harness) -> None:
+        kv_reuse(h)
+        h.worker("w0")
+        await h.registered("w0")
+        conn = RecConn()
+        await h.submit(conn, id="one", max_tokens=4, ignore_eos=True)  # a single slice
+        await h.submit(conn, id="many", max_tokens=30, ignore_eos=True)  # slices 2.. reuse the prompt
+        await conn.wait_for(lambda: conn.terminal("one") and conn.terminal("many"))
+        (one,), (many,) = conn.terminal("one"), conn.terminal("many")
+        assert one.usage.cached_tokens == 0
+        assert many.usage.cached_tokens == many.usage.prompt_tokens == len(PROMPT)
+
+    daemon(body)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from sclsd import protocol as P
 from sclsd.http.params import ALLOWED, ApiError, parse
 
 USER = [{"role": "user", "content": "hi"}]
@@ -76,13 +79,14 @@ def test_unknown_parameters_are_named_and_unservable_ones_say_why() -> None:
         assert e.code == "unsupported_parameter"
     assert "top_logprobs" not in ALLOWED["completion"] and "prompt" not in ALLOWED["chat"]
     for body, param, why in (
-        ({"response_format": {"type": "json_object"}}, "response_format", "structured output"),
         ({"tool_choice": "required", "tools": [TOOL]}, "tool_choice", "structured output"),
         ({"echo": True, "logprobs": True}, "echo", "prompt's log-probabilities"),
     ):
         e = err("chat", {"messages": USER, **body})
         assert (e.status, e.param, e.code) == (400, param, "unsupported_parameter"), e.message
         assert why in e.message
+    e = err("chat", {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
+    assert (e.status, e.param) == (400, "response_format") and "schema" in e.message
     assert err("completion", {"prompt": "a", "best_of": 2, "stream": True}).param == "best_of"
     assert err("completion", {"prompt": "a", "best_of": 2, "n": 3}).param == "best_of"
     assert err("completion", {"prompt": "a", "best_of": 40, "n": 1}, max_choices=32).param == "best_of"
@@ -178,3 +182,16 @@ def test_ranges_come_from_the_protocol_schema_and_name_the_parameter() -> None:
     assert err("completion", {"prompt": ["a"] * 5, "n": 20}, max_choices=64).param == "n"
     assert err("completion", {"prompt": "a", "stream_options": {"include_usage": True}}).param == (
         "stream_options")
+
+
+def test_response_format_becomes_the_daemons_structured_output() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    p = parse("chat", {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "thing", "schema": schema, "strict": True}}}, 64)
+    (g,) = p.messages("r")
+    assert g.structured == P.Structured(kind="json_schema", value=json.dumps(schema))
+    assert "structured" in p.features
+    (g,) = parse("chat", {"messages": USER, "response_format": {"type": "json_object"}}, 64).messages("r")
+    assert g.structured == P.Structured(kind="json_object")
+    (g,) = parse("chat", {"messages": USER, "response_format": {"type": "text"}}, 64).messages("r")
+    assert g.structured is None

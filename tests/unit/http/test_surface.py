@@ -66,7 +66,7 @@ def test_created_is_the_arrival_and_every_answer_has_a_fingerprint(front, monkey
             **ONE, "messages": [{"role": "user", "content": "x"}], "stream": True})).text)
         assert {c["system_fingerprint"] for c in s[:-1]} == {r["system_fingerprint"]}
         assert {c["created"] for c in s[:-1]} == {int(clock[0])}
-        assert r["usage"]["prompt_tokens_details"] is None  # this daemon does not count them
+        assert r["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # one slice: none reused
 
     front(body)
 
@@ -118,9 +118,14 @@ def test_suffix_needs_fill_in_the_middle_tokens(front) -> None:
     front(body)
 
 
-def test_engine_features_are_refused_until_the_daemon_lists_them(front) -> None:
+def test_engine_features_are_refused_until_the_daemon_lists_them(front, monkeypatch) -> None:
+    # An older daemon: it lists none of the optional features in its pong.
+    every = frozenset(P.GENERATE_FEATURES)
+    monkeypatch.setattr(P, "GENERATE_FEATURES", ())
+
     async def body(f: Front) -> None:
-        for extra in ({"min_tokens": 3}, {"logit_bias": {"65": 100}}, {"skip_special_tokens": False}):
+        for extra in ({"min_tokens": 3}, {"logit_bias": {"65": 100}}, {"skip_special_tokens": False},
+                      {"response_format": {"type": "json_object"}}):
             r = await f.http.post("/v1/completions", json={**ONE, "prompt": "x", **extra})
             err = r.json()["error"]
             assert (r.status_code, err["param"], err["code"]) == (400, next(iter(extra)),
@@ -131,7 +136,7 @@ def test_engine_features_are_refused_until_the_daemon_lists_them(front) -> None:
                                                         "logit_bias": {}, "skip_special_tokens": True})
         assert ok.status_code == 200
         # A daemon that applies them gets them on the wire.
-        f.app.state.api.link.features = frozenset(P.GENERATE_FEATURES)
+        f.app.state.api.link.features = every
         w = f.h.worker("slow", hold=True)
         await f.h.registered("slow")
         f.h.drain("w0")

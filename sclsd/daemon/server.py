@@ -100,8 +100,12 @@ class Server:
         self.sched = make_scheduler(cfg, self.cost)
         self.notifier = Notifier.from_env()
         self.run_dir = tempfile.mkdtemp(prefix="sclsd-run-")
+        try:  # written at start, once the lock is ours
+            self.worker_secret = WorkerSecret.for_config(cfg, self.run_dir, transport.authenticated)
+        except BaseException:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
         self.lock = DaemonLock(cfg.daemon.lock_path)
-        self.worker_secret = WorkerSecret.for_config(cfg, self.run_dir, transport.authenticated)
         self.fleet = Fleet(transport, self.worker_secret.value, clock)
         self.supervisor = Supervisor(cfg, self.run_dir, self.worker_secret.path, transport.spawn_args,
                                      on_exit=self._worker_exited, on_give_up=self._gave_up)

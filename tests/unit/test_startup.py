@@ -118,6 +118,17 @@ def test_a_tokenizer_that_cannot_load_is_a_startup_error_and_the_sockets_go(tmp_
     assert not Path(cfg.daemon.socket).exists() and not Path(cfg.daemon.status_socket).exists()
 
 
+def test_an_empty_worker_secret_file_stops_the_daemon_before_it_starts(tmp_path, monkeypatch):
+    secret = tmp_path / "secret"
+    secret.write_text("")
+    made: list[str] = []
+    mkdtemp = server_mod.tempfile.mkdtemp
+    monkeypatch.setattr(server_mod.tempfile, "mkdtemp", lambda **kw: made.append(mkdtemp(**kw)) or made[-1])
+    with pytest.raises(StartupError, match="is empty"):
+        Server(_config(tmp_path, daemon={"worker_secret_file": str(secret)}), transport=InprocTransport())
+    assert made and not Path(made[0]).exists()  # its private run directory is gone too
+
+
 def test_a_download_is_attempted_only_when_allowed(tmp_path, monkeypatch):
     fetched: list[str] = []
 

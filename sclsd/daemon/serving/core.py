@@ -87,8 +87,8 @@ class ServingCore:
             priority=gen.priority,
             deadline=None if gen.timeout is None else now + gen.timeout,
         )
-        out_ = Output(Detokenizer(stop=list(gen.stop)), self.tok)
-        self.replies.accept(Entry(req, client, uid, gen, list(prompt_ids), out_), out)
+        output = Output(Detokenizer(stop=list(gen.stop)), self.tok)
+        self.replies.accept(Entry(req, client, uid, gen, list(prompt_ids), output), out)
         log.debug("accepted id=%s prompt_tokens=%d max_tokens=%d timeout=%s user=%s", rid,
                   len(prompt_ids), req.max_tokens, gen.timeout, gen.user)
         out.wake = True
@@ -99,7 +99,7 @@ class ServingCore:
         admin). The request's client gets ``done`` (cancelled); the requester ``unknown_id``
         when there is no such live request of its own."""
         out = Effects()
-        mine = any_client or rid in self.table.of_client(requester)
+        mine = any_client or self.table.owns(requester, rid)
         if not mine or not self.replies.cancel(rid, "cancelled", now, out):
             out.send(requester, P.Error(code="unknown_id", message=f"no live request {rid!r}", id=rid))
         self.dispatch.flush_released(out)
@@ -107,7 +107,7 @@ class ServingCore:
 
     def owns(self, client: Client, rid: str) -> bool:
         """Whether ``rid`` is a live request of ``client``."""
-        return rid in self.table.of_client(client)
+        return self.table.owns(client, rid)
 
     def client_gone(self, client: Client, now: float) -> Effects:
         """A client disconnected: its requests are cancelled, without events."""

@@ -81,8 +81,12 @@ class RequestTable:
         return list(self._entries)
 
     def of_client(self, client: Client) -> set[str]:
-        """The live requests ``client`` submitted."""
+        """The live requests ``client`` submitted (a copy)."""
         return set(self._by_client.get(client, ()))
+
+    def owns(self, client: Client, rid: str) -> bool:
+        """Whether ``rid`` is a live request ``client`` submitted."""
+        return rid in self._by_client.get(client, ())
 
     def add(self, e: Entry) -> None:
         self._entries[e.rid] = e

@@ -340,14 +340,13 @@ def engine_flags(extra: list[str]) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     items = iter(extra)
     for token in items:
-        name, eq, value = token.partition("=")
+        name, eq, text = token.partition("=")
         key = name.removeprefix("--").replace("-", "_")
         if not name.startswith("--") or key not in OPTIONS:
             raise ValueError(f"unrecognized argument {token!r}")
-        if not eq:
-            value = next(items, None)
-            if value is None:
-                raise ValueError(f"{name} needs a value")
+        value: str | None = text if eq else next(items, None)
+        if value is None:
+            raise ValueError(f"{name} needs a value")
         out.append((key, parse_value(value)))
     return out
 

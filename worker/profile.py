@@ -115,7 +115,7 @@ class Profiler:
         # Predicts the cost of the next point until enough of our own samples exist.
         self.guess: Estimator = load_profile(DEFAULT_PROFILE).estimator
 
-    def _serve(self, n: int, L: int, slice_len: int):
+    def _serve(self, n: int, L: int, slice_len: int) -> Any:
         self._bid += 1
         return self.engine.serve(synthetic_batch(self._bid, n, L, slice_len, self.vocab))[1]
 

@@ -1,6 +1,6 @@
 """The worker's two threads: receive (owns the ZeroMQ DEALER) and serve (runs the engine).
 
-Layout (paper section 4.1, DESIGN section 2)::
+Layout (paper section 4.1, docs/design.md section 2)::
 
     daemon ROUTER <──DEALER── receive thread ──local queue──▶ serve thread ── engine.serve
                                    ▲                                 │

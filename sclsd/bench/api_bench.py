@@ -251,7 +251,7 @@ class _HttpConn(asyncio.Protocol):
             if status == 200:
                 self.bench.completed_http(self, time.perf_counter() - t0, doc["usage"]["completion_tokens"])
             else:
-                self.bench.failed(self, P.Error(code=doc["error"]["code"], message=doc["error"]["message"]))  # type: ignore[arg-type]
+                self.bench.failed(self, P.Error(code=doc["error"]["code"], message=doc["error"]["message"]))
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -377,19 +377,21 @@ def run(args: argparse.Namespace) -> int:
                     "options": {"decode_s": 0.0}},
     }
     say = (lambda *_: None) if args.no_progress else (lambda m: print(m, file=sys.stderr, flush=True))
+    runner: Any = asyncio.run
     try:
         import uvloop
 
         runner = uvloop.run
     except ImportError:  # pragma: no cover
-        runner = asyncio.run
+        pass
     http: subprocess.Popen[str] | None = None
     if args.socket or (args.http and args.http_url):
         profile_dir.cleanup()
         target = args.http_url if args.http else args.socket
         thr = runner(_throughput(args, target))
         ovh = runner(_overhead_phase(args, target))
-        st, rc = {"live_requests": None, "counters": {}}, 0
+        st: dict[str, Any] = {"live_requests": None, "counters": {}}
+        rc = 0
     else:
         d = launch(sections, dir=args.keep_dir)
         try:
@@ -438,7 +440,7 @@ def run(args: argparse.Namespace) -> int:
                                     if "http_cpu_us_per_request" in thr else None),
         "wrong_length": thr["wrong_length"],
         "daemon_live_after": st["live_requests"],
-        "daemon_finished": st["counters"].get("finished"),
+        "daemon_finished": (st.get("counters") or {}).get("finished"),
         "daemon_exit_code": rc,
         "config": {
             "workers": args.workers, "connections": args.connections, "inflight": args.inflight,

@@ -12,6 +12,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +44,7 @@ def make_pool(lengths: np.ndarray, n: int, seed: int) -> list[Request]:
     return [Request(f"r{k}", int(L), 1024, arrival=float(k)) for k, L in enumerate(lens)]
 
 
-def time_batcher(reqs: list[Request], S: int, cost, repeat: int) -> dict[str, float]:
+def time_batcher(reqs: list[Request], S: int, cost: Any, repeat: int) -> dict[str, float]:
     """Median and p95 wall time (ms) of ``repeat`` rounds, after one untimed warm-up."""
     batcher = DPBatcher()
     batches = batcher(reqs, S, cost)

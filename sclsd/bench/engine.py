@@ -160,7 +160,7 @@ def child(args: argparse.Namespace) -> int:
     if engine_name != "fake":
         opts["dtype"] = args.dtype
     t0 = time.perf_counter()
-    engine = create_engine(engine_name, args.model, device=args.device, **opts)
+    engine: Any = create_engine(engine_name, args.model, device=args.device, **opts)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine.warm_up(lambda step: print(step, file=sys.stderr, flush=True))

@@ -239,7 +239,7 @@ def check_profile(path: Path) -> dict[str, Any]:
 
     prof = load_profile(path)
     est, s = prof.estimator, prof.samples
-    rows = []
+    rows: list[dict[str, Any]] = []
     for kind, fn, times in (
         ("prefill", prefill_rmse, [x[-1] for x in s.get("prefill", [])]),
         ("decode", decode_rmse, [x[-1] for x in s.get("decode", [])]),

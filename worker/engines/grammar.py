@@ -74,6 +74,7 @@ class BatchGrammar:
         self.matchers: dict[int, Any] = {}
         for i in self.rows:
             r = reqs[i]
+            assert r.grammar is not None
             m = llguidance.LLMatcher(tokenizer, r.grammar)
             if m.is_error():
                 raise ValueError(f"request {r.rid!r}: its grammar is not valid: {m.get_error()}")

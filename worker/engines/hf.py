@@ -286,7 +286,8 @@ class HFEngine(Engine):
     def info(self) -> EngineInfo:
         """Δ from the config; M_ava: the static cache's size on the static path, else the KV
         memory measured at start (:meth:`_kv_memory`)."""
-        mem = self.static.arena.nbytes if getattr(self, "static", None) is not None else self.kv_limit
+        static: StaticRunner | None = getattr(self, "static", None)  # unset during __init__
+        mem = static.arena.nbytes if static is not None else self.kv_limit
         return EngineInfo(
             engine=self.name,
             model=self.spec.name,
@@ -302,7 +303,8 @@ class HFEngine(Engine):
     def caps(self) -> EngineCaps:
         """Static batches, per-request sampling with seeds, the model's context length, and the
         buckets whose decode step is a captured graph."""
-        graphs = self.static.captured() if getattr(self, "static", None) is not None else []
+        static: StaticRunner | None = getattr(self, "static", None)  # unset during __init__
+        graphs = static.captured() if static is not None else []
         return EngineCaps(batching="static", sampling=True, seeded=True, max_context=self.max_context,
                           graph_batch_sizes=sorted({n for n, _ in graphs}),
                           graph_cache_tokens=sorted({c for _, c in graphs}), grammar=grammar_supported())

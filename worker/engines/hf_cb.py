@@ -22,8 +22,11 @@ drops kept KV by itself only to make room for running requests
 (``BatchStats.preemptions``, since the engine started), as is the most KV held at
 once (``kv_peak_tokens``). With ``kv_reuse`` off a row ends with its batch.
 
-Greedy only: transformers takes sampling settings per manager, not per request,
-so a batch asking for sampling is refused rather than served wrongly. Prefix
+Sampling: greedy unless started with ``sampling = true``; then each request's
+temperature, top-k and top-p go to transformers' per-request warpers (greedy rows as
+top-k 1). A seed, ``min_tokens``, ``logit_bias`` and grammars are refused per batch
+(transformers seeds per manager and applies none of the others per request), and the
+engine's caps say so, so the daemon refuses such requests at admission. Prefix
 sharing is off: the daemon's KV accounting (and ``prefill_tokens``) assumes every
 request holds its own blocks.
 """
@@ -39,8 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, EngineCaps, RequestOutput
-from worker.engines.base import EMPTY, Done, EngineInfo, Stream, Take
-from worker.engines.base import Emit as EngineEmit
+from worker.engines.base import EMPTY, Done, Emit, EngineInfo, Stream, Take
 from worker.engines.cb_grants import Allowance, GrantControl, register, unregister
 from worker.engines.hf import HFEngine, peak_memory
 
@@ -58,7 +60,6 @@ GPU_PAGE_SIZE = 256
 #: default, 0.9, leaves nothing for the graphs' memory pool).
 GPU_GRAPHS_MEMORY_SHARE = 0.85
 
-Emit = Done
 
 
 def cache_size(device: str, kv_limit: int, delta: int, page_size: int | None,
@@ -381,7 +382,7 @@ class HFCBEngine(HFEngine):
     # ------------------------------------------------------------------ one batch
 
     def serve(
-        self, batch: BatchMsg, emit: EngineEmit | None = None
+        self, batch: BatchMsg, emit: Emit | None = None
     ) -> tuple[list[RequestOutput], BatchStats]:
         """Serve one batch to completion (blocking); ``emit`` hears tokens as they come."""
         done: list[tuple[Any, Any, str | None]] = []
@@ -429,7 +430,7 @@ class HFCBEngine(HFEngine):
             raise
 
     def _admit(self, mgr: Any, batch: BatchMsg, pending: dict[int, _Pending],
-               owner: dict[str, _Row], emit: Emit) -> None:
+               owner: dict[str, _Row], emit: Done) -> None:
         if why := sampling_refusal(batch, self.sampling):
             emit(batch, None, None, why)
             return
@@ -470,7 +471,7 @@ class HFCBEngine(HFEngine):
         return _Row(batch.batch_id, r, tid, cap, 0, len(ctx), stops, keep)
 
     def _collect(self, mgr: Any, pending: dict[int, _Pending], owner: dict[str, _Row],
-                 emit: Emit) -> None:
+                 emit: Done) -> None:
         res = mgr.get_result(timeout=self.poll_s)
         while res is not None:
             row = owner.get(res.request_id)
@@ -482,7 +483,7 @@ class HFCBEngine(HFEngine):
             raise RuntimeError("continuous batching generation thread stopped unexpectedly")
 
     def _on_output(self, row: _Row, res: Any, pending: dict[int, _Pending],
-                   owner: dict[str, _Row], emit: Emit) -> None:
+                   owner: dict[str, _Row], emit: Done) -> None:
         """One streamed output of ``row``'s request: end the row at its cap or a stop token."""
         p = pending[row.batch_id]
         if res.error is not None:  # fail the whole batch: its other rows are dropped
@@ -512,7 +513,7 @@ class HFCBEngine(HFEngine):
             del pending[row.batch_id]
             self._emit_done(p, emit)
 
-    def _emit_done(self, p: _Pending, emit: Emit) -> None:
+    def _emit_done(self, p: _Pending, emit: Done) -> None:
         outs = [p.outputs[r.rid] for r in p.batch.requests]
         elapsed = time.perf_counter() - p.started
         c = self._control

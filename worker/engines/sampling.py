@@ -226,7 +226,7 @@ class BatchSampler:
         self.penalized = self.counts is not None or self.seen is not None or self.bias is not None
         self.grammar = grammar
         """The rows' grammars (:class:`worker.engines.grammar.BatchGrammar`), or None."""
-        self._u = None if self.all_greedy else self.uniforms(0, max(1, steps))
+        self._u: Any = None if self.all_greedy else self.uniforms(0, max(1, steps))
 
     def uniforms(self, first: int, steps: int) -> Any:
         """``[steps, rows]`` uniform numbers for the draws of this slice's tokens ``first`` to

@@ -4,7 +4,7 @@ captured as a CUDA graph.
 A slice is a static batch with a known bound: ``N`` rows whose contexts grow by at most
 ``S - 1`` tokens after a prefill of width ``W``. Its KV therefore fits a static cache of
 ``N × (W + S - 1)`` token slots, and its decode step has fixed shapes, which is what CUDA
-graphs need (DESIGN §10: the eager step is bound by Python and kernel launches, not by
+graphs need (docs/design.md §10: the eager step is bound by Python and kernel launches, not by
 the card).
 
 **Arena.** :class:`KVArena` allocates, once, per layer, keys and values as flat buffers of
@@ -204,7 +204,7 @@ class KVArena:
             layer.cumulative_length = self.counters[i]  # a view: the layer advances the arena's counter
             layer.is_initialized = True
             layers.append(layer)
-        return Cache(layers=layers)
+        return Cache(layers=list[Any](layers))
 
 
 @dataclass(frozen=True)

@@ -240,9 +240,12 @@ def test_a_burst_beyond_the_bound_reaches_a_client_that_reads(tmp_path) -> None:
     d = start(tmp_path, daemon={"max_frame_bytes": 65536, "max_conn_buffer_bytes": 65536},
               workers={"spawn": 0})
     try:
+        # ~300 KB of pongs (each lists the daemon's features), produced within a loop turn or two.
+        pong = len(P.frame(P.Pong(nonce=99_999, features=list(P.GENERATE_FEATURES))))
+        n = 300_000 // pong
+
         async def run() -> int:
             c = await Raw.open(d.sock)
-            n = 20_000  # ~300 KB of pongs, produced within a loop turn or two
             c.writer.write(b"".join(P.frame(P.Ping(nonce=i)) for i in range(n)))
             got = 0
             while got < n:
@@ -252,7 +255,7 @@ def test_a_burst_beyond_the_bound_reaches_a_client_that_reads(tmp_path) -> None:
             await c.close()
             return got
 
-        assert asyncio.run(run()) == 20_000
+        assert n * pong > 4 * 65536 and asyncio.run(run()) == n
         assert "slow client" not in d.log.read_text()
     finally:
         assert stop(d) == 0, d.log_text()

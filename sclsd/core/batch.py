@@ -58,5 +58,9 @@ class BatchOutcome:
     rows: list[RowOutcome] = field(default_factory=list)
     ok: bool = True
     """False when the engine failed: the batch's requests go back to the pool."""
+    charged: bool = True
+    """With ``ok`` False: the failure counts against each request (``max_failures``).
+    False when the batch, not its requests, was at fault (its worker ran out of memory for
+    a batch of several: smaller batches will do)."""
     elapsed: float | None = None
     """Measured serving time of the batch, for estimator error tracking."""

@@ -204,7 +204,7 @@ class SchedulerMechanism(Generic[StatsT]):
             row = rows.get(r.rid)
             if not outcome.ok or row is None:
                 self._on_row_failed(r, batch)
-                r.failures += 1
+                r.failures += 1 if outcome.charged or outcome.ok else 0
                 if r.failures > self.max_failures:
                     done.append(self._finish(r, now, "error", State.FAILED))
                 else:

@@ -24,6 +24,9 @@ from ..core.profiles import DEFAULT_PROFILE, Profile, ProfileCost, load_profile
 
 log = logging.getLogger("sclsd.cost")
 
+#: What the batcher counts on of a worker's memory after it ran out of it (again at each).
+OOM_SHRINK = 0.85
+
 
 class DaemonCost:
     """Implements :class:`sclsd.core.interfaces.CostModel` (and the batcher's linear fast path)
@@ -70,6 +73,16 @@ class DaemonCost:
             self.memory[reg.worker_id] = (reg.kv_bytes_per_token, reg.mem_available)
         self.pages[reg.worker_id] = reg.caps.kv_page_tokens
         self._rebuild()
+
+    def on_oom(self, wid: str) -> None:
+        """Worker ``wid`` ran out of memory on a batch its M_ava said would fit: from now on the
+        batcher counts on :data:`OOM_SHRINK` of what it counted on (again at each OOM)."""
+        if wid in self.memory:
+            delta, mem = self.memory[wid]
+            self.memory[wid] = (delta, int(mem * OOM_SHRINK))
+            log.warning("worker=%s ran out of memory: counting on %.2f GiB of KV memory from now on",
+                        wid, mem * OOM_SHRINK / 2**30)
+            self._rebuild()
 
     def on_dead(self, wid: str) -> None:
         self.memory.pop(wid, None)

@@ -26,7 +26,7 @@ DONE_EVENT = b"data: [DONE]\n\n"
 STATUS_OF: dict[str, int] = {
     "bad_request": 400, "prompt_too_long": 400, "frame_too_large": 413, "overloaded": 429,
     "draining": 503, "shutdown": 503, "no_workers": 503, "starting": 503, "timeout": 504,
-    "forbidden": 503,
+    "forbidden": 503, "engine_error": 500,
 }
 #: OpenAI's ``type`` for each status.
 _TYPE_OF = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",

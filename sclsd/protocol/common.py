@@ -39,7 +39,7 @@ RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
 ErrorCode = Literal[
     "bad_request", "bad_frame", "frame_too_large", "unknown_type", "prompt_too_long",
     "duplicate_id", "unknown_id", "overloaded", "draining", "shutdown", "forbidden",
-    "unknown_worker", "no_workers", "timeout", "internal", "starting",
+    "unknown_worker", "no_workers", "timeout", "internal", "starting", "engine_error",
 ]
 WorkerStateName = Literal["active", "draining", "drained"]
 

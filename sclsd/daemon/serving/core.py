@@ -66,7 +66,7 @@ class ServingCore:
         self.members = Membership(cfg, sched, cost, tok)
         self.dispatch = DispatchBook(cfg, sched, self.table, self.members)
         self.streaming = Streaming(sched, self.table, self.replies, self.dispatch)
-        self.results = Results(sched, self.table, self.replies, self.dispatch, self.streaming)
+        self.results = Results(sched, self.table, self.replies, self.dispatch, self.streaming, cost)
 
     # ------------------------------------------------------------------ clients
 

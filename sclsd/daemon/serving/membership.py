@@ -39,6 +39,10 @@ class WorkerCosts(Protocol):
 
     def on_dead(self, wid: str) -> None: ...
 
+    def on_oom(self, wid: str) -> None:
+        """Worker ``wid`` ran out of memory: count on less of it from now on."""
+        ...
+
 
 @dataclass(eq=False)
 class WorkerInfo:

@@ -71,6 +71,15 @@ class Replies:
         self._end(e, "error", self.events.timings(e, now), out)
         log.info("error id=%s code=%s", rid, code)
 
+    def failed(self, e: Entry, message: str, now: float, out: Effects) -> None:
+        """End ``e`` with ``error`` (``engine_error``): the scheduler gave it up after its
+        batches failed ``scheduler.max_failures`` + 1 times."""
+        if not self.table.holds(e):
+            return
+        out.send(e.client, P.Error(code="engine_error", message=message, id=e.rid))
+        self._end(e, "error", self.events.timings(e, now), out)
+        log.info("error id=%s code=engine_error: %s", e.rid, message)
+
     def cancel(self, rid: str, reason: FinishReason, now: float, out: Effects,
                notify: bool = True) -> bool:
         """End a live request on the client's wish (``notify=False``: the client is gone)."""

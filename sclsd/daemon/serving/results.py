@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 from ... import protocol as P
 from ...core.batch import Batch, BatchOutcome, RowOutcome
@@ -52,16 +53,31 @@ class ResultJob:
     keep_special: list[bool]
 
 
+def is_out_of_memory(error: str) -> bool:
+    """Whether a worker's error text says the device ran out of memory (torch's
+    ``OutOfMemoryError``, CUDA's "out of memory")."""
+    return "OutOfMemoryError" in error or "out of memory" in error.lower()
+
+
+class WorkerMemory(Protocol):
+    """The cost model's side of a failed batch (the daemon's ``DaemonCost``)."""
+
+    def on_oom(self, wid: str) -> None:
+        """Worker ``wid`` ran out of memory: count on less of it from now on."""
+        ...
+
+
 class Results:
     """Applies ``result`` messages (see the module docstring)."""
 
     def __init__(self, sched: SchedulerInterface, table: RequestTable, replies: Replies,
-                 dispatch: DispatchBook, streaming: Streaming) -> None:
+                 dispatch: DispatchBook, streaming: Streaming, memory: WorkerMemory) -> None:
         self.sched = sched
         self.table = table
         self.replies = replies
         self.dispatch = dispatch
         self.streaming = streaming
+        self.memory = memory
         self.engines = EngineStats()
 
     # ------------------------------------------------------------------ arrival (validation)
@@ -76,7 +92,14 @@ class Results:
             log.error("worker=%s batch=%d failed: %s; ids=%s", res.worker_id, res.batch_id, res.error,
                       ",".join(r.rid for r in batch.requests))
             self._evicted(res)
-            self.fail_batch(res.batch_id, now, out)
+            # Out of memory with several rows: the worker holds less than it said. Its memory
+            # shrinks, the rows go back uncharged, and smaller batches follow. One row alone
+            # out of memory is that request's failure.
+            oom = is_out_of_memory(res.error) and batch.size > 1
+            if oom:
+                self.memory.on_oom(res.worker_id)
+            self.fail_batch(res.batch_id, now, out, why=f"worker {res.worker_id}: {res.error}",
+                            charged=not oom)
             return
         members = {r.rid: r for r in batch.requests}
         rows: list[Row] = []
@@ -138,18 +161,22 @@ class Results:
             log.exception("applying batch=%d failed; ids=%s", res.batch_id, ids)
             self.fail_batch(res.batch_id, now, out)
 
-    def fail_batch(self, batch_id: int, now: float, out: Effects) -> None:
-        """The batch failed: its requests go back to the pool, or end after too many failures."""
+    def fail_batch(self, batch_id: int, now: float, out: Effects, why: str | None = None,
+                   charged: bool = True) -> None:
+        """The batch failed (``why``): its requests go back to the pool, or end with an
+        ``engine_error`` after too many failures (not ``charged``: this one does not count)."""
         self.dispatch.settled(batch_id)
         batch = self.sched.batches.get(batch_id)
         members = [r.rid for r in batch.requests] if batch is not None else []
-        done = self.sched.on_result(BatchOutcome(batch_id, ok=False), now)
+        done = self.sched.on_result(BatchOutcome(batch_id, ok=False, charged=charged), now)
         self.dispatch.flush_released(out)
         self.streaming.settle(members, now, out)
         for r in done:
             e = self.table.get(r.rid)
             if e is not None:
-                self.replies.finish(e, "error", now, out)
+                self.replies.failed(e, f"its batches failed {r.failures} times in a row; the last: "
+                                    f"{why or 'the daemon could not apply its result (see its log)'}",
+                                    now, out)
         out.wake = True
 
     def _evicted(self, res: P.Result) -> None:

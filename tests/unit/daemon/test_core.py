@@ -259,9 +259,30 @@ def test_a_failed_batch_requeues_then_fails_for_good(drv: Driver) -> None:
         drv.step()
         (b,) = drv.batches("w0")
         drv.served.add(b.batch_id)
-        drv.message("w0", P.Result(worker_id="w0", batch_id=b.batch_id, error="boom"))
-    (done,) = drv.terminal("c", "f")
-    assert done.finish_reason == "error" and not drv.core.table.ids()
+        drv.message("w0", P.Result(worker_id="w0", batch_id=b.batch_id, error="RuntimeError: boom"))
+    (err,) = drv.terminal("c", "f")
+    # An error event with the worker's reason, not a done whose reason a client must decode.
+    assert isinstance(err, P.Error) and err.code == "engine_error" and err.id == "f"
+    assert "worker w0: RuntimeError: boom" in err.message and "4 times" in err.message
+    assert not drv.core.table.ids()
+
+
+def test_out_of_memory_shrinks_the_workers_memory_and_charges_no_request(drv: Driver) -> None:
+    drv.join("w0")
+    for rid in ("a", "b", "c"):
+        drv.submit("c", rid)
+    before = drv.core.members.cost.memory["w0"][1]
+    for k in range(drv.core.sched.max_failures + 2):  # more OOMs than a request may fail
+        drv.now += 1.0
+        drv.step()
+        batch = drv.batches("w0")
+        assert len(batch) == 1 and len(batch[0].requests) == 3, batch  # all three, at once
+        drv.served.add(batch[0].batch_id)
+        drv.message("w0", P.Result(worker_id="w0", batch_id=batch[0].batch_id,
+                                   error="OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB"))
+        assert abs(drv.core.members.cost.memory["w0"][1] - before * 0.85 ** (k + 1)) <= k + 1
+    assert drv.terminal("c", "a") == [] and sorted(drv.core.table.ids()) == ["a", "b", "c"]
+    assert all(drv.core.table.get(r).req.failures == 0 for r in ("a", "b", "c"))
 
 
 def test_fail_all_ends_every_live_request_once(drv: Driver) -> None:

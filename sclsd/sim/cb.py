@@ -76,6 +76,8 @@ class CBSimulation(CBSimBase):
         self.by_rid = {r.rid: r for r in self.requests}
         self.grants = 0
         self.max_reserved_frac = 0.0
+        self.kv_reserved_s = 0.0
+        self.kv_parked_s = 0.0
 
     def run(self) -> SimResult:
         t_wall = time.perf_counter()
@@ -116,7 +118,11 @@ class CBSimulation(CBSimBase):
                 "prefill_share": self.prefill_s / self.model_s if self.model_s else 0.0,
                 "migrations": self.policy.migrations,
                 "grants": self.grants,
+                "kv_drops": self.policy.drops,
                 "max_reserved_frac": self.max_reserved_frac,
+                **self.kv_counters(),
+                "kv_reserved_frac": self.kv_reserved_s / (self.step_s * self.budget) if self.step_s else 0.0,
+                "kv_parked_frac": self.kv_parked_s / (self.step_s * self.budget) if self.step_s else 0.0,
             },
         )
 
@@ -161,7 +167,9 @@ class CBSimulation(CBSimBase):
             return
         booked = max(w.reserved, self.policy.reserved(w.wid))  # the policy adds parked KV
         self.max_reserved_frac = max(self.max_reserved_frac, booked / self.budget)
-        self._time_step(w, now, k, len_sum)
+        t = self._time_step(w, now, k, len_sum)
+        self.kv_reserved_s += booked * t
+        self.kv_parked_s += self.policy.parked(w.wid) * t
 
     def _end_step(self, w: CBWorker, now: float) -> None:
         w.busy = False

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -130,24 +131,30 @@ def test_a_returning_request_stays_with_its_kv_when_loads_are_close() -> None:
 
 
 def test_a_returning_request_moves_only_when_the_gap_exceeds_its_reprefill() -> None:
-    pol = GrantPolicy(EST, 16, token_budget=100_000, workers=["a", "b"])
-    pol.record_placements = True
-    pol.arrive("r", 200, 1000)
-    (g,) = pol.schedule()
-    holder, other = g.worker, ("b" if g.worker == "a" else "a")
-    ctx = 200
-    for factor, moves in ((0.0, False), (0.99, False), (1.01, True)):
-        ctx += 16
-        pol.end("r", ctx, 1200 - ctx)
-        # Other work on the holder: a load gap of ``factor`` times r's re-prefill cost.
-        pol._workers[holder].load = pol.load(other) + factor * pol.prefill_cost(ctx)
+    outcomes = set()
+    for ballast in range(1, 400, 7):
+        pol = GrantPolicy(EST, 16, token_budget=100_000, workers=["a", "b"])
+        pol.record_placements = True
+        pol.arrive("r", 200, 1000)
+        (g,) = pol.schedule()
+        assert g.worker == "a"
+        # Other work on the holder only: a load gap of the ballast's cost.
+        pol.set_active("b", False)
+        pol.arrive("ballast", ballast, 16)
+        (b,) = pol.schedule()
+        pol.set_active("b", True)
+        pol.end("r", 216, 984)
         (g2,) = pol.schedule()
-        assert (g2.worker != holder) is moves
-        assert g2.prefill == (ctx if moves else 0)
-    for p in pol.placements:
-        assert (p.worker != p.holder) == (p.gap > p.reprefill_cost)
-    assert pol.migrations == 1
-    assert pol.take_evictions() == [(holder, "r")]
+        (p,) = pol.placements
+        assert p.reprefill_cost == pol.prefill_cost(216)
+        moved = g2.worker != "a"
+        assert moved == (p.worker != p.holder) == (b.cost > p.reprefill_cost)
+        assert p.gap == (pytest.approx(b.cost) if moved else 0.0)
+        assert g2.prefill == (216 if moved else 0)
+        assert pol.take_evictions() == ([("a", "r")] if moved else [])
+        assert pol.migrations == int(moved)
+        outcomes.add(moved)
+    assert outcomes == {True, False}
 
 
 def test_an_idle_worker_drops_parked_kv_until_a_request_fits() -> None:

@@ -12,19 +12,65 @@ Pure: no clock, no I/O.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .estimator import Estimator
-from .grant_fleet import Fleet, Grant
+from .grant_fleet import Fleet, Grant, WorkerBook
 from .grant_queue import GrantQueue, Pending
 
-__all__ = ["GrantBooks"]
+__all__ = ["GrantBooks", "GrantRules"]
+
+
+@dataclass(frozen=True)
+class GrantRules:
+    """How the grant policy sizes grants and prices moves; sizes are fractions of S.
+
+    The defaults keep KV reservations close to what grants use and moves rare
+    where they stall much; :meth:`basic` gives the plain rules (a grant of S
+    tokens where S tokens fit, moves priced by one re-prefill).
+    """
+
+    stall: float = 1.0
+    """A move re-prefills the request on its target, stalling every request running there
+    meanwhile: it moves only when the holder's finish exceeds the target's by more than
+    (1 + stall · grants running there) re-prefills. 0: by one re-prefill."""
+    headroom: float = 5.0
+    """A grant that brings a request's context to a busy worker (a new request, a move)
+    must leave free the next grants of the requests expected back there before one of
+    them finishes and frees its KV: headroom × (grant length) × ρ / (1 − ρ) tokens, ρ the
+    share of recent grant ends that came back for more (the count of returns between two
+    finishes is about geometric, so 5 leaves e^-5 of the cases short), at most
+    ``headroom_cap`` of the budget. Then returning requests resume instead of parking.
+    0: no headroom."""
+    headroom_cap: float = 0.25
+    short: float = 0.25
+    """While requests wait for room, a grant is at most ⌈short · S⌉ tokens, so that
+    reservations follow use closely where room is short. 0: always up to S."""
+    least: float = 0.125
+    """A returning request without room for a full grant on its holder gets what room is
+    there, if at least ⌈least · S⌉ tokens, instead of parking. 0: it parks."""
+    window: int = 128
+    """Grant ends that ρ averages over (an exponential moving average)."""
+
+    def __post_init__(self) -> None:
+        if min(self.stall, self.headroom, self.headroom_cap, self.short, self.least) < 0 or self.window < 1:
+            raise ValueError(f"bad grant rules: {self}")
+
+    @classmethod
+    def basic(cls) -> GrantRules:
+        """Full grants only, no headroom, moves priced by their re-prefill alone."""
+        return cls(stall=0.0, headroom=0.0, short=0.0, least=0.0)
 
 
 class GrantBooks:
     """Settings, books, queries and costs of the grant policy (see the module docstring)."""
 
-    def __init__(self, est: Estimator, slice_len: int, token_budget: float) -> None:
+    def __init__(
+        self, est: Estimator, slice_len: int, token_budget: float, rules: GrantRules | None = None
+    ) -> None:
         if slice_len < 1:
             raise ValueError("slice_len must be >= 1")
+        self._rules = rules if rules is not None else GrantRules()
         self._fleet = Fleet()
         self._fleet.budget = int(token_budget)
         self._est = est
@@ -33,6 +79,12 @@ class GrantBooks:
         self._q = GrantQueue()
         self._dirty = True
         """Something changed since the last round that granted and dropped nothing."""
+        self._due: set[str] = set()
+        """Workers whose parked requests the next round looks at again (their books changed)."""
+        self._all_due = True
+        """The next round looks at every parked request (a worker fell idle, or came)."""
+        self.rho = 1.0
+        """Share of recent grant ends that came back for another grant (see GrantRules)."""
 
     # ------------------------------------------------------------------ settings
 
@@ -46,6 +98,16 @@ class GrantBooks:
         if est != self._est:
             self._est = est
             self._resort()
+
+    @property
+    def rules(self) -> GrantRules:
+        return self._rules
+
+    @rules.setter
+    def rules(self, rules: GrantRules) -> None:
+        if rules != self._rules:
+            self._rules = rules
+            self._changed()
 
     @property
     def S(self) -> int:  # noqa: N802 - the paper's name
@@ -70,7 +132,7 @@ class GrantBooks:
         if int(value) != self._fleet.budget:
             self._fleet.budget = int(value)
             self._fleet.rebuild()
-            self._dirty = True
+            self._changed()
 
     @property
     def page(self) -> int:
@@ -81,12 +143,21 @@ class GrantBooks:
     def page(self, value: int) -> None:
         if value != self._page:
             self._page = value
-            self._dirty = True
+            self._changed()
 
     def _resort(self) -> None:
         """New sort keys for the returning requests (stable: ties keep their order)."""
         self._q.rekey(self._back_key)
+        self._changed()
+
+    def _changed(self, w: WorkerBook | None = None) -> None:
+        """A round is due; it looks again at the requests parked on ``w`` (None: on every
+        worker). A worker left with nothing to run or keep may take any parked request."""
         self._dirty = True
+        if w is None or (not w.grants and not w.parked):
+            self._all_due = True
+        else:
+            self._due.add(w.wid)
 
     # ------------------------------------------------------------------ queries
 

@@ -7,7 +7,7 @@ placement asks for the slot minimising
 
     key(w) = (load(w) + base) + add + per_row · rows(w)
 
-among the slots with ``free(w) − ⌊headroom · rows(w)⌋ ≥ need``, ties going to
+among the slots with ``free(w) ≥ need`` (``need + extra`` where ``rows(w) > 0``), ties going to
 the slot that comes first in rotation order (slots ``start, …, n−1, 0, …,
 start−1``), and only below a ``limit``. The subtree aggregates bound every key
 and every free count inside them from the right side, so a branch-and-bound
@@ -71,10 +71,9 @@ class WorkerIndex:
             fr[i], ld[i], rw[i] = f, lo, r
             i >>= 1
 
-    def most_free(self, headroom: float = 0.0) -> int:
-        """An upper bound of ``free − ⌊headroom · rows⌋`` over the slots that take grants."""
-        rows = self._rows[1]
-        return self._free[1] - (int(headroom * rows) if headroom and rows < _NO_ROWS else 0)
+    def most_free(self) -> int:
+        """The most free tokens of a slot that takes grants."""
+        return self._free[1]
 
     def least_key(self, base: float, add: float, per_row: float = 0.0) -> float:
         """A lower bound of the key over the slots that take grants (inf when none does)."""
@@ -92,9 +91,10 @@ class WorkerIndex:
         start: int = 0,
         limit: float = float("inf"),
         per_row: float = 0.0,
-        headroom: float = 0.0,
+        extra: int = 0,
     ) -> tuple[int, float]:
-        """The slot of least key below ``limit`` with room for ``need``; (-1, limit) if none.
+        """The slot of least key below ``limit`` with room for ``need`` (and ``extra`` more
+        where grants run); (-1, limit) if none.
 
         Ties go to the slot first in rotation order from ``start``.
         """
@@ -110,11 +110,9 @@ class WorkerIndex:
                 if nhi <= lo or nlo >= hi:
                     continue
                 rows = rw[node]
-                if rows >= _NO_ROWS:
-                    continue  # no slot below takes grants
-                room = fr[node] - int(headroom * rows) if headroom else fr[node]
-                if room < need:
-                    continue
+                # An idle slot below needs no extra: the least rows bound the room asked for.
+                if fr[node] < (need + extra if rows else need):
+                    continue  # no slot below has room (or takes grants at all)
                 key = (ld[node] + base) + add
                 if per_row:
                     key += per_row * rows

@@ -15,10 +15,20 @@ When a grant ends (S tokens or EOS) the request comes back. The policy places
 it again with max-min over the workers' estimated loads plus the KV-affinity
 term: it stays on the worker holding its KV (no re-prefill) unless another
 worker with room finishes its work sooner by more than the re-prefill the KV
-saves. Staying where there is no room yet, it waits there (parked, its KV
-reserved) until grants there end; see :meth:`GrantPolicy.schedule`. Returning
-requests go before new ones; new requests are granted, FCFS, as soon as some
-worker has room (no scheduling interval).
+saves *and* the stall that re-prefill causes to every request running on
+that worker. Staying where there is no room yet, it gets what room there is
+(a shorter grant) or waits there (parked, its KV reserved) until grants there
+end; see :meth:`GrantPolicy.schedule`. Returning requests go before new ones;
+new requests are granted, FCFS, as soon as some worker has room (no
+scheduling interval).
+
+Reservations follow use (:class:`GrantRules`): while requests wait for room
+grants shrink to S/4 tokens, so that what is reserved ahead of use stays
+small; and a request that brings its context to a busy worker (new, or moved)
+must leave room there for the next grants of the requests expected back
+before one finishes and frees its KV, so that returning requests resume
+rather than park. Nothing of this relaxes the bound above: reservations stay
+within the budget, so there is still no preemption and no overflow.
 
 A worker's load is the estimated time to finish its granted slices under the
 continuous-batching cost model: an iteration of N requests with contexts l_i
@@ -40,11 +50,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .estimator import Estimator
-from .grant_books import GrantBooks
+from .grant_books import GrantBooks, GrantRules
 from .grant_fleet import Grant, WorkerBook, pages
 from .grant_queue import Pending
 
-__all__ = ["Grant", "GrantPolicy", "Placement"]
+__all__ = ["Grant", "GrantPolicy", "GrantRules", "Placement"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +79,10 @@ class GrantPolicy(GrantBooks):
     """
 
     def __init__(
-        self, est: Estimator, slice_len: int, token_budget: float, workers: Iterable[str] = ()
+        self, est: Estimator, slice_len: int, token_budget: float, workers: Iterable[str] = (),
+        *, rules: GrantRules | None = None,
     ) -> None:
-        super().__init__(est, slice_len, token_budget)
+        super().__init__(est, slice_len, token_budget, rules)
         self._evict: list[tuple[str, str]] = []
         self._stuck: set[str] = set()
         """Workers left with parked requests and no grant since the last round."""
@@ -89,7 +100,7 @@ class GrantPolicy(GrantBooks):
 
     def add_worker(self, wid: str) -> None:
         self._fleet.add(wid)
-        self._dirty = True
+        self._changed()
 
     def set_active(self, wid: str, active: bool) -> None:
         """Take ``wid`` out of rotation (drain) or back in. Out of rotation it gets no new
@@ -99,7 +110,7 @@ class GrantPolicy(GrantBooks):
         if w is None:
             return
         self._fleet.set_active(w, active)
-        self._dirty = True
+        self._changed()
         if not active:
             for p in self._q.held_by(wid):
                 self._drop_holder(p)
@@ -110,7 +121,7 @@ class GrantPolicy(GrantBooks):
         self._stuck.discard(wid)
         if w is None:
             return []
-        self._dirty = True
+        self._changed()
         lost = list(w.grants)  # the driver re-submits them with arrive()
         moved = self._q.held_by(wid)
         for p in moved:
@@ -146,7 +157,8 @@ class GrantPolicy(GrantBooks):
         if found is None:
             raise KeyError(f"no grant for {rid!r}")
         w, g = found
-        self._dirty = True
+        back = 1.0 if remaining > 0 else 0.0
+        self.rho += (back - self.rho) / self._rules.window
         if remaining > 0:
             if kept and w.active:  # its KV stays, reserved, until placed
                 self._fleet.park(w, rid, pages(context, self._page))
@@ -156,6 +168,7 @@ class GrantPolicy(GrantBooks):
                 if kept:
                     self._evict.append((w.wid, rid))
                 self._q.waiting.appendleft(Pending(rid, context, remaining, None))
+        self._changed(w)
         self._check_stuck(w)
         return g
 
@@ -165,13 +178,12 @@ class GrantPolicy(GrantBooks):
         found = self._fleet.ungrant(rid)
         if found is not None:
             self._evict.append((found[0].wid, rid))  # the engine may keep it after the grant
-            self._dirty = True
+            self._changed(found[0])
             self._check_stuck(found[0])
             return True
         p = self._q.find_back(rid)
         if p is not None:
             self._drop_holder(p, requeue=False)
-            self._dirty = True
             return True
         if self._q.remove_waiting(rid):
             self._dirty = True  # the next in line may fit where this one did not
@@ -191,7 +203,10 @@ class GrantPolicy(GrantBooks):
         """Evict ``p``'s parked KV; with ``requeue`` it waits again, first, with no holder."""
         self._q.remove_back(p)
         holder = p.holder
-        self._fleet.unpark(self._fleet.get(holder), p.rid)
+        w = self._fleet.get(holder)
+        self._fleet.unpark(w, p.rid)
+        if w is not None:
+            self._changed(w)
         if holder is not None:
             self._evict.append((holder, p.rid))
         p.holder = None
@@ -210,13 +225,19 @@ class GrantPolicy(GrantBooks):
         grant and parked requests that cannot fit drops the largest one's KV
         (it queues again, to re-prefill wherever it goes) until one fits.
 
-        A round that follows no change (no event since a round that granted and
-        dropped nothing) returns at once: it would decide the same.
+        A parked request is looked at again when the books of the worker holding
+        its KV change (a grant there ends or starts, parked KV there goes) or when
+        some worker falls idle or joins; a round that follows no change (no event
+        since a round that granted and dropped nothing) returns at once.
         """
         if not self._dirty:
             return []
+        due, self._due = self._due, set()
+        every, self._all_due = self._all_due, False
         out: list[Grant] = []
         for p in list(self._q.back):
+            if not every and p.holder not in due:
+                continue  # nothing changed for it since it was parked, or last passed over
             g = self._place(p)
             if g is not None:  # else parked: it waits where its KV is (reserved there since its end)
                 self._q.remove_back(p)
@@ -261,32 +282,47 @@ class GrantPolicy(GrantBooks):
         """Grant ``p`` on the worker where it finishes first (None: wait, parked where it is).
 
         The holder of its KV always competes (it has room, or will when its grants
-        end) and wins ties; another worker competes only with room and nothing parked,
-        and pays the re-prefill. Ties among the others rotate so idle workers share
-        lone requests.
+        end) and wins ties; another worker competes only with room (and the headroom
+        of :class:`GrantRules`) and nothing parked, and pays the re-prefill (plus the
+        stall it causes there, for a move). Ties among the others rotate so idle
+        workers share lone requests. A holder short of room for the whole grant
+        gives what fits, if enough (see :class:`GrantRules`).
         """
-        fleet = self._fleet
+        fleet, rules = self._fleet, self._rules
         if not fleet.names:
             return None
         # A context near the budget gets a shorter grant rather than none.
         tokens = min(self._S, p.remaining, max(1, fleet.budget - p.context))
+        if rules.short and self._others_wait(p):
+            tokens = min(tokens, _share(rules.short, self._S))
         need = pages(p.context + tokens, self._page)
         busy = self._busy_cost()
         h = fleet.get(p.holder)
         if h is not None and not h.active:
             h = None
         limit = (h.load + busy) + 0.0 if h is not None else float("inf")
+        # Another worker takes p only with room for its grant and, unless idle, the headroom.
+        headroom = self._headroom(tokens)
         slot = -1
-        pre = 0.0
+        pre = per_row = 0.0
         index = fleet.index
         # Cheap bounds first: most rounds no other worker has room, or none is ahead enough.
         if index.most_free() >= need:
             pre = self.prefill_cost(p.context)
-            if index.least_key(busy, pre) < limit:
-                slot, _ = index.best(need, busy, pre, start=fleet.start_after(self._after), limit=limit)
+            per_row = pre * rules.stall if h is not None else 0.0
+            if index.least_key(busy, pre, per_row) < limit:
+                slot, _ = index.best(need, busy, pre, start=fleet.start_after(self._after),
+                                     limit=limit, per_row=per_row, extra=headroom)
+        fits_holder = h is not None and fleet.fits(h, need, p.rid)
         if slot >= 0:
             w = fleet.books[fleet.names[slot]]
-        elif h is not None and fleet.fits(h, need, p.rid):
+        elif h is not None and not fits_holder and rules.least:
+            room = fleet.budget - (h.reserved - h.parked.get(p.rid, 0))
+            fit = room // self._page * self._page - p.context  # the most whole pages allow
+            if fit < _share(rules.least, self._S):
+                return None
+            tokens, w = min(tokens, fit), h
+        elif fits_holder and h is not None:
             w = h
         else:
             return None
@@ -296,14 +332,37 @@ class GrantPolicy(GrantBooks):
         if self.record_placements and h is not None:
             self.placements.append(Placement(
                 p.rid, h.wid, w.wid, 0.0 if held else (h.load + busy) - (w.load + busy),
-                self.prefill_cost(p.context), fleet.fits(h, need, p.rid)))
-        fleet.unpark(fleet.get(p.holder), p.rid)
+                self.prefill_cost(p.context), fits_holder))
+        hw = fleet.get(p.holder)
+        fleet.unpark(hw, p.rid)
         cost = self.decode_cost(p.context, tokens) + (0.0 if held else pre)
         g = Grant(p.rid, w.wid, p.context, tokens, 0 if held else p.context, cost, self._page)
         if p.holder is not None and not held:
             self.migrations += 1
             self._evict.append((p.holder, p.rid))
         fleet.grant(w, g)
+        if hw is not None:
+            self._changed(hw)  # the holder's other parked requests may fit, or move, now
         if not held:
             self._after = w.wid
         return g
+
+    def _headroom(self, tokens: int) -> int:
+        """KV tokens to leave free beside a grant of ``tokens`` that brings a context in."""
+        rules = self._rules
+        if not rules.headroom or self.rho <= 0.0:
+            return 0
+        cap = int(rules.headroom_cap * self._fleet.budget)
+        if self.rho >= 1.0:
+            return cap
+        return min(cap, int(rules.headroom * tokens * self.rho / (1.0 - self.rho)))
+
+    def _others_wait(self, p: Pending) -> bool:
+        """Requests other than ``p`` wait in line for room."""
+        waiting = self._q.waiting
+        return len(waiting) > (1 if waiting and waiting[0] is p else 0)
+
+
+def _share(frac: float, S: int) -> int:  # noqa: N803 - the paper's name
+    """⌈frac · S⌉ tokens, at least one."""
+    return max(1, -int(-frac * S // 1))

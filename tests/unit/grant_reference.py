@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from sclsd.core.estimator import Estimator
+from sclsd.core.grants import GrantRules
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,10 @@ class Grant:
     def reserve(self) -> int:
         """KV tokens reserved for this grant: context plus granted tokens, in whole pages."""
         return _pages(self.context + self.tokens, self.page)
+
+
+def _share(frac: float, S: int) -> int:  # noqa: N803
+    return max(1, -int(-frac * S // 1))
 
 
 def _pages(tokens: int, page: int) -> int:
@@ -77,8 +82,14 @@ class ScanGrantPolicy:
     """The grant policy as a scan of every worker per placement, run after every call."""
 
     def __init__(
-        self, est: Estimator, slice_len: int, token_budget: float, workers: Iterable[str] = ()
+        self, est: Estimator, slice_len: int, token_budget: float, workers: Iterable[str] = (),
+        *, rules: GrantRules | None = None,
     ) -> None:
+        self.rules = rules if rules is not None else GrantRules()
+        self.rho = 1.0
+        self._due: set[str] = set()  # holders whose parked requests the next round looks at
+        self._all_due = True
+        self._seen: tuple[object, ...] = ()
         if slice_len < 1:
             raise ValueError("slice_len must be >= 1")
         self.est = est
@@ -101,7 +112,18 @@ class ScanGrantPolicy:
 
     # ------------------------------------------------------------------ fleet
 
+    def _touch(self, wid: str | None) -> None:
+        """Parked requests on ``wid`` are due for a look; all of them if it is left idle."""
+        w = self._workers.get(wid) if wid is not None else None
+        if w is None:
+            return
+        if not w.grants and not w.parked:
+            self._all_due = True
+        else:
+            self._due.add(wid)  # type: ignore[arg-type]
+
     def add_worker(self, wid: str) -> None:
+        self._all_due = True
         self._workers.setdefault(wid, _Worker())
         self._inactive.discard(wid)
 
@@ -109,6 +131,8 @@ class ScanGrantPolicy:
         """Take ``wid`` out of rotation (drain) or back in. Out of rotation it gets no new
         grant; requests waiting on its KV queue again (that KV is evicted), and grants
         running there keep running."""
+        if wid in self._workers:
+            self._all_due = True
         if active:
             self._inactive.discard(wid)
             return
@@ -125,6 +149,7 @@ class ScanGrantPolicy:
         self._inactive.discard(wid)
         if w is None:
             return []
+        self._all_due = True
         lost = list(w.grants)  # the driver re-submits them with arrive()
         keep = [p for p in self._returning if p.holder != wid]
         moved = [p for p in self._returning if p.holder == wid]
@@ -191,7 +216,9 @@ class ScanGrantPolicy:
             raise KeyError(f"no grant for {rid!r}")
         wid, g = found
         w = self._workers[wid]
+        self.rho += ((1.0 if remaining > 0 else 0.0) - self.rho) / self.rules.window
         if remaining <= 0:
+            self._touch(wid)
             return g
         if kept and wid not in self._inactive:  # its KV stays, reserved, until placed
             w.parked[rid] = _pages(context, self.page)
@@ -201,6 +228,7 @@ class ScanGrantPolicy:
             if kept:
                 self._evict.append((wid, rid))
             self._waiting.appendleft(_Pending(rid, context, remaining, None))
+        self._touch(wid)
         return g
 
     def _ungrant(self, rid: str) -> tuple[str, Grant] | None:
@@ -219,6 +247,7 @@ class ScanGrantPolicy:
         found = self._ungrant(rid)
         if found is not None:
             self._evict.append((found[0], rid))  # the engine may keep it after the grant
+            self._touch(found[0])
             return True
         for p in self._returning:
             if p.rid == rid:
@@ -237,6 +266,7 @@ class ScanGrantPolicy:
             self._returning.remove(p)
         holder = p.holder
         self._unpark(p)
+        self._touch(holder)
         if holder is not None:
             self._evict.append((holder, p.rid))
         p.holder = None
@@ -260,10 +290,18 @@ class ScanGrantPolicy:
         grant and parked requests that cannot fit drops the largest one's KV
         (it queues again, to re-prefill wherever it goes) until one fits.
         """
+        seen = (self.budget, self.page, self.est, self.S, self.rules)
+        if seen != self._seen:  # a setting changed: every parked request is due
+            self._seen, self._all_due = seen, True
+        due, self._due = self._due, set()
+        every, self._all_due = self._all_due, False
         out: list[Grant] = []
         back = sorted(self._returning, key=lambda p: -self.decode_cost(p.context, min(self.S, p.remaining)))
         self._returning = []
         for p in back:
+            if not every and p.holder not in due:
+                self._returning.append(p)  # nothing changed where it waits
+                continue
             g = self._place(p)
             if g is None:  # parked: it waits where its KV is (reserved there since its end)
                 self._returning.append(p)
@@ -309,7 +347,16 @@ class ScanGrantPolicy:
         """Grant ``p`` on the worker where it finishes first (None: wait, parked where it is)."""
         # A context near the budget gets a shorter grant rather than none.
         tokens = min(self.S, p.remaining, max(1, self.budget - p.context))
+        rules = self.rules
+        if rules.short and len(self._waiting) > (1 if self._waiting and self._waiting[0] is p else 0):
+            tokens = min(tokens, _share(rules.short, self.S))  # others wait for room: a short grant
         need = _pages(p.context + tokens, self.page)
+        # A worker that does not hold p's KV takes it only with room for the headroom too.
+        headroom = 0
+        if rules.headroom and self.rho > 0.0:
+            cap = int(rules.headroom_cap * self.budget)
+            headroom = cap if self.rho >= 1.0 else min(
+                cap, int(rules.headroom * tokens * self.rho / (1.0 - self.rho)))
         names = sorted(self._workers)
         if not names:
             return None
@@ -324,9 +371,13 @@ class ScanGrantPolicy:
                 continue
             # The holder always competes (it either has room or will, when its grants end);
             # another worker only with room and nothing parked.
-            if not held and (w.parked or not self._fits(w, need, p.rid)):
+            room = need + headroom if w.grants else need  # an idle worker needs no headroom
+            if not held and (w.parked or not self._fits(w, room, p.rid)):
                 continue
             finish = self._finish(w) + (0.0 if held else pre)
+            holder_on = p.holder is not None and p.holder in self._workers and p.holder not in self._inactive
+            if not held and holder_on and rules.stall:
+                finish += pre * rules.stall * len(w.grants)  # the stall of every row there
             # The holder wins ties; other ties rotate so idle workers share lone requests.
             rank = -1 if held else (k - start) % len(names)
             if best is None or (finish, rank) < best[:2]:
@@ -337,7 +388,14 @@ class ScanGrantPolicy:
         w = self._workers[wid]
         held = wid == p.holder
         if held and not self._fits(w, need, p.rid):
-            return None
+            if not rules.least:
+                return None
+            room = self.budget - (w.reserved - w.parked.get(p.rid, 0))
+            fit = room // self.page * self.page - p.context
+            if fit < _share(rules.least, self.S):
+                return None
+            tokens = min(tokens, fit)  # what fits, rather than parking
+            decode = self.decode_cost(p.context, tokens)
         if self.record_placements and p.holder is not None:
             hw = self._workers[p.holder]
             self.placements.append(
@@ -360,6 +418,7 @@ class ScanGrantPolicy:
         w.grants[p.rid] = g
         w.reserved += g.reserve
         w.load += cost
+        self._touch(p.holder)
         if not held:
             self._after = wid
         return g

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sclsd.core.grant_index import WorkerIndex
-from sclsd.core.grants import GrantPolicy
+from sclsd.core.grants import GrantPolicy, GrantRules
 
 from .grant_reference import ScanGrantPolicy
 from .toy import EST
@@ -26,7 +26,7 @@ from .toy import EST
 
 
 def _brute(slots: list[tuple[int, float, int] | None], need: int, base: float, add: float,
-           start: int, limit: float, per_row: float, headroom: float) -> tuple[int, float]:
+           start: int, limit: float, per_row: float, extra: int) -> tuple[int, float]:
     best = (-1, limit)
     n = len(slots)
     for k in list(range(start, n)) + list(range(0, start)):
@@ -34,7 +34,7 @@ def _brute(slots: list[tuple[int, float, int] | None], need: int, base: float, a
         if s is None:
             continue
         free, load, rows = s
-        if free - (int(headroom * rows) if headroom else 0) < need:
+        if free < (need + extra if rows else need):
             continue
         key = (load + base) + add
         if per_row:
@@ -67,12 +67,12 @@ def test_index_finds_what_a_scan_finds(n: int, data: st.DataObject) -> None:
         start = data.draw(st.integers(0, n - 1))
         limit = data.draw(st.sampled_from([math.inf, 1.0, 2.3, 3.0]))
         per_row = data.draw(st.sampled_from([0.0, 0.25, 1.0]))
-        headroom = data.draw(st.sampled_from([0.0, 1.5, 4.0]))
-        got = idx.best(need, base, add, start=start, limit=limit, per_row=per_row, headroom=headroom)
-        assert got == _brute(slots, need, base, add, start, limit, per_row, headroom)
+        extra = data.draw(st.sampled_from([0, 3, 20]))
+        got = idx.best(need, base, add, start=start, limit=limit, per_row=per_row, extra=extra)
+        assert got == _brute(slots, need, base, add, start, limit, per_row, extra)
         live = [s for s in slots if s is not None]
         if live:
-            assert idx.most_free(headroom) >= max(f - int(headroom * r) for f, _, r in live)
+            assert idx.most_free() == max(f for f, _, _ in live)
             assert idx.least_key(base, add, per_row) <= min(
                 (ld + base) + add + per_row * r for _, ld, r in live)
 
@@ -100,10 +100,11 @@ def _books(pol: Any) -> dict[str, Any]:
 class _Driver:
     """Plays a fleet for both policies: arrivals, grant ends, cancellations, workers."""
 
-    def __init__(self, data: st.DataObject, budget: int, S: int, names: list[str]) -> None:
+    def __init__(self, data: st.DataObject, budget: int, S: int, names: list[str],
+                 rules: GrantRules) -> None:
         self.data = data
-        self.new = GrantPolicy(EST, S, budget, names)
-        self.ref = ScanGrantPolicy(EST, S, budget, names)
+        self.new = GrantPolicy(EST, S, budget, names, rules=rules)
+        self.ref = ScanGrantPolicy(EST, S, budget, names, rules=rules)
         for p in (self.new, self.ref):
             p.record_placements = True
         self.names = names
@@ -174,8 +175,24 @@ class _Driver:
             self.round()
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+RULES = st.one_of(
+    st.just(GrantRules()),
+    st.just(GrantRules.basic()),
+    st.builds(
+        GrantRules,
+        stall=st.sampled_from([0.0, 1.0, 2.5]),
+        headroom=st.sampled_from([0.0, 1.0, 5.0]),
+        headroom_cap=st.sampled_from([0.1, 0.25, 0.5]),
+        short=st.sampled_from([0.0, 0.25, 0.5]),
+        least=st.sampled_from([0.0, 0.125, 0.3]),
+        window=st.sampled_from([1, 8, 128]),
+    ),
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
+    rules=RULES,
     workers=st.integers(1, 6),
     budget=st.integers(150, 900),
     S=st.integers(1, 40),
@@ -183,9 +200,9 @@ class _Driver:
     data=st.data(),
 )
 def test_same_grants_as_the_scan_on_random_events(
-    workers: int, budget: int, S: int, steps: int, data: st.DataObject
+    rules: GrantRules, workers: int, budget: int, S: int, steps: int, data: st.DataObject
 ) -> None:
-    drv = _Driver(data, budget, S, [f"w{k}" for k in range(workers)])
+    drv = _Driver(data, budget, S, [f"w{k}" for k in range(workers)], rules)
     for _ in range(steps):
         drv.step()
     drv.round()
@@ -202,7 +219,7 @@ def test_same_grants_as_the_scan_on_random_events(
 
 
 def test_a_round_without_a_change_does_nothing_and_a_change_wakes_it() -> None:
-    pol = GrantPolicy(EST, 16, token_budget=100, workers=["a"])
+    pol = GrantPolicy(EST, 16, token_budget=100, workers=["a"], rules=GrantRules.basic())
     for k in range(3):
         pol.arrive(f"r{k}", 30, 100)
     assert len(pol.schedule()) == 2  # the third does not fit
@@ -215,7 +232,9 @@ def test_a_round_without_a_change_does_nothing_and_a_change_wakes_it() -> None:
 def test_idle_workers_drop_parked_kv_in_the_order_they_joined() -> None:
     # Joined b then a (sorted: a, b). Each ends up idle with two parked requests of
     # which only one fits: each drops one, b first, so a's dropped one queues first.
-    pols: list[Any] = [GrantPolicy(EST, 16, 200, ["b", "a"]), ScanGrantPolicy(EST, 16, 200, ["b", "a"])]
+    basic = GrantRules.basic()
+    pols: list[Any] = [GrantPolicy(EST, 16, 200, ["b", "a"], rules=basic),
+                       ScanGrantPolicy(EST, 16, 200, ["b", "a"], rules=basic)]
     results = []
     for pol in pols:
         for rid in ("x1", "x2", "y1", "y2"):
@@ -231,7 +250,9 @@ def test_idle_workers_drop_parked_kv_in_the_order_they_joined() -> None:
 def test_a_drop_that_grants_nothing_still_wakes_the_next_round() -> None:
     # a holds x parked, too big for the budget once it shrinks; b runs z, with y parked
     # behind it. Dropping x's KV frees a; y moves there in the next round, with no event.
-    for pol in (GrantPolicy(EST, 16, 300, ["a", "b"]), ScanGrantPolicy(EST, 16, 300, ["a", "b"])):
+    basic = GrantRules.basic()
+    for pol in (GrantPolicy(EST, 16, 300, ["a", "b"], rules=basic),
+                ScanGrantPolicy(EST, 16, 300, ["a", "b"], rules=basic)):
         pol.arrive("x", 150, 100)
         pol.arrive("y", 100, 100)
         pol.arrive("z", 100, 100)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sclsd.core.grants import GrantPolicy
+from sclsd.core.grants import GrantPolicy, GrantRules
 from sclsd.core.policy import POLICIES, make_policy
 from sclsd.core.profiles import Profile
 from sclsd.sim.cb import CBSimulation
@@ -19,6 +19,10 @@ from sclsd.sim.engine import simulate
 from sclsd.sim.workload import Workload
 
 from .toy import EST, toy_profile
+
+#: The plain rules (full grants where they fit, no headroom, moves priced by re-prefill alone):
+#: the mechanics tests below hold the policy to them; the rules on top have their own tests.
+BASIC = GrantRules.basic()
 
 
 def profile(mem_tokens: float = 20_000) -> Profile:
@@ -98,7 +102,7 @@ def test_a_drained_worker_gets_no_grant_and_gives_up_parked_kv() -> None:
 
 
 def test_new_requests_are_granted_at_once_while_memory_allows() -> None:
-    pol = GrantPolicy(EST, 16, token_budget=100, workers=["a", "b"])
+    pol = GrantPolicy(EST, 16, token_budget=100, workers=["a", "b"], rules=BASIC)
     for k in range(5):
         pol.arrive(f"r{k}", 30, 100)  # each needs 30 + 16 = 46 tokens
     grants = pol.schedule()
@@ -158,7 +162,7 @@ def test_a_returning_request_moves_only_when_the_gap_exceeds_its_reprefill() -> 
 
 
 def test_an_idle_worker_drops_parked_kv_until_a_request_fits() -> None:
-    pol = GrantPolicy(EST, 16, token_budget=200, workers=["a"])
+    pol = GrantPolicy(EST, 16, token_budget=200, workers=["a"], rules=BASIC)
     pol.arrive("x", 80, 100)
     pol.arrive("y", 80, 100)
     assert len(pol.schedule()) == 2  # 96 + 96 <= 200
@@ -174,14 +178,14 @@ def test_an_idle_worker_drops_parked_kv_until_a_request_fits() -> None:
 
 
 def test_a_context_near_the_budget_gets_a_shorter_grant() -> None:
-    pol = GrantPolicy(EST, 16, token_budget=100, workers=["a"])
+    pol = GrantPolicy(EST, 16, token_budget=100, workers=["a"], rules=BASIC)
     pol.arrive("x", 88, 50)
     (g,) = pol.schedule()
     assert g.tokens == 12 and g.reserve == 100
 
 
 def test_a_returning_request_parks_where_its_kv_is_until_room_frees() -> None:
-    pol = GrantPolicy(EST, 16, token_budget=190, workers=["a"])
+    pol = GrantPolicy(EST, 16, token_budget=190, workers=["a"], rules=BASIC)
     pol.arrive("x", 60, 100)
     pol.arrive("y", 60, 100)
     assert len(pol.schedule()) == 2  # 76 + 76 <= 190
@@ -292,7 +296,7 @@ def test_json_counters(tmp_path: Path) -> None:
 
 
 def test_reservations_round_up_to_the_engines_kv_pages() -> None:
-    pol = GrantPolicy(EST, 16, token_budget=64, workers=["a"])
+    pol = GrantPolicy(EST, 16, token_budget=64, workers=["a"], rules=BASIC)
     pol.page = 16
     pol.arrive("x", 10, 100)
     pol.arrive("y", 10, 100)

@@ -91,6 +91,8 @@ class GrantPolicy(GrantBooks):
         """Grants that moved a request away from the worker holding its KV."""
         self.drops = 0
         """Parked KV given up because its idle worker could fit none of its parked requests."""
+        self.rounds = 0
+        """Calls of :meth:`schedule` that had something to decide (the others return at once)."""
         self.placements: list[Placement] = []
         self.record_placements = False
         for w in workers:
@@ -232,6 +234,7 @@ class GrantPolicy(GrantBooks):
         """
         if not self._dirty:
             return []
+        self.rounds += 1
         due, self._due = self._due, set()
         every, self._all_due = self._all_due, False
         out: list[Grant] = []

@@ -13,9 +13,14 @@ here; the next iteration of its worker already runs the new grant.
 
 Counters beside the usual metrics: ``preemptions`` (none by construction),
 ``oom_events`` (decode steps whose cached tokens exceed M_ava / Δ; none),
-``migrations`` (grants that moved a request away from its KV),
-``max_reserved_frac`` (the largest Σ reservations / budget seen on any worker
-at any step; at most 1) and ``grants``.
+``migrations`` (grants that moved a request away from its KV), ``kv_drops``
+(parked KV the policy gave up because its idle worker could fit none of its
+parked requests: they re-prefill elsewhere), ``max_reserved_frac`` (the
+largest Σ reservations / budget seen on any worker at any step; at most 1),
+``grants``, the time-averaged shares of the budget that running rows use
+(``kv_used_frac``), that is reserved (``kv_reserved_frac``) and that parked
+requests keep (``kv_parked_frac``), and ``cost_s``, the model seconds by term
+of the cost model (see :meth:`~sclsd.sim.cbsim.CBSimBase.counters`).
 """
 
 from __future__ import annotations
@@ -78,6 +83,9 @@ class CBSimulation(CBSimBase):
         self.max_reserved_frac = 0.0
         self.kv_reserved_s = 0.0
         self.kv_parked_s = 0.0
+        self.round_s: list[float] | None = None
+        """Set to a list to collect the wall seconds of every grant round (the policy's
+        schedule() calls that had something to decide)."""
 
     def run(self) -> SimResult:
         t_wall = time.perf_counter()
@@ -120,9 +128,9 @@ class CBSimulation(CBSimBase):
                 "grants": self.grants,
                 "kv_drops": self.policy.drops,
                 "max_reserved_frac": self.max_reserved_frac,
-                **self.kv_counters(),
-                "kv_reserved_frac": self.kv_reserved_s / (self.step_s * self.budget) if self.step_s else 0.0,
-                "kv_parked_frac": self.kv_parked_s / (self.step_s * self.budget) if self.step_s else 0.0,
+                **self.counters(),
+                "kv_reserved_frac": self.kv_frac(self.kv_reserved_s),
+                "kv_parked_frac": self.kv_frac(self.kv_parked_s),
             },
         )
 
@@ -130,7 +138,13 @@ class CBSimulation(CBSimBase):
 
     def _dispatch(self, now: float) -> None:
         """Apply the policy's grants; start the idle workers that got some."""
-        grants = self.policy.schedule()
+        if self.round_s is None:
+            grants = self.policy.schedule()
+        else:
+            rounds, t0 = self.policy.rounds, time.perf_counter()
+            grants = self.policy.schedule()
+            if self.policy.rounds > rounds:
+                self.round_s.append(time.perf_counter() - t0)
         self.policy.take_evictions()  # KV outside the running set is not modelled
         for g in grants:
             r = self.by_rid[g.rid]

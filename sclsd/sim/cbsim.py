@@ -51,11 +51,15 @@ class CBSimBase:
         self.cost_s = {"decode_kv": 0.0, "decode_rows": 0.0, "decode_fixed": 0.0,
                        "prefill_tokens": 0.0, "prefill_fixed": 0.0}
 
-    def kv_counters(self) -> dict[str, float]:
-        """Average KV held by running rows over busy iterations, as a fraction of the budget."""
-        if not self.step_s or not self.budget:
-            return {"kv_used_frac": 0.0}
-        return {"kv_used_frac": self.kv_used_s / (self.step_s * self.budget)}
+    def kv_frac(self, token_s: float) -> float:
+        """Σ (KV tokens × seconds) over busy iterations as a time-average share of the budget."""
+        return token_s / (self.step_s * self.budget) if self.step_s and self.budget else 0.0
+
+    def counters(self) -> dict[str, Any]:
+        """What a run spent its memory and time on: ``kv_used_frac`` (KV of the running rows,
+        averaged over busy iterations, as a share of the budget) and ``cost_s`` (model
+        seconds by term of the cost model, all workers, noise left out)."""
+        return {"kv_used_frac": self.kv_frac(self.kv_used_s), "cost_s": dict(self.cost_s)}
 
     def _push(self, t: float, kind: int, obj: Any) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), kind, obj))

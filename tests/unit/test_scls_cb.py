@@ -306,3 +306,17 @@ def test_reservations_round_up_to_the_engines_kv_pages() -> None:
     assert [g.reserve for g in grants] == [32, 32] and pol.reserved("a") == 64
     pol.end("x", 26, 84)  # kept: 26 tokens of KV still hold two pages
     assert pol.reserved("a") == 64
+
+
+def test_cost_terms_and_kv_shares_account_for_the_run() -> None:
+    wl = workload(n=80, rate=20.0, max_in=800, max_out=400)
+    sim = CBSimulation(cfg(profile=profile(mem_tokens=4_000), workers=2), wl)
+    res = sim.run()
+    costs = res.extra["cost_s"]
+    # Noise-free: the terms of the cost model add up to the workers' busy time exactly.
+    assert sum(costs.values()) == pytest.approx(sum(res.extra["busy_s"].values()))
+    prefill = costs["prefill_tokens"] + costs["prefill_fixed"]
+    assert prefill / sum(costs.values()) == pytest.approx(res.extra["prefill_share"])
+    used, reserved = res.extra["kv_used_frac"], res.extra["kv_reserved_frac"]
+    assert 0 < used <= reserved <= res.extra["max_reserved_frac"] <= 1.0
+    assert 0 <= res.extra["kv_parked_frac"] <= reserved

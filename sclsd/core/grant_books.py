@@ -44,17 +44,26 @@ class GrantRules:
     0: no headroom."""
     headroom_cap: float = 0.25
     short: float = 0.25
-    """While requests wait for room, a grant is at most ⌈short · S⌉ tokens, so that
-    reservations follow use closely where room is short. 0: always up to S."""
+    """While requests wait for room, a grant is at most ⌈short · S⌉ tokens (and at least
+    ``floor``), so that reservations follow use closely where room is short. 0: always
+    up to S."""
     least: float = 0.125
     """A returning request without room for a full grant on its holder gets what room is
-    there, if at least ⌈least · S⌉ tokens, instead of parking. 0: it parks."""
+    there, if at least ⌈least · S⌉ tokens (and ``floor``), instead of parking. 0: it parks."""
     window: int = 128
     """Grant ends that ρ averages over (an exponential moving average)."""
+    floor: int = 16
+    """No rule shortens a grant below this many tokens (S, if less): every grant costs
+    the daemon a round trip to its worker."""
 
     def __post_init__(self) -> None:
-        if min(self.stall, self.headroom, self.headroom_cap, self.short, self.least) < 0 or self.window < 1:
+        if (min(self.stall, self.headroom, self.headroom_cap, self.short, self.least) < 0
+                or self.window < 1 or self.floor < 1):
             raise ValueError(f"bad grant rules: {self}")
+
+    def tokens(self, frac: float, S: int) -> int:  # noqa: N803 - the paper's name
+        """⌈frac · S⌉ tokens, but not below ``floor`` (nor above S)."""
+        return min(S, max(self.floor, -int(-frac * S // 1)))
 
     @classmethod
     def basic(cls) -> GrantRules:
@@ -101,6 +110,7 @@ class GrantBooks:
 
     @property
     def rules(self) -> GrantRules:
+        """How grants are sized and moves priced (:class:`GrantRules`)."""
         return self._rules
 
     @rules.setter
@@ -163,6 +173,7 @@ class GrantBooks:
 
     @property
     def workers(self) -> list[str]:
+        """Every worker's id, sorted."""
         return list(self._fleet.names)
 
     def load(self, wid: str) -> float:
@@ -171,6 +182,7 @@ class GrantBooks:
         return w.load + self._busy_cost() if w.grants else 0.0
 
     def reserved(self, wid: str) -> int:
+        """KV tokens ``wid``'s grants and parked requests reserve."""
         return self._fleet.books[wid].reserved
 
     def parked(self, wid: str) -> int:
@@ -178,19 +190,23 @@ class GrantBooks:
         return sum(self._fleet.books[wid].parked.values())
 
     def grants_on(self, wid: str) -> dict[str, Grant]:
+        """The grants running on ``wid``, by request id (a copy)."""
         return dict(self._fleet.books[wid].grants)
 
     @property
     def queued(self) -> int:
+        """Requests waiting for a grant: parked where their KV is, or in line."""
         return len(self._q)
 
     # ------------------------------------------------------------------ costs
 
     def decode_cost(self, context: int, tokens: int) -> float:
+        """Load a grant of ``tokens`` from ``context`` adds (its rows' share of the steps)."""
         e = self._est
         return e.d1 * (context * tokens + tokens * (tokens + 1) / 2.0) + e.d2 * tokens
 
     def prefill_cost(self, tokens: int) -> float:
+        """Seconds to prefill a context of ``tokens`` (eq. 3, one row)."""
         return self._est.t_prefill(1, tokens) if tokens > 0 else 0.0
 
     def _busy_cost(self) -> float:

@@ -101,6 +101,7 @@ class GrantPolicy(GrantBooks):
     # ------------------------------------------------------------------ fleet
 
     def add_worker(self, wid: str) -> None:
+        """``wid`` joins the fleet (or comes back into rotation, if it was drained)."""
         self._fleet.add(wid)
         self._changed()
 
@@ -297,7 +298,7 @@ class GrantPolicy(GrantBooks):
         # A context near the budget gets a shorter grant rather than none.
         tokens = min(self._S, p.remaining, max(1, fleet.budget - p.context))
         if rules.short and self._others_wait(p):
-            tokens = min(tokens, _share(rules.short, self._S))
+            tokens = min(tokens, rules.tokens(rules.short, self._S))
         need = pages(p.context + tokens, self._page)
         busy = self._busy_cost()
         h = fleet.get(p.holder)
@@ -322,7 +323,7 @@ class GrantPolicy(GrantBooks):
         elif h is not None and not fits_holder and rules.least:
             room = fleet.budget - (h.reserved - h.parked.get(p.rid, 0))
             fit = room // self._page * self._page - p.context  # the most whole pages allow
-            if fit < _share(rules.least, self._S):
+            if fit < rules.tokens(rules.least, self._S):
                 return None
             tokens, w = min(tokens, fit), h
         elif fits_holder and h is not None:
@@ -365,7 +366,3 @@ class GrantPolicy(GrantBooks):
         waiting = self._q.waiting
         return len(waiting) > (1 if waiting and waiting[0] is p else 0)
 
-
-def _share(frac: float, S: int) -> int:  # noqa: N803 - the paper's name
-    """⌈frac · S⌉ tokens, at least one."""
-    return max(1, -int(-frac * S // 1))

@@ -38,8 +38,9 @@ class Grant:
         return _pages(self.context + self.tokens, self.page)
 
 
-def _share(frac: float, S: int) -> int:  # noqa: N803
-    return max(1, -int(-frac * S // 1))
+def _tokens(rules: GrantRules, frac: float, S: int) -> int:  # noqa: N803
+    """⌈frac · S⌉, at least rules.floor, at most S."""
+    return min(S, max(rules.floor, -int(-frac * S // 1)))
 
 
 def _pages(tokens: int, page: int) -> int:
@@ -349,7 +350,7 @@ class ScanGrantPolicy:
         tokens = min(self.S, p.remaining, max(1, self.budget - p.context))
         rules = self.rules
         if rules.short and len(self._waiting) > (1 if self._waiting and self._waiting[0] is p else 0):
-            tokens = min(tokens, _share(rules.short, self.S))  # others wait for room: a short grant
+            tokens = min(tokens, _tokens(rules, rules.short, self.S))  # others wait: a short grant
         need = _pages(p.context + tokens, self.page)
         # A worker that does not hold p's KV takes it only with room for the headroom too.
         headroom = 0
@@ -392,7 +393,7 @@ class ScanGrantPolicy:
                 return None
             room = self.budget - (w.reserved - w.parked.get(p.rid, 0))
             fit = room // self.page * self.page - p.context
-            if fit < _share(rules.least, self.S):
+            if fit < _tokens(rules, rules.least, self.S):
                 return None
             tokens = min(tokens, fit)  # what fits, rather than parking
             decode = self.decode_cost(p.context, tokens)

@@ -186,6 +186,7 @@ RULES = st.one_of(
         short=st.sampled_from([0.0, 0.25, 0.5]),
         least=st.sampled_from([0.0, 0.125, 0.3]),
         window=st.sampled_from([1, 8, 128]),
+        floor=st.sampled_from([1, 4, 16]),
     ),
 )
 

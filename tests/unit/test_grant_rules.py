@@ -89,7 +89,7 @@ def test_the_headroom_follows_how_many_grants_come_back(ctx: int, admitted: bool
 
 
 def test_grants_are_short_while_others_wait_for_room() -> None:
-    rules = GrantRules(stall=0.0, headroom=0.0, short=0.25, least=0.0)
+    rules = GrantRules(stall=0.0, headroom=0.0, short=0.25, least=0.0, floor=1)
     pol = GrantPolicy(EST, 64, token_budget=300, workers=["a"], rules=rules)
     for rid in ("a1", "a2", "a3"):
         pol.arrive(rid, 100, 500)
@@ -102,7 +102,7 @@ def test_grants_are_short_while_others_wait_for_room() -> None:
 
 @pytest.mark.parametrize(("least", "granted"), [(0.25, 8), (0.5, 8), (0.5625, None), (0.75, None)])
 def test_a_holder_short_of_room_grants_what_fits_rather_than_park(least: float, granted: int | None) -> None:
-    rules = GrantRules(stall=0.0, headroom=0.0, short=0.0, least=least)
+    rules = GrantRules(stall=0.0, headroom=0.0, short=0.0, least=least, floor=1)
     pol = GrantPolicy(EST, 16, token_budget=240, workers=["a"], rules=rules)
     pol.arrive("x", 100, 100)
     pol.arrive("y", 100, 100)
@@ -117,8 +117,21 @@ def test_a_holder_short_of_room_grants_what_fits_rather_than_park(least: float, 
         assert pol.reserved("a") == 240
 
 
+def test_no_rule_shortens_a_grant_below_the_floor() -> None:
+    rules = GrantRules()
+    assert (rules.tokens(rules.short, 128), rules.tokens(rules.least, 128)) == (32, 16)
+    assert (rules.tokens(rules.short, 32), rules.tokens(rules.least, 32)) == (16, 16)
+    assert rules.tokens(rules.short, 4) == 4  # never above S
+    pol = GrantPolicy(EST, 4, token_budget=1000, workers=["a"], rules=rules)
+    for rid in ("a1", "a2", "a3"):
+        pol.arrive(rid, 10, 100)
+    assert [g.tokens for g in pol.schedule()] == [4, 4, 4]  # S = 4: shorter would cost round trips
+
+
 def test_rules_are_checked() -> None:
     with pytest.raises(ValueError):
         GrantRules(short=-0.1)
     with pytest.raises(ValueError):
         GrantRules(window=0)
+    with pytest.raises(ValueError):
+        GrantRules(floor=0)

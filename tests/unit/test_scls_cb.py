@@ -59,7 +59,7 @@ def test_policy_name_is_a_grant_policy_for_the_simulator_and_the_daemon() -> Non
 
 
 def test_forget_frees_a_grant_a_parked_kv_and_a_queue_place() -> None:
-    pol = GrantPolicy(EST, 16, token_budget=100, workers=["a"])
+    pol = GrantPolicy(EST, 16, token_budget=100, workers=["a"], rules=BASIC)
     pol.arrive("g", 30, 100)
     pol.arrive("p", 30, 100)
     pol.arrive("q", 30, 100)

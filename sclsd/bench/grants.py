@@ -8,7 +8,10 @@ For each profile of ``--profiles`` (default ``a100-llama2-13b-hf`` and
 600 s of Poisson arrivals, seed 1, limits 1024/1024) on every trace (ShareGPT
 lengths, Azure code, Mooncake, and any ``--trace NAME=PATH``):
 
-- at 20 req/s: scls-cb, ils-paged, ils-conservative (and scls on ShareGPT);
+- at 20 req/s: scls-cb, ils-paged, ils-conservative, scls-cb with the plain
+  grant rules (``scls-cb/basic``: :meth:`~sclsd.core.grants.GrantRules.basic`,
+  full grants and moves priced by their re-prefill alone, as before the rules
+  that keep reservations close to use) and, on ShareGPT, scls;
 - at 5 and 2 req/s: scls-cb, ils-paged.
 
 Every run is what ``sclsd-bench sim --trace T --policy P --profile X
@@ -40,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from ..core.estimator import Estimator
+from ..core.grants import GrantRules
 from ..core.profiles import Profile, load_profile
 from ..eval.traces import load_trace
 from ..sim.cb import CBSimulation
@@ -59,6 +63,8 @@ PROFILES: tuple[str, ...] = ("a100-llama2-13b-hf", "a100-llama2-13b-ds")
 #: The many-worker check: workers, and the rate per worker of the paper's setting.
 SCALE_WORKERS = 64
 SCALE_RATE_PER_WORKER = HEAVY_RATE / 8
+#: scls-cb under the plain grant rules (GrantRules.basic()), as a policy name of the tables.
+BASIC = "scls-cb/basic"
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,7 @@ class Case:
 
 def cases_for(traces: Sequence[str]) -> tuple[Case, ...]:
     """The runs of one profile on ``traces``, in table order."""
-    out = [Case(t, HEAVY_RATE, ("scls-cb", "ils-paged", "ils-conservative")
+    out = [Case(t, HEAVY_RATE, ("scls-cb", "ils-paged", "ils-conservative", BASIC)
                 + (("scls",) if t == "sharegpt" else ())) for t in traces]
     out += [Case(t, rate, ("scls-cb", "ils-paged")) for rate in LIGHT_RATES for t in traces]
     return tuple(out)
@@ -192,10 +198,12 @@ def bound_rps(wl: Workload, est: Estimator, max_gen: int) -> float:
     return len(wl) / span if span > 0 else float("inf")
 
 
-def simulate_counted(cfg: SimConfig, wl: Workload) -> tuple[SimResult, dict[str, Any]]:
-    """Run one simulation; for the continuous-batching policies also their counters."""
+def simulate_counted(cfg: SimConfig, wl: Workload,
+                     rules: GrantRules | None = None) -> tuple[SimResult, dict[str, Any]]:
+    """Run one simulation (scls-cb under ``rules``, if given); for the continuous-batching
+    policies also their counters."""
     if cfg.policy == "scls-cb":
-        cb = CBSimulation(cfg, wl)
+        cb = CBSimulation(cfg, wl, rules)
         return cb.run(), cb.counters()
     if cfg.policy in ("ils-paged", "ils-conservative"):
         ils = ILSSimulation(cfg, wl)
@@ -237,11 +245,12 @@ def run_cases(
         bound = bound_rps(wl, profile.estimator, max_gen)
         for pol in case.policies:
             cfg = SimConfig(
-                policy=pol, profile=profile, workers=workers, slice_len=slice_len,
-                max_gen=max_gen, max_input=max_input, seed=seed, progress=progress,
+                policy="scls-cb" if pol == BASIC else pol, profile=profile, workers=workers,
+                slice_len=slice_len, max_gen=max_gen, max_input=max_input, seed=seed,
+                progress=progress,
             )
             t0 = time.perf_counter()
-            res, counters = simulate_counted(cfg, wl)
+            res, counters = simulate_counted(cfg, wl, GrantRules.basic() if pol == BASIC else None)
             wall = time.perf_counter() - t0
             row: dict[str, Any] = {
                 "profile": name, "trace": case.trace, "rate": case.rate, "policy": pol,

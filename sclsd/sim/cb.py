@@ -29,7 +29,7 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
-from ..core.grants import Grant, GrantPolicy
+from ..core.grants import Grant, GrantPolicy, GrantRules
 from ..core.request import Request, State
 from .cbsim import ARRIVAL, STEP_DONE, CBSimBase
 from .common import SimConfig, SimResult, progress_bar, record_of
@@ -72,12 +72,13 @@ class CBWorker:
 class CBSimulation(CBSimBase):
     """``scls-cb``: see the module docstring."""
 
-    def __init__(self, cfg: SimConfig, workload: Workload) -> None:
+    def __init__(self, cfg: SimConfig, workload: Workload, rules: GrantRules | None = None) -> None:
+        """``rules``: the grant policy's (default :class:`~sclsd.core.grants.GrantRules`)."""
         if cfg.policy != "scls-cb":
             raise ValueError(f"not a slice-grant policy: {cfg.policy!r}")
         super().__init__(cfg, workload)
         self.workers = {f"w{k}": CBWorker(f"w{k}") for k in range(cfg.workers)}
-        self.policy = GrantPolicy(self.est, cfg.slice_len, self.budget, self.workers)
+        self.policy = GrantPolicy(self.est, cfg.slice_len, self.budget, self.workers, rules=rules)
         self.by_rid = {r.rid: r for r in self.requests}
         self.grants = 0
         self.max_reserved_frac = 0.0

@@ -14,6 +14,8 @@ import pytest
 from sclsd.bench import all as bench_all
 from sclsd.bench import cli, grants
 from sclsd.bench import grants_report as report
+from sclsd.core.grants import GrantRules
+from sclsd.sim.cb import CBSimulation
 from sclsd.sim.common import SimConfig
 from sclsd.sim.engine import simulate
 from sclsd.sim.workload import Workload
@@ -57,21 +59,28 @@ def test_cases_cover_every_trace_at_every_rate() -> None:
         (t, r) for t in ("sharegpt", "azure-code", "mooncake") for r in (20.0, 5.0, 2.0)}
     assert all({"scls-cb", "ils-paged"} <= set(c.policies) for c in grants.CASES)
     heavy = [c for c in grants.CASES if c.rate == 20.0]
-    assert all("ils-conservative" in c.policies for c in heavy)
+    assert all({"ils-conservative", grants.BASIC} <= set(c.policies) for c in heavy)
+    assert not any(grants.BASIC in c.policies for c in grants.CASES if c.rate != 20.0)
     assert [c.trace for c in grants.CASES if "scls" in c.policies] == ["sharegpt"]
     extra = grants.cases_for(("sharegpt", "azure-conv"))
     assert {c.trace for c in extra} == {"sharegpt", "azure-conv"} and len(extra) == 6
 
 
 def test_runs_every_case_and_matches_a_direct_simulation(rows: list[dict[str, Any]]) -> None:
-    assert len(rows) == sum(len(c.policies) for c in grants.CASES) == 22
-    assert {r["policy"] for r in rows} == {"scls-cb", "ils-paged", "ils-conservative", "scls"}
+    assert len(rows) == sum(len(c.policies) for c in grants.CASES) == 25
+    assert {r["policy"] for r in rows} == {"scls-cb", "ils-paged", "ils-conservative", "scls", grants.BASIC}
     r = report.find(rows, "toy", "sharegpt", 20.0, "scls-cb")
     assert r is not None and r["completed"] == 40 and "migrations" in r
     wl = _workload(40, 20, *SHAPES["sharegpt"])
     direct = simulate(SimConfig("scls-cb", PROFILE, workers=3, slice_len=32, max_gen=256, seed=1), wl).summary()
     for k in ("throughput_rps", "ct_std_s", "avg_latency_s", "avg_ttft_s", "migrations", "kv_drops"):
         assert r[k] == direct[k]
+    basic = report.find(rows, "toy", "sharegpt", 20.0, grants.BASIC)
+    assert basic is not None
+    plain = CBSimulation(SimConfig("scls-cb", PROFILE, workers=3, slice_len=32, max_gen=256, seed=1), wl,
+                         GrantRules.basic()).run().summary()
+    for k in ("throughput_rps", "avg_latency_s", "migrations", "kv_drops"):
+        assert basic[k] == plain[k]
 
 
 def test_no_policy_beats_the_arrival_bound(rows: list[dict[str, Any]]) -> None:
@@ -88,7 +97,8 @@ def test_no_policy_beats_the_arrival_bound(rows: list[dict[str, Any]]) -> None:
 def test_costs_add_up_to_the_workers_time(rows: list[dict[str, Any]]) -> None:
     md = report.cost_table(rows, "toy")
     lines = [ln for ln in md.splitlines() if ln.startswith("| ShareGPT 20 |")]
-    assert {ln.split("|")[2].strip() for ln in lines} == {"scls-cb", "ils-paged", "ils-conservative"}
+    assert {ln.split("|")[2].strip() for ln in lines} == {
+        "scls-cb", "ils-paged", "ils-conservative", grants.BASIC}
     for ln in lines:
         cells = [float(c) for c in ln.split("|")[3:-1]]
         assert sum(cells[:-1]) == pytest.approx(cells[-1], abs=0.1 * len(cells))

@@ -1,21 +1,32 @@
 """``sclsd-bench grants``: ``scls-cb`` against continuous batching and ``scls``, in simulation.
 
     sclsd-bench grants --out out/grants.json --md out/grants.md
+    sclsd-bench grants --trace azure-conv=PATH --trace mooncake-conv=PATH   # held-out traces too
 
 For each profile of ``--profiles`` (default ``a100-llama2-13b-hf`` and
 ``a100-llama2-13b-ds``) it runs the paper's setting (8 workers, S = 128,
-600 s of Poisson arrivals, seed 1) for
+600 s of Poisson arrivals, seed 1, limits 1024/1024) on every trace (ShareGPT
+lengths, Azure code, Mooncake, and any ``--trace NAME=PATH``):
 
-- ShareGPT lengths at 20 req/s: scls-cb, ils-paged, ils-conservative, scls;
-- Azure code lengths at 20 req/s: scls-cb, ils-paged, ils-conservative;
-- ShareGPT lengths at 5 and 2 req/s: scls-cb, ils-paged.
+- at 20 req/s: scls-cb, ils-paged, ils-conservative, scls-cb with the plain
+  grant rules (``scls-cb/basic``: :meth:`~sclsd.core.grants.GrantRules.basic`,
+  full grants and moves priced by their re-prefill alone, as before the rules
+  that keep reservations close to use) and, on ShareGPT, scls;
+- at 5 and 2 req/s: scls-cb, ils-paged.
 
 Every run is what ``sclsd-bench sim --trace T --policy P --profile X
 --workers 8 --slice-len 128 --rate R --duration 600 --seed 1`` prints (same
 workload, same :class:`~sclsd.sim.common.SimConfig`), called through the
-simulator's Python API. Writes every run's summary as JSON (``--out``) and,
-per profile, a Markdown table plus the targets of scls-cb checked against the
-numbers (``--md``). Step ``grants`` of ``make bench``.
+simulator's Python API, plus the continuous-batching simulators' counters
+(KV used, model seconds by cost term) and ``bound_rps``, the most any
+schedule could serve given the arrivals. Then, unless ``--no-scale``, the
+many-worker check: 64 workers on ShareGPT at 8 × 20 req/s, scls-cb with every
+grant round timed, and ils-paged beside it.
+
+Writes every run's summary as JSON (``--out``) and, per profile, Markdown
+tables of the runs, of their costs and of the targets checked against the
+numbers (``--md``; :mod:`sclsd.bench.grants_report`). Step ``grants`` of
+``make bench``.
 """
 
 from __future__ import annotations
@@ -29,20 +40,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from ..core.estimator import Estimator
+from ..core.grants import GrantRules
 from ..core.profiles import Profile, load_profile
 from ..eval.traces import load_trace
-from ..sim.common import SimConfig
+from ..sim.cb import CBSimulation
+from ..sim.common import SimConfig, SimResult
 from ..sim.engine import simulate
+from ..sim.ils import ILSSimulation
 from ..sim.workload import Workload, make_workload
+from .grants_report import HEAVY_RATE, LIGHT_RATES, label, markdown
 
 #: Trace names and their files (relative to the repository root).
 TRACES: dict[str, str] = {
     "sharegpt": "../shared/traces/sharegpt_lengths.csv",
     "azure-code": "../shared/traces/azure2023_code.csv",
+    "mooncake": "../shared/traces/mooncake_synthetic.csv",
 }
-#: Trace names as the tables print them.
-TRACE_LABELS: dict[str, str] = {"sharegpt": "ShareGPT", "azure-code": "Azure code"}
 PROFILES: tuple[str, ...] = ("a100-llama2-13b-hf", "a100-llama2-13b-ds")
+#: The many-worker check: workers, and the rate per worker of the paper's setting.
+SCALE_WORKERS = 64
+SCALE_RATE_PER_WORKER = HEAVY_RATE / 8
+#: scls-cb under the plain grant rules (GrantRules.basic()), as a policy name of the tables.
+BASIC = "scls-cb/basic"
 
 
 @dataclass(frozen=True)
@@ -54,30 +76,23 @@ class Case:
     policies: tuple[str, ...]
 
 
-#: The runs of one profile, in table order.
-CASES: tuple[Case, ...] = (
-    Case("sharegpt", 20.0, ("scls-cb", "ils-paged", "ils-conservative", "scls")),
-    Case("azure-code", 20.0, ("scls-cb", "ils-paged", "ils-conservative")),
-    Case("sharegpt", 5.0, ("scls-cb", "ils-paged")),
-    Case("sharegpt", 2.0, ("scls-cb", "ils-paged")),
-)
+def cases_for(traces: Sequence[str]) -> tuple[Case, ...]:
+    """The runs of one profile on ``traces``, in table order."""
+    out = [Case(t, HEAVY_RATE, ("scls-cb", "ils-paged", "ils-conservative", BASIC)
+                + (("scls",) if t == "sharegpt" else ())) for t in traces]
+    out += [Case(t, rate, ("scls-cb", "ils-paged")) for rate in LIGHT_RATES for t in traces]
+    return tuple(out)
 
-#: Columns of the per-profile table after trace+rate and policy: (key, header, format).
-COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("throughput_rps", "req/s", "{:.3f}"),
-    ("ct_std_s", "CT STD s", "{:.2f}"),
-    ("avg_latency_s", "avg RT s", "{:.2f}"),
-    ("avg_ttft_s", "avg TTFT s", "{:.2f}"),
-    ("preemptions", "preemptions", "{:d}"),
-    ("oom_events", "OOM events", "{:d}"),
-    ("migrations", "migrations", "{:d}"),
-    ("reprefill_tokens_per_req", "re-prefill tok/req", "{:.0f}"),
-)
 
-#: Rates at which scls-cb must match continuous batching's throughput (heavy load).
-HEAVY_RATE = 20.0
-#: Rates at which scls-cb must match its latency (light load).
-LIGHT_RATES: tuple[float, ...] = (5.0, 2.0)
+#: The runs of one profile on the shared traces.
+CASES: tuple[Case, ...] = cases_for(tuple(TRACES))
+
+
+def _named_trace(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,21 +100,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profiles", default=",".join(PROFILES), help="comma-separated profile names")
     p.add_argument("--sharegpt", default=TRACES["sharegpt"], help="ShareGPT lengths trace CSV")
     p.add_argument("--azure-code", default=TRACES["azure-code"], help="Azure 2023 code trace CSV")
+    p.add_argument("--mooncake", default=TRACES["mooncake"], help="Mooncake trace CSV")
+    p.add_argument("--trace", action="append", type=_named_trace, default=[], metavar="NAME=PATH",
+                   help="another trace to run every case on (e.g. a held-out one); repeatable")
+    p.add_argument("--only-traces", help="comma-separated trace names to run (default: all)")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--slice-len", type=int, default=128)
     p.add_argument("--duration", type=float, default=600.0, help="seconds of Poisson arrivals")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--out", default="out/grants.json", help="every run's summary, JSON")
+    p.add_argument("--no-scale", action="store_true", help="skip the 64-worker check")
+    p.add_argument("--scale-workers", type=int, default=SCALE_WORKERS)
+    p.add_argument("--out", default="out/grants.json",
+                   help="every run's summary, JSON: {runs: [...], scale: [...]}")
     p.add_argument("--md", default="out/grants.md", help="tables and target checks, Markdown")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run every case on every profile, write JSON and Markdown; 0 on success, 2 on a usage error."""
-    paths = {"sharegpt": args.sharegpt, "azure-code": args.azure_code}
+    paths = {"sharegpt": args.sharegpt, "azure-code": args.azure_code, "mooncake": args.mooncake}
+    paths.update(dict(args.trace))
     try:
-        if args.workers < 1 or args.slice_len < 1:
-            raise ValueError("--workers and --slice-len must be >= 1")
+        if args.only_traces:
+            keep = [t for t in args.only_traces.split(",") if t]
+            unknown = [t for t in keep if t not in paths]
+            if unknown:
+                raise ValueError(f"--only-traces: no trace named {unknown[0]!r}")
+            paths = {t: paths[t] for t in keep}
+        if args.workers < 1 or args.slice_len < 1 or args.scale_workers < 1:
+            raise ValueError("--workers, --scale-workers and --slice-len must be >= 1")
         if args.duration <= 0:
             raise ValueError("--duration must be > 0")
         missing = [p for p in paths.values() if not Path(p).is_file()]
@@ -110,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
         profiles = [load_profile(name) for name in args.profiles.split(",") if name]
         if not profiles:
             raise ValueError("--profiles names no profile")
-        workloads = build_workloads(paths, CASES, duration=args.duration, seed=args.seed)
+        cases = cases_for(tuple(paths))
+        workloads = build_workloads(paths, cases, duration=args.duration, seed=args.seed)
     except (ValueError, OSError) as exc:
         print(f"sclsd-bench grants: error: {exc}", file=sys.stderr)
         return 2
@@ -119,15 +149,21 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for prof in profiles:
         rows += run_cases(
-            prof, CASES, workloads, workers=args.workers, slice_len=args.slice_len,
+            prof, cases, workloads, workers=args.workers, slice_len=args.slice_len,
             seed=args.seed, duration=args.duration, progress=progress,
         )
-    text = markdown(rows)
-    for path, body in ((args.out, json.dumps(rows, indent=1) + "\n"), (args.md, text)):
+    scale: list[dict[str, Any]] = []
+    if not args.no_scale and "sharegpt" in paths:
+        scale = run_scale(profiles[0], paths["sharegpt"], workers=args.scale_workers,
+                          slice_len=args.slice_len, duration=args.duration, seed=args.seed,
+                          progress=progress)
+    text = markdown(rows, scale)
+    body = json.dumps({"runs": rows, "scale": scale}, indent=1) + "\n"
+    for path, content in ((args.out, body), (args.md, text)):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(body)
+        Path(path).write_text(content)
     print(text)
-    print(f"{len(rows)} runs in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    print(f"{len(rows) + len(scale)} runs in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return 0
 
 
@@ -147,6 +183,43 @@ def build_workloads(
     return out
 
 
+def bound_rps(wl: Workload, est: Estimator, max_gen: int) -> float:
+    """The most requests per second any schedule can serve ``wl``: each request alone on a
+    worker from its arrival (its prefill, then one-row decode steps) ends no sooner, so the
+    run lasts at least until the latest of those ends (eq. 1-4 with n = 1)."""
+    if not len(wl):
+        return 0.0
+    out = np.minimum(wl.output_len, max_gen).astype(float)
+    inp = wl.input_len.astype(float)
+    alone = est.p1 * inp + est.p2 + est.p3 * inp + est.p4
+    s_l = out * inp + out * (out + 1) / 2.0  # Σ contexts over its decode steps
+    alone = alone + (est.d1 + est.d3) * s_l + (est.d2 + est.d4) * out
+    span = float(np.max(wl.arrival + alone) - wl.arrival[0])
+    return len(wl) / span if span > 0 else float("inf")
+
+
+def simulate_counted(cfg: SimConfig, wl: Workload,
+                     rules: GrantRules | None = None) -> tuple[SimResult, dict[str, Any]]:
+    """Run one simulation (scls-cb under ``rules``, if given); for the continuous-batching
+    policies also their counters."""
+    if cfg.policy == "scls-cb":
+        cb = CBSimulation(cfg, wl, rules)
+        return cb.run(), cb.counters()
+    if cfg.policy in ("ils-paged", "ils-conservative"):
+        ils = ILSSimulation(cfg, wl)
+        return ils.run(), ils.counters()
+    return simulate(cfg, wl), {}
+
+
+def _summary(res: SimResult, counters: Mapping[str, Any]) -> dict[str, Any]:
+    summary = res.summary()
+    summary.pop("busy_s", None)
+    summary.update(counters)
+    if "kv_used_frac" in summary:
+        summary["kv_used_pct"] = 100.0 * summary["kv_used_frac"]
+    return summary
+
+
 def run_cases(
     profile: Profile,
     cases: Sequence[Case],
@@ -163,127 +236,65 @@ def run_cases(
     """Every (case, policy) on one profile: the run's summary tagged with its settings.
 
     The :class:`SimConfig` is the one ``sclsd-bench sim`` builds from its
-    defaults, so each summary equals what that command reports.
+    defaults, so each summary holds what that command reports.
     """
     rows: list[dict[str, Any]] = []
     name = profile.name or "profile"
     for case in cases:
         wl = workloads[(case.trace, case.rate)]
+        bound = bound_rps(wl, profile.estimator, max_gen)
         for pol in case.policies:
             cfg = SimConfig(
-                policy=pol, profile=profile, workers=workers, slice_len=slice_len,
-                max_gen=max_gen, max_input=max_input, seed=seed, progress=progress,
+                policy="scls-cb" if pol == BASIC else pol, profile=profile, workers=workers,
+                slice_len=slice_len, max_gen=max_gen, max_input=max_input, seed=seed,
+                progress=progress,
             )
             t0 = time.perf_counter()
-            res = simulate(cfg, wl)
-            summary = res.summary()
+            res, counters = simulate_counted(cfg, wl, GrantRules.basic() if pol == BASIC else None)
             wall = time.perf_counter() - t0
-            summary.pop("busy_s", None)
             row: dict[str, Any] = {
                 "profile": name, "trace": case.trace, "rate": case.rate, "policy": pol,
                 "workers": workers, "slice_len": slice_len, "arrival_window_s": duration,
-                "seed": seed,
+                "seed": seed, "bound_rps": bound,
             }
-            row.update(summary)
+            row.update(_summary(res, counters))
             row["worker_completion_s"] = res.worker_completion
             row["wall_s"] = wall
             rows.append(row)
-            print(
-                f"  {name} {TRACE_LABELS.get(case.trace, case.trace)} {case.rate:g} {pol}: "
-                f"{summary['throughput_rps']:.3f} req/s, simulated in {wall:.1f} s",
-                file=sys.stderr, flush=True,
-            )
+            print(f"  {name} {label(case.trace)} {case.rate:g} {pol}: "
+                  f"{row['throughput_rps']:.3f} req/s, simulated in {wall:.1f} s",
+                  file=sys.stderr, flush=True)
     return rows
 
 
-def _find(rows: Sequence[dict[str, Any]], profile: str, trace: str, rate: float,
-          policy: str) -> dict[str, Any] | None:
-    for r in rows:
-        if (r["profile"], r["trace"], r["rate"], r["policy"]) == (profile, trace, rate, policy):
-            return r
-    return None
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b else (1.0 if a == 0 else float("inf"))
-
-
-def targets(rows: Sequence[dict[str, Any]], profile: str) -> list[dict[str, Any]]:
-    """scls-cb's targets on one profile, each checked against the runs.
-
-    Each entry: ``case`` (e.g. ``"ShareGPT 20"``), ``target``, ``measured``
-    (text), ``ratio`` (the measured ratio, or the value itself for absolute
-    targets) and ``met``. A target whose runs are missing is left out.
-    """
+def run_scale(
+    profile: Profile, trace: str, *, workers: int = SCALE_WORKERS, slice_len: int = 128,
+    duration: float = 600.0, seed: int = 1, progress: bool = False,
+) -> list[dict[str, Any]]:
+    """ShareGPT on ``workers`` workers at the paper's rate per worker: scls-cb with every grant
+    round timed (``round_us``: count, p50, p99, max), then ils-paged; wall seconds of each."""
+    rate = SCALE_RATE_PER_WORKER * workers
+    wl = make_workload(load_trace(trace), rate=rate, duration=duration, seed=seed)
     out: list[dict[str, Any]] = []
-
-    def add(case: str, target: str, measured: str, ratio: float, met: bool) -> None:
-        out.append({"case": case, "target": target, "measured": measured, "ratio": ratio, "met": met})
-
-    for trace in ("sharegpt", "azure-code"):
-        case = f"{TRACE_LABELS[trace]} {HEAVY_RATE:g}"
-        cb = _find(rows, profile, trace, HEAVY_RATE, "scls-cb")
-        if cb is None:
-            continue
-        cons = _find(rows, profile, trace, HEAVY_RATE, "ils-conservative")
-        paged = _find(rows, profile, trace, HEAVY_RATE, "ils-paged")
-        if cons is not None:
-            x = _ratio(cb["throughput_rps"], cons["throughput_rps"])
-            add(case, "throughput ≥ 1.05× ils-conservative",
-                f"{cb['throughput_rps']:.3f} / {cons['throughput_rps']:.3f} = {x:.3f}×", x, x >= 1.05)
-        if paged is not None:
-            x = _ratio(cb["throughput_rps"], paged["throughput_rps"])
-            add(case, "throughput ≥ 1.0× ils-paged",
-                f"{cb['throughput_rps']:.3f} / {paged['throughput_rps']:.3f} = {x:.3f}×", x, x >= 1.0)
-        add(case, "preemptions = 0", f"{cb['preemptions']:d}", float(cb["preemptions"]),
-            cb["preemptions"] == 0)
-        add(case, "OOM events = 0", f"{cb['oom_events']:d}", float(cb["oom_events"]),
-            cb["oom_events"] == 0)
-        if cons is not None:
-            x = _ratio(cb["ct_std_s"], cons["ct_std_s"])
-            add(case, "CT STD ≤ 0.5× ils-conservative's",
-                f"{cb['ct_std_s']:.2f} / {cons['ct_std_s']:.2f} s = {x:.3f}×", x, x <= 0.5)
-    for rate in LIGHT_RATES:
-        case = f"{TRACE_LABELS['sharegpt']} {rate:g}"
-        cb = _find(rows, profile, "sharegpt", rate, "scls-cb")
-        if cb is None:
-            continue
-        paged = _find(rows, profile, "sharegpt", rate, "ils-paged")
-        if paged is not None:
-            x = _ratio(cb["avg_latency_s"], paged["avg_latency_s"])
-            add(case, "avg RT ≤ 1.1× ils-paged's",
-                f"{cb['avg_latency_s']:.2f} / {paged['avg_latency_s']:.2f} s = {x:.3f}×", x, x <= 1.1)
-        add(case, "avg TTFT ≤ 1 s", f"{cb['avg_ttft_s']:.2f} s", cb["avg_ttft_s"],
-            cb["avg_ttft_s"] <= 1.0)
+    for pol in ("scls-cb", "ils-paged"):
+        cfg = SimConfig(policy=pol, profile=profile, workers=workers, slice_len=slice_len,
+                        seed=seed, progress=progress)
+        row: dict[str, Any] = {"profile": profile.name, "trace": "sharegpt", "rate": rate,
+                               "policy": pol, "workers": workers}
+        t0 = time.perf_counter()
+        if pol == "scls-cb":
+            sim = CBSimulation(cfg, wl)
+            sim.round_s = []
+            res = sim.run()
+            us = np.asarray(sim.round_s) * 1e6
+            row["round_us"] = {"count": int(len(us)), "p50": float(np.percentile(us, 50)),
+                               "p99": float(np.percentile(us, 99)), "max": float(us.max())}
+        else:
+            res = simulate(cfg, wl)
+        row["wall_s"] = time.perf_counter() - t0
+        s = res.summary()
+        row.update({k: s[k] for k in ("throughput_rps", "completed", "preemptions", "oom_events")})
+        out.append(row)
+        print(f"  {workers} workers {pol}: {row['throughput_rps']:.3f} req/s, simulated in "
+              f"{row['wall_s']:.1f} s", file=sys.stderr, flush=True)
     return out
-
-
-def table(rows: Sequence[dict[str, Any]], profile: str) -> str:
-    """The runs of one profile as a Markdown table, a row per (trace, rate, policy)."""
-    lines = [
-        "| trace, rate | policy | " + " | ".join(h for _, h, _ in COLUMNS) + " |",
-        "|---|---|" + "---:|" * len(COLUMNS),
-    ]
-    for r in rows:
-        if r["profile"] != profile:
-            continue
-        cells = [fmt.format(r[k]) if k in r else "–" for k, _, fmt in COLUMNS]
-        label = f"{TRACE_LABELS.get(r['trace'], r['trace'])} {r['rate']:g}"
-        lines.append(f"| {label} | {r['policy']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def target_table(rows: Sequence[dict[str, Any]], profile: str) -> str:
-    """:func:`targets` of one profile as a Markdown table."""
-    lines = ["| case | scls-cb target | measured | met |", "|---|---|---|---|"]
-    for t in targets(rows, profile):
-        lines.append(f"| {t['case']} | {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'} |")
-    return "\n".join(lines) + "\n"
-
-
-def markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """Per profile: a heading, the runs' table, then the target checks."""
-    out: list[str] = []
-    for prof in dict.fromkeys(r["profile"] for r in rows):
-        out += [f"### {prof}\n", table(rows, prof), "Targets:\n", target_table(rows, prof)]
-    return "\n".join(out)

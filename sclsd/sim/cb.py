@@ -13,9 +13,14 @@ here; the next iteration of its worker already runs the new grant.
 
 Counters beside the usual metrics: ``preemptions`` (none by construction),
 ``oom_events`` (decode steps whose cached tokens exceed M_ava / Δ; none),
-``migrations`` (grants that moved a request away from its KV),
-``max_reserved_frac`` (the largest Σ reservations / budget seen on any worker
-at any step; at most 1) and ``grants``.
+``migrations`` (grants that moved a request away from its KV), ``kv_drops``
+(parked KV the policy gave up because its idle worker could fit none of its
+parked requests: they re-prefill elsewhere), ``max_reserved_frac`` (the
+largest Σ reservations / budget seen on any worker at any step; at most 1),
+``grants``, the time-averaged shares of the budget that running rows use
+(``kv_used_frac``), that is reserved (``kv_reserved_frac``) and that parked
+requests keep (``kv_parked_frac``), and ``cost_s``, the model seconds by term
+of the cost model (see :meth:`~sclsd.sim.cbsim.CBSimBase.counters`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
-from ..core.grants import Grant, GrantPolicy
+from ..core.grants import Grant, GrantPolicy, GrantRules
 from ..core.request import Request, State
 from .cbsim import ARRIVAL, STEP_DONE, CBSimBase
 from .common import SimConfig, SimResult, progress_bar, record_of
@@ -67,15 +72,21 @@ class CBWorker:
 class CBSimulation(CBSimBase):
     """``scls-cb``: see the module docstring."""
 
-    def __init__(self, cfg: SimConfig, workload: Workload) -> None:
+    def __init__(self, cfg: SimConfig, workload: Workload, rules: GrantRules | None = None) -> None:
+        """``rules``: the grant policy's (default :class:`~sclsd.core.grants.GrantRules`)."""
         if cfg.policy != "scls-cb":
             raise ValueError(f"not a slice-grant policy: {cfg.policy!r}")
         super().__init__(cfg, workload)
         self.workers = {f"w{k}": CBWorker(f"w{k}") for k in range(cfg.workers)}
-        self.policy = GrantPolicy(self.est, cfg.slice_len, self.budget, self.workers)
+        self.policy = GrantPolicy(self.est, cfg.slice_len, self.budget, self.workers, rules=rules)
         self.by_rid = {r.rid: r for r in self.requests}
         self.grants = 0
         self.max_reserved_frac = 0.0
+        self.kv_reserved_s = 0.0
+        self.kv_parked_s = 0.0
+        self.round_s: list[float] | None = None
+        """Set to a list to collect the wall seconds of every grant round (the policy's
+        schedule() calls that had something to decide)."""
 
     def run(self) -> SimResult:
         t_wall = time.perf_counter()
@@ -116,7 +127,11 @@ class CBSimulation(CBSimBase):
                 "prefill_share": self.prefill_s / self.model_s if self.model_s else 0.0,
                 "migrations": self.policy.migrations,
                 "grants": self.grants,
+                "kv_drops": self.policy.drops,
                 "max_reserved_frac": self.max_reserved_frac,
+                **self.counters(),
+                "kv_reserved_frac": self.kv_frac(self.kv_reserved_s),
+                "kv_parked_frac": self.kv_frac(self.kv_parked_s),
             },
         )
 
@@ -124,7 +139,13 @@ class CBSimulation(CBSimBase):
 
     def _dispatch(self, now: float) -> None:
         """Apply the policy's grants; start the idle workers that got some."""
-        grants = self.policy.schedule()
+        if self.round_s is None:
+            grants = self.policy.schedule()
+        else:
+            rounds, t0 = self.policy.rounds, time.perf_counter()
+            grants = self.policy.schedule()
+            if self.policy.rounds > rounds:
+                self.round_s.append(time.perf_counter() - t0)
         self.policy.take_evictions()  # KV outside the running set is not modelled
         for g in grants:
             r = self.by_rid[g.rid]
@@ -161,7 +182,9 @@ class CBSimulation(CBSimBase):
             return
         booked = max(w.reserved, self.policy.reserved(w.wid))  # the policy adds parked KV
         self.max_reserved_frac = max(self.max_reserved_frac, booked / self.budget)
-        self._time_step(w, now, k, len_sum)
+        t = self._time_step(w, now, k, len_sum)
+        self.kv_reserved_s += booked * t
+        self.kv_parked_s += self.policy.parked(w.wid) * t
 
     def _end_step(self, w: CBWorker, now: float) -> None:
         w.busy = False

@@ -129,3 +129,13 @@ def test_parent_pid_unsupported_platform_logs_and_still_checks(monkeypatch, capl
         assert wm.die_with_parent(os.getppid()) is True
         assert wm.die_with_parent(os.getppid() + 100_000_000) is False
     assert "not supported" in caplog.text
+
+
+def test_a_curve_key_that_starts_with_a_dash_is_one_argument() -> None:
+    """Z85 keys may start with "-": the daemon passes them as --curve-server-key=KEY."""
+    from worker.main import build_parser
+
+    key = "-" + "a" * 39
+    args, extra = build_parser().parse_known_args(["--connect", "ipc:///x", "--id", "w",
+                                                   f"--curve-server-key={key}"])
+    assert args.curve_server_key == key and extra == []

@@ -128,8 +128,9 @@ class ZmqTransport:
 
     def spawn_args(self, wid: str) -> list[str]:
         if self.server_public is not None and wid in self._local_keys:
-            # The public key is no secret; the worker's secret key stays in a 0600 file.
-            return ["--curve-server-key", self.server_public.decode(),
+            # The public key is no secret; the worker's secret key stays in a 0600 file. One
+            # argument with "=": a Z85 key may start with "-", which argparse would take for a flag.
+            return [f"--curve-server-key={self.server_public.decode()}",
                     "--curve-keypair", self._local_keys[wid]]
         return []
 

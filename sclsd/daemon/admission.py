@@ -79,8 +79,11 @@ class Admission:
         #: of text prompts cannot queue unbounded tokenizer work.
         self.admitting = 0
 
-    def refuse(self, conn: Conn, code: P.ErrorCode, message: str, rid: str | None) -> Effects:
-        self.metrics.refused(code)
+    def refuse(self, conn: Conn, code: P.ErrorCode, message: str, rid: str | None,
+               reason: str | None = None) -> Effects:
+        """Answer ``error`` ``code``; ``reason`` names the check that refused, for the metrics
+        (the bound passed, the field at fault; the code itself by default)."""
+        self.metrics.refused(code, reason or code)
         log.info("refused id=%s conn=%d code=%s: %s", rid, conn.cid, code, message)
         out = Effects()
         out.send(conn, P.Error(code=code, message=message, id=rid))
@@ -94,23 +97,24 @@ class Admission:
         finally:
             self.admitting -= 1
 
-    def _overloaded(self, uid: int | None, prompt_tokens: int) -> str | None:
+    def _overloaded(self, uid: int | None, prompt_tokens: int) -> tuple[str, str] | None:
+        """(the bound passed, why) when admitting would pass one."""
         d = self.cfg.daemon
         live = self.live
         # ``admitting`` includes the request being checked.
         if len(live) + self.admitting > d.max_queued_requests:
-            return (f"{len(live)} requests queued (+{self.admitting - 1} being admitted), "
-                    f"the limit is {d.max_queued_requests}; retry later")
+            return "max_queued_requests", (f"{len(live)} requests queued (+{self.admitting - 1} being "
+                                           f"admitted), the limit is {d.max_queued_requests}; retry later")
         if live.queued_tokens + prompt_tokens > d.max_queued_tokens:
-            return (f"{live.queued_tokens} prompt tokens queued, +{prompt_tokens} exceeds the limit "
-                    f"of {d.max_queued_tokens}; retry later")
+            return "max_queued_tokens", (f"{live.queued_tokens} prompt tokens queued, +{prompt_tokens} "
+                                         f"exceeds the limit of {d.max_queued_tokens}; retry later")
         if d.uid_share < 1.0:
             reqs, toks = live.by_uid.get(uid, (0, 0))
             cap_r = max(1, int(d.uid_share * d.max_queued_requests))
             cap_t = max(1, int(d.uid_share * d.max_queued_tokens))
             if reqs + 1 > cap_r or toks + prompt_tokens > cap_t:
-                return (f"uid {uid} holds {reqs} requests / {toks} prompt tokens; one uid may hold "
-                        f"{cap_r} / {cap_t} (daemon.uid_share); retry later")
+                return "uid_share", (f"uid {uid} holds {reqs} requests / {toks} prompt tokens; one uid "
+                                     f"may hold {cap_r} / {cap_t} (daemon.uid_share); retry later")
         return None
 
     def _sampling_refusal(self, g: P.Generate) -> str | None:
@@ -133,9 +137,9 @@ class Admission:
             return "seed: these workers cannot seed a request (hf-cb seeds per manager, not per request)"
         return None
 
-    def _feature_refusal(self, g: P.Generate) -> str | None:
-        """Why ``g``'s ``min_tokens``, ``logit_bias`` or ``structured`` cannot be served, if they
-        cannot: a bad value, or workers that do not apply it (their ``caps``; before any has
+    def _feature_refusal(self, g: P.Generate) -> tuple[str, str] | None:
+        """(the field, why) when ``g``'s ``min_tokens``, ``logit_bias`` or ``structured`` cannot
+        be served: a bad value, or workers that do not apply it (their ``caps``; before any has
         registered, the configured engine's)."""
         caps = self.core.members.caps()
         engine = self.cfg.workers.engine
@@ -147,19 +151,19 @@ class Admission:
 
         if g.min_tokens:
             if g.max_tokens is not None and g.min_tokens > g.max_tokens:
-                return f"min_tokens: {g.min_tokens} is more than max_tokens ({g.max_tokens})"
+                return "min_tokens", f"min_tokens: {g.min_tokens} is more than max_tokens ({g.max_tokens})"
             if not can("min_tokens"):
-                return f"min_tokens: these workers ({engine}) do not apply it"
+                return "min_tokens", f"min_tokens: these workers ({engine}) do not apply it"
         if g.logit_bias:
             vocab = self.tok.vocab_size
             bad = [t for t in g.logit_bias if t >= vocab]
             if bad:
-                return f"logit_bias: token id {bad[0]} is not below the vocabulary size {vocab}"
+                return "logit_bias", f"logit_bias: token id {bad[0]} is not below the vocabulary size {vocab}"
             if not can("logit_bias"):
-                return f"logit_bias: these workers ({engine}) do not apply it"
+                return "logit_bias", f"logit_bias: these workers ({engine}) do not apply it"
         if g.structured is not None:
             if not can("grammar"):
-                return f"structured output: these workers ({engine}) do not enforce grammars"
+                return "structured", f"structured output: these workers ({engine}) do not enforce grammars"
         return None
 
     def _check_state(self, rid: str) -> tuple[P.ErrorCode, str] | None:
@@ -178,27 +182,28 @@ class Admission:
         uid = conn.peer.uid if conn.peer is not None else None
         if len(self.live) + self.admitting > self.cfg.daemon.max_queued_requests:
             # Refuse before any tokenizing work.
-            return self.refuse(conn, "overloaded", self._overloaded(uid, 0) or "overloaded", g.id)
+            bound, message = self._overloaded(uid, 0) or ("max_queued_requests", "overloaded")
+            return self.refuse(conn, "overloaded", message, g.id, bound)
         forms = sum(x is not None for x in (g.prompt, g.prompt_ids, g.messages))
         if forms != 1:
             return self.refuse(conn, "bad_request", "give exactly one of prompt, prompt_ids, messages",
-                               g.id)
+                               g.id, "prompt_forms")
         if g.max_tokens is not None and g.max_tokens > m.max_gen and not g.cap_max_tokens:
             return self.refuse(conn, "bad_request", f"max_tokens: {g.max_tokens} is more than this "
-                               f"daemon's limit of {m.max_gen} tokens (model.max_gen)", g.id)
+                               f"daemon's limit of {m.max_gen} tokens (model.max_gen)", g.id, "max_tokens")
         if g.temperature > 0 and (why := self._sampling_refusal(g)) is not None:
             # Refused here rather than by every worker it would be sent to.
-            return self.refuse(conn, "bad_request", why, g.id)
-        if (why := self._feature_refusal(g)) is not None:
-            return self.refuse(conn, "bad_request", why, g.id)
+            return self.refuse(conn, "bad_request", why, g.id, "sampling")
+        if (feature := self._feature_refusal(g)) is not None:
+            return self.refuse(conn, "bad_request", feature[1], g.id, feature[0])
         if g.structured is not None:
             # Compiling a grammar is blocking work (milliseconds; more for a hostile schema).
             why = await asyncio.get_running_loop().run_in_executor(self.pool, check_structured, g.structured)
             if why is not None:
-                return self.refuse(conn, "bad_request", f"structured output: {why}", g.id)
+                return self.refuse(conn, "bad_request", f"structured output: {why}", g.id, "structured")
         if g.messages is not None and not has_chat_template(self.tok):
             return self.refuse(conn, "bad_request", "messages: the model's tokenizer has no chat "
-                               "template; send a prompt instead", g.id)
+                               "template; send a prompt instead", g.id, "chat_template")
         bad = self._check_state(rid)
         if bad is not None:
             return self.refuse(conn, *bad, g.id)
@@ -206,29 +211,30 @@ class Admission:
             ids = g.prompt_ids
             vocab = self.tok.vocab_size
             if any(i >= vocab for i in ids):
-                return self.refuse(conn, "bad_request", f"prompt_ids must be < vocab size {vocab}", g.id)
+                return self.refuse(conn, "bad_request", f"prompt_ids must be < vocab size {vocab}", g.id,
+                                   "prompt_ids")
         else:
             chars = len(g.prompt) if g.prompt is not None else sum(len(x.content) for x in g.messages or ())
             if chars > self.max_chars:
                 return self.refuse(conn, "prompt_too_long", f"prompt has {chars} characters: more than "
-                                   f"{m.max_input} tokens whatever the tokenizer does", g.id)
+                                   f"{m.max_input} tokens whatever the tokenizer does", g.id, "prompt_chars")
             try:
                 ids = await self._tokenize(g)
             except Exception as exc:  # noqa: BLE001 - a tokenizer error is the request's fault
-                return self.refuse(conn, "bad_request", f"cannot tokenize: {exc}", g.id)
+                return self.refuse(conn, "bad_request", f"cannot tokenize: {exc}", g.id, "tokenize")
             if conn.closed:
                 return Effects()
             bad = self._check_state(rid)  # the world may have changed while we tokenized
             if bad is not None:
                 return self.refuse(conn, *bad, g.id)
         if not ids:
-            return self.refuse(conn, "bad_request", "empty prompt", g.id)
+            return self.refuse(conn, "bad_request", "empty prompt", g.id, "empty_prompt")
         if len(ids) > m.max_input:
             return self.refuse(conn, "prompt_too_long",
-                               f"prompt has {len(ids)} tokens, the limit is {m.max_input}", g.id)
-        why = self._overloaded(uid, len(ids))
-        if why is not None:
-            return self.refuse(conn, "overloaded", why, g.id)
+                               f"prompt has {len(ids)} tokens, the limit is {m.max_input}", g.id, "max_input")
+        over = self._overloaded(uid, len(ids))
+        if over is not None:
+            return self.refuse(conn, "overloaded", over[1], g.id, over[0])
         return self.core.submit(conn, uid, g, rid, list(ids), self.clock())
 
     async def _tokenize(self, g: P.Generate) -> list[int]:

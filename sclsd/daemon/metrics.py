@@ -2,11 +2,22 @@
 
 Counters and histograms are updated as events happen; gauges (and the
 per-worker series) are read at scrape time from the status snapshot
-(:class:`~sclsd.protocol.StatusSnapshot`, built in :mod:`.status`), so the
-status socket, ``sclsctl`` and Prometheus show the same numbers. The exposition is served on the status socket (``metrics``
-message) and, when ``daemon.metrics_http`` is set, over HTTP by
-prometheus_client's own server, whose thread hands every scrape to the event
-loop so the daemon's state is only ever read on the loop.
+(:class:`~sclsd.protocol.StatusSnapshot`, built in :mod:`.status`; the
+collector is :mod:`.gauges`), so the status socket, ``sclsctl`` and Prometheus
+show the same numbers. Every series carries ``model_name``, the name clients
+ask for (``[http] model_name``, else ``[model] name``). The exposition is served
+on the status socket (``metrics`` message) and, when ``daemon.metrics_http`` is
+set, over HTTP by prometheus_client's own server, whose thread hands every
+scrape to the event loop so the daemon's state is only ever read on the loop.
+
+How requests end is counted apart: ``request_success`` (stop, length),
+``request_cancelled`` (cancelled by the client or a disconnect, timed out),
+``request_failed`` (an error); refusals at admission by error code and the
+check that refused (``request_refused``). The per-request latency and size
+histograms observe completed requests; time to first token every request that
+got one; queue time every request a worker started, from acceptance to the
+start of its first slice (the batch's dispatch plus the time it waited in the
+worker's queue).
 
 Because everything is read and written on the loop, the event-time series are
 plain counters and bucket arrays (:class:`_Hist`, :class:`_Counter`), not
@@ -23,15 +34,13 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from ..protocol import StatusSnapshot, Timings
+from ..config import Config
+from ..protocol import StatusSnapshot
+from .gauges import SnapshotGauges
+from .serving.effects import Ended
 
 log = logging.getLogger("sclsd.metrics")
 
@@ -41,7 +50,17 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                  2.5, 5.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
-_STATES = ("active", "draining", "drained")
+#: Finish reasons of a completed request (its output is whole); cancelled ones are counted apart.
+_COMPLETED = ("stop", "length")
+_CANCELLED = ("cancelled", "timeout")
+#: Why requests fail: ``error`` (a ``done`` after too many failed batches), or the error code.
+_FAILED = ("error", "shutdown", "no_workers", "internal")
+
+
+def model_label(cfg: Config) -> str:
+    """The ``model_name`` label: the name clients ask for (``[http] model_name``, else the
+    daemon's model), as sclsd-http serves it from the same config."""
+    return cfg.http.model_name or cfg.model.name
 
 
 class _Hist:
@@ -61,110 +80,55 @@ class _Hist:
         self.counts[bisect_left(self.bounds, value)] += 1
         self.sum += value
 
-    def family(self) -> HistogramMetricFamily:
+    def family(self, model: str) -> HistogramMetricFamily:
         cum = 0
         buckets = []
         for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
             cum += n
             buckets.append((floatToGoString(bound), cum))
-        return HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=self.sum)
+        fam = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
+        fam.add_metric([model], buckets, sum_value=self.sum)
+        return fam
 
 
 class _Counter:
-    """A counter (optionally with one label) updated on the event loop only."""
+    """A counter with fixed label names, updated on the event loop only. ``preset`` label
+    values are exposed at 0 from the start, so a rate over them exists before the first event."""
 
-    __slots__ = ("name", "doc", "label", "values")
+    __slots__ = ("name", "doc", "labels", "values")
 
-    def __init__(self, name: str, doc: str, label: str | None = None) -> None:
+    def __init__(self, name: str, doc: str, *labels: str, preset: Iterable[str] = ()) -> None:
         self.name = name
         self.doc = doc
-        self.label = label
-        self.values: dict[str, float] = {}
+        self.labels = labels
+        self.values: dict[tuple[str, ...], float] = {(v,): 0.0 for v in preset}
 
-    def inc(self, amount: float = 1.0, label: str = "") -> None:
-        self.values[label] = self.values.get(label, 0.0) + amount
+    def inc(self, amount: float = 1.0, *values: str) -> None:
+        self.values[values] = self.values.get(values, 0.0) + amount
 
-    def family(self) -> CounterMetricFamily:
-        if self.label is None:
-            return CounterMetricFamily(self.name, self.doc, value=self.values.get("", 0.0))
-        fam = CounterMetricFamily(self.name, self.doc, labels=[self.label])
+    def family(self, model: str) -> CounterMetricFamily:
+        fam = CounterMetricFamily(self.name, self.doc, labels=["model_name", *self.labels])
+        if not self.labels:
+            fam.add_metric([model], self.values.get((), 0.0))
         for k, v in sorted(self.values.items()):
-            fam.add_metric([k], v)
+            if k:
+                fam.add_metric([model, *k], v)
         return fam
 
 
 class _Events:
     """Collector of the event-time series."""
 
-    def __init__(self, series: list[_Hist | _Counter]) -> None:
+    def __init__(self, series: list[_Hist | _Counter], model: str) -> None:
         self.series = series
+        self.model = model
 
     def describe(self) -> list[Any]:
         return []
 
     def collect(self) -> Iterator[Metric]:
         for s in self.series:
-            yield s.family()
-
-
-class _Gauges:
-    """Scrape-time view of the pool, the scheduler and the workers, from the snapshot."""
-
-    def __init__(self, snapshot: Callable[[], StatusSnapshot]) -> None:
-        self.snapshot = snapshot
-
-    def describe(self) -> list[Any]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        st = self.snapshot()
-        yield GaugeMetricFamily("sclsd:num_requests_waiting", "Requests in the pool, waiting for a slice",
-                                st.pool_size)
-        yield GaugeMetricFamily("sclsd:num_requests_running", "Requests in batches on workers",
-                                st.running_requests)
-        yield GaugeMetricFamily("sclsd:num_queued_tokens", "Prompt tokens of live requests", st.queued_tokens)
-        yield GaugeMetricFamily("sclsd:schedule_interval_seconds", "Current scheduling interval T",
-                                st.interval_s)
-        yield GaugeMetricFamily("sclsd:num_workers", "Registered workers", len(st.workers))
-        yield GaugeMetricFamily("sclsd:num_connections", "Open client API connections", st.connections)
-        yield GaugeMetricFamily("sclsd:draining", "1 while the daemon drains (SIGTERM)", int(st.draining))
-        yield GaugeMetricFamily("sclsd:serving", "1 while the daemon can serve (0: no workers left)",
-                                int(st.serving))
-        err = st.estimator_error
-        yield GaugeMetricFamily("sclsd:estimator_abs_error_seconds",
-                                "Mean |measured - estimated| batch time over recent batches",
-                                err.mean_abs_error_s or 0.0)
-        yield GaugeMetricFamily("sclsd:estimator_error_seconds",
-                                "Mean (measured - estimated) batch time over recent batches",
-                                err.mean_error_s or 0.0)
-        events = CounterMetricFamily("sclsd:scheduler_events", "Scheduler counters (status counters)",
-                                     labels=["event"])
-        for k, v in sorted(st.counters.items()):
-            events.add_metric([k], v)
-        yield events
-        load = GaugeMetricFamily("sclsd:worker_load_seconds", "Estimated queued work per worker",
-                                 labels=["worker"])
-        inflight = GaugeMetricFamily("sclsd:worker_batches_inflight", "Batches sent and not answered",
-                                     labels=["worker"])
-        queue = GaugeMetricFamily("sclsd:worker_queue_depth", "Batches in the worker's local queue "
-                                  "(last heartbeat)", labels=["worker"])
-        age = GaugeMetricFamily("sclsd:worker_heartbeat_age_seconds", "Seconds since the worker was "
-                                "last heard from", labels=["worker"])
-        state = GaugeMetricFamily("sclsd:worker_state", "1 for the worker's state", labels=["worker", "state"])
-        batches = CounterMetricFamily("sclsd:worker_batches", "Batches served by the worker since it "
-                                      "registered", labels=["worker"])
-        tokens = CounterMetricFamily("sclsd:worker_generation_tokens", "Tokens generated by the worker "
-                                     "since it registered", labels=["worker"])
-        for w in st.workers:
-            load.add_metric([w.id], w.load_s)
-            inflight.add_metric([w.id], w.batches_inflight)
-            queue.add_metric([w.id], w.queued_batches)
-            age.add_metric([w.id], w.heartbeat_age_s)
-            for name in _STATES:
-                state.add_metric([w.id, name], int(name == w.state))
-            batches.add_metric([w.id], w.batches_done)
-            tokens.add_metric([w.id], w.tokens_done)
-        yield from (load, inflight, queue, age, state, batches, tokens)
+            yield s.family(self.model)
 
 
 class _OnLoop:
@@ -217,42 +181,54 @@ class HttpServer:
 class Metrics:
     """The daemon's Prometheus registry; the daemon calls the event methods below."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
         self.refused_total = 0
-        self.requests = _Counter("sclsd:request_success", "Finished requests by reason", "finished_reason")
-        self.refusals = _Counter("sclsd:request_refused", "Requests refused by error code", "code")
-        self.prompt_tokens = _Counter("sclsd:prompt_tokens", "Prompt tokens of finished requests")
-        self.gen_tokens = _Counter("sclsd:generation_tokens", "Generated tokens")
+        self.success = _Counter("sclsd:request_success", "Completed requests by finish reason (stop, "
+                                "length)", "finished_reason", preset=_COMPLETED)
+        self.cancelled = _Counter("sclsd:request_cancelled", "Requests ended before completion by "
+                                  "their client (cancel, disconnect) or their timeout", "reason",
+                                  preset=_CANCELLED)
+        self.failed = _Counter("sclsd:request_failed", "Requests ended with an error, by reason "
+                               "(error: its batch failed too often; else the error code)", "reason",
+                               preset=_FAILED)
+        self.refusals = _Counter("sclsd:request_refused", "Requests refused at admission, by error code "
+                                 "and the check that refused", "code", "reason")
+        self.prompt_tokens = _Counter("sclsd:prompt_tokens", "Prompt tokens of ended requests")
+        self.gen_tokens = _Counter("sclsd:generation_tokens", "Tokens generated for ended requests")
         self.batches = _Counter("sclsd:batches", "Batches dispatched")
-        self.ttft = _Hist("sclsd:time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
-        self.tpot = _Hist("sclsd:time_per_output_token_seconds", "Time per output token after the first",
-                          _TPOT_BUCKETS)
-        self.e2e = _Hist("sclsd:e2e_request_latency_seconds", "End-to-end request latency", _LATENCY_BUCKETS)
-        self.queue = _Hist("sclsd:request_queue_time_seconds", "Time before the first dispatch",
-                           _LATENCY_BUCKETS)
-        self.req_prompt = _Hist("sclsd:request_prompt_tokens", "Prompt tokens per finished request",
+        self.ttft = _Hist("sclsd:time_to_first_token_seconds", "Acceptance to the first token",
+                          _LATENCY_BUCKETS)
+        self.tpot = _Hist("sclsd:time_per_output_token_seconds", "Time per output token after the "
+                          "first, per completed request", _TPOT_BUCKETS)
+        self.e2e = _Hist("sclsd:e2e_request_latency_seconds", "Acceptance to the end, per completed "
+                         "request", _LATENCY_BUCKETS)
+        self.queue = _Hist("sclsd:request_queue_time_seconds", "Acceptance to the start of the first "
+                           "slice on a worker (dispatch plus the worker's queue)", _LATENCY_BUCKETS)
+        self.req_prompt = _Hist("sclsd:request_prompt_tokens", "Prompt tokens per completed request",
                                 _TOKEN_BUCKETS)
-        self.req_gen = _Hist("sclsd:request_generation_tokens", "Generated tokens per finished request",
+        self.req_gen = _Hist("sclsd:request_generation_tokens", "Generated tokens per completed request",
                              _TOKEN_BUCKETS)
-        self.slices = _Hist("sclsd:request_slices", "Slices per finished request",
+        self.slices = _Hist("sclsd:request_slices", "Slices per completed request",
                             (1, 2, 3, 4, 6, 8, 12, 16, 32))
         self.batch_size = _Hist("sclsd:batch_size", "Requests per batch",
                                 (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
         self.batch_time = _Hist("sclsd:batch_serve_seconds", "Measured serving time per batch",
                                 _LATENCY_BUCKETS)
         self.registry.register(_Events([
-            self.requests, self.refusals, self.prompt_tokens, self.gen_tokens, self.batches, self.ttft,
-            self.tpot, self.e2e, self.queue, self.req_prompt, self.req_gen, self.slices, self.batch_size,
-            self.batch_time]))
+            self.success, self.cancelled, self.failed, self.refusals, self.prompt_tokens,
+            self.gen_tokens, self.batches, self.ttft, self.tpot, self.e2e, self.queue, self.req_prompt,
+            self.req_gen, self.slices, self.batch_size, self.batch_time], model_name))
 
     def watch(self, snapshot: Callable[[], StatusSnapshot]) -> None:
         """Serve the gauges from ``snapshot`` (the status view), read at each scrape."""
-        self.registry.register(_Gauges(snapshot))
+        self.registry.register(SnapshotGauges(snapshot, self.model_name))
 
-    def refused(self, code: str) -> None:
+    def refused(self, code: str, reason: str) -> None:
+        """A request refused with error ``code`` by the check ``reason`` (a bound, a field)."""
         self.refused_total += 1
-        self.refusals.inc(1, code)
+        self.refusals.inc(1, code, reason)
 
     def dispatched(self, size: int) -> None:
         self.batches.inc()
@@ -261,19 +237,28 @@ class Metrics:
     def batch_done(self, seconds: float) -> None:
         self.batch_time.observe(seconds)
 
-    def finished(self, reason: str, prompt: int, out: int, t: Timings) -> None:
-        self.requests.inc(1, reason)
-        self.prompt_tokens.inc(prompt)
-        self.gen_tokens.inc(out)
-        self.req_prompt.observe(prompt)
-        self.req_gen.observe(out)
-        self.e2e.observe(t.e2e_s)
-        self.queue.observe(t.queued_s)
-        self.slices.observe(t.slices)
+    def ended(self, e: Ended) -> None:
+        """A request got its terminal event."""
+        t = e.timings
+        self.prompt_tokens.inc(e.prompt_tokens)
+        self.gen_tokens.inc(e.completion_tokens)
+        if e.started:
+            self.queue.observe(t.queued_s)
         if t.ttft_s is not None:
             self.ttft.observe(t.ttft_s)
-            if out > 1:
-                self.tpot.observe((t.e2e_s - t.ttft_s) / (out - 1))
+        if e.reason in _CANCELLED:
+            self.cancelled.inc(1, e.reason)
+            return
+        if e.reason not in _COMPLETED:
+            self.failed.inc(1, e.code or "error")
+            return
+        self.success.inc(1, e.reason)
+        self.req_prompt.observe(e.prompt_tokens)
+        self.req_gen.observe(e.completion_tokens)
+        self.e2e.observe(t.e2e_s)
+        self.slices.observe(t.slices)
+        if t.ttft_s is not None and e.completion_tokens > 1:
+            self.tpot.observe((t.e2e_s - t.ttft_s) / (e.completion_tokens - 1))
 
     def exposition(self) -> str:
         return generate_latest(self.registry).decode()

@@ -53,7 +53,7 @@ from .errors import StartupError
 from .fleet import Fleet
 from .frontend import Frontend
 from .lock import DaemonLock
-from .metrics import HttpServer, Metrics
+from .metrics import HttpServer, Metrics, model_label
 from .secret import WorkerSecret
 from .serving.core import ServingCore
 from .shell import Shell
@@ -95,7 +95,7 @@ class Server:
 
             transport = ZmqTransport(cfg)
         self.transport = transport
-        self.metrics = Metrics()
+        self.metrics = Metrics(model_label(cfg))
         self.cost = DaemonCost.initial(cfg)
         self.sched = make_scheduler(cfg, self.cost)
         self.notifier = Notifier.from_env()
@@ -152,6 +152,8 @@ class Server:
         if isinstance(msg, P.Ping):
             conn.send(P.Pong(nonce=msg.nonce, features=list(P.GENERATE_FEATURES)))
         else:
+            if isinstance(msg, P.Generate):
+                self.metrics.refused("starting", "starting")
             conn.send(P.Error(code="starting", id=getattr(msg, "id", None),
                               message=f"sclsd is starting ({self.starting}): retry shortly, or "
                                       "wait for it with `sclsctl wait-ready`"))

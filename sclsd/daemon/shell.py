@@ -138,7 +138,7 @@ class Shell:
             if self.fleet.send(wid, msg) is False:
                 unreachable[wid] = f"unreachable: sending {type(msg).__name__} failed"
         for ended in eff.ended:
-            self.metrics.finished(ended.reason, ended.prompt_tokens, ended.completion_tokens, ended.timings)
+            self.metrics.ended(ended)
         for seconds in eff.batch_seconds:
             self.metrics.batch_done(seconds)
         for job in eff.decode:

@@ -18,6 +18,7 @@ from ..config import Config
 from ..core.scheduler_api import SchedulerInterface
 from .cost import DaemonCost
 from .metrics import Metrics
+from .occupancy import Occupancy, occupancy
 from .serving.core import ServingCore
 from .sockets import Conn, FrameServer
 
@@ -56,6 +57,8 @@ class StatusView:
         now = self.clock()
         workers = []
         members = core.members if core is not None else None
+        occ = (occupancy(s, core.table, core.members, self.cost) if core is not None
+               else Occupancy(0, 0, {}, 0.0))
         for wid, ws in sorted(s.workers.items()):
             info = members.workers.get(wid) if members is not None else None
             if members is None or info is None:
@@ -66,6 +69,7 @@ class StatusView:
                 state=members.state(wid), load_s=round(ws.load, 4), batches_inflight=len(ws.batches),
                 queued_batches=info.queued_batches, busy=info.busy, batches_done=ws.batches_done,
                 tokens_done=ws.tokens_done, heartbeat_age_s=round(now - info.last_seen, 3),
+                kv_cache_usage=occ.kv_usage.get(wid, 0.0),
             ))
         recent = list(s.recent)
         err = [m - e for e, m in recent]
@@ -101,6 +105,9 @@ class StatusView:
             why=state.why,
             starting=state.starting,
             loading=state.loading,
+            waiting_requests=occ.waiting,
+            started_requests=occ.running,
+            kv_cache_usage=occ.kv_usage_total,
         )
 
 

@@ -168,7 +168,8 @@ class Timings(msgspec.Struct, forbid_unknown_fields=True):
     """Seconds measured by the daemon's clock."""
 
     queued_s: float
-    """From acceptance to the first dispatch to a worker."""
+    """From acceptance to the start of its first slice on a worker (its batch's dispatch plus
+    the time the batch waited in the worker's queue); to this event if no worker started it."""
     ttft_s: float | None
     """From acceptance to the first generated token reaching the daemon."""
     e2e_s: float

@@ -42,6 +42,10 @@ class WorkerStatus(msgspec.Struct, forbid_unknown_fields=True):
     tokens_done: int
     heartbeat_age_s: float
     """Seconds since the worker was last heard from."""
+    kv_cache_usage: float = 0.0
+    """KV cache in use, 0 to 1: under static batches what the batch it serves and the KV it
+    keeps take of its M_ava; under slice grants what the grant policy reserves of its budget
+    (docs/operations.md, Metrics)."""
 
 
 class LoadingWorker(msgspec.Struct, forbid_unknown_fields=True):
@@ -114,6 +118,14 @@ class StatusSnapshot(msgspec.Struct, forbid_unknown_fields=True):
     model): ``generate`` is answered with error ``starting``."""
     loading: list[LoadingWorker] = []
     """Spawned workers that have not registered yet."""
+    waiting_requests: int = 0
+    """Live requests no worker has started yet (in the pool, or in a batch still waiting in a
+    worker's queue): the gateway's TotalQueuedRequests."""
+    started_requests: int = 0
+    """Live requests a worker has started (served now, or between slices): the gateway's
+    TotalRunningRequests. ``waiting_requests + started_requests == live_requests``."""
+    kv_cache_usage: float = 0.0
+    """KV cache in use over all workers, 0 to 1 (used over capacity, summed)."""
 
 
 class StatusReply(_Msg, tag="status_reply"):

@@ -163,7 +163,7 @@ def test_status_and_metrics(daemon) -> None:
     text = status(daemon.status_sock, metrics=True)
     assert "sclsd:num_requests_waiting" in text
     assert "sclsd:e2e_request_latency_seconds_bucket" in text
-    assert 'sclsd:worker_load_seconds{worker="w0"}' in text
+    assert 'sclsd:worker_load_seconds{model_name="fake",worker="w0"}' in text
 
 
 def test_status_socket_is_read_only(daemon) -> None:

@@ -1,7 +1,7 @@
 """docs/deploy.md against the code: its sclsd.toml loads with sclsd's config loader, its
 manifests use the port and probe paths sclsd-http serves, its endpoint-picker flags name
 the metrics of its contract table, and a running sclsd-http exports each of them with
-the documented type (the KV gauge is the daemon's, still to come: expected missing)."""
+the documented type, one sample labelled with the served model's name."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 httpx2 = pytest.importorskip("httpx2")
 yaml = pytest.importorskip("yaml")
 
+from prometheus_client.metrics_core import Metric  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from sclsd.config import from_dict, parse_host_port  # noqa: E402
@@ -28,8 +29,6 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "deploy.md").read_text()
-#: Metrics of the contract the daemon does not export yet (its side of issue 20).
-PENDING = {"sclsd:kv_cache_usage_perc"}
 
 
 def contract() -> list[tuple[str, str]]:
@@ -74,25 +73,27 @@ def test_the_documented_config_and_manifests_fit_sclsd(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def scraped() -> Iterator[dict[str, str]]:
-    d = launch({"model": {"name": "fake"}, "workers": {"engine": "fake", "spawn": 1, "threads": 1}},
-               wait_workers=1, timeout=120)
+def scraped() -> Iterator[dict[str, Metric]]:
+    d = launch({"model": {"name": "fake"}, "workers": {"engine": "fake", "spawn": 1, "threads": 1},
+                "http": {"model_name": "served-name"}}, wait_workers=1, timeout=120)
     try:
         proc, url = start_http(d.sock, d.status_sock)
         try:
             for path in ("/health", "/ready"):
                 assert httpx2.get(url + path, timeout=30).status_code == 200, path
             text = httpx2.get(url + "/metrics", timeout=30).text
-            yield {f.name: f.type for f in text_string_to_metric_families(text)}
+            yield {f.name: f for f in text_string_to_metric_families(text)}
         finally:
             assert stop_http(proc) == 0
     finally:
         assert d.stop() == 0
 
 
-@pytest.mark.parametrize("name,kind", [
-    pytest.param(n, k, marks=pytest.mark.xfail(strict=True, reason="the daemon's KV gauge: not yet"))
-    if n in PENDING else (n, k) for n, k in contract()
-])
-def test_sclsd_http_exports_the_contract(scraped: dict[str, str], name: str, kind: str) -> None:
-    assert scraped.get(name) == kind, sorted(scraped)
+@pytest.mark.parametrize("name,kind", contract())
+def test_sclsd_http_exports_the_contract(scraped: dict[str, Metric], name: str, kind: str) -> None:
+    fam = scraped.get(name)
+    assert fam is not None and fam.type == kind, sorted(scraped)
+    # One value per box, as the endpoint picker reads it, named after the model it serves.
+    (sample,) = fam.samples
+    assert sample.labels == {"model_name": "served-name"}
+    assert sample.value >= 0 and (name != "sclsd:kv_cache_usage_perc" or sample.value <= 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import resource
 
 import pytest
@@ -64,7 +65,8 @@ def test_request_bound_refuses_at_once_and_a_disconnect_frees_places(daemon) -> 
     log = daemon.log.read_text()
     assert "id=a0 cancelled: conn=" in log and "refused id=b0" in log
     text = status(daemon.status_sock, metrics=True)
-    assert 'sclsd:request_refused_total{code="overloaded"}' in text
+    assert re.search(r'sclsd:request_refused_total\{code="overloaded",model_name="fake",'
+                     r'reason="max_queued_requests"\} [1-9]', text), text
 
 
 def test_token_bound_and_cancel_by_id(daemon) -> None:

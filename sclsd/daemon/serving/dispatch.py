@@ -78,6 +78,10 @@ class DispatchBook:
                   batch.input_len, batch.est_time, ",".join(r.rid for r in batch.requests))
         self.flush_released(out)  # the round may have moved requests away from their KV
         out.tell(wid, self.message(batch))
+        for r in batch.requests:
+            e = self.table.get(r.rid)
+            if e is not None:
+                e.sent_at = now
 
     # ------------------------------------------------------------------ retained KV
 

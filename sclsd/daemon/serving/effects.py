@@ -34,6 +34,10 @@ class Ended:
     prompt_tokens: int
     completion_tokens: int
     timings: P.Timings
+    started: bool = False
+    """A worker started it (``timings.queued_s`` is its time until then)."""
+    code: str | None = None
+    """The error code, when it ended with ``error`` (shutdown, no_workers, internal, ...)."""
 
 
 @dataclass(frozen=True, slots=True)

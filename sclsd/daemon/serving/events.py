@@ -62,8 +62,11 @@ class ClientEvents:
     @staticmethod
     def timings(e: Entry, now: float) -> P.Timings:
         r = e.req
+        # Queued until a worker started its first slice (not merely until its batch went
+        # into the worker's queue); one no worker started waited all its life.
+        start = e.started_at if e.started_at is not None else r.first_token
         return P.Timings(
-            queued_s=(r.first_dispatch if r.first_dispatch is not None else now) - r.arrival,
+            queued_s=(start if start is not None else now) - r.arrival,
             ttft_s=None if r.first_token is None else r.first_token - r.arrival,
             e2e_s=now - r.arrival,
             slices=r.slices,

@@ -68,7 +68,7 @@ class Replies:
             return
         self.sched.cancel(rid, now, "error")
         out.send(e.client, P.Error(code=code, message=message, id=rid))
-        self._end(e, "error", self.events.timings(e, now), out)
+        self._end(e, "error", self.events.timings(e, now), out, code)
         log.info("error id=%s code=%s", rid, code)
 
     def failed(self, e: Entry, message: str, now: float, out: Effects) -> None:
@@ -104,6 +104,8 @@ class Replies:
             self.fail(rid, code, message, now, out)
         return left
 
-    def _end(self, e: Entry, reason: FinishReason, t: P.Timings, out: Effects) -> None:
+    def _end(self, e: Entry, reason: FinishReason, t: P.Timings, out: Effects,
+             code: str | None = None) -> None:
         self.table.remove(e)
-        out.ended.append(Ended(e.rid, reason, len(e.prompt_ids), len(e.out.ids), t))
+        out.ended.append(Ended(e.rid, reason, len(e.prompt_ids), len(e.out.ids), t,
+                               started=e.started_at is not None, code=code))

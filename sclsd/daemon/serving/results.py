@@ -196,6 +196,7 @@ class Results:
                 if o.kv_tokens:
                     stray.append(e.rid)
                 continue  # cancelled or timed out while we decoded: its row is ignored
+            _started(e, res.stats.queue_wait_s, now)
             tail = e.out.apply_slice(k, o)
             final = o.finish_reason is not None
             new_text = e.out.detok.apply(full, final=final)
@@ -222,3 +223,15 @@ class Results:
             if ended is not None:
                 self.replies.finish(ended, r.finish_reason or "error", now, out)
         out.wake = True
+
+
+def _started(e: Entry, queue_wait_s: float, now: float) -> None:
+    """A result for ``e`` came back: the first one says when its first slice started, its
+    batch's dispatch plus the time the batch waited in the worker's queue (or earlier, when
+    tokens of a slice whose worker was lost reached us before)."""
+    if e.started_at is not None or e.sent_at is None:
+        return
+    start = min(now, e.sent_at + max(0.0, queue_wait_s))
+    if e.req.first_token is not None:
+        start = min(start, e.req.first_token)
+    e.started_at = start

@@ -35,6 +35,11 @@ class Entry:
     out: Output
     cached_tokens: int = 0
     """Most prompt tokens one slice took from KV a worker kept (``usage.cached_tokens``)."""
+    sent_at: float | None = None
+    """When its latest batch was sent to a worker."""
+    started_at: float | None = None
+    """When a worker started its first slice: that batch's dispatch plus the time it waited
+    in the worker's local queue (its result says), so the queue time counts that wait too."""
 
     @property
     def rid(self) -> str:

@@ -6,7 +6,8 @@ still go through the protocol codec both ways, so a test sees exactly what a
 ZeroMQ worker would send and receive. Engines run synchronously on the loop,
 which suits the ``fake`` engine with its zero-cost default profile; a test can
 hold a worker's batches and release them one by one, make it stop
-acknowledging, or kill it. The engine's streamed tokens go out as ``tokens``
+acknowledging, or kill it; a batch's ``queue_wait_s`` is the time it was held, as a
+worker reports the time a batch waited in its local queue. The engine's streamed tokens go out as ``tokens``
 messages (one per ``emit``, uncoalesced); with ``hold_results`` a batch's tokens
 are sent while its ``result`` waits for :meth:`InprocWorker.finish`, as if the
 slice were still running. ``release`` reaches the engine as it would a worker.
@@ -17,7 +18,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import time
 from typing import Any
+
+import msgspec
 
 from ... import protocol as P
 from .base import WorkerSink
@@ -43,6 +47,8 @@ class InprocWorker:
         self.hold_results = hold_results
         #: Results held back (``hold_results=True``) until :meth:`finish`.
         self.held_results: list[P.Result] = []
+        #: Batch id -> when it arrived (its wait until served is its ``queue_wait_s``).
+        self.arrived: dict[int, float] = {}
         self.got = asyncio.Event()
         """Set whenever a message arrives (tests clear it and wait)."""
 
@@ -75,6 +81,7 @@ class InprocWorker:
         self.received.append(msg)
         self.got.set()
         if isinstance(msg, P.BatchMsg):
+            self.arrived[msg.batch_id] = time.monotonic()
             if self.ack:
                 self.send(P.BatchAck(worker_id=self.wid, batch_id=msg.batch_id))
             if self.hold:
@@ -91,8 +98,10 @@ class InprocWorker:
         def emit(outputs: list[P.RequestOutput]) -> None:
             self.send(P.Tokens(worker_id=self.wid, batch_id=batch.batch_id, outputs=outputs))
 
+        waited = time.monotonic() - self.arrived.pop(batch.batch_id, time.monotonic())
         try:
             outputs, stats = self.engine.serve(batch, emit)
+            stats = msgspec.structs.replace(stats, queue_wait_s=waited)
             res = P.Result(worker_id=self.wid, batch_id=batch.batch_id, outputs=outputs, stats=stats,
                            kv_evicted=self.engine.take_evicted())
         except Exception as exc:  # noqa: BLE001 - reported to the daemon as the worker would

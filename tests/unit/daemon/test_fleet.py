@@ -160,8 +160,8 @@ def test_status_snapshot_and_gauges_agree(daemon) -> None:
         assert ws.id == "w0" and ws.state == "active" and ws.batches_inflight == 1
         assert st.serving and st.why is None
         text = h.server.metrics.exposition()
-        assert "sclsd:num_requests_running 1.0" in text
-        assert 'sclsd:worker_batches_inflight{worker="w0"} 1.0' in text
+        assert 'sclsd:num_requests_running{model_name="fake"} 1.0' in text
+        assert 'sclsd:worker_batches_inflight{model_name="fake",worker="w0"} 1.0' in text
         w0.hold = False  # serve this batch and the request's next slices at once
         w0.release()
         await h.finished(conn, "r")

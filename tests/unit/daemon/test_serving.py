@@ -107,7 +107,9 @@ def test_disconnect_cancels_without_events(daemon) -> None:
         conn.closed = True
         h.server.on_client_close(conn)
         assert "gone" not in h.live and not h.server.sched.live
-        assert h.server.metrics.requests.values == {"cancelled": 1.0}
+        m = h.server.metrics
+        assert m.cancelled.values == {("cancelled",): 1.0, ("timeout",): 0.0}
+        assert not any(m.success.values.values())
 
     daemon(body)
 

@@ -1,0 +1,144 @@
+"""The daemon's request metrics through the in-process transport: the ``model_name`` label,
+how requests end (completed, cancelled, failed), refusals by reason, and the queue time
+counting the time a batch waits in its worker's queue."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from sclsd import protocol as P
+from sclsd.daemon.server import Server
+from sclsd.daemon.transport.inproc import InprocTransport
+from sclsd.tokenizer import ByteTokenizer
+
+from .conftest import Harness, RecConn, held, make_config
+from .scrape import scrape, value
+
+#: A worker's queue wait the tests hold a batch for (the queue time must count it).
+HOLD_S = 0.2
+
+
+def test_every_series_carries_the_served_model_name(daemon) -> None:
+    async def body(h: Harness) -> None:
+        h.worker("w0")
+        await h.registered("w0")
+        conn = RecConn()
+        await h.submit(conn, id="r", max_tokens=4)
+        await h.finished(conn, "r")
+        samples = scrape(h.server)
+        names = {n for n, _ in samples}
+        assert {"sclsd:request_success_total", "sclsd:e2e_request_latency_seconds_bucket",
+                "sclsd:num_requests_waiting", "sclsd:worker_load_seconds"} <= names
+        assert {dict(ls).get("model_name") for _, ls in samples} == {"served-name"}
+
+    daemon(body, http={"model_name": "served-name"})
+
+
+def test_the_model_name_defaults_to_the_daemons_model(daemon) -> None:
+    async def body(h: Harness) -> None:
+        assert {dict(ls).get("model_name") for _, ls in scrape(h.server)} == {"fake"}
+
+    daemon(body)
+
+
+def test_cancelled_and_failed_requests_are_not_successes(daemon) -> None:
+    async def body(h: Harness) -> None:
+        w = h.worker("w0", hold=True)
+        await h.registered("w0")
+        conn = RecConn()
+        await h.submit(conn, id="c", max_tokens=100)
+        await held(w)
+        h.server.on_client(conn, P.Cancel(id="c"))
+        await h.submit(conn, id="t", max_tokens=100, timeout=0.05)
+        await h.finished(conn, "c", "t")
+        await h.submit(conn, id="f", max_tokens=100)
+        h.server.fail_all("shutdown", "test")
+        w.hold = False
+        w.release()
+        await h.submit(conn, id="ok", max_tokens=8, ignore_eos=True)
+        await h.finished(conn, "f", "ok")
+        s = scrape(h.server)
+        assert value(s, "sclsd:request_success_total", finished_reason="length") == 1
+        assert value(s, "sclsd:request_success_total", finished_reason="cancelled") == 0
+        assert value(s, "sclsd:request_cancelled_total", reason="cancelled") == 1
+        assert value(s, "sclsd:request_cancelled_total", reason="timeout") == 1
+        assert value(s, "sclsd:request_failed_total", reason="shutdown") == 1
+        # Latency and size histograms count the completed request alone.
+        assert value(s, "sclsd:e2e_request_latency_seconds_count") == 1
+        assert value(s, "sclsd:request_generation_tokens_count") == 1
+
+    daemon(body)
+
+
+def test_refusals_are_counted_by_code_and_the_bound_that_refused(daemon) -> None:
+    async def body(h: Harness) -> None:
+        h.worker("w0", hold=True)
+        await h.registered("w0")
+        conn = RecConn(uid=1001)
+        await h.submit(conn, id="a", max_tokens=100)
+        await h.submit(conn, id="b", max_tokens=100)  # one uid holds at most 1 of 2
+        await h.submit(RecConn(cid=2, uid=1002), id="c", prompt="x" * 40)  # 40 > 32 tokens
+        await h.submit(conn, id="f", prompt="x", prompt_ids=[1])
+        await h.submit(conn, id="g", min_tokens=200, max_tokens=10)
+        await h.submit(RecConn(cid=3, uid=1003), id="d", max_tokens=100)
+        await h.submit(RecConn(cid=4, uid=1004), id="e", max_tokens=100)  # 2 live: full
+        s = scrape(h.server)
+        refused = {(dict(ls)["code"], dict(ls)["reason"]): v for (n, ls), v in s.items()
+                   if n == "sclsd:request_refused_total"}
+        assert refused == {("overloaded", "uid_share"): 1, ("overloaded", "max_queued_tokens"): 1,
+                           ("overloaded", "max_queued_requests"): 1, ("bad_request", "prompt_forms"): 1,
+                           ("bad_request", "min_tokens"): 1}
+        assert h.server.snapshot().counters["refused"] == 5
+
+    daemon(body, daemon={"max_queued_requests": 2, "uid_share": 0.5, "max_queued_tokens": 32})
+
+
+def test_a_daemon_still_starting_counts_its_refusals(tmp_path: Path) -> None:
+    async def main() -> None:
+        server = Server(make_config(tmp_path), transport=InprocTransport(), tokenizer=ByteTokenizer())
+        try:
+            conn = RecConn()
+            server.on_client(conn, P.Generate(id="early", prompt="hi"))
+            assert conn.sent[-1].code == "starting"
+            assert server.metrics.refusals.values == {("starting", "starting"): 1.0}
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_queue_time_counts_the_wait_in_the_workers_queue(daemon) -> None:
+    """The batch goes to the worker at once; it waits there before it runs. The queue time
+    (the histogram and ``done.timings.queued_s``) is that wait, not the dispatch's."""
+    async def body(h: Harness) -> None:
+        w = h.worker("w0", hold=True)
+        await h.registered("w0")
+        conn = RecConn()
+        await h.submit(conn, id="q", max_tokens=8, ignore_eos=True)  # one slice
+        await held(w)
+        dispatched = h.entry("q").sent_at
+        assert dispatched is not None and dispatched - h.entry("q").req.arrival < HOLD_S
+        await asyncio.sleep(HOLD_S)  # the batch waits in the worker's queue this long
+        w.release()
+        await h.finished(conn, "q")
+        (done,) = conn.terminal("q")
+        assert HOLD_S <= done.timings.queued_s <= done.timings.e2e_s
+        s = scrape(h.server)
+        assert value(s, "sclsd:request_queue_time_seconds_count") == 1
+        assert value(s, "sclsd:request_queue_time_seconds_bucket", le="0.1") == 0
+        assert value(s, "sclsd:request_queue_time_seconds_sum") >= HOLD_S
+
+    daemon(body)
+
+
+def test_a_request_no_worker_started_has_no_queue_time(daemon) -> None:
+    async def body(h: Harness) -> None:
+        conn = RecConn()  # no worker: it can only wait, then time out
+        await h.submit(conn, id="t", timeout=0.05)
+        await h.finished(conn, "t")
+        (done,) = conn.terminal("t")
+        assert done.timings.queued_s == done.timings.e2e_s  # it waited all its life
+        assert value(scrape(h.server), "sclsd:request_queue_time_seconds_count") == 0
+
+    daemon(body)

@@ -127,6 +127,8 @@ class _Gauges:
                                 st.interval_s)
         yield GaugeMetricFamily("sclsd:num_workers", "Registered workers", len(st.workers))
         yield GaugeMetricFamily("sclsd:num_connections", "Open client API connections", st.connections)
+        yield GaugeMetricFamily("sclsd:partial_frame_bytes", "Bytes held in half-sent frames on the "
+                                "client and status sockets", st.partial_frame_bytes)
         yield GaugeMetricFamily("sclsd:draining", "1 while the daemon drains (SIGTERM)", int(st.draining))
         yield GaugeMetricFamily("sclsd:serving", "1 while the daemon can serve (0: no workers left)",
                                 int(st.serving))

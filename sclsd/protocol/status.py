@@ -72,6 +72,10 @@ class EstimatorError(msgspec.Struct, forbid_unknown_fields=True):
 class Limits(msgspec.Struct, forbid_unknown_fields=True):
     max_queued_requests: int
     max_queued_tokens: int
+    max_partial_frame_bytes: int = 0
+    """Budget of the bytes all half-sent frames may hold (0: not reported)."""
+    max_partial_frame_bytes_per_uid: int = 0
+    """The same for the frames of one peer uid."""
 
 
 class StatusSnapshot(msgspec.Struct, forbid_unknown_fields=True):
@@ -114,6 +118,9 @@ class StatusSnapshot(msgspec.Struct, forbid_unknown_fields=True):
     model): ``generate`` is answered with error ``starting``."""
     loading: list[LoadingWorker] = []
     """Spawned workers that have not registered yet."""
+    partial_frame_bytes: int = 0
+    """Bytes held now in half-sent frames on the client and status sockets (bounded by
+    ``limits.max_partial_frame_bytes``)."""
 
 
 class StatusReply(_Msg, tag="status_reply"):

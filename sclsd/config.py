@@ -52,6 +52,10 @@ class DaemonConfig:
     max_conn_buffer_bytes: int = defaults.MAX_CONN_BUFFER_BYTES
     max_worker_msg_bytes: int = defaults.MAX_WORKER_MSG_BYTES
     frame_timeout_s: float = 10.0
+    max_partial_frame_bytes: int = 256 * 1024**2
+    """Bytes all half-sent frames on the client and status sockets may hold together."""
+    max_partial_frame_bytes_per_uid: int = 64 * 1024**2
+    """Bytes the half-sent frames of one peer uid may hold."""
     listen_backlog: int = 4096
     nofile_limit: int = 65536
     max_queued_requests: int = 10_000
@@ -71,8 +75,18 @@ class DaemonConfig:
 
     @property
     def lock_path(self) -> str:
-        """The lock file in effect: ``lock_file``, else ``<socket>.lock``."""
+        """The client socket's lock file: ``lock_file``, else ``<socket>.lock``."""
         return self.lock_file or f"{self.socket}.lock"
+
+    def endpoints(self) -> list[tuple[str, str]]:
+        """Every path the daemon binds, with the lock file that keeps it (``<path>.lock``;
+        the client socket's is :attr:`lock_path`): the client and status sockets and an
+        ``ipc://`` worker endpoint (sclsd.daemon.lock)."""
+        paths = [(self.socket, self.lock_path), (self.status_socket, f"{self.status_socket}.lock")]
+        if self.worker_endpoint.startswith("ipc://"):
+            ipc = self.worker_endpoint.removeprefix("ipc://")
+            paths.append((ipc, f"{ipc}.lock"))
+        return paths
 
 
 @dataclass(frozen=True)
@@ -293,7 +307,10 @@ def _check_daemon(d: DaemonConfig) -> None:
         need(_path_check(key, p, p.parent.is_dir), key, d.worker_secret_file, "its directory does not exist")
         need(_path_check(key, p, lambda: not p.exists() or p.is_file()), key, d.worker_secret_file,
              "must be a regular file")
-    need(d.lock_path not in (d.socket, d.status_socket), "daemon.lock_file", d.lock_file,
+    bound = [path for path, _ in d.endpoints()]
+    need(len(set(bound)) == len(bound), "daemon.worker_endpoint", d.worker_endpoint,
+         "must differ from daemon.socket and daemon.status_socket")
+    need(all(lock not in bound for _, lock in d.endpoints()), "daemon.lock_file", d.lock_file,
          "must differ from the socket paths")
     need(d.max_frame_bytes >= 1024, "daemon.max_frame_bytes", d.max_frame_bytes, "must be >= 1024")
     need(d.max_conn_buffer_bytes >= d.max_frame_bytes, "daemon.max_conn_buffer_bytes",
@@ -301,6 +318,11 @@ def _check_daemon(d: DaemonConfig) -> None:
     need(d.max_worker_msg_bytes >= 65536, "daemon.max_worker_msg_bytes", d.max_worker_msg_bytes,
          "must be >= 65536")
     need(d.frame_timeout_s > 0, "daemon.frame_timeout_s", d.frame_timeout_s, "must be > 0")
+    # A uid must be able to send one frame of the largest size, in pieces.
+    need(d.max_partial_frame_bytes_per_uid >= d.max_frame_bytes, "daemon.max_partial_frame_bytes_per_uid",
+         d.max_partial_frame_bytes_per_uid, "must be >= daemon.max_frame_bytes")
+    need(d.max_partial_frame_bytes >= d.max_partial_frame_bytes_per_uid, "daemon.max_partial_frame_bytes",
+         d.max_partial_frame_bytes, "must be >= daemon.max_partial_frame_bytes_per_uid")
     need(1 <= d.listen_backlog <= 65535, "daemon.listen_backlog", d.listen_backlog, "must be in 1..65535")
     need(d.nofile_limit >= 0, "daemon.nofile_limit", d.nofile_limit, "must be >= 0 (0: leave it)")
     if d.worker_endpoint.startswith("tcp://"):

@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "live": ("sclsd.bench.live", "sls vs ils (hf-cb) vs scls on real CPU workers"),
     "api": ("sclsd.bench.api_bench", "daemon request throughput with a zero-time fake engine"),
     "pipeline": ("sclsd.bench.pipeline", "many requests pipelined on one connection: none lost"),
+    "chaos": ("sclsd.bench.chaos", "kill workers at random under a stream of requests: none lost or duplicated"),
     "figures": ("sclsd.bench.figures", "regenerate the figures of docs/benchmarks.md"),
     "gpu-check": ("sclsd.bench.gpu_check", "profile hf and deepspeed, check the fit, replay live"),
     "engine": ("sclsd.bench.engine", "ms per decode step of each engine, cold and warm"),

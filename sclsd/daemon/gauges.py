@@ -85,6 +85,8 @@ class SnapshotGauges:
         yield g("sclsd:schedule_interval_seconds", "Current scheduling interval T", st.interval_s)
         yield g("sclsd:num_workers", "Registered workers", len(st.workers))
         yield g("sclsd:num_connections", "Open client API connections", st.connections)
+        yield g("sclsd:partial_frame_bytes", "Bytes held in half-sent frames on the client and status "
+                "sockets", st.partial_frame_bytes)
         yield g("sclsd:draining", "1 while the daemon drains (SIGTERM)", int(st.draining))
         yield g("sclsd:serving", "1 while the daemon can serve (0: no workers left)", int(st.serving))
         err = st.estimator_error

@@ -52,13 +52,13 @@ from .drain import Drain
 from .errors import StartupError
 from .fleet import Fleet
 from .frontend import Frontend
-from .lock import DaemonLock
+from .lock import EndpointLocks
 from .metrics import HttpServer, Metrics, model_label
 from .secret import WorkerSecret
 from .serving.core import ServingCore
 from .shell import Shell
 from .signals import captured_signals
-from .sockets import Conn, FrameServer
+from .sockets import Conn, FrameServer, frame_budget
 from .startup import EarlyMessages, in_thread
 from .status import DaemonState, StatusHandler, StatusView
 from .supervisor import Supervisor
@@ -105,7 +105,7 @@ class Server:
         except BaseException:
             shutil.rmtree(self.run_dir, ignore_errors=True)
             raise
-        self.lock = DaemonLock(cfg.daemon.lock_path)
+        self.lock = EndpointLocks(cfg.daemon.endpoints())
         self.fleet = Fleet(transport, self.worker_secret.value, clock)
         self.supervisor = Supervisor(cfg, self.run_dir, self.worker_secret.path, transport.spawn_args,
                                      on_exit=self._worker_exited, on_give_up=self._gave_up)
@@ -122,9 +122,11 @@ class Server:
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics_http: HttpServer | None = None
         d = cfg.daemon
+        # One budget for the half-sent frames of both sockets.
+        self.frame_budget = frame_budget(d.max_partial_frame_bytes, d.max_partial_frame_bytes_per_uid)
         common: dict[str, Any] = dict(max_frame=d.max_frame_bytes, max_buffer=d.max_conn_buffer_bytes,
                                       mode=d.socket_mode, group=d.socket_group, backlog=d.listen_backlog,
-                                      frame_timeout=d.frame_timeout_s)
+                                      frame_timeout=d.frame_timeout_s, budget=self.frame_budget)
         self.api = FrameServer("api", d.socket, P.client_decoder, self.on_client,
                                on_close=self.on_client_close, allowed_uids=d.allowed_uids, **common)
         self.view = StatusView(cfg, self.sched, self.cost, self.api, clock, self.started)
@@ -212,7 +214,8 @@ class Server:
             metrics_http=self._metrics_http.address if self._metrics_http is not None else None,
             loading=loading, admitting=self.admission.admitting if self.admission is not None else 0,
             counters={"refused": self.metrics.refused_total, "bad_worker_messages": self.transport.bad_messages,
-                      "workers_refused": self.fleet.refused, "worker_restarts": self.supervisor.restarts})
+                      "workers_refused": self.fleet.refused, "worker_restarts": self.supervisor.restarts,
+                      "partial_frame_closed": self.frame_budget.closed})
         return self.view.snapshot(self.core, state)
 
     # ------------------------------------------------------------------ lifecycle

@@ -8,8 +8,10 @@ What a hostile or broken peer can do is bounded here: a frame is at most
 ``max_frame`` bytes (larger: ``frame_too_large`` and the connection closes), a
 connection's unread output is bounded (past ``max_buffer`` bytes the transport
 pauses writing, and a client that then stops reading is dropped, so a slow
-reader never makes the daemon hang or grow), and a peer whose uid is not on
-the allow-list is refused before its first frame.
+reader never makes the daemon hang or grow), what half-sent frames hold is
+charged to the daemon's :class:`~.framebudget.FrameBudget` (global and per uid; a
+connection over it is closed), and a peer whose uid is not on the allow-list is
+refused before its first frame.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 from .. import protocol as P
 from .errors import StartupError
+from .framebudget import NO_UID, FrameBudget
 
 log = logging.getLogger("sclsd.api")
 
@@ -42,15 +45,18 @@ def _has_group(gid: int) -> bool:
         return False
 
 
-def _answers(path: str) -> bool:
-    """Does a process accept connections on the Unix socket at ``path``?"""
+def listener_pid(path: str) -> tuple[bool, int | None]:
+    """Does a process accept connections on the Unix socket at ``path``, and which (the pid
+    SO_PEERCRED gives for a listener: the process that called ``listen``; None where unknown)?"""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(1.0)
     try:
         probe.connect(path)
-        return True
     except OSError:
-        return False
+        return False, None
+    try:
+        cred = peer_cred(probe)
+        return True, cred.pid if cred is not None and cred.pid > 0 else None
     finally:
         probe.close()
 
@@ -216,6 +222,20 @@ class _FlowProtocol(asyncio.StreamReaderProtocol):
 Handler = Callable[[Conn, Any], Awaitable[None] | None]
 
 
+def close_over_budget(conn: Conn, why: str) -> None:
+    """Close ``conn``, whose half-sent frame does not fit the frame budget: it is told why
+    (error ``overloaded``) and dropped (its pending read fails; its requests are cancelled)."""
+    log.warning("conn=%d closed: %s", conn.cid, why)
+    conn.send(P.Error(code="overloaded", message=f"{why}; closing"))
+    conn.flush()
+    conn.abort()
+
+
+def frame_budget(total: int, per_uid: int) -> FrameBudget[Conn]:
+    """The budget the client and status sockets of one daemon share."""
+    return FrameBudget(total, per_uid, close_over_budget)
+
+
 class FrameServer:
     """A stream Unix-socket server that decodes frames with ``decoder`` and calls ``handle``.
 
@@ -240,6 +260,7 @@ class FrameServer:
         allowed_uids: list[int] | None = None,
         backlog: int = 4096,
         frame_timeout: float = 10.0,
+        budget: FrameBudget[Conn] | None = None,
     ) -> None:
         self.name = name
         # ``sclsctl top`` opens a status connection per frame: log those at debug level.
@@ -255,6 +276,8 @@ class FrameServer:
         self.allowed_uids = set(allowed_uids or [])
         self.backlog = backlog
         self.frame_timeout = frame_timeout
+        #: Bytes held in half-sent frames (shared with the daemon's other socket).
+        self.budget = budget if budget is not None else frame_budget(64 * max_frame, 16 * max_frame)
         self.conns: set[Conn] = set()
         self._listener: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -269,8 +292,10 @@ class FrameServer:
         if p.exists() or p.is_symlink():
             if not stat.S_ISSOCK(p.lstat().st_mode):
                 raise StartupError(f"{self.name} socket path {p} exists and is not a socket")
-            if _answers(str(p)):
-                raise StartupError(f"{self.name} socket {p} is in use by another process")
+            live, pid = listener_pid(str(p))
+            if live:
+                raise StartupError(f"{self.name} socket {p} is in use by another process "
+                                   f"(pid {pid if pid is not None else '?'})")
             p.unlink()  # stale socket of a previous run: nobody answers on it
         # We accept ourselves instead of asyncio.start_unix_server: under load uvloop's
         # server accepts about one connection per loop turn, so thousands of clients
@@ -434,9 +459,12 @@ class FrameServer:
                     log.warning("%s conn=%d frame of %d bytes refused", self.name, conn.cid, size)
                     await self._flush_and_close(conn)
                     return
-                body = await reader.readexactly(size)
+                body = await self._read_body(reader, conn, size)
             finally:
                 timer.cancel()
+                self.budget.release(conn)
+            if body is None:
+                return  # over the frame budget: closed
             try:
                 msg = self.decoder.decode(body)
             except P.DecodeError as exc:
@@ -446,6 +474,28 @@ class FrameServer:
             result = self.handle(conn, msg)
             if result is not None:
                 await result
+
+    async def _read_body(self, reader: asyncio.StreamReader, conn: Conn, size: int) -> bytes | None:
+        """A frame's ``size``-byte body, taken as it arrives; what it holds while incomplete is
+        charged to the budget. None: the charge did not fit and ``conn`` is closed."""
+        chunk = await reader.read(size)
+        if len(chunk) == size:
+            return chunk  # the whole frame was there: nothing was held
+        parts = [chunk]
+        got = len(chunk)
+        uid = conn.peer.uid if conn.peer is not None else NO_UID
+        while True:
+            if not chunk:
+                raise asyncio.IncompleteReadError(b"".join(parts), size)
+            why = self.budget.charge(conn, uid, len(chunk))
+            if why is not None:
+                close_over_budget(conn, why)
+                return None
+            chunk = await reader.read(size - got)
+            parts.append(chunk)
+            got += len(chunk)
+            if got == size and chunk:
+                return b"".join(parts)
 
     def _frame_expired(self, conn: Conn) -> None:
         """A frame's rest did not arrive within ``frame_timeout``: tell the peer, drop it

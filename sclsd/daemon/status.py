@@ -89,7 +89,9 @@ class StatusView:
             running_requests=len(s.live) - len(s.pool),
             admitting=state.admitting,
             queued_tokens=core.table.queued_tokens if core is not None else 0,
-            limits=P.Limits(max_queued_requests=d.max_queued_requests, max_queued_tokens=d.max_queued_tokens),
+            limits=P.Limits(max_queued_requests=d.max_queued_requests, max_queued_tokens=d.max_queued_tokens,
+                            max_partial_frame_bytes=d.max_partial_frame_bytes,
+                            max_partial_frame_bytes_per_uid=d.max_partial_frame_bytes_per_uid),
             connections=len(self.api.conns),
             metrics_http=state.metrics_http,
             workers=workers,
@@ -108,6 +110,7 @@ class StatusView:
             waiting_requests=occ.waiting,
             started_requests=occ.running,
             kv_cache_usage=occ.kv_usage_total,
+            partial_frame_bytes=self.api.budget.held,
         )
 
 

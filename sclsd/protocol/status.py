@@ -76,6 +76,10 @@ class EstimatorError(msgspec.Struct, forbid_unknown_fields=True):
 class Limits(msgspec.Struct, forbid_unknown_fields=True):
     max_queued_requests: int
     max_queued_tokens: int
+    max_partial_frame_bytes: int = 0
+    """Budget of the bytes all half-sent frames may hold (0: not reported)."""
+    max_partial_frame_bytes_per_uid: int = 0
+    """The same for the frames of one peer uid."""
 
 
 class StatusSnapshot(msgspec.Struct, forbid_unknown_fields=True):
@@ -126,6 +130,9 @@ class StatusSnapshot(msgspec.Struct, forbid_unknown_fields=True):
     TotalRunningRequests. ``waiting_requests + started_requests == live_requests``."""
     kv_cache_usage: float = 0.0
     """KV cache in use over all workers, 0 to 1 (used over capacity, summed)."""
+    partial_frame_bytes: int = 0
+    """Bytes held now in half-sent frames on the client and status sockets (bounded by
+    ``limits.max_partial_frame_bytes``)."""
 
 
 class StatusReply(_Msg, tag="status_reply"):

@@ -1,0 +1,26 @@
+"""Chaos, bounded: workers killed at random under a stream of requests, through real processes.
+
+A daemon with 3 fake-engine workers; 4 connections keep 4 requests each in flight for
+15 seconds while a worker with a batch in flight is SIGKILLed about every second. Every
+request must end exactly once with the tokens of one uninterrupted pass (the fake
+engine's tokens are a function of the prompt): nothing lost, nothing duplicated, every
+token right. The longer run is ``sclsd-bench chaos`` (docs/benchmarks.md); both are
+:mod:`sclsd.bench.chaos`.
+"""
+
+from __future__ import annotations
+
+from sclsd.bench.chaos import ok, run_chaos
+
+SECONDS = 15.0
+
+
+def test_killing_workers_at_random_loses_and_duplicates_nothing() -> None:
+    r = run_chaos(seconds=SECONDS, workers=3, clients=4, window=4, kill_every=1.0, seed=7)
+    assert ok(r), r
+    assert r["lost"] == r["duplicated"] == r["wrong"] == r["unexpected"] == 0 and not r["errors"], r
+    # The chaos happened: kills in the middle of batches, their requests served again.
+    assert r["kills"] >= SECONDS / 1.0 / 3, r
+    assert r["kills_mid_batch"] >= 3 and r["requests_hit_by_kills"] >= 3, r
+    assert r["worker_restarts"] >= r["kills"] - 1, r
+    assert r["sent"] == r["accepted"] == r["done"] >= 100, r

@@ -28,8 +28,13 @@ Inputs are plain records, so any driver can fill them: the simulator
 - **ct_std_s**: population standard deviation across workers of each
   worker's completion time (when its last batch finished, from the first
   arrival; a worker that served nothing counts 0) — the paper's CT STD.
+- **max gap** (per request): the longest wait between two consecutive tokens
+  the client received (``RequestRecord.max_gap_s``; a stream that freezes at a
+  slice boundary shows here while averaged TPOT hides it). Reported over
+  completed requests that have it: ``p50/p95/p99/max_gap_s``.
 - **goodput_rps**: completed requests meeting every given SLO / duration_s
-  (only when SLOs are given).
+  (only when SLOs are given), as ``vllm bench serve --goodput`` defines it,
+  with the maximum inter-token gap as the inter-token SLO.
 """
 
 from __future__ import annotations
@@ -83,6 +88,9 @@ class RequestRecord:
     invalid_tokens: int = 0
     preemptions: int = 0
     reprefill_tokens: int = 0
+    max_gap_s: float | None = None
+    """Longest time between two consecutive tokens received (None: not measured, or fewer
+    than two tokens)."""
 
     @property
     def completed(self) -> bool:
@@ -110,6 +118,8 @@ class SLO:
     ttft_s: float | None = None
     tpot_s: float | None = None
     e2e_s: float | None = None
+    gap_s: float | None = None
+    """Bound on the request's maximum inter-token gap (``RequestRecord.max_gap_s``)."""
 
     def met(self, r: RequestRecord) -> bool:
         if not r.completed:
@@ -123,7 +133,23 @@ class SLO:
         tpot = tpot_of(r)
         if self.tpot_s is not None and tpot is not None and tpot > self.tpot_s:
             return False
+        if self.gap_s is not None and r.max_gap_s is not None and r.max_gap_s > self.gap_s:
+            return False
         return True
+
+
+#: The goodput SLO of the targets in docs/benchmarks.md: first token within 2 s, no
+#: inter-token gap over 1 s.
+DEFAULT_SLO = SLO(ttft_s=2.0, gap_s=1.0)
+
+
+def max_gap(token_times: Sequence[float]) -> float | None:
+    """Longest interval between consecutive token arrival times (None with fewer than two).
+
+    Tokens that arrive together (one delta carrying several) count as gaps of 0."""
+    if len(token_times) < 2:
+        return None
+    return float(np.max(np.diff(np.asarray(token_times, dtype=float))))
 
 
 def e2e_of(r: RequestRecord) -> float | None:
@@ -205,6 +231,10 @@ def summarize(
         ),
         "oom_events": int(oom_events),
     }
+    gaps = np.array([r.max_gap_s for r in done if r.max_gap_s is not None], dtype=float)
+    if len(gaps):
+        out.update(p50_gap_s=percentile(gaps, 50), p95_gap_s=percentile(gaps, 95),
+                   p99_gap_s=percentile(gaps, 99), max_gap_s=float(gaps.max()))
     if slo is not None:
         good = sum(1 for r in done if slo.met(r))
         out["goodput_rps"] = good / duration if duration > 0 else 0.0

@@ -90,3 +90,17 @@ def test_reprefill_tokens_are_averaged_over_completed_requests() -> None:
     s = summarize(recs)
     assert "reprefill_tokens_per_req" in SUMMARY_KEYS
     assert s["reprefill_tokens_per_req"] == 20.0
+
+
+def test_max_gap_is_the_longest_wait_between_tokens_and_counts_against_goodput() -> None:
+    from sclsd.eval.metrics import max_gap
+
+    assert max_gap([1.0]) is None
+    assert max_gap([0.0, 0.1, 0.1, 2.6, 2.7]) == pytest.approx(2.5)
+    recs = records()
+    for r in recs:
+        r.max_gap_s = 0.2
+    recs[0].max_gap_s = 3.0  # a froze mid-stream
+    s = summarize(recs, slo=SLO(ttft_s=1.5, e2e_s=5.0, gap_s=1.0))
+    assert s["goodput_rps"] == pytest.approx(1 / 10)  # only c now
+    assert s["max_gap_s"] == pytest.approx(3.0) and s["p50_gap_s"] == pytest.approx(0.2)

@@ -237,10 +237,21 @@ class Killer:
             self.mid_batch += bool(busy)
 
 
+async def _progress(tally: Tally, killer: Killer, t0: float, deadline: float, every_s: float) -> None:
+    """A line on stderr every ``every_s`` seconds while requests are sent."""
+    loop = asyncio.get_running_loop()
+    while (now := loop.time()) < deadline:
+        await asyncio.sleep(min(every_s, deadline - now))
+        print(f"  {loop.time() - t0:5.0f}s: {tally.sent} sent, {tally.done} done, {killer.kills} kills, "
+              f"{tally.duplicated} duplicated, {tally.wrong} wrong", file=sys.stderr, flush=True)
+
+
 async def drive(sock: str, status_sock: str, *, seconds: float, clients: int, window: int,
-                kill_every: float, seed: int, settle_s: float = 120.0) -> dict[str, Any]:
+                kill_every: float, seed: int, settle_s: float = 120.0,
+                progress_s: float = 0.0) -> dict[str, Any]:
     """Requests on ``clients`` connections and kills for ``seconds``; then wait for every
-    request (at most ``settle_s``), a settled daemon and a ping round trip per connection."""
+    request (at most ``settle_s``), a settled daemon and a ping round trip per connection.
+    With ``progress_s`` > 0, a progress line on stderr that often."""
     rng = random.Random(seed)
     tally = Tally()
     conns = []
@@ -252,7 +263,8 @@ async def drive(sock: str, status_sock: str, *, seconds: float, clients: int, wi
     t0 = loop.time()
     deadline = t0 + seconds
     killer = Killer(status_sock, kill_every, random.Random(rng.random()))
-    await asyncio.gather(killer.run(deadline), *(c.send_until(deadline) for c in conns))
+    shown = (_progress(tally, killer, t0, deadline, progress_s),) if progress_s > 0 else ()
+    await asyncio.gather(killer.run(deadline), *(c.send_until(deadline) for c in conns), *shown)
     await asyncio.gather(*(c.finish(settle_s) for c in conns))
     wall = loop.time() - t0
     st = await asyncio.to_thread(_settled, status_sock, settle_s)
@@ -306,7 +318,7 @@ def sections(workers: int, decode_s: float, profile: Path, log_level: str = "war
 
 def run_chaos(*, seconds: float, workers: int = 3, clients: int = 4, window: int = 4, kill_every: float = 2.0,
               decode_s: float = 0.005, seed: int = 1, dir: str | None = None,
-              log_level: str = "warning") -> dict[str, Any]:
+              log_level: str = "warning", progress_s: float = 0.0) -> dict[str, Any]:
     """Start a daemon, :func:`drive` it, stop it; the result, with the daemon's exit code."""
     with tempfile.TemporaryDirectory(prefix="sclsd-chaos-") as tmp:
         profile = Path(tmp) / "zero-profile.json"
@@ -314,7 +326,7 @@ def run_chaos(*, seconds: float, workers: int = 3, clients: int = 4, window: int
         d = launch(sections(workers, decode_s, profile, log_level), dir=dir, wait_workers=workers)
         try:
             result = asyncio.run(drive(d.sock, d.status_sock, seconds=seconds, clients=clients, window=window,
-                                       kill_every=kill_every, seed=seed))
+                                       kill_every=kill_every, seed=seed, progress_s=progress_s))
             # The daemon logs each dead worker's requests as it puts them back in the pool.
             result["requests_hit_by_kills"] = sum(
                 int(n) for n in re.findall(r"worker=\S+ lost with (\d+) requests", d.log.read_text()))
@@ -346,7 +358,7 @@ def run(args: argparse.Namespace) -> int:
           f"{kills}, for {args.minutes:g} min ...", file=sys.stderr)
     result = run_chaos(seconds=args.minutes * 60, workers=args.workers, clients=args.clients,
                        window=args.window, kill_every=args.kill_every, decode_s=args.decode_s,
-                       seed=args.seed, dir=args.keep_dir)
+                       seed=args.seed, dir=args.keep_dir, progress_s=15.0)
     if args.json:
         print(json.dumps(result))
     else:

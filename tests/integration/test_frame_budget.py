@@ -182,7 +182,7 @@ def test_half_sent_frames_are_held_within_the_uid_and_global_budgets(started: Ca
         assert st.counters["partial_frame_closed"] == 2, st.counters
         assert a[1].is_open() and all(h.is_open() for h in ours)
         text = status(d.status_sock, metrics=True)
-        m = re.search(r"^sclsd:partial_frame_bytes (\S+)$", text, re.M)
+        m = re.search(r"^sclsd:partial_frame_bytes\{model_name=\"fake\"\} (\S+)$", text, re.M)
         assert m is not None and float(m.group(1)) == 2400 * KIB, text[:2000]
         after = round_trip(d)
         # The bystander's latency held: under a second, or 10x the idle one on a loaded machine.

@@ -354,8 +354,17 @@ def engine_flags(extra: list[str]) -> list[tuple[str, Any]]:
     return out
 
 
+#: hf-cb on a CPU, unless ``max_batch_tokens`` is given: the most tokens one step computes
+#: (transformers' default is 8192). A newcomer's prefill is then split over steps beside the
+#: running rows' decodes instead of stalling every stream on the worker for all of it at
+#: once: on the default model a step stays under about 0.5 s and no stream waits a second
+#: for its next token, at the same throughput (docs/benchmarks.md, "Streams that do not stall").
+CPU_CB_MAX_BATCH_TOKENS = 128
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Constructor options for the engine: the explicit flags given, then ``--opt``s."""
+    """Constructor options for the engine: the explicit flags given, then ``--opt``s, then
+    :data:`CPU_CB_MAX_BATCH_TOKENS` for hf-cb on a CPU where neither set it."""
     opts: dict[str, Any] = {}
     for name in ("threads", "mem_budget", "dtype", "decode_s", "prefill_s_per_token", "vocab",
                  "kernel_inject", "kv_reuse", "kv_retain_bytes", "kv_host_bytes", "sampling",
@@ -365,6 +374,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         if value is not None:
             opts[name] = value
     opts.update(dict(args.opt))
+    if args.engine == "hf-cb" and str(args.device).startswith("cpu"):
+        opts.setdefault("max_batch_tokens", CPU_CB_MAX_BATCH_TOKENS)
     return opts
 
 

@@ -95,6 +95,9 @@ class Stream:
     done: float | None = None
     finish_reason: str | None = None
     completion_tokens: int = 0
+    slices: int = 0
+    """Slices (grants, under scls-cb) the daemon served it in."""
+    worker: str | None = None
     error: str | None = None
 
 
@@ -182,6 +185,7 @@ async def drive(sock: str, name: str, work: list[list[int]], args: argparse.Name
                     elif isinstance(ev, Done):
                         s.done, s.finish_reason = now, ev.finish_reason
                         s.completion_tokens = ev.usage.completion_tokens
+                        s.slices, s.worker = ev.timings.slices, ev.worker
 
             try:
                 await asyncio.wait_for(consume(), args.timeout)

@@ -172,6 +172,7 @@ def record_of(r: Request) -> RequestRecord:
         invalid_tokens=p.invalid_tokens,
         preemptions=p.preemptions,
         reprefill_tokens=p.reprefill_tokens,
+        max_gap_s=p.max_gap,
     )
 
 

@@ -124,6 +124,9 @@ class SchedulerConfig:
     """An idle worker gets work at once instead of waiting out the interval (docs/design.md §8)."""
     kv_reuse: bool = True
     """Batch requests by the worker keeping their KV and estimate only the uncached prefill."""
+    max_slice_gap_s: float = 1.0
+    """Bound on the wait between two slices of a streaming request (0: off, the paper's
+    rounds); see :attr:`sclsd.core.policy.Policy.max_slice_gap_s`."""
 
     def effective_gamma(self, profile_gamma_s: float | None = None) -> float:
         """Γ in effect: ``gamma_s`` if set, else the profile's recommended ``gamma_s``,
@@ -407,6 +410,8 @@ def _check_scheduler(s: SchedulerConfig) -> None:
     need(0 < s.lam <= 1, "scheduler.lam", s.lam, "must be in (0, 1]")
     need(0 < s.zeta <= 1, "scheduler.zeta", s.zeta, "must be in (0, 1]")
     need(s.max_failures >= 0, "scheduler.max_failures", s.max_failures, "must be >= 0")
+    need(0 <= s.max_slice_gap_s < float("inf"), "scheduler.max_slice_gap_s", s.max_slice_gap_s,
+         "must be >= 0 (0: off)")
     need(s.memory in MEMORY_MODELS, "scheduler.memory", s.memory, f"must be one of {', '.join(MEMORY_MODELS)}")
     if s.profile:
         from .core.profiles import load_profile

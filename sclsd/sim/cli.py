@@ -83,6 +83,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="workers keep KV across slices; the policy batches by KV holder and reuses it",
     )
     p.add_argument(
+        "--max-slice-gap",
+        type=float,
+        metavar="S",
+        help="bound the wait between two slices of a streaming request (scheduler."
+        "max_slice_gap_s; default off, the paper's rounds)",
+    )
+    p.add_argument(
         "--host-kv-bytes",
         type=float,
         help="host memory per worker for retained KV (default: the profile's host_kv_bytes)",
@@ -116,6 +123,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.duration is not None and args.duration <= 0:
         raise ValueError("--duration must be > 0")
+    if args.max_slice_gap is not None and not args.max_slice_gap >= 0:
+        raise ValueError("--max-slice-gap must be >= 0")
     if args.host_kv_bytes is not None and args.host_kv_bytes < 0:
         raise ValueError("--host-kv-bytes must be >= 0")
     profile = load_profile(args.profile)
@@ -146,6 +155,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         block_size=args.block_size,
         work_conserving=args.work_conserving,
         kv_reuse=args.kv_reuse,
+        max_slice_gap_s=args.max_slice_gap,
         host_kv_bytes=args.host_kv_bytes,
         progress=not args.no_progress and sys.stderr.isatty(),
     )
@@ -181,6 +191,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "work_conserving": args.work_conserving,
         "kv_reuse": args.kv_reuse,
+        "max_slice_gap_s": args.max_slice_gap,
         "host_kv_bytes": cfg.effective_profile.host_kv_bytes,
     }
     out["slo"] = {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "e2e_s": slo.e2e_s,
@@ -196,6 +207,8 @@ def format_table(r: dict[str, Any]) -> str:
     switches = "".join(
         f" +{name}" for name in ("work_conserving", "kv_reuse") if r.get(name)
     )
+    if r.get("max_slice_gap_s"):
+        switches += f" +max_slice_gap_s={r['max_slice_gap_s']:g}"
     lines = [
         f"{r['policy']}{switches} on {r['profile']}, {r['workers']} workers, {rate}, "
         f"{r['requests']} requests (simulated in {r['wall_s']:.2f} s)"

@@ -98,11 +98,13 @@ class StaticSimulation:
                 self._release(sched.take_released())
                 for batch in batches:
                     self._dispatch(batch, now)
-                if sched.next_at != tick_at:
-                    # One pending tick per round: a round that finds the pool empty pushes none,
-                    # and the next arrival then schedules at once (as the daemon does).
-                    tick_at = sched.next_at
-                    self._push(tick_at, _TICK, None)
+            at = sched.next_at
+            if at != tick_at and at != float("inf"):
+                # One pending tick per round: a round that finds the pool empty pushes none,
+                # and the next arrival then schedules at once (as the daemon does). With the
+                # gap bound a result may bring the next round forward (a streaming request due).
+                tick_at = at
+                self._push(max(at, now), _TICK, None)
         bar.close()
         if sched.live:  # every request completes, or the simulator has a bug
             raise RuntimeError(f"simulation ended with {len(sched.live)} live requests")
@@ -252,6 +254,7 @@ def _policy(cfg: SimConfig) -> Policy:
             lam=cfg.lam,
             work_conserving=cfg.work_conserving,
             kv_reuse=cfg.kv_reuse,
+            max_slice_gap_s=cfg.max_slice_gap_s,
         )
     # The oracles never slice, so there is no KV to reuse; rounds may still be work-conserving.
     return replace(policy, work_conserving=cfg.work_conserving)

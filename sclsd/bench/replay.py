@@ -67,6 +67,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="goodput: no wait between two tokens longer than this many seconds")
 
 
+def replay_args(**given: Any) -> argparse.Namespace:
+    """The arguments of a replay run from code: the command's defaults, then ``given``
+    (keyword names as the attributes, e.g. ``status_socket``, ``json_out``)."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--socket", "", "--status-socket", "", "--trace", ""])
+    unknown = set(given) - set(vars(args))
+    if unknown:
+        raise TypeError(f"replay has no argument {sorted(unknown)}")
+    vars(args).update(given)
+    return args
+
+
 def _lengths(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     tr = load_trace(args.trace)
     sl = slice(args.offset, args.offset + args.num)

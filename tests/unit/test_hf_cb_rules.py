@@ -256,3 +256,27 @@ def test_the_captured_path_masks_as_the_eager_one_and_leaves_other_rows_alone(en
     from worker.engines.cb_constraints import generated_count, generated_since
 
     assert generated_count(soft) == len(gen["g"]) and generated_since(soft, 1) == gen["g"][1:]
+
+
+def test_an_engine_on_the_captured_path_gives_the_same_tokens(engines, monkeypatch) -> None:
+    """The static buffers CUDA graphs need, driven by transformers' own loop (on the CPU)."""
+    import functools
+
+    from worker.engines import cb_constraints, hf_cb
+
+    forced = functools.partial(cb_constraints.RequestRules, captured=True, rows=16)
+    monkeypatch.setattr(hf_cb, "RequestRules", lambda vocab, device, captured, rows: forced(vocab, device))
+    cb = make_cb()
+    try:
+        eos = cb.eos[0]
+        batch = [row("g", PROMPT, 40, grammar=grammar()),
+                 row("m", PROMPT, 12, logit_bias={eos: 100.0, FORCED: 3.0}, min_tokens=5),
+                 row("p", PROMPT, 8, ignore_eos=True),
+                 row("c", [3, 4], 20, grammar=grammar("regex", "(yes|no|maybe)"), min_tokens=2)]
+        got = serve(cb, *batch)
+        assert cb._rules.captured
+        assert [o.token_ids for o in got] == [o.token_ids for o in serve(engines[0], *batch)]
+        (later,) = serve(cb, row("p", PROMPT, 8, ignore_eos=True))  # rows left neutral after
+        assert later.token_ids == got[2].token_ids
+    finally:
+        cb.close()

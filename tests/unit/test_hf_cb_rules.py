@@ -260,12 +260,13 @@ def test_the_captured_path_masks_as_the_eager_one_and_leaves_other_rows_alone(en
 
 def test_an_engine_on_the_captured_path_gives_the_same_tokens(engines, monkeypatch) -> None:
     """The static buffers CUDA graphs need, driven by transformers' own loop (on the CPU)."""
-    import functools
-
     from worker.engines import cb_constraints, hf_cb
 
-    forced = functools.partial(cb_constraints.RequestRules, captured=True, rows=16)
-    monkeypatch.setattr(hf_cb, "RequestRules", lambda vocab, device, captured, rows: forced(vocab, device))
+    class Captured(cb_constraints.RequestRules):
+        def __init__(self, vocab: int, device: Any, captured: bool = False, rows: int = 0) -> None:
+            super().__init__(vocab, device, captured=True, rows=16)
+
+    monkeypatch.setattr(hf_cb, "RequestRules", Captured)
     cb = make_cb()
     try:
         eos = cb.eos[0]

@@ -52,11 +52,11 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 
 from sclsd.protocol import BatchRequest
 from sclsd.protocol.common import MAX_TOKEN_LIST
-from worker.engines.grammar import row_matcher
+from worker.engines.grammar import grammar_for, row_matcher
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RequestRules", "RowRules", "generated_count", "generated_since", "rules_key"]
+__all__ = ["RequestRules", "RowRules", "generated_count", "generated_since", "has_rules", "rules_key"]
 
 #: ``logit_bias`` entries one row may carry on the captured path (the protocol's own limit).
 CAPTURED_BIAS_ENTRIES = MAX_TOKEN_LIST
@@ -77,6 +77,11 @@ def generated_since(state: Any, k: int) -> list[int]:
     if k < moved:
         return list(state.initial_tokens[true_initial + k:]) + list(state.generated_tokens)
     return list(state.generated_tokens[k - moved:])
+
+
+def has_rules(r: BatchRequest) -> bool:
+    """Whether row ``r`` asks for anything of this module."""
+    return bool(r.grammar or r.logit_bias or r.min_tokens > r.generated)
 
 
 def rules_key(r: BatchRequest) -> tuple[Any, ...]:
@@ -216,6 +221,32 @@ class RequestRules(ContinuousBatchingLogitsProcessor):
             self._bits = self._host_bits.to(self.device)
 
     # ------------------------------------------------------------------ the engine's side
+
+    @classmethod
+    def for_manager(cls, mgr: Any, vocab: int, device: Any) -> RequestRules:
+        """Rules installed in a new manager, before its batch processor exists (that sizes the
+        processors' arguments); on the captured path when its config captures or compiles."""
+        cfg = mgr.continuous_batching_config
+        captured = (any(cfg.cuda_graph_booleans) or cfg.varlen_compile_config is not None
+                    or cfg.decode_compile_config is not None)
+        rules = cls(vocab, device, captured=captured, rows=int(cfg.max_requests_per_batch or 0))
+        rules.install(mgr.logit_processor)
+        return rules
+
+    def for_row(self, r: BatchRequest, stops: tuple[int, ...], spec: Any,
+                eos: Any) -> RowRules | None:
+        """Row ``r``'s rules for model ``spec`` (None: it has none); ValueError: a grammar that
+        is not valid (or llguidance missing), too many biases for the captured path."""
+        if not has_rules(r):
+            return None
+        tokenizer = grammar_for(spec, self.vocab, eos) if r.grammar else None
+        return RowRules.build(r, stops, self.vocab, tokenizer,
+                              max_bias=CAPTURED_BIAS_ENTRIES if self.captured else None)
+
+    def same(self, tid: str, r: BatchRequest) -> bool:
+        """Whether request ``tid`` has the rules row ``r`` asks for (none for both counts)."""
+        held = self.rules.get(tid)
+        return not has_rules(r) if held is None else held.key == rules_key(r)
 
     def install(self, procs: Any) -> None:
         """Put this processor first in ``procs`` (a manager's ``ContinuousBatchingLogitsProcessorList``,

@@ -46,9 +46,8 @@ from typing import Any
 
 from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, EngineCaps, RequestOutput
 from worker.engines.base import EMPTY, Done, Emit, EngineInfo, Stream, Take
-from worker.engines.cb_constraints import CAPTURED_BIAS_ENTRIES, RequestRules, RowRules, rules_key
+from worker.engines.cb_constraints import RequestRules, RowRules
 from worker.engines.cb_grants import Allowance, GrantControl, register, unregister
-from worker.engines.grammar import grammar_for
 from worker.engines.grammar import supported as grammar_supported
 from worker.engines.hf import HFEngine, peak_memory
 
@@ -144,6 +143,19 @@ def sampling_kwargs(r: BatchRequest, vocab: int) -> dict[str, Any]:
         return {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
     top_k = r.top_k if 0 < r.top_k < vocab else vocab  # the whole vocabulary: no cut
     return {"temperature": float(r.temperature), "top_k": int(top_k), "top_p": float(r.top_p)}
+
+
+def row_stops(r: BatchRequest, eos: list[int]) -> tuple[int, ...]:
+    """The tokens that end row ``r``: EOS (unless ``ignore_eos``) and its ``stop_token_ids``."""
+    return tuple(dict.fromkeys([*([] if r.ignore_eos else eos), *r.stop_token_ids]))
+
+
+def resumes(kept: _Kept | None, batch: BatchMsg, r: BatchRequest, stops: tuple[int, ...],
+            rules: RequestRules) -> bool:
+    """Whether row ``r`` of ``batch`` resumes request ``kept`` (unless it is evicted first): the
+    same context, stop tokens and rules, and ``kv_reuse`` on."""
+    return (kept is not None and batch.kv_reuse and kept.tokens == list(r.token_ids)
+            and kept.stops == stops and rules.same(kept.tid, r))
 
 
 @dataclass
@@ -315,7 +327,7 @@ class HFCBEngine(HFEngine):
         self._scheduler_name = ""
         self._tids = itertools.count()
         self._paused = PausedRequests()
-        self._rules: RequestRules | None = None
+        self._rules = RequestRules(1, "cpu")  # replaced with the manager's own; never None
         """The running manager's per-request rules (min_tokens, logit_bias, grammars)."""
 
     def info(self) -> EngineInfo:
@@ -364,13 +376,7 @@ class HFCBEngine(HFEngine):
         mgr = self.model.init_continuous_batching(generation_config=self.gen_config,
                                                   continuous_batching_config=cfg)
         control.wake = mgr._wake_up_loop.set
-        # Before the batch processor exists (it sizes the processors' arguments then).
-        resolved = mgr.continuous_batching_config
-        captured = (any(resolved.cuda_graph_booleans) or resolved.varlen_compile_config is not None
-                    or resolved.decode_compile_config is not None)
-        rules = RequestRules(int(self.config.vocab_size), self.device, captured=captured,
-                             rows=int(resolved.max_requests_per_batch or 0))
-        rules.install(mgr.logit_processor)
+        rules = RequestRules.for_manager(mgr, int(self.config.vocab_size), self.device)
         control.forget = rules.forget
         if self.device.type == "cuda":
             import torch
@@ -469,37 +475,24 @@ class HFCBEngine(HFEngine):
             self._emit_done(p, emit)
             return
         started: list[_Row] = []
-        try:
-            for r, rr in zip(batch.requests, rules, strict=True):
+        for r, rr in zip(batch.requests, rules, strict=True):
+            try:
                 started.append(self._start_row(mgr, batch, r, p, rr))
-        except ValueError as exc:  # only a kept request evicted just now, whose rules then fail
-            for row in started:
-                self._paused.end(row, None, self._control)
-            emit(batch, None, None, str(exc))
-            return
+            except ValueError as exc:  # only a kept request evicted just now, whose rules then fail
+                self._paused.end_unstarted(r.rid)
+                for row in started:
+                    self._paused.end(row, None, self._control)
+                return emit(batch, None, None, str(exc))
         pending[batch.batch_id] = p
         for row in started:
             owner[row.tid] = row
 
-    def _stops(self, r: BatchRequest) -> tuple[int, ...]:
-        return tuple(dict.fromkeys([*([] if r.ignore_eos else self.eos), *r.stop_token_ids]))
-
     def _resumable(self, batch: BatchMsg, r: BatchRequest) -> bool:
         """Whether ``r`` will resume its kept request (unless evicted meanwhile)."""
-        kept = self._paused.peek(r.rid)
-        return (kept is not None and batch.kv_reuse and kept.tokens == list(r.token_ids)
-                and kept.stops == self._stops(r) and self._same_rules(kept.tid, r))
+        return resumes(self._paused.peek(r.rid), batch, r, row_stops(r, self.eos), self._rules)
 
     def _row_rules(self, r: BatchRequest) -> RowRules | None:
-        """``r``'s min_tokens, logit_bias and grammar as rules (None: none); ValueError: a
-        grammar that is not valid or not installed."""
-        if not (r.grammar or r.logit_bias or r.min_tokens > r.generated):
-            return None
-        vocab = int(self.config.vocab_size)
-        tokenizer = grammar_for(self.spec, vocab, self.eos) if r.grammar else None
-        captured = self._rules is not None and self._rules.captured
-        return RowRules.build(r, self._stops(r), vocab, tokenizer,
-                              max_bias=CAPTURED_BIAS_ENTRIES if captured else None)
+        return self._rules.for_row(r, row_stops(r, self.eos), self.spec, self.eos)
 
     def _start_row(self, mgr: Any, batch: BatchMsg, r: BatchRequest, p: _Pending,
                    rules: RowRules | None) -> _Row:
@@ -507,25 +500,19 @@ class HFCBEngine(HFEngine):
         with ``rules`` (``r``'s, built unless it was to resume: a resumed request keeps its
         own, matcher included). ValueError: rules that cannot be built."""
         cap = min(r.max_new_tokens, batch.slice_len)
-        stops = self._stops(r)
+        stops = row_stops(r, self.eos)
         keep = batch.kv_reuse and cap < r.max_new_tokens  # only a slice's end leaves more to do
         kept = self._paused.start(r.rid)
         ctx = list(r.token_ids)
-        assert self._rules is not None
-        if (kept is not None and batch.kv_reuse and kept.tokens == ctx and kept.stops == stops
-                and self._same_rules(kept.tid, r)
+        if (kept is not None and resumes(kept, batch, r, stops, self._rules)
                 and self._control.resume(kept.tid, Allowance(len(ctx) + cap, keep))):
             p.reused_tokens += len(ctx) - 1
             return _Row(batch.batch_id, r, kept.tid, cap, len(ctx) - kept.added_len, kept.added_len,
                         stops, keep, reused=len(ctx) - 1)
         if kept is not None:
             self._control.drop(kept.tid)
-        if rules is None:
-            try:
-                rules = self._row_rules(r)
-            except ValueError:
-                self._paused.end_unstarted(r.rid)
-                raise
+        if rules is None:  # it was to resume, but was evicted meanwhile
+            rules = self._row_rules(r)
         tid = f"{r.rid}#{next(self._tids)}"  # unique: a rid served again never meets its old self
         if rules is not None:
             self._rules.add(tid, rules)  # before transformers can schedule it
@@ -535,14 +522,6 @@ class HFCBEngine(HFEngine):
                         **(sampling_kwargs(r, int(self.config.vocab_size)) if self.sampling else {}))
         p.prefill_tokens += len(ctx)
         return _Row(batch.batch_id, r, tid, cap, 0, len(ctx), stops, keep)
-
-    def _same_rules(self, tid: str, r: BatchRequest) -> bool:
-        """Whether kept request ``tid`` has the rules row ``r`` asks for (both none counts)."""
-        assert self._rules is not None
-        held = self._rules.get(tid)
-        if held is None:
-            return not (r.grammar or r.logit_bias or r.min_tokens > r.generated)
-        return held.key == rules_key(r)
 
     def _collect(self, mgr: Any, pending: dict[int, _Pending], owner: dict[str, _Row],
                  emit: Done) -> None:

@@ -33,7 +33,7 @@ def make_cb(**kw: Any) -> Any:
 def engines():
     from worker.engines import create_engine
 
-    greedy, sampled = make_cb(), make_cb(sampling=True)
+    greedy, sampled = make_cb(sampling=False), make_cb(sampling=True)  # whatever the default
     yield greedy, sampled, create_engine("hf", "tiny-random", threads=1, kv_reuse=False)
     greedy.close()
     sampled.close()

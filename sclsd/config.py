@@ -108,7 +108,8 @@ class ModelConfig:
 class SchedulerConfig:
     """``[scheduler]``: the policy and its parameters."""
 
-    policy: str = "scls"
+    policy: str = defaults.POLICY
+    """``scls-cb`` (slice grants) or a static policy (``scls``: the paper's); see Config.engine."""
     slice_len: int = 128
     batch_size: int = 16
     gamma_s: float | None = None
@@ -145,7 +146,8 @@ class WorkersConfig:
     """``[workers]``: local workers the daemon spawns and supervises."""
 
     spawn: int = 2
-    engine: str = "hf"
+    engine: str = defaults.AUTO_ENGINE
+    """An engine of ``defaults.ENGINES``, or ``auto`` (:attr:`Config.engine` is the one in effect)."""
     device: str = "cpu"
     threads: int = 1
     mem_budget_bytes: int = 4 * 1024**3
@@ -187,6 +189,16 @@ class Config:
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
     source: str = "<defaults>"
+
+    @property
+    def engine(self) -> str:
+        """The engine the spawned workers run: ``workers.engine``, or for ``auto`` the one
+        ``scheduler.policy`` needs (``defaults.auto_engine``). Read this, not ``workers.engine``."""
+        if self.workers.engine != defaults.AUTO_ENGINE:
+            return self.workers.engine
+        from .core.policy import GRANT_POLICIES
+
+        return defaults.auto_engine(self.scheduler.policy in GRANT_POLICIES, self.model.name)
 
 
 _SECTIONS: dict[str, type] = {
@@ -427,34 +439,37 @@ def _check_workers(w: WorkersConfig, cfg: Config) -> None:
 
     need = _need
     need(0 <= w.spawn <= 64, "workers.spawn", w.spawn, "must be in 0..64")
-    need(w.engine in defaults.ENGINES, "workers.engine", w.engine,
-         f"must be one of {', '.join(defaults.ENGINES)}")
+    choices = (defaults.AUTO_ENGINE, *defaults.ENGINES)
+    need(w.engine in choices, "workers.engine", w.engine, f"must be one of {', '.join(choices)}")
+    # Every check below is of the engine in effect; "auto" picks one that passes them all.
+    engine = cfg.engine
     # The fake engine's tokens only make sense to the fake model's byte tokenizer, and
     # the fake model has no weights any other engine could load.
-    need(w.engine != "fake" or cfg.model.name == "fake", "workers.engine", w.engine,
+    need(engine != "fake" or cfg.model.name == "fake", "workers.engine", w.engine,
          f"the fake engine serves only model.name = 'fake' (model.name is {cfg.model.name!r})")
-    need(w.engine == "fake" or cfg.model.name != "fake" or w.spawn == 0, "workers.engine", w.engine,
-         "model.name = 'fake' needs engine 'fake'")
-    need(cfg.scheduler.policy not in GRANT_POLICIES or w.engine in defaults.GRANT_ENGINES,
+    need(engine == "fake" or cfg.model.name != "fake" or w.spawn == 0, "workers.engine", w.engine,
+         "model.name = 'fake' needs engine 'fake' (or 'auto')")
+    need(cfg.scheduler.policy not in GRANT_POLICIES or engine in defaults.GRANT_ENGINES,
          "workers.engine", w.engine,
          f"scheduler.policy = {cfg.scheduler.policy!r} hands out slice grants to continuous-batching "
-         f"workers: use engine {' or '.join(repr(e) for e in defaults.GRANT_ENGINES)} (static engines "
-         "take policy 'scls')")
+         f"workers, which engine {engine!r} is not: use engine 'hf-cb' (or {defaults.AUTO_ENGINE!r}, "
+         f"which picks it), or a static policy such as 'scls' for engine {engine!r}")
     need(w.device == "cpu" or w.device.startswith("cuda"), "workers.device", w.device, "must be cpu or cuda")
     # [workers.options] dtype predates [model] dtype; both set and different is ambiguous.
     old_dtype = w.options.get("dtype")
     need(old_dtype is None or cfg.model.dtype in ("auto", old_dtype), "workers.options.dtype", old_dtype,
          f"conflicts with model.dtype = {cfg.model.dtype!r}: set model.dtype only")
     need(w.threads >= 1, "workers.threads", w.threads, "must be >= 1")
-    _check_kernel_inject(w)
+    _check_kernel_inject(w, engine)
     if "sampling" in w.options:
         v = w.options["sampling"]
         need(isinstance(v, bool), "workers.options.sampling", v, "must be true or false")
-        need(w.engine == "hf-cb", "workers.options.sampling", v, "only the hf-cb engine takes it")
+        need(engine == "hf-cb", "workers.options.sampling", v,
+             f"only the hf-cb engine takes it (the workers run {engine})")
     from .engine_options import check_options
 
     # Which engine takes an option matters only for the workers the daemon spawns.
-    bad = check_options(w.engine if w.spawn else None, w.options)
+    bad = check_options(engine if w.spawn else None, w.options)
     if bad is not None:
         raise ConfigError(f"workers.options.{bad[0]}", bad[1], bad[2])
     need(w.mem_budget_bytes >= 1, "workers.mem_budget_bytes", w.mem_budget_bytes, "must be >= 1")
@@ -470,14 +485,14 @@ def _check_workers(w: WorkersConfig, cfg: Config) -> None:
          w.daemon_timeout_s, f"must be 0 (off) or > daemon.heartbeat_interval_s ({hb})")
 
 
-def _check_kernel_inject(w: WorkersConfig) -> None:
+def _check_kernel_inject(w: WorkersConfig, engine: str) -> None:
     """``workers.options.kernel_inject``: a boolean, for the deepspeed engine, and refused when
     true (CPU: DeepSpeed's kernels are CUDA-only; CUDA: see worker/engines/deepspeed.py)."""
     if "kernel_inject" not in w.options:
         return
     key, value = "workers.options.kernel_inject", w.options["kernel_inject"]
     _need(isinstance(value, bool), key, value, "must be true or false")
-    _need(w.engine == "deepspeed", key, value, "only the deepspeed engine takes it")
+    _need(engine == "deepspeed", key, value, "only the deepspeed engine takes it")
     _need(not value or w.device.startswith("cuda"), key, value,
           "DeepSpeed kernel injection needs CUDA (workers.device is cpu)")
     _need(not value, key, value,
@@ -542,15 +557,13 @@ def from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
     return cfg
 
 
-def load(path: str | Path | None) -> Config:
-    """Load and validate a TOML file (defaults when ``path`` is None)."""
-    if path is None:
-        cfg = Config()
-        _check(cfg)
-        return cfg
-    p = Path(path)
+def load(path: str | Path | None, **changes: Any) -> Config:
+    """Load a TOML file (defaults when ``path`` is None), apply ``section__key=value`` changes
+    (the command line's; None: not given) and validate the result once, so that a change can
+    mend what the file alone would fail (``--policy scls`` over ``engine = "hf"``)."""
+    p = Path(path or ".")
     try:
-        raw = tomllib.loads(p.read_text())
+        raw = tomllib.loads(p.read_text()) if path is not None else {}
     except FileNotFoundError:
         raise ConfigError("--config", str(p), "file not found") from None
     except OSError as exc:
@@ -562,7 +575,11 @@ def load(path: str | Path | None) -> Config:
     except RecursionError:
         # tomllib parses nested arrays and tables recursively; no key of ours nests at all.
         raise ConfigError("--config", str(p), "a value is nested too deeply to parse") from None
-    return from_dict(raw, source=str(p))
+    for name, value in changes.items():
+        section, _, key = name.partition("__")
+        if value is not None and isinstance(part := raw.setdefault(section, {}), dict):
+            part[key] = value  # from_dict names an unknown section or key
+    return from_dict(raw, source=str(p) if path is not None else Config.source)
 
 
 def override(cfg: Config, **changes: Any) -> Config:

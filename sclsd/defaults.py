@@ -17,6 +17,12 @@ ENGINES: tuple[str, ...] = ("hf", "hf-cb", "deepspeed", "fake")
 #: Engines that take slice grants (policy ``scls-cb``): continuous batching that keeps a
 #: request's KV between grants (``fake`` stands in for it in tests and load tests).
 GRANT_ENGINES: tuple[str, ...] = ("hf-cb", "fake")
+#: ``workers.engine`` (``sclsd --engine``) that picks the engine the policy needs
+#: (:func:`auto_engine`). The default, so that the policy is the one switch.
+AUTO_ENGINE = "auto"
+#: ``scheduler.policy`` by default: slice grants on continuous batching, what serves best
+#: (docs/benchmarks.md); ``scls`` is the paper's static policy.
+POLICY = "scls-cb"
 #: Optional request features and the engines that apply them (``EngineCaps``), for admission
 #: before any worker has registered (after that, the workers' own caps decide).
 ENGINE_FEATURES: dict[str, tuple[str, ...]] = {
@@ -48,6 +54,16 @@ OFFLINE_ENV: dict[str, str] = {
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+
+
+def auto_engine(grants: bool, model: str) -> str:
+    """The engine ``workers.engine = "auto"`` stands for, under a policy of slice grants
+    (``grants``) or a static one: ``fake`` for the fake model (no other engine can serve it;
+    the supervisor tells it which batching the policy needs), ``hf-cb`` for grants (they
+    need continuous batching), ``hf`` for the static policies (the paper's padded slices)."""
+    if model == "fake":
+        return "fake"
+    return "hf-cb" if grants else "hf"
 
 
 def offline_env(env: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -1,11 +1,14 @@
 """``make demo``: the daemon with two CPU workers on the embedded model, serving real prompts.
 
-Starts ``sclsd`` in a temporary directory and ``sclsd-http`` in front of it
-(http://127.0.0.1:8000 unless that port is taken; the URL is printed), waits for
-its workers, sends the chat prompts of ``sclsd/data/prompts.txt`` concurrently,
-streams the first answer to the terminal and prints a table per request. Run from
-a terminal (or with ``--serve``) it then keeps serving, so the README's ``curl``
-and ``openai`` examples can be tried against it, until Ctrl-C; otherwise it shuts
+Starts ``sclsd`` on the default config (policy ``scls-cb`` on ``hf-cb`` workers;
+``--policy scls`` for the paper's static policy) in a temporary directory and
+``sclsd-http`` in front of it (http://127.0.0.1:8000 unless that port is taken; the
+URL is printed), waits for its workers, sends the chat prompts of
+``sclsd/data/prompts.txt`` concurrently, streams the first answer to the terminal and
+prints a table per request, then sends one chat completion through ``sclsd-http``
+as the OpenAI SDK does by default (no temperature given: 1, sampled). Run from a
+terminal (or with ``--serve``) it then keeps serving, so the README's ``curl`` and
+``openai`` examples can be tried against it, until Ctrl-C; otherwise it shuts
 everything down.
 """
 
@@ -13,9 +16,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from importlib import resources
 
 from .client import AsyncClient, Delta, Done, RequestError
@@ -28,14 +34,32 @@ def _prompts() -> list[str]:
 
 
 def _sections(args: argparse.Namespace) -> dict[str, dict[str, object]]:
+    # Policy, slice length and engine only when given: the demo shows the defaults.
+    sched = {k: v for k, v in (("policy", args.policy), ("slice_len", args.slice_len)) if v is not None}
+    workers: dict[str, object] = {"spawn": args.workers, "threads": 1, "mem_budget_bytes": 2 * 1024**3}
+    if args.engine is not None:
+        workers["engine"] = args.engine
     return {
         "daemon": {"heartbeat_timeout_s": 60.0, "drain_timeout_s": 60.0},
         "model": {"name": args.model, "max_gen": 1024},
         # Γ unset: the built-in profile's, sized for this model on a CPU.
-        "scheduler": {"policy": args.policy, "slice_len": args.slice_len},
-        "workers": {"spawn": args.workers, "engine": args.engine, "threads": 1,
-                    "mem_budget_bytes": 2 * 1024**3},
+        "scheduler": sched,
+        "workers": workers,
     }
+
+
+def _openai_default_request(url: str, model: str, timeout: float = 300.0) -> str:
+    """One chat completion through sclsd-http with the OpenAI SDK's defaults (no
+    temperature: 1, sampled); a line saying what came back."""
+    body = json.dumps({"model": model, "max_tokens": 48,
+                       "messages": [{"role": "user", "content": "Say hello in one short sentence."}]})
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=body.encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - our own local URL
+        answer = json.load(resp)
+    choice = answer["choices"][0]
+    return (f"{choice['message']['content'].strip()!r} (finish_reason {choice['finish_reason']}, "
+            f"{answer['usage']['completion_tokens']} tokens)")
 
 
 async def _run_requests(sock: str, prompts: list[str], max_tokens: int) -> list[tuple[str, Done | str]]:
@@ -129,10 +153,10 @@ def _table(results: list[tuple[str, Done | str]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sclsd-demo", description=__doc__)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--engine", default="hf")
+    ap.add_argument("--engine", default=None, help="default: the one the policy needs (hf-cb for scls-cb)")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--policy", default="scls")
-    ap.add_argument("--slice-len", type=int, default=32)
+    ap.add_argument("--policy", default=None, help="default: the config's, scls-cb; scls: the paper's static policy")
+    ap.add_argument("--slice-len", type=int, default=None, help="default: the config's (128)")
     ap.add_argument("--max-tokens", type=int, default=80)
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--ready-timeout", type=float, default=240.0)
@@ -143,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     serve = sys.stdin.isatty() if args.serve is None else args.serve
     prompts = _prompts()[: args.prompts]
     t_start = time.monotonic()
-    print(f"starting sclsd: {args.workers} {args.engine} workers on {args.model}, policy {args.policy}, "
-          f"slice length {args.slice_len}", flush=True)
+    print(f"starting sclsd: {args.workers} workers on {args.model}, policy "
+          f"{args.policy or 'default'}, engine {args.engine or 'auto'}", flush=True)
     d = launch(_sections(args))
     rc = 1
     http: subprocess.Popen[bytes] | None = None
@@ -165,11 +189,20 @@ def main(argv: list[str] | None = None) -> int:
               f"({len(ok) / t_served:.2f} req/s, {out_tokens / t_served:.1f} output tokens/s); "
               f"start-up took {t_ready - t_start:.1f}s")
         st = d.status()
+        print(f"policy {st.policy}, slice length {st.slice_len}, workers: "
+              + ", ".join(f"{w.id} ({w.engine})" for w in st.workers))
         e = st.estimator_error
         if e.batches and e.mean_abs_error_s is not None:
             print(f"batches: {st.counters.get('batches', 0)}, estimator mean |error| "
                   f"{e.mean_abs_error_s:.2f}s over the last {e.batches}")
         rc = 0 if len(ok) == len(results) else 1
+        print("\nthrough sclsd-http with the OpenAI SDK's defaults (temperature 1): ", end="", flush=True)
+        try:
+            print(_openai_default_request(url, st.model), flush=True)
+        except OSError as exc:  # urllib's HTTPError and URLError are OSErrors
+            detail = exc.read().decode(errors="replace") if isinstance(exc, urllib.error.HTTPError) else ""
+            print(f"failed: {exc} {detail}", flush=True)
+            rc = 1
         if serve:
             print(f"\nstill serving at {url}/v1 (model {st.model!r}) until Ctrl-C; try:\n"
                   + _try_it(url, st.model), flush=True)

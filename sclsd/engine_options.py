@@ -35,6 +35,9 @@ class Option:
     """The lower bound itself is excluded."""
     choices: tuple[str, ...] = ()
     help: str = ""
+    default: Any = None
+    """The engine's own default where the daemon must know it before any worker registers
+    (None: only the engine needs it)."""
 
 
 OPTIONS: dict[str, Option] = {
@@ -58,7 +61,9 @@ OPTIONS: dict[str, Option] = {
     "graph_cache_tokens": Option(STATIC, "sizes", help="cache-length buckets"),
     "prefill_chunk_tokens": Option(STATIC, "int", lo=0, help="most tokens per prefill pass"),
     # hf-cb
-    "sampling": Option(("hf-cb",), "bool", help="per-request sampling"),
+    # On by default: OpenAI clients send temperature 1 unless told otherwise.
+    "sampling": Option(("hf-cb",), "bool", help="per-request sampling (default true; false: greedy only)",
+                       default=True),
     "page_size": Option(("hf-cb",), "int", lo=1, help="tokens per KV page"),
     "num_blocks": Option(("hf-cb",), "int", lo=1, help="pages of the paged cache"),
     "max_batch_tokens": Option(("hf-cb",), "int", lo=1, help="most tokens per iteration"),

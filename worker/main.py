@@ -2,7 +2,7 @@
 
 ::
 
-    sclsd-worker --connect ENDPOINT --id ID [--engine hf|fake] [--model SPEC]
+    sclsd-worker --connect ENDPOINT --id ID [--engine hf-cb|hf|deepspeed|fake] [--model SPEC]
                  [--device cpu] [--threads N] [--mem-budget BYTES] [--heartbeat S]
                  [--dtype auto|float32|bfloat16|float16] [--cache-dir DIR] [--progress-file FILE]
                  [--decode-s S] [--prefill-s-per-token S] [--vocab N]
@@ -180,7 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--id", required=True, dest="worker_id", help="worker id (sent in every message)"
     )
-    p.add_argument("--engine", default="hf", help="engine name (hf, fake, ...)")
+    # hf-cb by default: it joins a daemon of the default policy (scls-cb, slice grants need
+    # continuous batching) and serves the static policies' batches too.
+    p.add_argument("--engine", default="hf-cb",
+                   help="engine name: hf-cb (default; any policy), hf or deepspeed (static policies), fake")
     p.add_argument("--model", default=None, help="model spec (default: the engine's default)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -247,8 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--sampling",
         type=parse_value,
         default=None,
-        help="hf-cb: per-request sampling (true/false, default false: greedy only; true costs a "
-        "sort of the vocabulary per row and step)",
+        help="hf-cb: per-request sampling (true/false, default true; false: greedy only, which saves "
+        "a sort of the vocabulary per row and step)",
     )
     p.add_argument(
         "--static-cache",

@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in turn, results under ``out/`` and figures under ``docs/img/``.
 
-    python -m sclsd.bench.all [--only batcher,figures,grants,sim,api,live] [--skip live]
+    python -m sclsd.bench.all [--only batcher,figures,grants,sim,api,streams,live] [--skip live]
 
 Steps (each is one ``sclsd-bench`` subcommand, run as its own process):
 
@@ -14,6 +14,8 @@ Steps (each is one ``sclsd-bench`` subcommand, run as its own process):
 - ``api``: the daemon's own request rate with a zero-time fake engine;
 - ``engine``: ms per decode step of each engine on the default model, cold and warm
   (on a GPU box ``sclsd-bench gpu-check`` runs it on a 7B/13B model);
+- ``streams``: the default (scls-cb on hf-cb) vs static scls vs ILS on real CPU workers under
+  closed-loop streaming load: throughput, TTFT and the longest inter-token gap per stream;
 - ``live``: sls vs ILS (hf-cb) vs scls on real CPU workers (the longest step).
 
 docs/benchmarks.md quotes these outputs; rerun a step to check a number.
@@ -41,6 +43,7 @@ STEPS: dict[str, list[str]] = {
     "api": ["sclsd.bench.cli", "api", "--json", "out/api.json"],
     "engine": ["sclsd.bench.cli", "engine", "--model", "smollm2-135m-instruct", "--shapes", "1x64,8x128",
                "--gen", "16", "--out", "out/engine"],
+    "streams": ["sclsd.bench.cli", "streams", "--out", "out/streams"],
     "live": ["sclsd.bench.cli", "live", "--trace", TRACE, "--out", "out/live"],
 }
 

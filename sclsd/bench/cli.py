@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "grants": ("sclsd.bench.grants", "scls-cb against continuous batching and scls in simulation"),
     "replay": ("sclsd.bench.replay", "replay a trace against a running daemon"),
     "live": ("sclsd.bench.live", "sls vs ils (hf-cb) vs scls on real CPU workers"),
+    "streams": ("sclsd.bench.streams", "closed-loop streaming on real CPU workers: inter-token gaps per config"),
     "api": ("sclsd.bench.api_bench", "daemon request throughput with a zero-time fake engine"),
     "pipeline": ("sclsd.bench.pipeline", "many requests pipelined on one connection: none lost"),
     "chaos": ("sclsd.bench.chaos", "kill workers at random under a stream of requests: none lost or duplicated"),

@@ -29,6 +29,7 @@ from typing import Any
 from .. import protocol as P
 from ..config import Config
 from ..defaults import ENGINE_FEATURES
+from ..engine_options import OPTIONS
 from ..structured import check as check_structured
 from ..tokenizer import Tokenizer
 from .metrics import Metrics
@@ -127,12 +128,12 @@ class Admission:
             seeded = all(c.seeded for c in caps)
         else:
             w = self.cfg.workers
-            continuous = w.engine == "hf-cb"
-            sampling = not continuous or bool(w.options.get("sampling", False))
+            continuous = self.cfg.engine == "hf-cb"
+            sampling = not continuous or bool(w.options.get("sampling", OPTIONS["sampling"].default))
             seeded = not continuous
         if not sampling:
-            return ("temperature > 0: these workers serve greedy decoding only (hf-cb: "
-                    "[workers.options] sampling = true)")
+            return ("temperature > 0: these workers serve greedy decoding only (hf-cb started with "
+                    "[workers.options] sampling = false)")
         if g.seed is not None and not seeded:
             return "seed: these workers cannot seed a request (hf-cb seeds per manager, not per request)"
         return None
@@ -142,7 +143,7 @@ class Admission:
         be served: a bad value, or workers that do not apply it (their ``caps``; before any has
         registered, the configured engine's)."""
         caps = self.core.members.caps()
-        engine = self.cfg.workers.engine
+        engine = self.cfg.engine
 
         def can(flag: str) -> bool:
             if caps:

@@ -14,8 +14,8 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from ..config import ConfigError, load, override
-from ..defaults import ENGINES, force_offline
+from ..config import ConfigError, load
+from ..defaults import AUTO_ENGINE, ENGINES, force_offline
 from ..preflight import check_binds, check_model
 from .errors import StartupError
 from .logs import setup_logging
@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--socket", help="client API Unix socket path")
     p.add_argument("--status-socket", help="status Unix socket path")
     p.add_argument("--worker-endpoint", help="ZeroMQ endpoint for workers (ipc:// or tcp://)")
-    p.add_argument("--engine", choices=list(ENGINES), help="engine of spawned workers")
+    p.add_argument("--engine", choices=[AUTO_ENGINE, *ENGINES],
+                   help="engine of spawned workers (auto, the default: the one the policy needs, "
+                   "hf-cb for scls-cb, hf for the static policies)")
     p.add_argument("--model", help="model: smollm2-135m-instruct (default), tiny-random, random:CONFIG, "
                    "a Hugging Face hub id (ORG/NAME) in the local cache, a model directory or a .gguf file")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
@@ -53,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], help="device of spawned workers (cuda: worker i on cuda:i)")
     p.add_argument("--workers", type=int, help="number of local workers to spawn")
     p.add_argument("--slice-len", type=int, help="slice length S")
-    p.add_argument("--policy", help="sls, so, pm, ab, lb or scls (static engines); scls-cb (engine hf-cb)")
+    p.add_argument("--policy", help="scls-cb (the default: slice grants on continuous batching, engine "
+                   "hf-cb), or the paper's static policies sls, so, pm, ab, lb, scls (engine hf or deepspeed)")
     p.add_argument("--work-conserving", action=argparse.BooleanOptionalAction, default=None,
                    help="idle workers get work at once (scheduler.work_conserving)")
     p.add_argument("--kv-reuse", action=argparse.BooleanOptionalAction, default=None,
@@ -66,9 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     """Console entry point of ``sclsd``."""
     args = build_parser().parse_args(argv)
     try:
-        cfg = load(args.config)
-        cfg = override(
-            cfg,
+        # The command line's changes go into the file's values before the one validation:
+        # --policy scls mends a file whose engine only a static policy takes.
+        cfg = load(
+            args.config,
             daemon__socket=args.socket,
             daemon__status_socket=args.status_socket,
             daemon__worker_endpoint=args.worker_endpoint,

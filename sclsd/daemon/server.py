@@ -287,7 +287,7 @@ class Server:
         cfg = self.cfg
         log.info("sclsd starting: config=%s model=%s policy=%s slice_len=%d workers=%d engine=%s",
                  cfg.source, cfg.model.name, cfg.scheduler.policy, cfg.scheduler.slice_len,
-                 cfg.workers.spawn, cfg.workers.engine)
+                 cfg.workers.spawn, cfg.engine)
         loop = asyncio.get_running_loop()
         starting = asyncio.create_task(self._acquire_and_start(), name="start")
         stopped_by: list[int] = []

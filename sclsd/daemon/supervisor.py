@@ -87,7 +87,7 @@ class Supervisor:
             sys.executable, "-c", _BOOTSTRAP,
             "--connect", d.worker_endpoint,
             "--id", wid,
-            "--engine", w.engine,
+            "--engine", self.cfg.engine,
             "--model", _absolute(self.cfg.model.name),
             "--device", device,
             "--threads", str(w.threads),
@@ -97,7 +97,7 @@ class Supervisor:
             "--parent-pid", str(os.getpid()),
             "--progress-file", self.progress_file(wid),
         ]
-        if w.engine != "fake":  # the fake engine has no weights, hence no dtype
+        if self.cfg.engine != "fake":  # the fake engine has no weights, hence no dtype
             cmd += ["--dtype", self.cfg.model.dtype]
         elif self.cfg.scheduler.policy in GRANT_POLICIES and "batching" not in w.options:
             cmd += ["--batching", "continuous"]  # it stands in for hf-cb: it takes grants

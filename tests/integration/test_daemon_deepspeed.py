@@ -59,7 +59,7 @@ def test_kernel_inject_on_the_cpu_is_refused_at_start() -> None:
     """``kernel_inject = true`` with CPU workers: the daemon exits 2 naming the key and why."""
     d = short_dir("ds-ki")
     cfg = d / "sclsd.toml"
-    cfg.write_text('[model]\nname = "tiny-random"\n[workers]\nengine = "deepspeed"\n'
+    cfg.write_text('[model]\nname = "tiny-random"\n[scheduler]\npolicy = "scls"\n[workers]\nengine = "deepspeed"\n'
                    "[workers.options]\nkernel_inject = true\n")  # fmt: skip
     out = subprocess.run([sys.executable, "-m", "sclsd.daemon", "--config", str(cfg)],
                          capture_output=True, text=True, timeout=60)  # fmt: skip

@@ -135,7 +135,7 @@ def test_engines_are_one_list() -> None:
 
     assert tuple(ENGINES) == D.ENGINES
     engine = next(a for a in build_parser()._actions if a.dest == "engine")
-    assert tuple(engine.choices) == D.ENGINES
+    assert tuple(engine.choices) == (D.AUTO_ENGINE, *D.ENGINES)
 
 
 def test_shared_defaults() -> None:
@@ -286,6 +286,8 @@ def test_engine_options_are_checked_at_load(engine, options, key, why) -> None:
     raw = {"workers": {"engine": engine, "options": options}}
     if engine == "fake":
         raw["model"] = {"name": "fake"}
+    if engine == "hf":
+        raw["scheduler"] = {"policy": "scls"}  # a static engine: the static policy
     e = _err(raw)
     assert e.key == f"workers.options.{key}" and why in str(e), str(e)
 
@@ -293,7 +295,7 @@ def test_engine_options_are_checked_at_load(engine, options, key, why) -> None:
 def test_good_engine_options_pass_and_reach_the_worker_as_flags() -> None:
     from worker.main import build_parser, engine_flags
 
-    C.from_dict({"workers": {"engine": "hf", "options": {
+    C.from_dict({"scheduler": {"policy": "scls"}, "workers": {"engine": "hf", "options": {
         "static_cache": "auto", "cuda_graphs": False, "static_share": 0.25, "graph_batch_sizes": "1,2,4",
         "graph_cache_tokens": [256, 512], "prefill_chunk_tokens": 0, "kv_reuse": True}}})
     C.from_dict({"workers": {"engine": "hf-cb", "options": {"num_blocks": 128, "memory_share": 0.8,

@@ -282,7 +282,8 @@ def test_config_memory_and_kernel_inject():
     with pytest.raises(C.ConfigError, match="scheduler.memory"):
         C.from_dict({"scheduler": {"memory": "paged"}})
     ds = {"engine": "deepspeed"}
-    assert C.from_dict({"workers": {**ds, "options": {"kernel_inject": False}}})
+    static = {"policy": "scls"}  # deepspeed serves static batches: the static policy
+    assert C.from_dict({"scheduler": static, "workers": {**ds, "options": {"kernel_inject": False}}})
     for workers, why in [
         ({**ds, "options": {"kernel_inject": True}}, "needs CUDA"),
         ({**ds, "device": "cuda", "options": {"kernel_inject": True}}, "not supported"),
@@ -290,7 +291,7 @@ def test_config_memory_and_kernel_inject():
         ({"engine": "hf", "options": {"kernel_inject": False}}, "only the deepspeed engine"),
     ]:
         with pytest.raises(C.ConfigError, match=why) as exc:
-            C.from_dict({"workers": workers})
+            C.from_dict({"scheduler": static, "workers": workers})
         assert exc.value.key == "workers.options.kernel_inject"
 
 

@@ -17,7 +17,7 @@ def engines():
 
     # A small paged cache: transformers' default one (sized from free RAM) takes tens of
     # seconds to allocate on a CPU.
-    cb = create_engine("hf-cb", "tiny-random", threads=1, num_blocks=64)
+    cb = create_engine("hf-cb", "tiny-random", threads=1, num_blocks=64, sampling=False)
     yield cb, create_engine("hf", "tiny-random", threads=1)
     cb.close()
 

@@ -166,7 +166,8 @@ def test_daemon_config_and_command_line_reach_the_policy():
     from sclsd.daemon.cost import DaemonCost
     from sclsd.daemon.server import make_scheduler
 
-    cfg = load(None)
+    # The switches shape the static policies' rounds (scls-cb, the default, has none).
+    cfg = override(load(None), scheduler__policy="scls")
     assert cfg.scheduler.work_conserving and cfg.scheduler.kv_reuse  # shipped defaults
     sched = make_scheduler(cfg, DaemonCost.initial(cfg))
     assert sched.policy.work_conserving and sched.policy.kv_reuse

@@ -36,7 +36,8 @@ def _config(tmp: Path, **sections: dict[str, Any]) -> Any:
         "daemon": {"socket": f"{tmp}/api.sock", "status_socket": f"{tmp}/status.sock",
                    "worker_endpoint": f"ipc://{tmp}/w.ipc"},
         "model": {"name": "fake"},
-        "scheduler": {"slice_len": 8, "gamma_s": 0.001},
+        # The static policy: the engines these tests name (fake, hf) serve static batches.
+        "scheduler": {"policy": "scls", "slice_len": 8, "gamma_s": 0.001},
         "workers": {"spawn": 0, "engine": "fake"},
     }
     for name, values in sections.items():

@@ -22,7 +22,7 @@ drops kept KV by itself only to make room for running requests
 (``BatchStats.preemptions``, since the engine started), as is the most KV held at
 once (``kv_peak_tokens``). With ``kv_reuse`` off a row ends with its batch.
 
-Sampling: greedy unless started with ``sampling = true``; then each request's
+Sampling: on unless started with ``sampling = false`` (greedy only); each request's
 temperature, top-k and top-p go to transformers' per-request warpers (greedy rows as
 top-k 1). A seed is refused per batch (transformers seeds per manager), and the
 engine's caps say so, so the daemon refuses seeded requests at admission. Each row's
@@ -305,7 +305,7 @@ class HFCBEngine(HFEngine):
     static_default = False
 
     def __init__(self, *args: Any, poll_s: float = 0.005, page_size: int | None = None,
-                 num_blocks: int | None = None, sampling: bool = False, cuda_graphs: Any = "auto",
+                 num_blocks: int | None = None, sampling: bool = True, cuda_graphs: Any = "auto",
                  memory_share: float | None = None, max_batch_tokens: int | None = None,
                  **kwargs: Any) -> None:
         # transformers' paged cache owns the KV here: HFEngine's own store and static cache stay off.

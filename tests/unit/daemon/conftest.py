@@ -166,7 +166,8 @@ def make_config(tmp: Path, **sections: dict[str, Any]) -> Any:
                    "worker_endpoint": f"ipc://{tmp}/w.ipc", "heartbeat_interval_s": 0.5,
                    "heartbeat_timeout_s": 5.0},
         "model": {"name": "fake"},
-        "scheduler": {"slice_len": 8, "gamma_s": 0.001},
+        # The static policy: the in-process fake workers serve static batches (CB switches to grants).
+        "scheduler": {"policy": "scls", "slice_len": 8, "gamma_s": 0.001},
         "workers": {"spawn": 0, "engine": "fake"},
     }
     for name, values in sections.items():

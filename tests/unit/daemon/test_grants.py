@@ -176,7 +176,7 @@ def test_a_static_worker_cannot_join_a_grant_daemon(daemon) -> None:
     daemon(body, scheduler=CB)
 
 
-def test_sampling_is_refused_at_admission_when_workers_run_hf_cb(daemon) -> None:
+def test_sampling_is_refused_at_admission_when_hf_cb_is_greedy(daemon) -> None:
     async def body(h: Harness) -> None:
         conn = RecConn()
         await h.submit(conn, id="hot", temperature=0.7)
@@ -185,10 +185,11 @@ def test_sampling_is_refused_at_admission_when_workers_run_hf_cb(daemon) -> None
         await h.submit(conn, id="cold", temperature=0.0)
         assert not conn.terminal("cold")  # accepted: it waits for a worker
 
-    daemon(body, scheduler=CB, workers={"engine": "hf-cb"})
+    daemon(body, scheduler=CB, workers={"engine": "hf-cb", "options": {"sampling": False}})
 
 
-def test_hf_cb_workers_with_sampling_take_it_but_not_a_seed(daemon) -> None:
+@pytest.mark.parametrize("options", [{"sampling": True}, {}], ids=["sampling", "by-default"])
+def test_hf_cb_workers_with_sampling_take_it_but_not_a_seed(daemon, options) -> None:
     async def body(h: Harness) -> None:
         conn = RecConn()
         await h.submit(conn, id="hot", temperature=0.7)
@@ -197,14 +198,15 @@ def test_hf_cb_workers_with_sampling_take_it_but_not_a_seed(daemon) -> None:
         (err,) = conn.terminal("seeded")
         assert isinstance(err, P.Error) and err.code == "bad_request" and "seed" in err.message
 
-    daemon(body, scheduler=CB, workers={"engine": "hf-cb", "options": {"sampling": True}})
+    daemon(body, scheduler=CB, workers={"engine": "hf-cb", "options": options})
 
 
 def test_config_takes_sampling_only_for_hf_cb(tmp_path) -> None:
     base = {"daemon": {"socket": f"{tmp_path}/a.sock"}}
     from_dict({**base, "workers": {"engine": "hf-cb", "options": {"sampling": True}}})
-    for workers in ({"engine": "hf", "options": {"sampling": True}},
-                    {"engine": "hf-cb", "options": {"sampling": "yes"}}):
+    for policy, workers in (("scls", {"engine": "hf", "options": {"sampling": True}}),
+                            ("scls", {"options": {"sampling": True}}),  # auto: hf for scls
+                            ("scls-cb", {"engine": "hf-cb", "options": {"sampling": "yes"}})):
         with pytest.raises(ConfigError) as exc:
-            from_dict({**base, "workers": workers})
+            from_dict({**base, "scheduler": {"policy": policy}, "workers": workers})
         assert exc.value.key == "workers.options.sampling"

@@ -1,0 +1,263 @@
+"""``sclsd-bench streams``: do streams stall? Closed-loop streaming load on a live daemon.
+
+For each configuration a daemon with local CPU workers is started (:func:`sclsd.launch.launch`),
+``--concurrency`` clients each keep one streaming completion in flight over the daemon's
+Unix socket until ``--num`` requests have been served (a closed loop, as aiperf's
+``--concurrency``), and the arrival time of every streamed delta is recorded. The load is
+aiperf's synthetic one: prompts of exactly ``--prompt-tokens`` tokens of text, exactly
+``--output-tokens`` tokens out (``ignore_eos``), the protocol's default sampling
+(temperature 1, as OpenAI clients send it unless told otherwise).
+
+Configurations:
+
+- ``default``: the shipped defaults, nothing set but the model and the number of workers
+  (policy ``scls-cb`` on ``hf-cb`` workers, S = 128, per-request sampling on);
+- ``scls``: the paper's static policy as the README used to start it (``--policy scls
+  --slice-len 32``: engine ``hf``, work-conserving rounds and KV reuse on);
+- ``ils``: iteration-level scheduling, the paper's ILS baseline (``hf-cb`` workers, each
+  request dispatched on arrival, round-robin; as ``sclsd-bench live``).
+
+Reported per configuration (:func:`report`): requests per second and output tokens per
+second over the measured run (first request sent to last one done), TTFT p50/p95, the
+per-request **maximum inter-token gap** (:func:`sclsd.eval.metrics.max_gap`) at p50, p95,
+p99 and its maximum, the streams with a gap over ``--gap-bound`` seconds (a stream the
+user sees freeze) with the median of those gaps, and goodput under
+:data:`sclsd.eval.metrics.DEFAULT_SLO` (TTFT <= 2 s, no gap over 1 s). ``--warmup``
+requests per configuration run first and are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ..client import AsyncClient, Delta, Done, RequestError
+from ..eval.metrics import DEFAULT_SLO, SLO, RequestRecord, max_gap, percentile, summarize
+from ..launch import launch
+
+CONFIGS = ("default", "scls", "ils")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--num", type=int, default=48, help="measured requests per configuration")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight (closed loop)")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0, help="1: the OpenAI clients' default")
+    p.add_argument("--slice-len", type=int, default=32, help="S of the static scls configuration")
+    p.add_argument("--warmup", type=int, default=2, help="requests served first and not counted")
+    p.add_argument("--gap-bound", type=float, default=1.0, help="a stream with a longer gap counts as stalled")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--out", default="out/streams", help="directory for streams.json and streams.md")
+
+
+def sections(name: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The daemon config of configuration ``name`` (generous heartbeats: two CPU-bound
+    workers on a busy machine answer late)."""
+    out: dict[str, dict[str, Any]] = {
+        "daemon": {"heartbeat_timeout_s": 120.0, "drain_timeout_s": 120.0},
+        "model": {"name": args.model},
+        "workers": {"spawn": args.workers, "threads": args.threads},
+    }
+    if name == "scls":
+        out["scheduler"] = {"policy": "scls", "slice_len": args.slice_len}
+    elif name == "ils":
+        # Every request to a worker as soon as it arrives, run to its end in the engine's
+        # continuous batch (sls with batches of one: no slices, round-robin).
+        out["scheduler"] = {"policy": "sls", "batch_size": 1, "gamma_s": 0.05,
+                            "work_conserving": False, "kv_reuse": False}
+        out["workers"]["engine"] = "hf-cb"
+    elif name != "default":
+        raise ValueError(f"unknown configuration {name!r}")
+    return out
+
+
+@dataclass
+class Stream:
+    """One request as its client saw it (times from ``time.monotonic()``)."""
+
+    rid: str
+    sent: float
+    prompt_tokens: int = 0
+    token_times: list[float] = field(default_factory=list)
+    """Arrival time of every token (the tokens of one delta share its time)."""
+    done: float | None = None
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+def record(s: Stream) -> RequestRecord:
+    """The metrics' view of a stream: served when a ``done`` came with stop or length."""
+    return RequestRecord(
+        rid=s.rid, arrival=s.sent, prompt_len=s.prompt_tokens, output_len=s.completion_tokens,
+        first_token=s.token_times[0] if s.token_times else None, finished=s.done,
+        finish_reason=s.finish_reason if s.error is None else "error",  # type: ignore[arg-type]
+        max_gap_s=max_gap(s.token_times),
+    )
+
+
+def report(streams: list[Stream], gap_bound: float = 1.0, slo: SLO = DEFAULT_SLO) -> dict[str, Any]:
+    """The numbers of one run of ``streams`` (see the module docstring)."""
+    recs = [record(s) for s in streams]
+    summary = summarize(recs, slo=slo)
+    done = [r for r in recs if r.completed]
+    ttft = [r.first_token - r.arrival for r in done if r.first_token is not None]
+    stalls = sorted(r.max_gap_s for r in done if r.max_gap_s is not None and r.max_gap_s > gap_bound)
+    return {
+        "requests": len(recs),
+        "completed": len(done),
+        "errors": sum(1 for s in streams if s.error is not None),
+        "duration_s": summary["duration_s"],
+        "throughput_rps": summary["throughput_rps"],
+        "output_tps": summary["output_tps"],
+        "p50_ttft_s": percentile(ttft, 50),
+        "p95_ttft_s": percentile(ttft, 95),
+        "p50_gap_s": summary.get("p50_gap_s", 0.0),
+        "p95_gap_s": summary.get("p95_gap_s", 0.0),
+        "p99_gap_s": summary.get("p99_gap_s", 0.0),
+        "max_gap_s": summary.get("max_gap_s", 0.0),
+        "gap_bound_s": gap_bound,
+        "stalled_streams": len(stalls),
+        "p50_stall_s": percentile(stalls, 50),
+        "goodput_rps": summary["goodput_rps"],
+    }
+
+
+def prompts(model: str, n: int, length: int) -> list[list[int]]:
+    """``n`` different prompts of exactly ``length`` tokens: windows into the demo prompts'
+    text, tokenized as the daemon does (aiperf's synthetic prompts are corpus text too)."""
+    from ..defaults import force_offline
+    from ..tokenizer import load
+
+    force_offline()
+    text = resources.files("sclsd").joinpath("data/prompts.txt").read_text()
+    corpus = load(model).encode(" ".join(text.split()))
+    while len(corpus) < 2 * length:
+        corpus += corpus
+    # A step that is no divisor of the corpus length, so that no two windows are the same.
+    step = 37
+    return [[corpus[(i * step + j) % len(corpus)] for j in range(length)] for i in range(n)]
+
+
+async def drive(sock: str, name: str, work: list[list[int]], args: argparse.Namespace,
+                progress: bool = True) -> list[Stream]:
+    """Serve every prompt of ``work``, ``args.concurrency`` at a time, streaming; the streams
+    in the order sent."""
+    streams: list[Stream] = []
+    todo = iter(enumerate(work))
+    t0 = time.monotonic()
+    state = {"done": 0, "stalled": 0, "shown": t0}
+
+    def show(final: bool = False) -> None:
+        now = time.monotonic()
+        if progress and (final or now - state["shown"] >= 15.0):
+            state["shown"] = now
+            print(f"  [{name}] {state['done']}/{len(work)} done, {state['stalled']} with a gap "
+                  f"> {args.gap_bound:g}s ({now - t0:.0f}s)", file=sys.stderr, flush=True)
+
+    async with AsyncClient(sock) as client:
+
+        async def one(i: int, ids: list[int]) -> None:
+            s = Stream(rid=f"{name}-{i}", sent=time.monotonic(), prompt_tokens=len(ids))
+            streams.append(s)
+
+            async def consume() -> None:
+                async for ev in client.stream(prompt_ids=ids, id=s.rid, max_tokens=args.output_tokens,
+                                              ignore_eos=True, temperature=args.temperature):
+                    now = time.monotonic()
+                    if isinstance(ev, Delta):
+                        s.token_times += [now] * len(ev.token_ids)
+                    elif isinstance(ev, Done):
+                        s.done, s.finish_reason = now, ev.finish_reason
+                        s.completion_tokens = ev.usage.completion_tokens
+
+            try:
+                await asyncio.wait_for(consume(), args.timeout)
+            except (RequestError, asyncio.TimeoutError) as exc:
+                s.error = str(exc) or type(exc).__name__
+            state["done"] += 1
+            gap = max_gap(s.token_times)
+            state["stalled"] += gap is not None and gap > args.gap_bound
+            show()
+
+        async def client_loop() -> None:
+            for i, ids in todo:  # one shared iterator: each client takes the next request
+                await one(i, ids)
+
+        await asyncio.gather(*(client_loop() for _ in range(args.concurrency)))
+    show(final=True)
+    return sorted(streams, key=lambda s: s.sent)
+
+
+def run_config(name: str, args: argparse.Namespace, work: list[list[int]]) -> dict[str, Any]:
+    """Start the daemon of ``name``, warm it up, measure, stop it; the report with the config."""
+    cfg = sections(name, args)
+    print(f"== {name}: starting sclsd with {args.workers} workers ({cfg.get('scheduler') or 'defaults'})",
+          file=sys.stderr, flush=True)
+    with launch(cfg) as d:
+        d.wait_workers(args.workers, timeout=600, progress=True)
+        st = d.status()
+        engines = sorted({w.engine for w in st.workers})
+        if args.warmup:
+            asyncio.run(drive(d.sock, f"{name}-warmup", work[: args.warmup], args, progress=False))
+        streams = asyncio.run(drive(d.sock, name, work[args.warmup:], args))
+        counters = dict(d.status().counters)
+    out = report(streams, gap_bound=args.gap_bound)
+    out.update(config=name, policy=st.policy, slice_len=st.slice_len, engine=",".join(engines),
+               counters=counters, streams=[asdict(s) for s in streams])
+    return out
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The table of docs/benchmarks.md."""
+    cols = [("config", "config"), ("policy", "policy"), ("engine", "engine"), ("completed", "done"),
+            ("throughput_rps", "req/s"), ("output_tps", "out tok/s"), ("p50_ttft_s", "TTFT p50 s"),
+            ("p95_ttft_s", "TTFT p95 s"), ("p50_gap_s", "max gap p50 s"), ("p95_gap_s", "p95 s"),
+            ("p99_gap_s", "p99 s"), ("max_gap_s", "max s"), ("stalled_streams", "streams gap > 1 s"),
+            ("p50_stall_s", "their median gap s"), ("goodput_rps", "goodput req/s")]
+    lines = ["| " + " | ".join(h for _, h in cols) + " |",
+             "|" + "|".join("---" if k in ("config", "policy", "engine") else "---:" for k, _ in cols) + "|"]
+    for r in rows:
+        cells = []
+        for k, _ in cols:
+            v = r.get(k)
+            if k == "policy" and r.get("slice_len"):
+                v = f"{v} (S={r['slice_len']})"
+            if k == "stalled_streams":
+                v = f"{v} of {r['completed']}"
+            cells.append("-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    configs = [c for c in args.configs.split(",") if c]
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad or args.num < 1 or args.concurrency < 1 or args.warmup < 0:
+        print(f"sclsd-bench streams: configs must be of {','.join(CONFIGS)} (got {bad or configs}); "
+              "--num and --concurrency >= 1, --warmup >= 0", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"streams: {args.num} requests of {args.prompt_tokens} -> {args.output_tokens} tokens, "
+          f"concurrency {args.concurrency}, temperature {args.temperature:g}, on {args.workers} workers; "
+          f"configs {', '.join(configs)}", file=sys.stderr, flush=True)
+    work = prompts(args.model, args.warmup + args.num, args.prompt_tokens)
+    rows = [run_config(name, args, work) for name in configs]
+    (out / "streams.json").write_text(json.dumps(rows, indent=1))
+    table = markdown(rows)
+    (out / "streams.md").write_text(table + "\n")
+    print(table)
+    return 0 if all(r["completed"] == r["requests"] for r in rows) else 1

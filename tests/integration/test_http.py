@@ -36,7 +36,7 @@ class Http:
 @pytest.fixture(scope="module")
 def stack() -> Iterator[tuple[DaemonProcess, Http]]:
     d = launch({"model": {"name": "tiny-random"},
-                "scheduler": {"slice_len": SLICE},
+                "scheduler": {"policy": "scls", "slice_len": SLICE},
                 "daemon": {"max_queued_requests": MAX_QUEUED, "uid_share": 1.0},
                 "workers": {"engine": "hf", "spawn": 1, "threads": 1}},
                wait_workers=1, timeout=180)

@@ -53,7 +53,7 @@ def test_daemon_answers_starting_then_shows_loading_workers_then_serves(tmp_path
     entry = modelcache.entry_dir(gguf, "tokenizer", cache)
     sections = {"model": {"name": "tiny-random", "cache_dir": str(cache)},
                 "workers": {"spawn": 2, "engine": "hf", "threads": 1},
-                "scheduler": {"slice_len": 8, "gamma_s": 0.05}}
+                "scheduler": {"policy": "scls", "slice_len": 8, "gamma_s": 0.05}}
     with modelcache.build_lock(entry):
         d = launch(sections, log=tmp_path / "sclsd.log")
         try:
@@ -93,7 +93,7 @@ def test_sigterm_during_start_up_stops_the_daemon_at_once(tmp_path: Path) -> Non
     cache = tmp_path / "cache"
     entry = modelcache.entry_dir(models.smollm2_gguf_path(), "tokenizer", cache)
     sections = {"model": {"name": "tiny-random", "cache_dir": str(cache)},
-                "workers": {"spawn": 1, "engine": "hf", "threads": 1}}
+                "workers": {"spawn": 1, "engine": "hf", "threads": 1}, "scheduler": {"policy": "scls"}}
     with modelcache.build_lock(entry):  # the daemon's tokenizer load waits on it, for ever
         d = launch(sections, log=tmp_path / "sclsd.log")
         try:
@@ -139,7 +139,7 @@ def test_daemon_serves_a_hub_id_from_the_local_cache_offline(tmp_path: Path) -> 
     _hub_model(tmp_path / "hub", "acme/tiny-chat")
     env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
     with launch({"model": {"name": "acme/tiny-chat"}, "workers": {"spawn": 1, "engine": "hf", "threads": 1},
-                 "scheduler": {"slice_len": 8, "gamma_s": 0.05}},
+                 "scheduler": {"policy": "scls", "slice_len": 8, "gamma_s": 0.05}},
                 log=tmp_path / "sclsd.log", env=env, wait_workers=1, timeout=120) as d:
         st = d.status()
         assert st.model == "acme/tiny-chat" and st.workers[0].model == "acme/tiny-chat"
@@ -200,7 +200,7 @@ def test_default_tokenizer_from_the_cache_equals_the_converted_one(tmp_path: Pat
 @pytest.mark.slow  # starts the daemon with two workers on the default model twice (about 40 s)
 def test_default_model_is_converted_once_and_the_second_start_reads_the_cache(tmp_path: Path) -> None:
     sections = {"model": {"name": "smollm2-135m-instruct", "cache_dir": str(tmp_path / "cache")},
-                "workers": {"spawn": 2, "engine": "hf", "threads": 1}}
+                "workers": {"spawn": 2, "engine": "hf", "threads": 1}, "scheduler": {"policy": "scls"}}
     took = []
     for run in ("first", "second"):
         t0 = time.monotonic()

@@ -126,8 +126,7 @@ class SchedulerConfig:
     kv_reuse: bool = True
     """Batch requests by the worker keeping their KV and estimate only the uncached prefill."""
     max_slice_gap_s: float = 1.0
-    """Bound on the wait between two slices of a streaming request (0: off, the paper's
-    rounds); see :attr:`sclsd.core.policy.Policy.max_slice_gap_s`."""
+    """Bound on the wait between two slices of a stream (0: off); see ``Policy.max_slice_gap_s``."""
 
     def effective_gamma(self, profile_gamma_s: float | None = None) -> float:
         """Γ in effect: ``gamma_s`` if set, else the profile's recommended ``gamma_s``,
@@ -192,12 +191,10 @@ class Config:
 
     @property
     def engine(self) -> str:
-        """The engine the spawned workers run: ``workers.engine``, or for ``auto`` the one
-        ``scheduler.policy`` needs (``defaults.auto_engine``). Read this, not ``workers.engine``."""
+        """The engine in effect: ``workers.engine``, or for ``auto`` the policy's (read this)."""
+        from .core.policy import GRANT_POLICIES
         if self.workers.engine != defaults.AUTO_ENGINE:
             return self.workers.engine
-        from .core.policy import GRANT_POLICIES
-
         return defaults.auto_engine(self.scheduler.policy in GRANT_POLICIES, self.model.name)
 
 

@@ -125,6 +125,8 @@ class SchedulerConfig:
     """An idle worker gets work at once instead of waiting out the interval (docs/design.md §8)."""
     kv_reuse: bool = True
     """Batch requests by the worker keeping their KV and estimate only the uncached prefill."""
+    max_slice_gap_s: float = 1.0
+    """Bound on the wait between two slices of a stream (0: off); see ``Policy.max_slice_gap_s``."""
 
     def effective_gamma(self, profile_gamma_s: float | None = None) -> float:
         """Γ in effect: ``gamma_s`` if set, else the profile's recommended ``gamma_s``,
@@ -189,12 +191,10 @@ class Config:
 
     @property
     def engine(self) -> str:
-        """The engine the spawned workers run: ``workers.engine``, or for ``auto`` the one
-        ``scheduler.policy`` needs (``defaults.auto_engine``). Read this, not ``workers.engine``."""
+        """The engine in effect: ``workers.engine``, or for ``auto`` the policy's (read this)."""
+        from .core.policy import GRANT_POLICIES
         if self.workers.engine != defaults.AUTO_ENGINE:
             return self.workers.engine
-        from .core.policy import GRANT_POLICIES
-
         return defaults.auto_engine(self.scheduler.policy in GRANT_POLICIES, self.model.name)
 
 
@@ -419,6 +419,8 @@ def _check_scheduler(s: SchedulerConfig) -> None:
     need(0 < s.lam <= 1, "scheduler.lam", s.lam, "must be in (0, 1]")
     need(0 < s.zeta <= 1, "scheduler.zeta", s.zeta, "must be in (0, 1]")
     need(s.max_failures >= 0, "scheduler.max_failures", s.max_failures, "must be >= 0")
+    need(0 <= s.max_slice_gap_s < float("inf"), "scheduler.max_slice_gap_s", s.max_slice_gap_s,
+         "must be >= 0 (0: off)")
     need(s.memory in MEMORY_MODELS, "scheduler.memory", s.memory, f"must be one of {', '.join(MEMORY_MODELS)}")
     if s.profile:
         from .core.profiles import load_profile

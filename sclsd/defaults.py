@@ -26,9 +26,9 @@ POLICY = "scls-cb"
 #: Optional request features and the engines that apply them (``EngineCaps``), for admission
 #: before any worker has registered (after that, the workers' own caps decide).
 ENGINE_FEATURES: dict[str, tuple[str, ...]] = {
-    "min_tokens": ("hf", "deepspeed", "fake"),
-    "logit_bias": ("hf", "deepspeed", "fake"),
-    "grammar": ("hf", "deepspeed"),
+    "min_tokens": ("hf", "hf-cb", "deepspeed", "fake"),
+    "logit_bias": ("hf", "hf-cb", "deepspeed", "fake"),
+    "grammar": ("hf", "hf-cb", "deepspeed"),
 }
 
 #: Client API socket of a system install (``daemon.socket``; ``sclsctl --socket``).

@@ -304,7 +304,7 @@ def live_replay(plan: Plan, policy: str, out: Path, profile: Path | None) -> dic
     try:
         with launch(live_sections(plan, policy, profile), log=log_path, wait_workers=plan.workers,
                     timeout=900) as d:  # fmt: skip
-            rargs = argparse.Namespace(
+            rargs = replay.replay_args(
                 socket=d.sock, status_socket=d.status_sock, trace=plan.trace, rate=plan.rate,
                 num=plan.num, offset=0, max_input=plan.max_input, max_gen=plan.max_gen,
                 scale=plan.scale, id_range=20000, connections=4, seed=0, label=policy,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
-    "HEAVY_RATE", "LIGHT_RATES", "TRACE_LABELS", "COLUMNS", "COST_TERMS", "label", "find",
+    "HEAVY_RATE", "LIGHT_RATES", "GOODPUT_RATES", "TRACE_LABELS", "COLUMNS", "COST_TERMS", "label", "find",
     "targets", "table", "cost_table", "target_table", "scale_table", "markdown",
 ]
 
@@ -24,6 +24,9 @@ HEAVY_RATE = 20.0
 LIGHT_RATES: tuple[float, ...] = (5.0, 2.0)
 #: Throughput scls-cb must reach, as a multiple of ils-paged's, at the heavy rate.
 THROUGHPUT_TARGET = 1.03
+#: Rates at which the default policy's goodput (:data:`sclsd.eval.metrics.DEFAULT_SLO`: TTFT
+#: <= 2 s, no inter-token gap over 1 s) must be at least ils-paged's.
+GOODPUT_RATES: tuple[float, ...] = LIGHT_RATES
 
 #: Columns of the per-profile table after trace+rate and policy: (key, header, format).
 COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -31,6 +34,9 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("ct_std_s", "CT STD s", "{:.2f}"),
     ("avg_latency_s", "avg RT s", "{:.2f}"),
     ("avg_ttft_s", "avg TTFT s", "{:.2f}"),
+    ("goodput_rps", "goodput req/s", "{:.3f}"),
+    ("p50_gap_s", "gap p50 s", "{:.2f}"),
+    ("p99_gap_s", "gap p99 s", "{:.2f}"),
     ("preemptions", "preemptions", "{:d}"),
     ("oom_events", "OOM events", "{:d}"),
     ("migrations", "migrations", "{:d}"),
@@ -113,6 +119,12 @@ def targets(rows: Sequence[dict[str, Any]], profile: str) -> list[dict[str, Any]
                 x = _ratio(cb["avg_latency_s"], paged["avg_latency_s"])
                 add(case, "avg RT ≤ 1.0× ils-paged's",
                     f"{cb['avg_latency_s']:.2f} / {paged['avg_latency_s']:.2f} s = {x:.3f}×", x, x <= 1.0)
+            if rate in GOODPUT_RATES and paged is not None and "goodput_rps" in cb \
+                    and "goodput_rps" in paged:
+                x = _ratio(cb["goodput_rps"], paged["goodput_rps"])
+                add(case, "goodput ≥ ils-paged's (TTFT ≤ 2 s, no gap > 1 s)",
+                    f"{cb['goodput_rps']:.3f} / {paged['goodput_rps']:.3f} req/s = {x:.3f}×",
+                    x, cb["goodput_rps"] >= paged["goodput_rps"])
             if rate == HEAVY_RATE and cons is not None:
                 x = _ratio(cb["ct_std_s"], cons["ct_std_s"])
                 add(case, "CT STD ≤ 0.5× ils-conservative's",

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             d.wait_workers(args.workers, timeout=300, progress=True)
             for rate in rates:
                 path = out / f"{name}-rate{rate:g}.json"
-                rargs = argparse.Namespace(
+                rargs = replay.replay_args(
                     socket=d.sock, status_socket=d.status_sock, trace=args.trace, rate=rate,
                     num=args.num, offset=0, max_input=args.max_input, max_gen=args.max_gen,
                     scale=args.scale, id_range=20000, connections=4, seed=args.seed, label=name,

@@ -9,7 +9,10 @@ generation length unknown to the policy as in reality.
 
 Metrics are those of :mod:`sclsd.eval.metrics` (one definition for the
 simulator and for replays). Times are the client's: arrival = when the request
-was sent, first token = first ``delta``, completion = ``done``. Worker
+was sent, first token = first ``delta``, completion = ``done``; a request's
+maximum inter-token gap is the longest wait between two ``delta`` frames that
+carry tokens (a stream frozen at a slice boundary shows there), and goodput
+counts the requests within ``--slo-ttft`` and ``--slo-gap``. Worker
 completion times (CT STD) come from the worker the daemon names in each
 ``done``; batch size, pad and invalid tokens and early returns from the
 daemon's status counters before and after the run.
@@ -29,7 +32,15 @@ from typing import Any
 import numpy as np
 
 from ..client import AsyncClient, Delta, Done, RequestError, status
-from ..eval.metrics import SUMMARY_KEYS, BatchStats, RequestRecord, summarize
+from ..eval.metrics import (
+    DEFAULT_SLO,
+    SLO,
+    SUMMARY_KEYS,
+    BatchStats,
+    RequestRecord,
+    max_gap,
+    summarize,
+)
 from ..eval.traces import load_trace, poisson_arrivals
 
 
@@ -50,6 +61,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label", default="", help="free text stored in the JSON (e.g. policy name)")
     p.add_argument("--json", dest="json_out", help="write the summary here")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--slo-ttft", type=float, default=DEFAULT_SLO.ttft_s,
+                   help="goodput: first token within this many seconds")
+    p.add_argument("--slo-gap", type=float, default=DEFAULT_SLO.gap_s,
+                   help="goodput: no wait between two tokens longer than this many seconds")
+
+
+def replay_args(**given: Any) -> argparse.Namespace:
+    """The arguments of a replay run from code: the command's defaults, then ``given``
+    (keyword names as the attributes, e.g. ``status_socket``, ``json_out``)."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--socket", "", "--status-socket", "", "--trace", ""])
+    unknown = set(given) - set(vars(args))
+    if unknown:
+        raise TypeError(f"replay has no argument {sorted(unknown)}")
+    vars(args).update(given)
+    return args
 
 
 def _lengths(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -88,14 +116,18 @@ async def _run(args: argparse.Namespace) -> tuple[list[RequestRecord], dict[str,
         await asyncio.sleep(max(0.0, t0 + float(arr[i]) - loop.time()))
         rec = RequestRecord(rid=f"replay-{i}", arrival=loop.time(), prompt_len=len(prompts[i]))
         records.append(rec)
+        token_times: list[float] = []
         try:
             async for ev in clients[i % len(clients)].stream(
                 id=rec.rid, prompt_ids=prompts[i], max_tokens=int(out[i]), ignore_eos=True,
                 temperature=0.0,
             ):
-                if isinstance(ev, Delta) and rec.first_token is None and ev.token_ids:
-                    rec.first_token = loop.time()
+                if isinstance(ev, Delta) and ev.token_ids:
+                    token_times.append(loop.time())
+                    if rec.first_token is None:
+                        rec.first_token = token_times[0]
                 elif isinstance(ev, Done):
+                    rec.max_gap_s = max_gap(token_times)
                     rec.finished = loop.time()
                     rec.finish_reason = ev.finish_reason
                     rec.output_len = ev.usage.completion_tokens
@@ -137,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
         if wid is not None and r.finished is not None:
             prev = completion.get(wid)
             completion[wid] = r.finished if prev is None else max(prev, r.finished)
-    summary: dict[str, Any] = summarize(records, batches, worker_completion=completion)
+    slo = SLO(ttft_s=args.slo_ttft, gap_s=args.slo_gap)
+    summary: dict[str, Any] = summarize(records, batches, worker_completion=completion, slo=slo)
     done = max(1, summary["completed"])
     summary["pad_tokens_per_req"] = diff("pad_tokens") / done
     summary["invalid_tokens_per_req"] = diff("invalid_tokens") / done
@@ -171,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
 
 def format_summary(s: dict[str, Any]) -> str:
     rows = [(k, s[k]) for k in SUMMARY_KEYS if k in s]
+    rows += [(k, s[k]) for k in ("goodput_rps", "p50_gap_s", "p95_gap_s", "p99_gap_s", "max_gap_s") if k in s]
     rows += [(k, s[k]) for k in ("estimator_mean_abs_error_s", "wall_s") if s.get(k) is not None]
     width = max(len(k) for k, _ in rows)
     title = f"replay: policy={s.get('policy')} S={s.get('slice_len')} workers={s.get('workers')} rate={s.get('rate')}"

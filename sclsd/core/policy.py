@@ -55,6 +55,18 @@ class Policy:
     with other work waiting run this many iterations first (0: a whole slice), so
     they give their first tokens without holding that work up for a whole slice (KV
     reuse makes the extra slice boundary cheap). See :mod:`sclsd.core.rounds`."""
+    max_slice_gap_s: float | None = None
+    """Bound on the wait between two slices of a request already streaming (None or 0:
+    off, the paper's rounds). With it on, rounds place streaming requests before
+    requests that have not started, and a streaming request that would otherwise wait
+    longer than this since its last slice ended goes into the next dispatch, whatever
+    the interval (:class:`sclsd.core.scheduler.Scheduler`)."""
+
+    @property
+    def gap_bound(self) -> float | None:
+        """``max_slice_gap_s`` when on (> 0), else None."""
+        b = self.max_slice_gap_s
+        return b if b is not None and b > 0 else None
 
 
 # --------------------------------------------------------------------------- the ablation ladder
@@ -91,6 +103,7 @@ def make_policy(
     lam: float = 0.5,
     work_conserving: bool = False,
     kv_reuse: bool = False,
+    max_slice_gap_s: float | None = None,
 ) -> Policy:
     """Build a named policy of the ablation ladder.
 
@@ -102,9 +115,13 @@ def make_policy(
     - ``lb``: load balancing: ab plus max-min offloading.
     - ``scls``: lb plus the adaptive interval ``max(lam · min load, gamma)``.
 
-    ``work_conserving`` and ``kv_reuse`` go past the paper (docs/design.md §8; both
-    off reproduces it) and apply to any of them; see :class:`Policy`.
+    ``work_conserving``, ``kv_reuse`` and ``max_slice_gap_s`` go past the paper
+    (docs/design.md §8; all off reproduces it) and apply to any of them; see
+    :class:`Policy`. The slice-grant policy ignores ``max_slice_gap_s`` (a grant that
+    stays on its worker continues at its next iteration).
     """
+    if max_slice_gap_s is not None and not max_slice_gap_s >= 0:
+        raise ValueError(f"max_slice_gap_s must be >= 0, got {max_slice_gap_s}")
     if slice_len < 1 or max_gen < 1 or batch_size < 1:
         raise ValueError("slice_len, max_gen and batch_size must be >= 1")
     parts: tuple[int, Batcher, Offloader, Interval]
@@ -137,4 +154,5 @@ def make_policy(
         work_conserving=work_conserving,
         kv_reuse=kv_reuse,
         first_slice_len=max(1, S // FIRST_SLICE_DIVISOR),
+        max_slice_gap_s=None if name in GRANT_POLICIES else max_slice_gap_s,
     )

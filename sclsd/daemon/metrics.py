@@ -49,6 +49,9 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                  2.5, 5.0)
+#: A stream's longest freeze: decode steps (tens of ms) up to whole slices queued behind others.
+_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 #: Finish reasons of a completed request (its output is whole); cancelled ones are counted apart.
 _COMPLETED = ("stop", "length")
@@ -202,6 +205,9 @@ class Metrics:
                           _LATENCY_BUCKETS)
         self.tpot = _Hist("sclsd:time_per_output_token_seconds", "Time per output token after the "
                           "first, per completed request", _TPOT_BUCKETS)
+        self.gap = _Hist("sclsd:request_max_inter_token_gap_seconds", "Longest wait between two "
+                         "consecutive deltas of a completed request (a stream's longest freeze)",
+                         _GAP_BUCKETS)
         self.e2e = _Hist("sclsd:e2e_request_latency_seconds", "Acceptance to the end, per completed "
                          "request", _LATENCY_BUCKETS)
         self.queue = _Hist("sclsd:request_queue_time_seconds", "Acceptance to the start of the first "
@@ -218,7 +224,7 @@ class Metrics:
                                 _LATENCY_BUCKETS)
         self.registry.register(_Events([
             self.success, self.cancelled, self.failed, self.refusals, self.prompt_tokens,
-            self.gen_tokens, self.batches, self.ttft, self.tpot, self.e2e, self.queue, self.req_prompt,
+            self.gen_tokens, self.batches, self.ttft, self.tpot, self.gap, self.e2e, self.queue, self.req_prompt,
             self.req_gen, self.slices, self.batch_size, self.batch_time], model_name))
 
     def watch(self, snapshot: Callable[[], StatusSnapshot]) -> None:
@@ -259,6 +265,8 @@ class Metrics:
         self.slices.observe(t.slices)
         if t.ttft_s is not None and e.completion_tokens > 1:
             self.tpot.observe((t.e2e_s - t.ttft_s) / (e.completion_tokens - 1))
+        if t.max_gap_s is not None:
+            self.gap.observe(t.max_gap_s)
 
     def exposition(self) -> str:
         return generate_latest(self.registry).decode()

@@ -74,7 +74,8 @@ def make_scheduler(cfg: Config, cost: DaemonCost) -> SchedulerInterface:
     gamma = s.effective_gamma(cost.profile.gamma_s)
     policy = make_policy(s.policy, slice_len=s.slice_len, max_gen=cfg.model.max_gen,
                          batch_size=s.batch_size, gamma=gamma, lam=s.lam,
-                         work_conserving=s.work_conserving, kv_reuse=s.kv_reuse)
+                         work_conserving=s.work_conserving, kv_reuse=s.kv_reuse,
+                         max_slice_gap_s=s.max_slice_gap_s)
     if s.policy in GRANT_POLICIES:
         return SliceGrantScheduler(policy, cost, max_failures=s.max_failures)
     return Scheduler(policy, cost, max_failures=s.max_failures)

@@ -50,6 +50,12 @@ PARAMS: dict[str, tuple[dict[str, Any], str]] = {
     "parallel_tool_calls": (_BOOL, "chat: false keeps the first call only"),
     "response_format": (_OBJ, '{"type": "text" | "json_object" | "json_schema", "json_schema": '
                                '{"name", "schema"}}: the output follows the JSON schema'),
+    "structured_outputs": (_OBJ, 'vLLM\'s: one of {"json": schema, "regex": str, "choice": [str], '
+                                 '"grammar": Lark text, "json_object": true}'),
+    "guided_json": ({"anyOf": [_OBJ, _STR]}, "vLLM's older form of structured_outputs.json"),
+    "guided_regex": (_STR, "vLLM's older form of structured_outputs.regex"),
+    "guided_choice": ({"type": "array", "items": _STR}, "vLLM's older form of structured_outputs.choice"),
+    "guided_grammar": (_STR, "vLLM's older form of structured_outputs.grammar (Lark)"),
     "stream": (_BOOL, "server-sent events"),
     "stream_options": (_OBJ, "include_usage, continuous_usage_stats"),
     "user": (_STR, "logged by the daemon"),

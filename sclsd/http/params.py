@@ -39,7 +39,8 @@ _COMMON = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
     "stop_token_ids", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "ignore_eos", "user", "stream", "stream_options", "logprobs", "min_tokens", "logit_bias",
-    "skip_special_tokens", "echo", "response_format",
+    "skip_special_tokens", "echo", "response_format", "structured_outputs", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar",
 })
 ALLOWED: dict[Kind, frozenset[str]] = {
     "completion": _COMMON | {"prompt", "suffix", "best_of"},
@@ -257,6 +258,62 @@ def _response_format(body: dict[str, Any]) -> dict[str, str] | None:
               '"json_schema", ...}')
 
 
+#: vLLM's ``structured_outputs`` keys (and its older ``guided_*`` parameters) -> the daemon's kind.
+_VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
+
+
+def _vllm_structured(body: dict[str, Any]) -> tuple[str, dict[str, str]] | None:
+    """vLLM's own structured-output parameters, as the daemon's ``structured``, with the
+    parameter that gave it: ``structured_outputs: {"json" | "regex" | "choice" | "grammar":
+    ..., or "json_object": true}`` and the older ``guided_json``, ``guided_regex``,
+    ``guided_choice``, ``guided_grammar``."""
+    given: list[tuple[str, str, Any]] = []  # (parameter, vLLM key, value)
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad("structured_outputs", "structured_outputs: must be an object")
+        so = {k: v for k, v in so.items() if v is not None and v is not False}
+        unknown = sorted(set(so) - set(_VLLM_KINDS) - {"json_object"})
+        if unknown:
+            raise bad("structured_outputs", f"structured_outputs: {unknown[0]} is not supported "
+                      f"(json, regex, choice, grammar or json_object)", "unsupported_parameter")
+        given += [("structured_outputs", k, v) for k, v in so.items()]
+    given += [(f"guided_{k}", k, body[f"guided_{k}"]) for k in _VLLM_KINDS if f"guided_{k}" in body]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad(given[1][0], f"{given[0][0]}: give one kind of structured output, not "
+                  f"{', '.join(sorted({k for _, k, _ in given}))}")
+    param, key, value = given[0]
+    if key == "json_object":
+        return param, {"kind": "json_object"}
+    if key == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise bad(param, f"{param}: not a JSON schema (invalid JSON)") from None
+        if not isinstance(value, (dict, bool)):
+            raise bad(param, f"{param}: must be a JSON schema object")
+        return param, {"kind": "json_schema", "value": json.dumps(value)}
+    if key == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
+            raise bad(param, f"{param}: must be a non-empty list of strings")
+        return param, {"kind": "choice", "value": json.dumps(value)}
+    if not isinstance(value, str) or not value:
+        raise bad(param, f"{param}: must be a non-empty string")
+    return param, {"kind": _VLLM_KINDS[key], "value": value}
+
+
+def _structured(body: dict[str, Any]) -> dict[str, str] | None:
+    """The request's structured output from ``response_format`` or vLLM's parameters (one of them)."""
+    openai = _response_format(body)
+    vllm = _vllm_structured(body)
+    if openai is not None and vllm is not None:
+        raise bad(vllm[0], f"{vllm[0]}: not with a response_format of type {openai['kind']}")
+    return openai if vllm is None else vllm[1]
+
+
 def _completion_extras(body: dict[str, Any], parsed: Parsed, max_choices: int) -> None:
     """``best_of``, ``suffix`` and ``echo`` of a completion."""
     best_of = _int(body, "best_of", 1, max_choices)
@@ -292,7 +349,7 @@ def parse(kind: Kind, body: Any, max_choices: int) -> Parsed:
         raise bad("model", "model: must be a string")
     stream = _bool(body, "stream", False)
     include_usage, continuous = _stream_options(body, stream)
-    structured = _response_format(body)
+    structured = _structured(body)
     n = _int(body, "n", 1, max_choices) or 1
     the_chat = chat(body) if kind == "chat" else None
     if the_chat is not None:

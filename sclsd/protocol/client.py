@@ -176,6 +176,10 @@ class Timings(msgspec.Struct, forbid_unknown_fields=True):
     """From acceptance to this event."""
     slices: int
     """Number of slices (batches) the request was served in."""
+    max_gap_s: float | None = None
+    """Longest wait between two consecutive arrivals of its tokens at the daemon, first token
+    to last (each followed at once by a ``delta`` to a streaming client); None with fewer than
+    two. Optional: older daemons leave it out."""
 
 
 class Done(_Msg, tag="done"):

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from ..core.grants import Grant, GrantPolicy, GrantRules
 from ..core.request import Request, State
-from .cbsim import ARRIVAL, STEP_DONE, CBSimBase
+from .cbsim import ARRIVAL, STEP_DONE, CBSimBase, StepClock
 from .common import SimConfig, SimResult, progress_bar, record_of
 from .workers import finish_reason, target_len
 from .workload import Workload
@@ -50,6 +50,8 @@ class _Running:
     end: int
     """Iteration at which its grant ends (granted tokens or its true length)."""
     reserve: int
+    first: float | None = None
+    """When the prefill of its first iteration ended, if the grant began with one."""
 
 
 @dataclass(slots=True, eq=False)
@@ -67,6 +69,8 @@ class CBWorker:
     first_at: float = 0.0
     last_completion: float | None = None
     busy_time: float = 0.0
+    clock: StepClock = field(default_factory=StepClock)
+    """When each iteration ended: the times its running requests' tokens were streamed."""
 
 
 class CBSimulation(CBSimBase):
@@ -189,8 +193,10 @@ class CBSimulation(CBSimBase):
     def _end_step(self, w: CBWorker, now: float) -> None:
         w.busy = False
         w.it += 1
+        w.clock.ended(now)
         w.last_completion = now
         for fresh in w.new:
+            fresh.first = w.first_at
             fresh.req.payload.count_prefill(fresh.c0)
             if fresh.req.first_token is None:
                 fresh.req.first_token = w.first_at
@@ -200,6 +206,7 @@ class CBSimulation(CBSimBase):
             run = w.running.pop(rid)
             r = run.req
             r.num_generated = run.g0 + (w.it - run.t0)
+            w.clock.received(r.payload, run.t0, run.first)
             w.ctx_base -= run.c0 - run.t0
             w.reserved -= run.reserve
             reason = finish_reason(r, r.num_generated)

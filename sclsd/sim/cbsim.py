@@ -5,15 +5,71 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from bisect import bisect_left
 from typing import Any, Protocol
 
 from ..eval.metrics import BatchStats
 from .common import SimConfig, make_requests
-from .workers import Noise
+from .workers import Noise, SimPayload
 from .workload import Workload
 
 #: Event kinds on the heap.
 ARRIVAL, STEP_DONE = 0, 1
+
+
+class StepClock:
+    """When each iteration of one worker ended, and the longest interval between two
+    consecutive ends over any range that reaches the latest iteration, in O(log n).
+
+    A request's run of tokens on a continuous-batching worker (from its admission or
+    grant to its end, preemption or grant end) gets one token per iteration, so the
+    longest gap inside the run is the longest interval between consecutive iteration
+    ends over the run, and a run always ends at the latest iteration. A stack of the
+    intervals that no later interval is as long as answers that in a binary search
+    (each interval enters and leaves it once).
+    """
+
+    __slots__ = ("ends", "_idx", "_gap")
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+        """``ends[i]``: when iteration i ended."""
+        self._idx: list[int] = []
+        self._gap: list[float] = []
+
+    def ended(self, t: float) -> None:
+        """The next iteration ended at ``t``."""
+        i = len(self.ends)
+        if i:
+            g = t - self.ends[-1]
+            while self._gap and self._gap[-1] <= g:
+                self._gap.pop()
+                self._idx.pop()
+            self._idx.append(i)
+            self._gap.append(g)
+        self.ends.append(t)
+
+    def longest_since(self, a: int) -> float | None:
+        """max of ``ends[i] - ends[i-1]`` over i in [a, latest] (None: an empty range)."""
+        k = bisect_left(self._idx, max(a, 1))
+        return self._gap[k] if k < len(self._idx) else None
+
+    def received(self, p: SimPayload, t0: int, first: float | None) -> None:
+        """A run of one token per iteration from iteration ``t0`` to the latest reached the
+        client (``p.received``). ``first``: when the prefill of iteration ``t0`` ended, if
+        the run began with one (its first token comes then, the next at the end of
+        iteration ``t0 + 1``); otherwise each token comes at its iteration's end."""
+        it = len(self.ends)
+        if it <= t0:
+            return  # preempted before its first iteration ran
+        if first is None:
+            p.received(self.ends[t0], self.ends[it - 1], self.longest_since(t0 + 1))
+        elif it == t0 + 1:
+            p.received(first, first, None)
+        else:
+            rest = self.longest_since(t0 + 2)
+            into = self.ends[t0 + 1] - first
+            p.received(first, self.ends[it - 1], into if rest is None else max(into, rest))
 
 
 class StepWorker(Protocol):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.profiles import load_profile
-from ..eval.metrics import SLO
+from ..eval.metrics import DEFAULT_SLO, SLO
 from ..eval.traces import load_trace
 from .common import ALL_POLICIES, SimConfig
 from .engine import simulate
@@ -28,11 +28,16 @@ _TABLE = (
     ("completed", "completed", "{:d}"),
     ("duration_s", "duration (s)", "{:.1f}"),
     ("throughput_rps", "throughput (req/s)", "{:.3f}"),
+    ("goodput_rps", "goodput (req/s)", "{:.3f}"),
     ("output_tps", "output (tok/s)", "{:.1f}"),
     ("avg_latency_s", "latency avg (s)", "{:.2f}"),
     ("p95_latency_s", "latency p95 (s)", "{:.2f}"),
     ("avg_ttft_s", "TTFT avg (s)", "{:.2f}"),
     ("p95_ttft_s", "TTFT p95 (s)", "{:.2f}"),
+    ("p50_gap_s", "max gap p50 (s)", "{:.2f}"),
+    ("p95_gap_s", "max gap p95 (s)", "{:.2f}"),
+    ("p99_gap_s", "max gap p99 (s)", "{:.2f}"),
+    ("max_gap_s", "max gap max (s)", "{:.2f}"),
     ("avg_batch_size", "batch size avg", "{:.1f}"),
     ("pad_tokens_per_req", "pad tokens / req", "{:.1f}"),
     ("invalid_tokens_per_req", "invalid tokens / req", "{:.1f}"),
@@ -78,13 +83,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="workers keep KV across slices; the policy batches by KV holder and reuses it",
     )
     p.add_argument(
+        "--max-slice-gap",
+        type=float,
+        metavar="S",
+        help="bound the wait between two slices of a streaming request (scheduler."
+        "max_slice_gap_s; default off, the paper's rounds)",
+    )
+    p.add_argument(
         "--host-kv-bytes",
         type=float,
         help="host memory per worker for retained KV (default: the profile's host_kv_bytes)",
     )
-    p.add_argument("--slo-ttft", type=float, help="goodput SLO on TTFT, s")
+    p.add_argument("--slo-ttft", type=float,
+                   help="goodput SLO on TTFT, s (with no --slo-*: TTFT <= 2 s and no gap over 1 s)")
     p.add_argument("--slo-tpot", type=float, help="goodput SLO on TPOT, s")
     p.add_argument("--slo-e2e", type=float, help="goodput SLO on end-to-end latency, s")
+    p.add_argument("--slo-gap", type=float,
+                   help="goodput SLO on a request's longest inter-token gap, s")
     p.add_argument("--json", metavar="OUT", help="write the metrics here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -108,6 +123,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.duration is not None and args.duration <= 0:
         raise ValueError("--duration must be > 0")
+    if args.max_slice_gap is not None and not args.max_slice_gap >= 0:
+        raise ValueError("--max-slice-gap must be >= 0")
     if args.host_kv_bytes is not None and args.host_kv_bytes < 0:
         raise ValueError("--host-kv-bytes must be >= 0")
     profile = load_profile(args.profile)
@@ -138,12 +155,16 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         block_size=args.block_size,
         work_conserving=args.work_conserving,
         kv_reuse=args.kv_reuse,
+        max_slice_gap_s=args.max_slice_gap,
         host_kv_bytes=args.host_kv_bytes,
         progress=not args.no_progress and sys.stderr.isatty(),
     )
-    slo = None
-    if any(x is not None for x in (args.slo_ttft, args.slo_tpot, args.slo_e2e)):
-        slo = SLO(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot, e2e_s=args.slo_e2e)
+    # Goodput is always reported: under the SLOs given, else the targets' (DEFAULT_SLO).
+    slo = DEFAULT_SLO
+    bounds = (args.slo_ttft, args.slo_tpot, args.slo_e2e, args.slo_gap)
+    if any(x is not None for x in bounds):
+        slo = SLO(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot, e2e_s=args.slo_e2e,
+                  gap_s=args.slo_gap)
     res = simulate(cfg, workload)
     if args.policy in ("sls", "oracle", "oracle-static"):
         effective_slice: int | None = args.max_gen  # one batch runs to the generation limit
@@ -170,8 +191,11 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "work_conserving": args.work_conserving,
         "kv_reuse": args.kv_reuse,
+        "max_slice_gap_s": args.max_slice_gap,
         "host_kv_bytes": cfg.effective_profile.host_kv_bytes,
     }
+    out["slo"] = {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "e2e_s": slo.e2e_s,
+                  "gap_s": slo.gap_s}
     out.update(res.summary(slo))
     out["worker_completion_s"] = res.worker_completion
     return out
@@ -183,10 +207,13 @@ def format_table(r: dict[str, Any]) -> str:
     switches = "".join(
         f" +{name}" for name in ("work_conserving", "kv_reuse") if r.get(name)
     )
+    if r.get("max_slice_gap_s"):
+        switches += f" +max_slice_gap_s={r['max_slice_gap_s']:g}"
     lines = [
         f"{r['policy']}{switches} on {r['profile']}, {r['workers']} workers, {rate}, "
         f"{r['requests']} requests (simulated in {r['wall_s']:.2f} s)"
     ]
     for key, label, fmt in _TABLE:
-        lines.append(f"  {label:<22} {fmt.format(r[key])}")
+        # The gap rows are absent when no request had two tokens.
+        lines.append(f"  {label:<22} {fmt.format(r[key]) if key in r else '–'}")
     return "\n".join(lines)

@@ -49,6 +49,9 @@ class SimConfig:
     """Core's work-conserving rounds (slice-level policies and the oracles)."""
     kv_reuse: bool = False
     """Workers keep KV across slices and the policy reuses it (slice-level policies)."""
+    max_slice_gap_s: float | None = None
+    """Core's gap bound on the wait between two slices of a streaming request (slice-level
+    policies; None or 0: off, the paper's rounds)."""
     host_kv_bytes: float | None = None
     """Host memory per worker for retained KV; None: the profile's ``host_kv_bytes``."""
     progress: bool = False
@@ -172,6 +175,7 @@ def record_of(r: Request) -> RequestRecord:
         invalid_tokens=p.invalid_tokens,
         preemptions=p.preemptions,
         reprefill_tokens=p.reprefill_tokens,
+        max_gap_s=p.max_gap,
     )
 
 

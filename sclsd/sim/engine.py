@@ -98,11 +98,13 @@ class StaticSimulation:
                 self._release(sched.take_released())
                 for batch in batches:
                     self._dispatch(batch, now)
-                if sched.next_at != tick_at:
-                    # One pending tick per round: a round that finds the pool empty pushes none,
-                    # and the next arrival then schedules at once (as the daemon does).
-                    tick_at = sched.next_at
-                    self._push(tick_at, _TICK, None)
+            at = sched.next_at
+            if at != tick_at and at != float("inf"):
+                # One pending tick per round: a round that finds the pool empty pushes none,
+                # and the next arrival then schedules at once (as the daemon does). With the
+                # gap bound a result may bring the next round forward (a streaming request due).
+                tick_at = at
+                self._push(max(at, now), _TICK, None)
         bar.close()
         if sched.live:  # every request completes, or the simulator has a bug
             raise RuntimeError(f"simulation ended with {len(sched.live)} live requests")
@@ -147,13 +149,28 @@ class StaticSimulation:
         factor = self.noise()
         elapsed = served.time * factor
         first = now + served.prefill * factor  # the prefill's end: every row's first token
-        for r, own in zip(batch.requests, served.prefill_tokens, strict=True):
+        n, width = batch.size, served.width or batch.input_len
+        for r, own, row in zip(batch.requests, served.prefill_tokens, served.rows, strict=True):
             r.payload.count_prefill(own)
             if r.first_token is None:
                 r.first_token = first
+            if row.new_tokens:
+                self._stream(r.payload, first, n, width, row.new_tokens, factor)
         w.busy = True
         w.busy_time += elapsed
         self._push(now + elapsed, _DONE, (w, batch, served, elapsed))
+
+    def _stream(self, p: SimPayload, first: float, n: int, width: int, m: int,
+                factor: float) -> None:
+        """The slice's ``m`` tokens of one row as a streaming client receives them: the first
+        when the prefill ends, then one per decoding iteration (iteration j of a batch of
+        ``n`` rows over ``width`` padded positions costs tau(width + j, n)). The longest gap
+        inside the slice is its last iteration (tau grows with the context). For the
+        oracle's ragged batches ``width`` is the longest input and ``n`` every row: an upper
+        bound, as rows leave."""
+        last = first + self.est.t_decode(n, width, m - 1) * factor
+        within = self.est.tau_decode(width + m - 1, n) * factor if m > 1 else None
+        p.received(first, last, within)
 
     def _checkout(self, w: SimWorker, batch: Batch) -> tuple[list[int], float]:
         """The KV ``w`` holds for the batch's rows, and the seconds to copy it back from host.
@@ -237,6 +254,7 @@ def _policy(cfg: SimConfig) -> Policy:
             lam=cfg.lam,
             work_conserving=cfg.work_conserving,
             kv_reuse=cfg.kv_reuse,
+            max_slice_gap_s=cfg.max_slice_gap_s,
         )
     # The oracles never slice, so there is no KV to reuse; rounds may still be work-conserving.
     return replace(policy, work_conserving=cfg.work_conserving)

@@ -44,7 +44,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..core.request import Request, State
-from .cbsim import ARRIVAL, STEP_DONE, CBSimBase
+from .cbsim import ARRIVAL, STEP_DONE, CBSimBase, StepClock
 from .common import SimConfig, SimResult, progress_bar, record_of
 from .workers import finish_reason, target_len
 from .workload import Workload
@@ -61,6 +61,8 @@ class _Running:
     c0: int
     g0: int
     """Tokens generated before this admission."""
+    first: float | None = None
+    """When the prefill of its admission iteration ended (its first token of this run)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -90,6 +92,8 @@ class ILSWorker:
     """When the prefill of the iteration under way ends."""
     last_completion: float | None = None
     busy_time: float = 0.0
+    clock: StepClock = field(default_factory=StepClock)
+    """When each iteration ended: the times its running requests' tokens were streamed."""
 
 
 class ILSSimulation(CBSimBase):
@@ -183,6 +187,7 @@ class ILSSimulation(CBSimBase):
         r = run.req
         del w.running[r.rid]
         r.num_generated = run.g0 + (w.it - run.t0)
+        w.clock.received(r.payload, run.t0, run.first)
         w.ctx_base -= run.c0 - run.t0
         if self.paged:
             w.used_blocks -= -(-(run.c0 + w.it - run.t0) // self.B)
@@ -225,8 +230,10 @@ class ILSSimulation(CBSimBase):
 
     def _end_step(self, w: ILSWorker, now: float) -> None:
         w.it += 1
+        w.clock.ended(now)
         w.last_completion = now
         for fresh in w.new:
+            fresh.first = w.first_at
             # Its prefill ran (after a preemption, a recompute of prompt + generated).
             fresh.req.payload.count_prefill(fresh.c0)
             if fresh.req.first_token is None:

@@ -36,6 +36,26 @@ class SimPayload:
     """Its first prefill has run."""
     reprefill_tokens: int = 0
     """Tokens whose KV an earlier prefill or decode step had computed, computed again."""
+    last_token_at: float | None = None
+    """When a streaming client received its latest token (virtual clock)."""
+    max_gap: float | None = None
+    """Longest wait between two consecutive tokens so far (None: fewer than two)."""
+
+    def received(self, first: float, last: float, within: float | None) -> None:
+        """A run of tokens reached the client: the first at ``first``, the last at ``last``,
+        ``within`` the longest gap between two of them (None: a single token).
+
+        The gap from the previous run's last token to ``first`` counts too: that is
+        where a stream waits for its next slice (the pool, the worker's queue, the
+        next prefill) or for its next admission after a preemption.
+        """
+        gap = within
+        if self.last_token_at is not None:
+            into = first - self.last_token_at
+            gap = into if gap is None else max(gap, into)
+        if gap is not None and (self.max_gap is None or gap > self.max_gap):
+            self.max_gap = gap
+        self.last_token_at = last
 
     def count_prefill(self, own_tokens: int) -> None:
         """A prefill computed ``own_tokens`` of this request's context.

@@ -76,6 +76,34 @@ def test_grants_give_the_hf_engines_tokens_and_never_overcommit_kv(daemon) -> No
     assert c["reused_tokens"] > 0  # grants resumed the KV their predecessors kept
 
 
+def test_structured_output_min_tokens_and_logit_bias_across_grants(daemon) -> None:
+    """Served by hf-cb workers, not refused: each grant resumes the request's grammar state."""
+    import json
+
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+
+    async def run() -> list[P.Done]:
+        async with AsyncClient(daemon.sock) as c:
+            return list(await asyncio.gather(
+                c.complete(prompt="Answer in JSON:", max_tokens=40, temperature=0.0,
+                           structured=P.Structured(kind="json_schema", value=json.dumps(schema))),
+                c.complete(prompt="Yes or no?", max_tokens=10, temperature=0.0,
+                           structured=P.Structured(kind="choice", value='["yes", "no", "maybe"]')),
+                c.complete(prompt="Hello", max_tokens=12, temperature=0.0, min_tokens=9,
+                           logit_bias={2: 100.0}),  # EOS heavily favoured: held back for 9 tokens
+                c.complete(prompt="Hello", max_tokens=12, temperature=0.0, logit_bias={77: 100.0})))
+
+    js, choice, held, forced = asyncio.run(run())
+    assert js.finish_reason == "stop" and js.timings.slices > 1
+    value = json.loads(js.text)
+    assert set(value) == {"ok", "n"} and value["n"] in (1, 2, 3)
+    assert choice.finish_reason == "stop" and choice.text in ("yes", "no", "maybe")
+    assert held.finish_reason == "stop" and len(held.token_ids) == 10 and held.timings.slices == 3
+    assert forced.token_ids == [77] * 12
+
+
 def test_a_worker_killed_during_grants_loses_no_request(daemon) -> None:
     want = _reference(PROMPTS, 40)
 

@@ -181,7 +181,7 @@ def test_errors_unknown_model_bad_parameter(stack) -> None:
         client.completions.create(model="tiny-random", prompt="x", max_tokens=100_000)
     assert e.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny-random", prompt="x", extra_body={"guided_json": {}})
+        client.completions.create(model="tiny-random", prompt="x", extra_body={"guided_json": 5})
     assert e.value.body["param"] == "guided_json"
     r = httpx2.get(http.url + "/health")
     assert r.status_code == 200

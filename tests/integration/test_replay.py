@@ -39,6 +39,17 @@ def test_replay_trace_times_and_poisson(daemon, tmp_path: Path) -> None:
     assert s["slices_per_req"] == pytest.approx(sum(-(-o // 4) for _, _, o in rows) / 6)
     assert s["batches"] > 0 and s["avg_batch_size"] >= 1
     assert s["policy"] == "scls" and s["workers"] == 2
+    # Every request of more than one token streamed across slices: its longest gap between
+    # two deltas is measured, bounded by the run, and goodput counts against both SLOs.
+    assert 0 < s["p50_gap_s"] <= s["max_gap_s"] <= s["duration_s"]
+    assert 0 <= s["goodput_rps"] <= s["throughput_rps"]
+
+    rc = bench_main(["replay", "--socket", daemon.sock, "--status-socket", daemon.status_sock,
+                     "--trace", str(trace), "--num", "6", "--id-range", "256", "--no-progress",
+                     "--slo-gap", "0", "--json", str(out)])
+    s = json.loads(out.read_text())
+    # No request of two tokens or more has its tokens all at once: a gap bound of 0 fails them.
+    assert rc == 0 and s["goodput_rps"] * s["duration_s"] == pytest.approx(1)  # the 1-token request
 
     rc = bench_main(["replay", "--socket", daemon.sock, "--status-socket", daemon.status_sock,
                      "--trace", str(trace), "--num", "6", "--rate", "50", "--scale", "0.5",

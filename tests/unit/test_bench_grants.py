@@ -115,13 +115,17 @@ def test_table_has_scls_cb_rows_and_dashes_for_migrations_of_baselines(rows: lis
         for rate in (20, 5, 2):
             assert f"| {trace} {rate} | scls-cb |" in md
     paged = next(line for line in md.splitlines() if line.startswith("| ShareGPT 2 | ils-paged |"))
-    assert paged.split("|")[9].strip() == "–"  # no migrations column value for continuous batching
+    cells = [c.strip() for c in paged.split("|")]
+    header = [c.strip() for c in md.splitlines()[2].split("|")]
+    assert cells[header.index("migrations")] == "–"  # no migrations for continuous batching
+    for col in ("goodput req/s", "gap p50 s", "gap p99 s"):
+        assert cells[header.index(col)] not in ("", "–")
 
 
 def test_targets_are_derived_from_the_runs(rows: list[dict[str, Any]]) -> None:
     checks = report.targets(rows, "toy")
-    # Per trace: at rate 20 six checks, at rates 5 and 2 three each.
-    assert len(checks) == 3 * (6 + 3 + 3)
+    # Per trace: at rate 20 six checks, at rates 5 and 2 four each (goodput among them).
+    assert len(checks) == 3 * (6 + 4 + 4)
     cb = report.find(rows, "toy", "sharegpt", 20.0, "scls-cb")
     paged = report.find(rows, "toy", "sharegpt", 20.0, "ils-paged")
     assert cb is not None and paged is not None
@@ -151,6 +155,13 @@ def test_targets_are_derived_from_the_runs(rows: list[dict[str, Any]]) -> None:
     assert "| no (not reachable) |" in report.target_table(capped, "toy")
     late = edit(rows, "mooncake", 2.0, "scls-cb", avg_latency_s=1e6)
     assert verdicts(late)[("Mooncake 2", "avg RT ≤ 1.0× ils-paged's")]["met"] is False
+    good = ("ShareGPT 5", "goodput ≥ ils-paged's (TTFT ≤ 2 s, no gap > 1 s)")
+    p5 = report.find(rows, "toy", "sharegpt", 5.0, "ils-paged")
+    assert p5 is not None and verdicts(rows)[good]["ratio"] == pytest.approx(
+        report.find(rows, "toy", "sharegpt", 5.0, "scls-cb")["goodput_rps"] / p5["goodput_rps"])  # type: ignore[index]
+    assert verdicts(edit(rows, "sharegpt", 5.0, "ils-paged", goodput_rps=1e6))[good]["met"] is False
+    assert verdicts(edit(rows, "sharegpt", 5.0, "ils-paged", goodput_rps=0.0))[good]["met"] is True
+    assert not any("goodput" in t for c, t in verdicts(rows) if c.endswith(" 20"))
     bad = edit(rows, "azure-code", 5.0, "scls-cb", preemptions=3)
     assert verdicts(bad)[("Azure code 5", "preemptions = 0")]["met"] is False
 

@@ -60,6 +60,8 @@ def test_shipped_config_documents_every_key() -> None:
         ("[daemon]\ndrain_timeout_s = inf", "daemon.drain_timeout_s"),
         ("[workers]\nrestart_backoff_s = nan", "workers.restart_backoff_s"),
         ("[scheduler]\ngamma_s = 0", "scheduler.gamma_s"),
+        ("[scheduler]\nmax_slice_gap_s = -1", "scheduler.max_slice_gap_s"),
+        ("[scheduler]\nmax_slice_gap_s = inf", "scheduler.max_slice_gap_s"),
         ("[daemon]\nallowed_uids = [0, -1]", "daemon.allowed_uids"),
         ("[daemon]\nstatus_allowed_uids = [-5]", "daemon.status_allowed_uids"),
         ("[daemon]\nadmin_uids = [-1]", "daemon.admin_uids"),

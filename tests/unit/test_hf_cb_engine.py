@@ -176,9 +176,10 @@ def test_warm_up_starts_the_manager_before_registering() -> None:
         cb.close()
 
 
-def test_min_tokens_and_logit_bias_are_refused_with_the_reason(engines) -> None:
+def test_min_tokens_and_logit_bias_are_served(engines) -> None:
+    # Applied per request (tests/unit/test_hf_cb_rules.py); here: no longer refused.
     cb = engines[0]
-    assert not cb.info().caps.min_tokens and not cb.info().caps.logit_bias
-    for extra, why in ((dict(min_tokens=3), "min_tokens"), (dict(logit_bias={5: 1.0}), "logit_bias")):
-        with pytest.raises(RuntimeError, match=why):
-            cb.serve(P.BatchMsg(batch_id=9, slice_len=4, requests=rows([[5, 6]], 4, **extra)))
+    assert cb.info().caps.min_tokens and cb.info().caps.logit_bias
+    for extra in (dict(min_tokens=3), dict(logit_bias={5: 1.0})):
+        (out,), _ = cb.serve(P.BatchMsg(batch_id=9, slice_len=4, requests=rows([[5, 6]], 4, **extra)))
+        assert out.token_ids

@@ -17,7 +17,8 @@ CONTRACT = (
     "requests completed duration_s throughput_rps output_tps avg_latency_s p95_latency_s "
     "avg_ttft_s p95_ttft_s avg_batch_size pad_tokens_per_req invalid_tokens_per_req "
     "slices_per_req early_return_ratio ct_std_s oom_events policy profile rate workers slice_len "
-    "reprefill_tokens_per_req work_conserving kv_reuse"
+    "reprefill_tokens_per_req work_conserving kv_reuse goodput_rps p50_gap_s p95_gap_s "
+    "p99_gap_s max_gap_s slo"
 ).split()
 
 
@@ -45,7 +46,24 @@ def test_json_contract(tmp_path: Path, policy: str, capsys: pytest.CaptureFixtur
     assert not missing
     assert d["policy"] == policy and d["workers"] == 2 and d["rate"] == 4.0
     assert d["completed"] == d["requests"] > 0
-    assert "throughput (req/s)" in capsys.readouterr().out
+    assert d["slo"] == {"ttft_s": 2.0, "tpot_s": None, "e2e_s": None, "gap_s": 1.0}
+    assert 0 <= d["goodput_rps"] <= d["throughput_rps"]
+    text = capsys.readouterr().out
+    assert "throughput (req/s)" in text and "goodput (req/s)" in text and "max gap p99 (s)" in text
+
+
+def test_slo_options_replace_the_default_slo(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.csv", arrivals=False)
+    runs = {}
+    for name, extra in (("loose", ["--slo-gap", "1e9"]), ("tight", ["--slo-gap", "1e-9"])):
+        out = tmp_path / f"{name}.json"
+        assert main(["sim", "--trace", str(trace), "--policy", "scls", "--workers", "2", "--rate",
+                     "4", "--duration", "5", "--json", str(out), "--no-progress", *extra]) == 0
+        runs[name] = json.loads(out.read_text())
+    assert runs["loose"]["slo"]["ttft_s"] is None and runs["loose"]["slo"]["gap_s"] == 1e9
+    # Without a TTFT bound every completed request meets a gap bound no gap reaches.
+    assert runs["loose"]["goodput_rps"] == runs["loose"]["throughput_rps"] > 0
+    assert runs["tight"]["goodput_rps"] == 0.0
 
 
 @pytest.mark.parametrize("policy", ALL_POLICIES)

@@ -78,6 +78,8 @@ class GrantControl:
         self.kv_peak = 0
         self.wake: Callable[[], None] = lambda: None
         """Wakes the generation loop when it idles (set to the manager's event)."""
+        self.forget: Callable[[str], None] = lambda tid: None
+        """Hears every request dropped or evicted (the engine forgets its per-request rules)."""
 
     def admit(self, tid: str, allowance: Allowance) -> None:
         """Before ``add_request(tid)``: where the new request stops."""
@@ -100,6 +102,7 @@ class GrantControl:
             self.allow.pop(tid, None)
             self.evicted.discard(tid)
             self.drops.add(tid)
+        self.forget(tid)
         self.wake()
 
     def take_evicted(self, tids: Iterable[str]) -> set[str]:
@@ -201,6 +204,7 @@ class GrantScheduler(FIFOScheduler):
                 c.allow.pop(tid, None)
                 c.held.pop(tid, None)
                 c.evicted.add(tid)
+                c.forget(tid)
                 self._admitted.discard(tid)
                 log.warning("evicted the kept KV of %s (%d tokens) to make room", tid,
                             state.position_offset)

@@ -28,7 +28,7 @@ from sclsd.protocol import BatchRequest
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BatchGrammar", "batch_grammar", "grammar_tokenizer", "supported"]
+__all__ = ["BatchGrammar", "batch_grammar", "grammar_for", "grammar_tokenizer", "row_matcher", "supported"]
 
 
 @functools.cache
@@ -58,9 +58,32 @@ def batch_grammar(reqs: Sequence[BatchRequest], spec: Any, vocab: int, eos: Sequ
     """The batch's grammars, or None when no row has one."""
     if not any(r.grammar for r in reqs):
         return None
+    return BatchGrammar(reqs, grammar_for(spec, vocab, eos), vocab, device)
+
+
+def grammar_for(spec: Any, vocab: int, eos: Sequence[int]) -> Any:
+    """llguidance's tokenizer for model ``spec`` (:func:`grammar_tokenizer`); a ValueError
+    that says why when llguidance is not installed."""
     if not supported():
         raise ValueError("structured output needs llguidance (pip install 'sclsd[worker]')")
-    return BatchGrammar(reqs, grammar_tokenizer(spec, vocab, tuple(eos)), vocab, device)
+    return grammar_tokenizer(spec, vocab, tuple(eos))
+
+
+def row_matcher(r: BatchRequest, tokenizer: Any) -> Any:
+    """A matcher for ``r``'s grammar in the state after the tokens ``r`` generated in earlier
+    slices (the ``generated`` tail of its context, replayed); ValueError if the grammar is
+    not valid or those tokens do not follow it."""
+    import llguidance
+
+    assert r.grammar is not None
+    m = llguidance.LLMatcher(tokenizer, r.grammar)
+    if m.is_error():
+        raise ValueError(f"request {r.rid!r}: its grammar is not valid: {m.get_error()}")
+    tail = r.token_ids[len(r.token_ids) - r.generated:] if r.generated else []
+    if tail and not m.consume_tokens(tail):
+        raise ValueError(f"request {r.rid!r}: its earlier tokens do not follow its grammar "
+                         f"({m.get_error()})")
+    return m
 
 
 class BatchGrammar:
@@ -71,18 +94,7 @@ class BatchGrammar:
         import llguidance.torch
 
         self.rows = [i for i, r in enumerate(reqs) if r.grammar]
-        self.matchers: dict[int, Any] = {}
-        for i in self.rows:
-            r = reqs[i]
-            assert r.grammar is not None
-            m = llguidance.LLMatcher(tokenizer, r.grammar)
-            if m.is_error():
-                raise ValueError(f"request {r.rid!r}: its grammar is not valid: {m.get_error()}")
-            tail = r.token_ids[len(r.token_ids) - r.generated:] if r.generated else []
-            if tail and not m.consume_tokens(tail):
-                raise ValueError(f"request {r.rid!r}: its earlier tokens do not follow its grammar "
-                                 f"({m.get_error()})")
-            self.matchers[i] = m
+        self.matchers: dict[int, Any] = {i: row_matcher(reqs[i], tokenizer) for i in self.rows}
         self.bitmask = llguidance.torch.allocate_token_bitmask(len(reqs), vocab)
         self.device = device
 

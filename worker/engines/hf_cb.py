@@ -24,11 +24,14 @@ once (``kv_peak_tokens``). With ``kv_reuse`` off a row ends with its batch.
 
 Sampling: on unless started with ``sampling = false`` (greedy only); each request's
 temperature, top-k and top-p go to transformers' per-request warpers (greedy rows as
-top-k 1). A seed, ``min_tokens``, ``logit_bias`` and grammars are refused per batch
-(transformers seeds per manager and applies none of the others per request), and the
-engine's caps say so, so the daemon refuses such requests at admission. Prefix
-sharing is off: the daemon's KV accounting (and ``prefill_tokens``) assumes every
-request holds its own blocks.
+top-k 1). A seed is refused per batch (transformers seeds per manager), and the
+engine's caps say so, so the daemon refuses seeded requests at admission. Each row's
+``min_tokens``, ``logit_bias`` and grammar are applied per request, greedy or sampled,
+by a logits processor of the engine's own that transformers runs before its warpers
+(:mod:`worker.engines.cb_constraints`); a grammar's matcher stays with a request kept
+between grants and is replayed from the row's tokens when the request is served
+fresh. Prefix sharing is off: the daemon's KV accounting (and ``prefill_tokens``)
+assumes every request holds its own blocks.
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ from typing import Any
 
 from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, EngineCaps, RequestOutput
 from worker.engines.base import EMPTY, Done, Emit, EngineInfo, Stream, Take
+from worker.engines.cb_constraints import RequestRules, RowRules
 from worker.engines.cb_grants import Allowance, GrantControl, register, unregister
+from worker.engines.grammar import supported as grammar_supported
 from worker.engines.hf import HFEngine, peak_memory
 
 log = logging.getLogger(__name__)
@@ -128,10 +133,6 @@ def sampling_refusal(batch: BatchMsg, sampling: bool) -> str | None:
         return "hf-cb serves greedy decoding only (temperature 0) unless started with sampling = true"
     if any(r.seed is not None for r in hot):
         return "hf-cb cannot seed a request (transformers seeds per manager)"
-    if any(r.logit_bias for r in batch.requests):
-        return "hf-cb does not apply logit_bias"
-    if any(r.min_tokens > r.generated for r in batch.requests):
-        return "hf-cb does not apply min_tokens"
     return None
 
 
@@ -142,6 +143,19 @@ def sampling_kwargs(r: BatchRequest, vocab: int) -> dict[str, Any]:
         return {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
     top_k = r.top_k if 0 < r.top_k < vocab else vocab  # the whole vocabulary: no cut
     return {"temperature": float(r.temperature), "top_k": int(top_k), "top_p": float(r.top_p)}
+
+
+def row_stops(r: BatchRequest, eos: list[int]) -> tuple[int, ...]:
+    """The tokens that end row ``r``: EOS (unless ``ignore_eos``) and its ``stop_token_ids``."""
+    return tuple(dict.fromkeys([*([] if r.ignore_eos else eos), *r.stop_token_ids]))
+
+
+def resumes(kept: _Kept | None, batch: BatchMsg, r: BatchRequest, stops: tuple[int, ...],
+            rules: RequestRules) -> bool:
+    """Whether row ``r`` of ``batch`` resumes request ``kept`` (unless it is evicted first): the
+    same context, stop tokens and rules, and ``kv_reuse`` on."""
+    return (kept is not None and batch.kv_reuse and kept.tokens == list(r.token_ids)
+            and kept.stops == stops and rules.same(kept.tid, r))
 
 
 @dataclass
@@ -211,6 +225,17 @@ class PausedRequests:
         with self.lock:
             self.running.add(rid)
             return self.kept.pop(rid, None)
+
+    def peek(self, rid: str) -> _Kept | None:
+        """What is kept for ``rid`` (left there)."""
+        with self.lock:
+            return self.kept.get(rid)
+
+    def end_unstarted(self, rid: str) -> None:
+        """A row of ``rid`` that :meth:`start` announced did not start after all."""
+        with self.lock:
+            self.running.discard(rid)
+            self.release_at_end.discard(rid)
 
     def end(self, row: _Row, generated: list[int] | None, control: GrantControl) -> int:
         """Keep ``row``'s request paused (``generated``: this batch's tokens) or drop it;
@@ -302,6 +327,8 @@ class HFCBEngine(HFEngine):
         self._scheduler_name = ""
         self._tids = itertools.count()
         self._paused = PausedRequests()
+        self._rules = RequestRules(1, "cpu")  # replaced with the manager's own; never None
+        """The running manager's per-request rules (min_tokens, logit_bias, grammars)."""
 
     def info(self) -> EngineInfo:
         """HFEngine's, with M_ava what the paged cache holds (known once it exists)."""
@@ -322,11 +349,11 @@ class HFCBEngine(HFEngine):
 
     def caps(self) -> EngineCaps:
         """Continuous batching; sampling when started with it, never seeded; whole pages (the
-        daemon's grants reserve them)."""
+        daemon's grants reserve them); min_tokens, logit_bias and grammars per request."""
         page = getattr(self, "cache_opts", {}).get("page_size", 1) or 1
         return EngineCaps(batching="continuous", sampling=getattr(self, "sampling", False),
                           seeded=False, max_context=self.max_context, kv_page_tokens=page,
-                          min_tokens=False, logit_bias=False)
+                          min_tokens=True, logit_bias=True, grammar=grammar_supported())
 
     # ------------------------------------------------------------------ the manager
 
@@ -349,6 +376,8 @@ class HFCBEngine(HFEngine):
         mgr = self.model.init_continuous_batching(generation_config=self.gen_config,
                                                   continuous_batching_config=cfg)
         control.wake = mgr._wake_up_loop.set
+        rules = RequestRules.for_manager(mgr, int(self.config.vocab_size), self.device)
+        control.forget = rules.forget
         if self.device.type == "cuda":
             import torch
 
@@ -361,7 +390,7 @@ class HFCBEngine(HFEngine):
         mgr._generation_thread = threading.Thread(target=mgr._run_generation_loop,
                                                   name="hf-cb-generation", daemon=True)
         mgr._generation_thread.start()
-        self._mgr, self._control, self._scheduler_name = mgr, control, name
+        self._mgr, self._control, self._scheduler_name, self._rules = mgr, control, name, rules
         return mgr
 
     def _drop_manager(self) -> None:
@@ -436,6 +465,8 @@ class HFCBEngine(HFEngine):
             return
         try:
             self.check_batch(batch, self.vocab_size or None)
+            # Rules (grammars compiled, replayed) for the rows that will not resume a kept request.
+            rules = [None if self._resumable(batch, r) else self._row_rules(r) for r in batch.requests]
         except ValueError as exc:
             emit(batch, None, None, str(exc))
             return
@@ -443,26 +474,48 @@ class HFCBEngine(HFEngine):
         if not batch.requests:
             self._emit_done(p, emit)
             return
+        started: list[_Row] = []
+        for r, rr in zip(batch.requests, rules, strict=True):
+            try:
+                started.append(self._start_row(mgr, batch, r, p, rr))
+            except ValueError as exc:  # only a kept request evicted just now, whose rules then fail
+                self._paused.end_unstarted(r.rid)
+                for row in started:
+                    self._paused.end(row, None, self._control)
+                return emit(batch, None, None, str(exc))
         pending[batch.batch_id] = p
-        for r in batch.requests:
-            row = self._start_row(mgr, batch, r, p)
+        for row in started:
             owner[row.tid] = row
 
-    def _start_row(self, mgr: Any, batch: BatchMsg, r: BatchRequest, p: _Pending) -> _Row:
-        """Resume ``r``'s kept request if its context matches, else add a fresh one."""
+    def _resumable(self, batch: BatchMsg, r: BatchRequest) -> bool:
+        """Whether ``r`` will resume its kept request (unless evicted meanwhile)."""
+        return resumes(self._paused.peek(r.rid), batch, r, row_stops(r, self.eos), self._rules)
+
+    def _row_rules(self, r: BatchRequest) -> RowRules | None:
+        return self._rules.for_row(r, row_stops(r, self.eos), self.spec, self.eos)
+
+    def _start_row(self, mgr: Any, batch: BatchMsg, r: BatchRequest, p: _Pending,
+                   rules: RowRules | None) -> _Row:
+        """Resume ``r``'s kept request if its context (and rules) match, else add a fresh one
+        with ``rules`` (``r``'s, built unless it was to resume: a resumed request keeps its
+        own, matcher included). ValueError: rules that cannot be built."""
         cap = min(r.max_new_tokens, batch.slice_len)
-        stops = tuple(dict.fromkeys([*([] if r.ignore_eos else self.eos), *r.stop_token_ids]))
+        stops = row_stops(r, self.eos)
         keep = batch.kv_reuse and cap < r.max_new_tokens  # only a slice's end leaves more to do
         kept = self._paused.start(r.rid)
         ctx = list(r.token_ids)
-        if (kept is not None and batch.kv_reuse and kept.tokens == ctx and kept.stops == stops
+        if (kept is not None and resumes(kept, batch, r, stops, self._rules)
                 and self._control.resume(kept.tid, Allowance(len(ctx) + cap, keep))):
             p.reused_tokens += len(ctx) - 1
             return _Row(batch.batch_id, r, kept.tid, cap, len(ctx) - kept.added_len, kept.added_len,
                         stops, keep, reused=len(ctx) - 1)
         if kept is not None:
             self._control.drop(kept.tid)
+        if rules is None:  # it was to resume, but was evicted meanwhile
+            rules = self._row_rules(r)
         tid = f"{r.rid}#{next(self._tids)}"  # unique: a rid served again never meets its old self
+        if rules is not None:
+            self._rules.add(tid, rules)  # before transformers can schedule it
         self._control.admit(tid, Allowance(len(ctx) + cap, keep))
         mgr.add_request(input_ids=ctx, request_id=tid, max_new_tokens=NO_LIMIT, streaming=True,
                         eos_token_id=list(stops) if stops else -1,

@@ -70,6 +70,7 @@ class ClientEvents:
             ttft_s=None if r.first_token is None else r.first_token - r.arrival,
             e2e_s=now - r.arrival,
             slices=r.slices,
+            max_gap_s=e.max_gap_s,
         )
 
     def _named(self, lps: list[P.TokenLogprobs]) -> list[P.TokenLogprobs]:

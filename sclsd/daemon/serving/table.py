@@ -40,6 +40,19 @@ class Entry:
     started_at: float | None = None
     """When a worker started its first slice: that batch's dispatch plus the time it waited
     in the worker's local queue (its result says), so the queue time counts that wait too."""
+    last_token_at: float | None = None
+    """When the daemon last got new tokens for it (streamed, or in a result)."""
+    max_gap_s: float | None = None
+    """Longest wait between two such arrivals, first token to last (None: fewer than two):
+    what a streaming client sees between two deltas, a slice boundary's stall included."""
+
+    def tokens_at(self, now: float) -> None:
+        """New tokens for this request reached the daemon at ``now``."""
+        if self.last_token_at is not None:
+            gap = now - self.last_token_at
+            if self.max_gap_s is None or gap > self.max_gap_s:
+                self.max_gap_s = gap
+        self.last_token_at = now
 
     @property
     def rid(self) -> str:

@@ -142,3 +142,45 @@ def test_a_request_no_worker_started_has_no_queue_time(daemon) -> None:
         assert value(scrape(h.server), "sclsd:request_queue_time_seconds_count") == 0
 
     daemon(body)
+
+
+def test_the_longest_gap_between_deltas_is_measured_per_request(daemon) -> None:
+    """A request served in two slices whose second batch waits in its worker's queue: the
+    stream freezes that long between its deltas. ``done.timings.max_gap_s`` and the gap
+    histogram say so."""
+    async def body(h: Harness) -> None:
+        w = h.worker("w0", hold=True)
+        await h.registered("w0")
+        conn = RecConn()
+        await h.submit(conn, id="g", max_tokens=16, ignore_eos=True, stream=True)  # 2 slices of 8
+        await held(w)
+        w.release()  # the first slice runs at once
+        await held(w)  # the second batch, held in the worker's queue
+        await conn.wait_for(lambda: bool(conn.events("g", P.Delta)))  # the first slice streamed
+        await asyncio.sleep(HOLD_S)  # the stream freezes this long
+        w.release()
+        await h.finished(conn, "g")
+        (done,) = conn.terminal("g")
+        assert done.timings.slices == 2 and done.usage.completion_tokens == 16
+        gap = done.timings.max_gap_s
+        assert gap is not None and HOLD_S <= gap <= done.timings.e2e_s - done.timings.ttft_s
+        s = scrape(h.server)
+        assert value(s, "sclsd:request_max_inter_token_gap_seconds_count") == 1
+        assert value(s, "sclsd:request_max_inter_token_gap_seconds_bucket", le="0.1") == 0
+        assert value(s, "sclsd:request_max_inter_token_gap_seconds_sum") == gap
+
+    daemon(body)
+
+
+def test_a_single_token_has_no_gap(daemon) -> None:
+    async def body(h: Harness) -> None:
+        h.worker("w0")
+        await h.registered("w0")
+        conn = RecConn()
+        await h.submit(conn, id="one", max_tokens=1, stream=True)
+        await h.finished(conn, "one")
+        (done,) = conn.terminal("one")
+        assert done.timings.max_gap_s is None
+        assert value(scrape(h.server), "sclsd:request_max_inter_token_gap_seconds_count") == 0
+
+    daemon(body)

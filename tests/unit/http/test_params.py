@@ -73,7 +73,7 @@ def test_logprobs_forms() -> None:
 
 
 def test_unknown_parameters_are_named_and_unservable_ones_say_why() -> None:
-    for name in ("typo", "guided_json", "use_beam_search"):
+    for name in ("typo", "guided_decoding_backend", "use_beam_search"):
         e = err("completion", {"prompt": "a", name: 1})
         assert e.status == 400 and e.param == name and name in e.message
         assert e.code == "unsupported_parameter"
@@ -195,3 +195,33 @@ def test_response_format_becomes_the_daemons_structured_output() -> None:
     assert g.structured == P.Structured(kind="json_object")
     (g,) = parse("chat", {"messages": USER, "response_format": {"type": "text"}}, 64).messages("r")
     assert g.structured is None
+
+
+def test_vllms_structured_output_parameters_become_the_daemons_structured_output() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+    def one(kind: str, **extra: object) -> P.Structured | None:
+        body = {"messages": USER} if kind == "chat" else {"prompt": "a"}
+        (g,) = parse(kind, {**body, **extra}, 64).messages("r")  # type: ignore[arg-type]
+        return g.structured
+
+    assert one("chat", structured_outputs={"json": schema}) == P.Structured(
+        kind="json_schema", value=json.dumps(schema))
+    assert one("completion", guided_json=json.dumps(schema)) == P.Structured(
+        kind="json_schema", value=json.dumps(schema))
+    assert one("chat", structured_outputs={"regex": "[0-9]+"}) == P.Structured(kind="regex", value="[0-9]+")
+    assert one("completion", guided_choice=["yes", "no"]) == P.Structured(kind="choice", value='["yes", "no"]')
+    assert one("chat", guided_grammar='start: "a"') == P.Structured(kind="lark", value='start: "a"')
+    assert one("chat", structured_outputs={"json_object": True}) == P.Structured(kind="json_object")
+    assert one("chat", structured_outputs={"regex": None, "choice": ["x"]}) == P.Structured(
+        kind="choice", value='["x"]')  # null keys are not given, as everywhere
+    assert "structured" in parse("chat", {"messages": USER, "guided_regex": "a"}, 64).features
+    # One kind at a time, from one source; bad values name the parameter.
+    assert err("chat", {"messages": USER, "guided_regex": "a", "guided_choice": ["b"]}).param == "guided_choice"
+    assert err("chat", {"messages": USER, "structured_outputs": {"regex": "a"},
+                        "response_format": {"type": "json_object"}}).param == "structured_outputs"
+    assert err("chat", {"messages": USER, "structured_outputs": {"structural_tag": "x"}}).code == (
+        "unsupported_parameter")
+    assert err("chat", {"messages": USER, "guided_choice": []}).param == "guided_choice"
+    assert err("chat", {"messages": USER, "guided_json": "{not json"}).param == "guided_json"
+    assert err("chat", {"messages": USER, "guided_regex": ""}).param == "guided_regex"

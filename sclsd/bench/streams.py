@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="1: the OpenAI clients' default")
     p.add_argument("--slice-len", type=int, default=32, help="S of the static scls configuration")
     p.add_argument("--warmup", type=int, default=2, help="requests served first and not counted")
-    p.add_argument("--gap-bound", type=float, default=1.0, help="a stream with a longer gap counts as stalled")
+    p.add_argument("--gap-bound", type=float, default=DEFAULT_SLO.gap_s, help="a stream with a longer gap counts as stalled")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument("--out", default="out/streams", help="directory for streams.json and streams.md")
 

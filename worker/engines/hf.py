@@ -42,14 +42,16 @@ from sclsd.protocol import (
 from worker.engines.base import Emit, Engine, EngineInfo, TokenCursor
 from worker.engines.grammar import batch_grammar
 from worker.engines.grammar import supported as grammar_supported
+from worker.engines.graph_check import check_graphs
 from worker.engines.kvstore import KVReuse, KVStore, Retained, assemble_past, supports_reuse
 from worker.engines.sampling import BatchSampler, Draw, random_seed
 from worker.engines.static import (
+    STATIC_ATTENTION,
     StaticOptions,
     StaticRun,
     StaticRunner,
     activation_reserve,
-    check_graphs,
+    attention_kind,
 )
 
 log = logging.getLogger(__name__)
@@ -256,6 +258,9 @@ class HFEngine(Engine):
         """The static-cache path (None: every batch runs eagerly)."""
         if opts.on and not supports_reuse(self.config):
             log.warning("%s: its cache layers are not all full attention; no static cache", self.spec.name)
+        elif opts.on and attention_kind(self.config) not in STATIC_ATTENTION:
+            log.warning("%s: %s attention takes no 4-D mask; no static cache", self.spec.name,
+                        attention_kind(self.config))
         elif opts.on:
             self.static = opts.runner(self.model, self.config, self.device, self.dtype, self.kv_limit,
                                       self.delta, self.pad_id, self.max_context)
@@ -278,7 +283,7 @@ class HFEngine(Engine):
         if self.device.type != "cuda":
             return int(self.mem_budget or DEFAULT_CPU_BUDGET)
         free, _total = torch.cuda.mem_get_info(self.device)
-        reserve = activation_reserve(self.config, self.dtype, opts.reserve_tokens, max(opts.batch_sizes))
+        reserve = activation_reserve(self.config, self.dtype, opts.reserve_tokens, opts.reserve_rows)
         log.info("KV memory: %.2f GiB free after the weights, %.2f GiB kept for activations",
                  free / 2**30, reserve / 2**30)
         return max(0, int(free) - reserve)
@@ -318,7 +323,7 @@ class HFEngine(Engine):
         self.static.warm_up(progress)
         if self.static.captured():
             try:
-                check_graphs(self, progress)
+                check_graphs(self, progress)  # drops the steps whose replay is wrong
             except Exception as exc:  # noqa: BLE001 - the eager step still serves; say why
                 log.warning("warming: serving with the captured decode steps failed (%s: %s); "
                             "dropping them, decode runs eagerly", type(exc).__name__, exc)
@@ -479,9 +484,14 @@ class HFEngine(Engine):
         return self.kv.store.take_evicted() if self.kv is not None else []
 
     def close(self) -> None:
-        """Drop the model and give cached CUDA memory back."""
+        """Drop the model, the static path (its arena and captured graphs) and the kept KV,
+        and give cached CUDA memory back."""
         import torch
 
         self.model = None
+        self.static = None
+        if self.kv is not None:
+            self.kv.store.release()
+            self.kv = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

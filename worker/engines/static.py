@@ -44,9 +44,18 @@ from typing import Any
 log = logging.getLogger("worker")
 
 #: Batch-size buckets captured by default (those the arena can hold with the smallest cache).
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-#: Cache-length buckets captured by default (up to the model's context and the arena).
-DEFAULT_CACHE_TOKENS = (256, 512, 1024, 2048, 4096, 8192)
+#: A batch of more rows than the largest bucket still runs, eagerly in its own shape.
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+#: Cache-length buckets captured by default (up to the model's context and the arena), steps
+#: of 1.5× rather than 2×: the arena is a share of the KV memory, not a power of two, so a
+#: grid of powers of two misses common shapes at its edge (7B on an 80 GB H100: 65,290 slots,
+#: and (32 rows, 2048) needs 65,536, so 32 rows of 1024-token contexts found no graph; with
+#: 1536 they do, and every batch bucket's largest cache bucket fills at least 2/3 of its rows'
+#: share of the arena).
+DEFAULT_CACHE_TOKENS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+#: Rows whose sampling logits the activation reserve covers at least: the arena admits far
+#: more rows than the largest bucket (hundreds of short rows), all sampled in one step.
+RESERVE_ROWS = 512
 
 
 def parse_sizes(value: Any, name: str) -> tuple[int, ...]:
@@ -112,6 +121,12 @@ class StaticOptions:
         on the static path, a guess for the eager one, which does not chunk."""
         return self.prefill_chunk_tokens if self.on and self.prefill_chunk_tokens > 0 else 16384
 
+    @property
+    def reserve_rows(self) -> int:
+        """Rows whose sampling logits the activation reserve covers (:data:`RESERVE_ROWS` at
+        least: any batch the arena admits is served, bucket or not)."""
+        return max(max(self.batch_sizes), RESERVE_ROWS)
+
     @classmethod
     def parse(cls, device_type: str, default: bool, static_cache: Any, cuda_graphs: Any, share: Any,
               batch_sizes: Any, cache_tokens: Any, prefill_chunk_tokens: Any,
@@ -152,6 +167,17 @@ class StaticOptions:
         return StaticRunner(model, config, device, dtype, tokens, pad_id, self.batch_sizes,
                             self.cache_tokens, self.graphs, self.prefill_chunk_tokens, max_context,
                             self.buckets)
+
+
+#: Attention implementations the static path's 4-D mask is right for: SDPA takes it as a
+#: boolean mask, eager attention as an additive one (:meth:`StaticRunner.attention_mask`);
+#: flash attention and the paged kernels take no 4-D mask at all.
+STATIC_ATTENTION = ("sdpa", "eager")
+
+
+def attention_kind(config: Any) -> str:
+    """The attention implementation a loaded model runs (``sdpa`` when it does not say)."""
+    return str(getattr(config, "_attn_implementation", None) or "sdpa")
 
 
 def layer_shape(config: Any) -> tuple[int, int, int]:
@@ -239,7 +265,7 @@ class DecodeStep:
         and advances the layer counters), advance positions and the column."""
         r = self.runner
         self.mask.index_fill_(3, r.col, True)
-        out = r.model(input_ids=self.ids, attention_mask=self.mask, position_ids=self.pos,
+        out = r.model(input_ids=self.ids, attention_mask=r.attention_mask(self.mask), position_ids=self.pos,
                       past_key_values=self.cache, use_cache=True)
         self.pos.add_(1)
         r.col.add_(1)
@@ -291,12 +317,18 @@ class StaticRunner:
         self.cache_buckets = tuple(c for c in cache_tokens if c <= max(limit, min(cache_tokens)))
         smallest = min(self.cache_buckets, default=1)
         self.batch_buckets = tuple(n for n in batch_sizes if self.arena.fits(n, smallest))
-        rows = max(self.batch_buckets, default=1)
-        # Static inputs, shared by every bucket (each uses a prefix).
+        # Static inputs, shared by every step (each uses a prefix). As many rows as the arena
+        # admits (a row takes at least one slot), not the largest bucket: a batch of more rows
+        # runs eagerly in its own shape over these same buffers.
+        rows = self.arena.tokens
         self.ids = torch.full((rows, 1), pad_id, dtype=torch.long, device=device)
         self.pos = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.mask_flat = torch.zeros(self.arena.tokens, dtype=torch.bool, device=device)
         self.col = torch.zeros(1, dtype=torch.long, device=device)
+        self.additive = attention_kind(config) == "eager"
+        """The model's attention adds its mask (eager) rather than selecting with it (SDPA)."""
+        self.mask_values = (torch.zeros((), dtype=dtype, device=device),
+                            torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device))
         self.graphs_on = bool(graphs)
         self.bucketing = self.graphs_on if buckets is None else bool(buckets)
         """Batches run in bucket shapes (always with graphs; without, only when asked: tests)."""
@@ -339,6 +371,16 @@ class StaticRunner:
         """Forget every bucket step: decode runs eagerly, in each batch's own shape."""
         self.steps = {}
         self.graphs_on = self.bucketing = False
+
+    def attention_mask(self, mask: Any) -> Any:
+        """``mask`` (boolean, True: attend) as the model's attention takes it: as is for SDPA,
+        additive (0 or the dtype's lowest) for eager attention, which adds a 4-D mask to the
+        scores (a boolean one would add 0 or 1 and hide nothing)."""
+        import torch
+
+        if not self.additive:
+            return mask
+        return torch.where(mask, *self.mask_values)
 
     def reset_counters(self, column: int) -> None:
         self.arena.counters.fill_(column)
@@ -431,7 +473,7 @@ class StaticRun:
             q_cols = torch.arange(past + a, past + b, device=dev)
             mask = real[:, None, None, :] & (cols[None, None, None, :] <= q_cols[None, None, :, None])
             mask[:, 0, torch.arange(b - a, device=dev), q_cols] = True  # a pad query sees itself
-            out = r.model(input_ids=ids[:, a:b], attention_mask=mask, position_ids=pos[:, a:b],
+            out = r.model(input_ids=ids[:, a:b], attention_mask=r.attention_mask(mask), position_ids=pos[:, a:b],
                           past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :]
 
@@ -462,34 +504,3 @@ class StaticRun:
         mask = self.key_real.clone()
         mask[:, self.width:self.width + fed] = True
         return self.runner.arena.cache(plan.rows, plan.c), mask
-
-
-def check_graphs(engine: Any, progress: Callable[[str], None] | None = None) -> bool:
-    """Serve one small greedy batch with the captured steps and once more without: the same
-    tokens, or the graphs are dropped (with the reason logged) and decode runs eagerly.
-    Warms the prefill's first shapes on the way. Returns whether the graphs are kept."""
-    import random
-
-    from sclsd.protocol import BatchMsg, BatchRequest
-
-    runner: StaticRunner = engine.static
-    rng = random.Random(0)
-    vocab = int(getattr(engine, "vocab_size", 0) or engine.config.vocab_size)
-    rows = min(4, max(runner.batch_buckets, default=1))
-    reqs = [BatchRequest(rid=f"warm-up-{i}", token_ids=[rng.randrange(1, vocab) for _ in range(5 + 7 * i)],
-                         max_new_tokens=12, temperature=0.0, ignore_eos=True) for i in range(rows)]
-    batch = BatchMsg(batch_id=0, slice_len=12, requests=reqs, kv_reuse=False)
-    if progress is not None:
-        progress("warming: checking the decode graphs against the eager step")
-    graphed = [o.token_ids for o in engine.serve(batch)[0]]
-    runner.use_graphs = False
-    try:
-        eager = [o.token_ids for o in engine.serve(batch)[0]]
-    finally:
-        runner.use_graphs = True
-    if graphed == eager:
-        return True
-    log.warning("warming: the captured decode steps gave other tokens than the eager step "
-                "(%s against %s); dropping the graphs, decode runs eagerly", graphed, eager)
-    runner.drop_graphs()
-    return False

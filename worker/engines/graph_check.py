@@ -1,0 +1,98 @@
+"""The check of the static path's captured decode steps, before a worker registers.
+
+Each captured step is replayed and its body run eagerly on the same ``(n, c)`` bucket, the
+same arena and the same inputs, and their logits are compared within a tolerance: a step
+whose replay is wrong loses its graph and its bucket, the others stay, and the engine's
+caps list what is kept (docs/design.md §10).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from worker.engines.static import DecodeStep, StaticRunner
+
+log = logging.getLogger("worker")
+
+#: How far a replayed decode step's logits may be from the eager step's on the same inputs,
+#: as a share of the largest logit: reduction order differs between kernels (fp16 logits of a
+#: random 7B differ by ~1e-2), a graph that reads or writes the wrong memory is off by the
+#: logits' own scale.
+GRAPH_LOGIT_TOLERANCE = 0.02
+
+
+def verify(runner: StaticRunner, vocab: int,
+           tolerance: float = GRAPH_LOGIT_TOLERANCE) -> dict[tuple[int, int], float]:
+    """Replay each captured step and run its body eagerly on the same inputs (same rows,
+    columns, arena and counters); a step whose logits differ by more than ``tolerance`` of
+    the largest logit (or are not finite) is dropped with its bucket. Returns each checked
+    bucket's difference as that share."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    errors: dict[tuple[int, int], float] = {}
+    with torch.inference_mode():
+        for key in runner.captured():
+            step = runner.steps[key]
+            n, c = key
+            past = c // 2
+            ids = torch.randint(1, max(2, vocab), (n, 1), generator=gen).to(runner.device)
+
+            def load(step: DecodeStep = step, ids: Any = ids, past: int = past) -> None:
+                m = step.mask.view(step.n, step.c)
+                m.zero_()
+                m[:, :past] = True
+                step.ids.copy_(ids)
+                step.pos.fill_(past)
+                runner.reset_counters(past)
+
+            load()
+            eager = step.body().float().clone()
+            load()
+            got = step.run().float()
+            scale = float(eager.abs().max().clamp(min=1e-6))
+            err = float((got - eager).abs().max()) / scale
+            errors[key] = err if err == err else float("inf")  # NaN: not finite, fails
+            if not errors[key] <= tolerance:
+                del runner.steps[key]
+        runner.reset_counters(0)
+        runner.mask_flat.zero_()
+    return errors
+
+
+def check_graphs(engine: Any, progress: Callable[[str], None] | None = None,
+                 tolerance: float = GRAPH_LOGIT_TOLERANCE) -> bool:
+    """Check every captured decode step against its own body run eagerly on the same ``(n, c)``
+    and inputs (:func:`verify`): a step whose logits are further than
+    ``tolerance`` (a share of the largest logit) loses its graph, the others stay. Then serve
+    one small batch with what is kept, which warms the prefill's first shapes (an exception
+    there is the caller's to handle). Returns whether any graph is kept.
+
+    Logits, not greedy tokens, and the same shape, not another: a random-weight model in fp16
+    has near-tied logits, where a reduction-order difference between two shapes flips a token
+    without anything being wrong."""
+    import random
+
+    from sclsd.protocol import BatchMsg, BatchRequest
+
+    runner: StaticRunner = engine.static
+    vocab = int(getattr(engine, "vocab_size", 0) or engine.config.vocab_size)
+    if progress is not None:
+        progress("warming: checking the decode graphs against the eager step")
+    errors = verify(runner, vocab, tolerance)
+    bad = {k: e for k, e in errors.items() if not e <= tolerance}
+    if bad:
+        log.warning("warming: %d of %d captured decode steps gave other logits than their eager step "
+                    "(batch, cache: error as a share of the largest logit %s; tolerance %g); those "
+                    "buckets are dropped, %d graphs kept", len(bad), len(errors),
+                    {k: round(e, 4) for k, e in sorted(bad.items())}, tolerance, len(runner.captured()))
+    if not runner.captured():
+        return False
+    rng = random.Random(0)
+    rows = min(4, max(runner.batch_buckets, default=1))
+    reqs = [BatchRequest(rid=f"warm-up-{i}", token_ids=[rng.randrange(1, vocab) for _ in range(5 + 7 * i)],
+                         max_new_tokens=12, temperature=0.0, ignore_eos=True) for i in range(rows)]
+    engine.serve(BatchMsg(batch_id=0, slice_len=12, requests=reqs, kv_reuse=False))
+    return True

@@ -66,8 +66,8 @@ class DaemonConfig:
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
     batch_ack_timeout_s: float = 5.0
-    batch_overdue_factor: float = 4.0
-    batch_overdue_min_s: float = 30.0
+    batch_stall_timeout_s: float = 300.0
+    """A batch whose worker shows no progress on it this long drops (and kills) the worker."""
     curve_keypair_file: str = ""
     curve_authorized_keys: str = ""
     metrics_http: str = ""
@@ -368,9 +368,8 @@ def _check_daemon(d: DaemonConfig) -> None:
     need(d.heartbeat_timeout_s > d.heartbeat_interval_s, "daemon.heartbeat_timeout_s",
          d.heartbeat_timeout_s, "must be > daemon.heartbeat_interval_s")
     need(d.batch_ack_timeout_s > 0, "daemon.batch_ack_timeout_s", d.batch_ack_timeout_s, "must be > 0")
-    need(d.batch_overdue_factor >= 1, "daemon.batch_overdue_factor", d.batch_overdue_factor,
-         "must be >= 1")
-    need(d.batch_overdue_min_s > 0, "daemon.batch_overdue_min_s", d.batch_overdue_min_s, "must be > 0")
+    need(d.batch_stall_timeout_s > d.heartbeat_interval_s, "daemon.batch_stall_timeout_s",
+         d.batch_stall_timeout_s, "must be > daemon.heartbeat_interval_s")
     need(d.log_level in _LOG_LEVELS, "daemon.log_level", d.log_level, f"must be one of {_LOG_LEVELS}")
 
 

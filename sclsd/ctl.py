@@ -190,8 +190,15 @@ def format_status(st: StatusSnapshot, rates: dict[str, float] | None = None) -> 
                      f"{w.batches_inflight:>8} {w.batches_done:>8} {w.tokens_done:>9} "
                      f"{w.heartbeat_age_s:>7.1f}")
     for lw in st.loading:
-        lines.append(f"{lw.id:<10} {'':<6} {'':<22} {'loading':<9} {lw.age_s:>7.0f}s  pid={lw.pid}  "
+        lines.append(f"{lw.id:<10} {'':<6} {'':<22} {lw.state:<10} {lw.age_s:>6.0f}s  pid={lw.pid}  "
                      f"{lw.step or 'starting'}")
+    if st.worker_losses:
+        lines.append("")
+        lines.append(f"{'dropped':<10} {'times':>5}  {'last (reason: why, when)':<40}  by reason")
+        for wl in st.worker_losses:
+            by = " ".join(f"{k}={v}" for k, v in sorted(wl.by_reason.items()))
+            lines.append(f"{wl.id:<10} {wl.count:>5}  {wl.last_reason}: {wl.last_why} "
+                         f"({wl.last_age_s:.0f}s ago)  {by}")
     e = st.estimator_error
     if e.batches and e.mean_error_s is not None and e.mean_abs_error_s is not None:
         lines.append(f"\nestimator: {e.batches} batches, mean error {e.mean_error_s:+.3f}s, "
@@ -216,16 +223,22 @@ def readiness(st: StatusSnapshot, want: int | None = None) -> tuple[bool | None,
     """(True: ready, False: still coming, None: will not come without help; what it is doing).
 
     Ready: the daemon serves and ``want`` workers are registered; ``want`` None: every
-    worker it has (the registered ones and those its spawned workers still loading), at
-    least one. A daemon that drains, or that gave up on its local workers with none
-    registered and none loading, will not become ready by waiting.
+    worker its config starts (``expected_workers``) and any other it has (registered, or
+    loading or restarting), at least one: ``1/2`` is not ready. A daemon that drains, or
+    that cannot reach the target because no other worker is loading or restarting (given
+    up), will not become ready by waiting.
     """
     n = len(st.workers)
-    target = want if want is not None else max(1, n + len(st.loading))
-    loading = ", ".join(f"{w.id}: {w.step or 'starting'} ({w.age_s:.0f}s)" for w in st.loading)
+    given_up = [w for w in st.loading if w.state == "given_up"]
+    coming = n + len(st.loading) - len(given_up)
+    target = want if want is not None else max(1, st.expected_workers, n + len(st.loading))
+    loading = ", ".join(f"{w.id}: {w.step or 'starting'} ({w.age_s:.0f}s)" for w in st.loading
+                        if w.state != "given_up")
     doing = f"{n}/{target} workers registered" + (f"; loading {loading}" if loading else "")
     if st.draining:
         return None, "the daemon is draining"
+    if given_up and coming < target:
+        return None, f"{doing}; given up: " + "; ".join(f"{w.id}: {w.step}" for w in given_up)
     if st.serving and n >= target:
         return True, doing
     if st.starting:
@@ -433,9 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
     wr = command("wait-ready", "wait until the daemon serves with its workers registered (for scripts)",
                  "the status socket", True)
     wr.add_argument("--timeout", type=float, default=300.0, help="seconds to wait; then exit 1 saying why")
-    wr.add_argument("--workers", type=int, default=None,
-                    help="registered workers to wait for (default: all it has, those still "
-                    "loading included, at least 1)")
+    wr.add_argument("--min-workers", "--workers", dest="workers", type=int, default=None,
+                    help="registered workers to wait for (default: every worker the daemon starts "
+                    "(workers.spawn) and any other it has, at least 1)")
     wr.add_argument("--interval", type=float, default=0.2, help="seconds between status polls")
     wr.add_argument("--quiet", "-q", action="store_true", help="print nothing when ready")
     wr.set_defaults(func=_wait_ready)

@@ -11,9 +11,15 @@ Owned by the receive thread (ZeroMQ sockets are not thread-safe).
   unreachable, so re-sent Registers do not pile up and replay later. ZeroMQ
   reconnects by itself; a socket monitor tells us when the connection drops,
   and we register again on the next one (a restarted daemon has forgotten us).
-  Register is also re-sent when no Welcome follows within ``register_retry_s``.
-  Nothing else leaves before the Register of the current connection: the
-  daemon only knows a routing id once it has registered.
+  Register is also re-sent when no Welcome follows within ``register_retry_s``
+  of the send (the timer starts once the message is out, however long building
+  it took); a re-send is the same message, and the daemon answers a member's
+  repeated Register on the same connection with another Welcome. The message is
+  built once per registration (a new connection, or the daemon's ``reregister``):
+  building it drops the KV the engine keeps, which only a registration that the
+  daemon starts afresh may do. Nothing else leaves before the Register of the
+  current connection: the daemon only knows a routing id once it has
+  registered.
 * **Silence.** Any message from the daemon counts as hearing from it (it sends
   :class:`~sclsd.protocol.Keepalive` every heartbeat interval). Once welcomed,
   ``daemon_timeout_s`` without a word means the daemon is hung or gone, or the
@@ -86,6 +92,8 @@ class DaemonLink:
         """A Register went out on the current connection."""
         self.heartbeat_s = opts.heartbeat_s
         self.last_register = -1e9
+        self.pending_register: P.Register | None = None
+        """The Register of the current registration, built once, re-sent as it is."""
         self.last_heard = time.monotonic()
         self.outbox: deque[bytes] = deque()
         """Encoded messages that must reach the daemon, in order (results, acks)."""
@@ -112,6 +120,7 @@ class DaemonLink:
         self.sock = sock
         self.generation += 1
         self.connected = self.welcomed = self.registered = False
+        self.pending_register = None
         log.info("connecting to %s", self.opts.endpoint)
 
     def close(self, linger: int | None = None) -> None:
@@ -174,10 +183,17 @@ class DaemonLink:
         # only when no Welcome came (the daemon may have lost it).
         if self.registered and now - self.last_register < self.opts.register_retry_s:
             return
-        reg = self.make_register()
+        if self.pending_register is None:
+            self.pending_register = self.make_register()
+        reg = self.pending_register
         if self.send(reg):
+            again = self.registered
             self.registered = True
-            self.last_register = now
+            # The retry timer starts now that it is out, not when this call began.
+            self.last_register = time.monotonic()
+            if again:
+                log.info("no welcome within %.1fs: register sent again", self.opts.register_retry_s)
+                return
             log.info(
                 "register sent: engine=%s model=%s device=%s kv_bytes_per_token=%d "
                 "mem_available=%d vocab_size=%d auth=%s",
@@ -237,10 +253,12 @@ class DaemonLink:
         elif event == zmq.EVENT_DISCONNECTED:
             log.warning("daemon disconnected; will register again on reconnect")
             self.connected = self.welcomed = self.registered = False
+            self.pending_register = None
 
     def unregister(self) -> None:
         """Forget the registration (the daemon asked for a new one)."""
         self.welcomed = self.registered = False
+        self.pending_register = None
 
     def silent_for(self, now: float) -> float | None:
         """Seconds without a word from the daemon when that exceeds the timeout, else None.

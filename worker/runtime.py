@@ -22,7 +22,10 @@ daemon has forgotten what this worker held), and each Result lists what the
 engine evicted.
 
 The receive thread acknowledges every batch it queues (:class:`~sclsd.protocol.BatchAck`),
-so the daemon knows which batches reached the worker. When the daemon falls
+so the daemon knows which batches reached the worker, and every heartbeat names the
+batches the worker holds with the seconds since the engine last made progress (took a
+batch, produced tokens, ended a batch): the daemon judges a batch by that, never by its
+age, so a slow engine on a busy machine is never taken for a hung one. When the daemon falls
 silent for ``daemon_timeout_s`` the queued batches are dropped (the daemon has
 given them back to its pool by then) and the link starts over on a new
 connection; a batch already running still sends its result there.
@@ -54,6 +57,9 @@ log = logging.getLogger("worker")
 MAX_ERROR_CHARS = 2000
 #: Least time between two Tokens messages of one batch.
 STREAM_INTERVAL_S = 0.02
+#: Fault injection for tests: seconds the first Register of the process takes to build, as
+#: a slow first import or a busy machine makes it (0 or unset: none).
+REGISTER_DELAY_ENV = "SCLSD_WORKER_REGISTER_DELAY_S"
 
 
 class TokenStream:
@@ -103,6 +109,40 @@ class _State:
     busy: bool = False
 
 
+class Holding:
+    """The batches the worker holds (queued or running) and when its engine last made
+    progress; written by both threads, hence the lock."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._held: set[int] = set()
+        self._progress_at = clock()
+
+    def add(self, batch_id: int) -> None:
+        """A batch was queued (an idle engine's clock starts with it)."""
+        with self._lock:
+            if not self._held:
+                self._progress_at = self.clock()
+            self._held.add(batch_id)
+
+    def discard(self, batch_id: int) -> None:
+        """A batch ended, or was handed back unserved."""
+        with self._lock:
+            self._held.discard(batch_id)
+
+    def progressed(self) -> None:
+        """The engine took a batch, produced tokens or ended a batch."""
+        with self._lock:
+            self._progress_at = self.clock()
+
+    def report(self) -> tuple[list[int], float]:
+        """(the batches held, seconds since the engine's last progress; 0 when none held)."""
+        with self._lock:
+            held = sorted(self._held)
+            return held, (max(0.0, self.clock() - self._progress_at) if held else 0.0)
+
+
 class WorkerRuntime:
     """Runs one engine behind a DEALER socket until shutdown (see the module docstring)."""
 
@@ -113,6 +153,12 @@ class WorkerRuntime:
         self.ctx = zmq.Context()
         self.link = DaemonLink(self.ctx, opts, self._register_msg)
         self.batches: queue.Queue[tuple[P.BatchMsg, float] | None] = queue.Queue()
+        self.holding = Holding()
+        # What the engine is and can do, computed once before the first Register (its first
+        # call may import libraries: slow on a busy machine, so not while registering).
+        self.info = engine.info()
+        self.profile = opts.profile or engine.profile()
+        self._register_delay = float(os.environ.get(REGISTER_DELAY_ENV) or 0)
         self._inproc = f"inproc://results-{id(self)}"
         self._stop_requested = threading.Event()
         self._abandon = threading.Event()
@@ -133,7 +179,12 @@ class WorkerRuntime:
     def _register_msg(self) -> P.Register:
         # A (re-)registration means the daemon knows nothing of what we hold.
         self.engine.release()
-        info = self.engine.info()
+        if self._register_delay > 0:
+            log.warning("%s: building the first register takes %.1fs more", REGISTER_DELAY_ENV,
+                        self._register_delay)
+            time.sleep(self._register_delay)
+            self._register_delay = 0.0
+        info = self.info
         return P.Register(
             worker_id=self.opts.worker_id,
             engine=info.engine,
@@ -145,7 +196,7 @@ class WorkerRuntime:
             eos_token_ids=list(info.eos_token_ids),
             vocab_size=info.vocab_size,
             auth=self.opts.auth,
-            profile=self.opts.profile or self.engine.profile(),
+            profile=self.profile,
             caps=info.caps,
         )
 
@@ -172,9 +223,11 @@ class WorkerRuntime:
             batch, queued_at = item
             waited[batch.batch_id] = time.monotonic() - queued_at
             st.busy = True
+            self.holding.progressed()
             return batch
 
         def stream(batch_id: int, outputs: list[P.RequestOutput]) -> None:
+            self.holding.progressed()
             if batch_id not in streams:
                 streams[batch_id] = TokenStream(pair.send, wid, batch_id)
             streams[batch_id](outputs)
@@ -184,6 +237,8 @@ class WorkerRuntime:
             streams.pop(batch.batch_id, None)
             wait = waited.pop(batch.batch_id, 0.0)
             st.busy = bool(waited)
+            self.holding.progressed()
+            self.holding.discard(batch.batch_id)
             evicted = self.engine.take_evicted()
             if error is not None or outputs is None or stats is None:
                 text = (error or "the engine returned no outputs")[:MAX_ERROR_CHARS]
@@ -214,6 +269,7 @@ class WorkerRuntime:
     def _refuse(self, batch: P.BatchMsg, why: str) -> None:
         """Answer a batch we will not serve with an error, so its requests go back to the pool."""
         log.warning("batch=%d refused: %s", batch.batch_id, why)
+        self.holding.discard(batch.batch_id)
         res = P.Result(worker_id=self.opts.worker_id, batch_id=batch.batch_id, error=why)
         self.link.send(res, keep=True)
 
@@ -228,6 +284,7 @@ class WorkerRuntime:
             if item is None:
                 self.batches.put(None)
                 return dropped
+            self.holding.discard(item[0].batch_id)
             dropped += 1
 
     def _begin_stop(self, why: str) -> None:
@@ -255,6 +312,7 @@ class WorkerRuntime:
             elif st.draining:
                 self._refuse(msg, "worker draining")
             else:
+                self.holding.add(msg.batch_id)
                 self.batches.put((msg, time.monotonic()))
                 # Kept in order behind earlier messages; the Result, which comes through
                 # the outbox too, can only follow it.
@@ -338,15 +396,20 @@ class WorkerRuntime:
                 if link.generation != generation:
                     poller, generation = self._poller(results), link.generation
                 link.maybe_register(now)
-                if link.welcomed and now >= next_beat:
+                link.flush()
+                # Behind what the outbox holds, never ahead: a heartbeat that does not name a
+                # batch must not overtake that batch's ack or result.
+                if link.welcomed and now >= next_beat and not link.outbox:
+                    held, stalled = self.holding.report()
                     beat = P.Heartbeat(
                         worker_id=opts.worker_id,
                         queued_batches=self.batches.qsize(),
                         busy=st.busy,
+                        batches=held,
+                        stalled_s=round(stalled, 3),
                     )
                     link.send(beat)
                     next_beat = now + link.heartbeat_s
-                link.flush()
 
                 timeout = opts.poll_ms
                 if (st.stopping and server.is_alive()) or (link.connected and not link.registered):

@@ -31,14 +31,14 @@ import asyncio
 import logging
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, get_args
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 from ..config import Config
-from ..protocol import StatusSnapshot
+from ..protocol import LossReason, StatusSnapshot
 from .gauges import SnapshotGauges
 from .serving.effects import Ended
 
@@ -201,6 +201,9 @@ class Metrics:
         self.prompt_tokens = _Counter("sclsd:prompt_tokens", "Prompt tokens of ended requests")
         self.gen_tokens = _Counter("sclsd:generation_tokens", "Tokens generated for ended requests")
         self.batches = _Counter("sclsd:batches", "Batches dispatched")
+        self.worker_losses = _Counter("sclsd:worker_restarts", "Workers dropped, by reason (a spawned "
+                                      "worker whose process ended or was killed restarts)", "reason",
+                                      preset=get_args(LossReason))
         self.ttft = _Hist("sclsd:time_to_first_token_seconds", "Acceptance to the first token",
                           _LATENCY_BUCKETS)
         self.tpot = _Hist("sclsd:time_per_output_token_seconds", "Time per output token after the "
@@ -224,7 +227,7 @@ class Metrics:
                                 _LATENCY_BUCKETS)
         self.registry.register(_Events([
             self.success, self.cancelled, self.failed, self.refusals, self.prompt_tokens,
-            self.gen_tokens, self.batches, self.ttft, self.tpot, self.gap, self.e2e, self.queue, self.req_prompt,
+            self.gen_tokens, self.batches, self.worker_losses, self.ttft, self.tpot, self.gap, self.e2e, self.queue, self.req_prompt,
             self.req_gen, self.slices, self.batch_size, self.batch_time], model_name))
 
     def watch(self, snapshot: Callable[[], StatusSnapshot]) -> None:
@@ -239,6 +242,10 @@ class Metrics:
     def dispatched(self, size: int) -> None:
         self.batches.inc()
         self.batch_size.observe(size)
+
+    def worker_lost(self, reason: LossReason) -> None:
+        """A worker was dropped for ``reason``."""
+        self.worker_losses.inc(1, reason)
 
     def batch_done(self, seconds: float) -> None:
         self.batch_time.observe(seconds)

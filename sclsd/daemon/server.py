@@ -208,7 +208,7 @@ class Server:
     def snapshot(self) -> P.StatusSnapshot:
         """The daemon's typed status (the status socket, ``sclsctl`` and the gauges read it)."""
         why = self.not_serving()
-        loading = [P.LoadingWorker(id=w.id, pid=w.pid, age_s=w.age_s, step=w.step)
+        loading = [P.LoadingWorker(id=w.id, pid=w.pid, age_s=w.age_s, step=w.step, state=w.state)
                    for w in self.supervisor.loading(self.fleet.peers)]
         state = DaemonState(
             draining=self.drain.draining, serving=why is None, why=why, starting=self.core is None,

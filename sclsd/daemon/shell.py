@@ -93,8 +93,10 @@ class Shell:
             self.deliver(self.core.worker_message(wid, msg, now))
 
     def _register(self, peer: bytes, reg: P.Register, now: float) -> None:
-        """Authenticated and fit, a worker replaces whatever its connection or its id was
-        (restarted, reconnected) and joins; else it is refused."""
+        """Authenticated and fit, a worker joins; else it is refused. A member registering
+        again on its own connection (our Welcome was late) is welcomed again; one that comes
+        on a new connection replaces its old self (restarted, or reconnected), whose batches
+        go back to the pool. Neither is killed: it lives and serves."""
         core = self.core
         wid = reg.worker_id
         why = self.fleet.authenticate(reg) or core.join_refusal(reg)
@@ -102,12 +104,17 @@ class Shell:
             self.fleet.refuse(peer, reg, why)
             return
         old = self.fleet.by_peer.get(peer)
+        if old == wid and wid in core.members:
+            self.deliver(core.worker_rejoined(wid, now))
+            return
         if old is not None and old != wid:
-            self.deliver(core.worker_lost(old, f"its connection registered as {wid}", now))
-        if wid in core.members:
-            # An authenticated re-registration: the worker restarted or reconnected, and
-            # whatever it held is gone.
-            self.deliver(core.worker_lost(wid, "re-registered (restarted)", now))
+            self.deliver(core.worker_lost(old, f"its connection registered as {wid}", "replaced", now))
+        member = core.members.workers.get(wid)
+        if member is not None:
+            same = member.reg.pid == reg.pid
+            self.deliver(core.worker_lost(
+                wid, f"registered again on a new connection ({'same' if same else 'new'} process, "
+                f"pid {reg.pid})", "reconnected" if same else "restarted", now))
         joined = core.worker_joined(reg, now)
         if joined.refused is not None:
             self.fleet.refuse(peer, reg, joined.refused)
@@ -117,7 +124,7 @@ class Shell:
 
     def worker_exited(self, wid: str, why: str) -> None:
         """A local worker's process ended (the supervisor restarts it)."""
-        self.deliver(self.core.worker_lost(wid, why, self.clock()))
+        self.deliver(self.core.worker_lost(wid, why, "exited", self.clock()))
 
     # ------------------------------------------------------------------ effects
 
@@ -126,10 +133,12 @@ class Shell:
         if it asked."""
         for lost in eff.lost:
             self.fleet.unbind(lost.wid)
-            self.supervisor.kill(lost.wid)  # a spawned one restarts
+            self.metrics.worker_lost(lost.reason)
+            if lost.kill:
+                self.supervisor.kill(lost.wid)  # a spawned one restarts
         for client, event in eff.to_clients:
             cast(Conn, client).send(event)  # the core's clients are the connections we gave it
-        unreachable: dict[str, str] = {}
+        unreachable: dict[str, str] = {}  # worker -> why
         for wid, msg in eff.to_workers:
             if wid in unreachable:
                 continue
@@ -150,7 +159,7 @@ class Shell:
         else:
             self.idle.set()
         for wid, why in unreachable.items():  # its batches go back to the pool
-            self.deliver(self.core.worker_lost(wid, why, self.clock()))
+            self.deliver(self.core.worker_lost(wid, why, "unreachable", self.clock()))
 
     def _decode(self, job: DecodeJob) -> None:
         fut = asyncio.get_running_loop().run_in_executor(self.pool, _decode_all, self.core.tok, job.seqs,
@@ -193,10 +202,17 @@ class Shell:
                 await asyncio.sleep(0)
 
     async def monitor(self) -> None:
-        """Every heartbeat interval: keepalives, silent workers, unacknowledged or overdue batches."""
+        """Every heartbeat interval: keepalives, silent workers, stalled batches. A tick that
+        wakes late (the loop itself was held up) judges no worker (``ServingCore.tick``)."""
+        interval = self.cfg.daemon.heartbeat_interval_s
+        loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(self.cfg.daemon.heartbeat_interval_s)
-            self.deliver(self.core.tick(self.clock()))
+            expected = loop.time() + interval
+            await asyncio.sleep(interval)
+            late = loop.time() - expected
+            if late > interval:
+                log.warning("the daemon's loop was held up %.1fs: no worker judged this tick", late)
+            self.deliver(self.core.tick(self.clock(), judge=late <= interval))
 
     def fail_all(self, code: P.ErrorCode, message: str) -> list[str]:
         """End every live request with ``error``; returns their ids."""

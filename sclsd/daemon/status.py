@@ -111,6 +111,11 @@ class StatusView:
             started_requests=occ.running,
             kv_cache_usage=occ.kv_usage_total,
             partial_frame_bytes=self.api.budget.held,
+            expected_workers=self.cfg.workers.spawn,
+            worker_losses=[] if core is None else [
+                P.WorkerLosses(id=wid, count=r.count, by_reason=dict(r.by_reason), last_reason=r.last_reason,
+                               last_why=r.last_why, last_age_s=round(now - r.last_at, 1))
+                for wid, r in sorted(core.members.losses.items())],
         )
 
 

@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass
+from typing import Literal
 
 from ..config import Config
 from ..core.policy import GRANT_POLICIES
@@ -53,6 +54,9 @@ class Loading:
     """Seconds since it was spawned."""
     step: str
     """Its latest loading step ("" before it logged one)."""
+    state: Literal["loading", "restarting", "given_up"] = "loading"
+    """``restarting``: its process ended, a new one starts after the back-off; ``given_up``:
+    not restarted any more (``pid`` is the process that ended)."""
 
 
 class Supervisor:
@@ -115,14 +119,22 @@ class Supervisor:
         return os.path.join(self.run_dir, f"{wid}.progress")
 
     def loading(self, registered: Container[str]) -> list[Loading]:
-        """Local workers whose process runs and that are not in ``registered``, oldest first.
+        """Local workers not in ``registered``: loading, waiting to restart after their
+        process ended, or given up, by id.
 
         Reads each one's progress file: a few bytes, and only while workers load.
         """
         now = time.monotonic()
         out = []
         for wid, proc in sorted(self.procs.items()):
-            if proc.returncode is not None or wid in registered:
+            if wid in registered:
+                continue
+            if proc.returncode is not None:
+                age = round(now - self.spawned_at.get(wid, now), 1)
+                if wid in self.gave_up:
+                    out.append(Loading(wid, proc.pid, age, self.gave_up[wid][:200], "given_up"))
+                elif not self._stopping:
+                    out.append(Loading(wid, proc.pid, age, f"exited rc={proc.returncode}", "restarting"))
                 continue
             try:
                 with open(self.progress_file(wid), encoding="utf-8", errors="replace") as f:

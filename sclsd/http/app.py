@@ -173,15 +173,21 @@ class Api:
             return Response(render.error_body(exc), status_code=503, media_type=_JSON)
         return Response(b"{}", media_type=_JSON)
 
-    async def ready(self) -> Response:
+    async def ready(self, min_workers: int | None = None) -> Response:
+        """200 once the daemon serves with ``min_workers`` active workers; by default every
+        worker its config starts (``expected_workers``), at least one: ``1/2`` is not ready."""
         try:
             st = await self.link.status()
         except ApiError as exc:
             return Response(render.error_body(exc), status_code=503, media_type=_JSON)
         workers = sum(w.state == "active" for w in st.workers)
-        ok = st.serving and workers > 0 and not st.draining
-        body = msgspec.json.encode({"ready": ok, "workers": workers, "draining": st.draining,
-                                    "why": st.why})
+        want = max(1, st.expected_workers) if min_workers is None else max(1, min_workers)
+        ok = st.serving and workers >= want and not st.draining
+        why = st.why
+        if why is None and workers < want:
+            why = f"{workers}/{want} workers active"
+        body = msgspec.json.encode({"ready": ok, "workers": workers, "expected_workers": want,
+                                    "draining": st.draining, "why": why})
         return Response(body, status_code=200 if ok else 503, media_type=_JSON)
 
     async def metrics_text(self) -> Response:
@@ -265,8 +271,8 @@ def create_app(settings: Settings) -> FastAPI:
         return await api.health()
 
     @app.get("/ready")
-    async def ready() -> Response:
-        return await api.ready()
+    async def ready(min_workers: int | None = None) -> Response:
+        return await api.ready(min_workers)
 
     @app.get("/metrics")
     async def metrics_route() -> Response:

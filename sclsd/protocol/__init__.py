@@ -65,6 +65,7 @@ from .common import (
     PROTOCOL_VERSION,
     ErrorCode,
     Logprob,
+    LossReason,
     NonNegFloat,
     NonNegInt,
     PosInt,
@@ -85,6 +86,7 @@ from .status import (
     StatusReply,
     StatusRequest,
     StatusSnapshot,
+    WorkerLosses,
     WorkerStatus,
 )
 from .workers import (
@@ -169,6 +171,8 @@ __all__ = [
     "Welcome",
     "WorkerMsg",
     "WorkerStateName",
+    "LossReason",
+    "WorkerLosses",
     "WorkerStateReply",
     "WorkerStatus",
     "_Msg",

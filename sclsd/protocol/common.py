@@ -19,8 +19,11 @@ from msgspec import Meta
 #: batch rows/results the same. Older clients are still served: every new field has a
 #: default, and the daemon sends a new field only to a request that asked for it. 5:
 #: ``register`` carries the engine's typed capabilities (``caps``: batching, sampling,
-#: max context, KV page, captured graph buckets) in place of ``kv_page_tokens``.
-PROTOCOL_VERSION = 5
+#: max context, KV page, captured graph buckets) in place of ``kv_page_tokens``. 6: a
+#: worker's ``heartbeat`` names the batches it holds and how long its engine has gone
+#: without progress (``batches``, ``stalled_s``): the daemon judges a batch by progress,
+#: not by its age.
+PROTOCOL_VERSION = 6
 
 #: Default cap on one client / status frame (bytes of msgpack).
 DEFAULT_MAX_FRAME = 4 * 1024 * 1024
@@ -42,6 +45,17 @@ ErrorCode = Literal[
     "unknown_worker", "no_workers", "timeout", "internal", "starting", "engine_error",
 ]
 WorkerStateName = Literal["active", "draining", "drained"]
+#: Why the daemon dropped a worker (``sclsd:worker_restarts_total{reason}``, status):
+#: ``exited`` its process ended; ``silent`` no heartbeat for ``daemon.heartbeat_timeout_s``;
+#: ``stalled`` it held a batch without progress for ``daemon.batch_stall_timeout_s``;
+#: ``lost_batch`` it heartbeats without a batch that was sent to it (the batch went astray);
+#: ``unreachable`` a send to it failed; ``restarted`` a new process registered under its id;
+#: ``reconnected`` the same process registered on a new connection; ``replaced`` its
+#: connection registered under another id. Only ``silent``, ``stalled`` and ``unreachable``
+#: kill a local worker's process: in the other cases it has exited, or it lives and
+#: registers again by itself.
+LossReason = Literal["exited", "silent", "stalled", "lost_batch", "unreachable", "restarted",
+                     "reconnected", "replaced"]
 
 
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_defaults=True):

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
-from .common import WorkerStateName, _Msg
+from .common import LossReason, WorkerStateName, _Msg
 
 
 class StatusRequest(_Msg, tag="status"):
@@ -48,6 +48,20 @@ class WorkerStatus(msgspec.Struct, forbid_unknown_fields=True):
     (docs/operations.md, Metrics)."""
 
 
+class WorkerLosses(msgspec.Struct, forbid_unknown_fields=True):
+    """A worker the daemon dropped at least once since it started, and why."""
+
+    id: str
+    count: int
+    """Times it was dropped (a spawned worker whose process was killed or ended restarts)."""
+    by_reason: dict[LossReason, int]
+    last_reason: LossReason
+    last_why: str
+    """The last drop, in words (as the daemon's log says it at warning)."""
+    last_age_s: float
+    """Seconds since the last drop."""
+
+
 class LoadingWorker(msgspec.Struct, forbid_unknown_fields=True):
     """A worker the daemon spawned that has not registered yet (it is loading its model)."""
 
@@ -57,6 +71,10 @@ class LoadingWorker(msgspec.Struct, forbid_unknown_fields=True):
     """Seconds since it was spawned."""
     step: str = ""
     """Its latest loading step, as it logged it ("" before the first)."""
+    state: Literal["loading", "restarting", "given_up"] = "loading"
+    """``restarting``: its process ended and the daemon starts it again after a back-off;
+    ``given_up``: it failed too often at start and is not restarted (``pid`` is then the
+    process that ended)."""
 
 
 class EstimatedVsMeasured(msgspec.Struct, forbid_unknown_fields=True):
@@ -133,6 +151,11 @@ class StatusSnapshot(msgspec.Struct, forbid_unknown_fields=True):
     partial_frame_bytes: int = 0
     """Bytes held now in half-sent frames on the client and status sockets (bounded by
     ``limits.max_partial_frame_bytes``)."""
+    expected_workers: int = 0
+    """Workers the daemon's config starts (``workers.spawn``); readiness waits for them all.
+    0: the workers are started elsewhere."""
+    worker_losses: list[WorkerLosses] = []
+    """Every worker dropped since the daemon started, with why (``sclsctl status``)."""
 
 
 class StatusReply(_Msg, tag="status_reply"):

@@ -85,9 +85,17 @@ class Welcome(_Msg, tag="welcome"):
 
 
 class Heartbeat(_Msg, tag="heartbeat"):
+    """Sent by a welcomed worker every heartbeat interval, from its receive thread."""
+
     worker_id: str
     queued_batches: int = 0
     busy: bool = False
+    batches: list[int] = []
+    """Batches the worker holds, queued or running, by id: naming one says it arrived (as
+    its :class:`BatchAck` does), and with ``stalled_s`` that it is moving."""
+    stalled_s: Annotated[float, Meta(ge=0)] = 0.0
+    """Seconds since the engine last made progress (took a batch, produced tokens, ended a
+    batch) while the worker held a batch; 0 when it holds none."""
 
 
 class BatchRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

@@ -81,8 +81,8 @@ def test_shipped_config_documents_every_key() -> None:
         ("[daemon]\nmax_tokenizing = 0", "daemon.max_tokenizing"),
         ("[daemon]\nuid_share = 0", "daemon.uid_share"),
         ("[daemon]\nuid_share = 1.5", "daemon.uid_share"),
-        ("[daemon]\nbatch_overdue_factor = 0.5", "daemon.batch_overdue_factor"),
-        ("[daemon]\nbatch_overdue_min_s = 0", "daemon.batch_overdue_min_s"),
+        ("[daemon]\nbatch_stall_timeout_s = 0.5", "daemon.batch_stall_timeout_s"),
+        ("[daemon]\nbatch_overdue_min_s = 30", "daemon.batch_overdue_min_s"),
         ("[daemon]\nbatch_ack_timeout_s = 0", "daemon.batch_ack_timeout_s"),
         ("[daemon]\nlock_file = '/run/sclsd/sclsd.sock'", "daemon.lock_file"),
         ("[daemon]\nworker_secret_file = '/nonexistent/dir/secret'", "daemon.worker_secret_file"),
@@ -177,7 +177,7 @@ def test_new_keys_defaults_and_values(tmp_path: Path) -> None:
     assert d.worker_socket_mode == 0o600 and d.worker_secret_file == "" and d.lock_file == ""
     assert d.lock_path == d.socket + ".lock"
     assert (d.frame_timeout_s, d.max_tokenizing, d.uid_share) == (10.0, 64, 0.5)
-    assert (d.batch_overdue_factor, d.batch_overdue_min_s, d.batch_ack_timeout_s) == (4.0, 30.0, 5.0)
+    assert (d.batch_stall_timeout_s, d.batch_ack_timeout_s) == (300.0, 5.0)
     assert (w.restart_backoff_max_s, w.max_quick_failures, w.quick_failure_s, w.daemon_timeout_s) == (
         30.0, 5, 10.0, 30.0)
     p = tmp_path / "c.toml"

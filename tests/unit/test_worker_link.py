@@ -232,3 +232,48 @@ def test_registering_again_drops_all_kept_kv(router, start):
     router.send(ident, P.Reregister())  # the daemon forgot us, and what we hold
     router.welcome()
     assert eng.kv.store.held() == {}
+
+
+def test_a_slow_first_register_goes_out_once_and_a_resend_is_the_same_message(router, start,
+                                                                             monkeypatch):
+    # Building the first Register takes longer than the retry interval (a slow first import
+    # on a busy machine): the retry timer starts after the send, so one Register goes out
+    # and no second follows at once.
+    monkeypatch.setenv("SCLSD_WORKER_REGISTER_DELAY_S", "1.0")
+    eng = FakeEngine()
+    released: list[object] = []
+    real_release = eng.release
+
+    def release(rids=None):  # noqa: ANN001, ANN202 - a spy on the engine's hook
+        released.append(rids)
+        real_release(rids)
+
+    eng.release = release  # type: ignore[method-assign]
+    start(eng, register_retry_s=0.5)
+    ident, first = router.recv(P.Register)
+    sent_at = time.monotonic()
+    # No Welcome: the worker sends Register again, but only a retry interval after the send.
+    again_ident, again = router.recv(P.Register)
+    assert time.monotonic() - sent_at >= 0.4
+    assert again_ident == ident and again == first
+    assert released == [None]  # built once: kept KV dropped once, not at every re-send
+    router.send(ident, P.Welcome(heartbeat_interval_s=0.1))
+    _, beat = router.recv(P.Heartbeat)
+    assert beat.worker_id == "w0"
+
+
+def test_heartbeats_name_the_batches_held_and_how_long_the_engine_has_not_moved(router, start):
+    start(FakeEngine(decode_s=0.05))
+    ident, _ = router.welcome(hb=0.1)
+    _, idle = router.recv(P.Heartbeat)
+    assert idle.batches == [] and idle.stalled_s == 0.0
+    router.send(ident, batch(11, iterations=60))  # about 3 s of steps, each one progress
+    router.send(ident, batch(12))
+    router.recv(P.BatchAck)
+    seen: list[P.Heartbeat] = []
+    while len(seen) < 5:
+        _, beat = router.recv(P.Heartbeat, keepalive=ident)
+        if beat.batches:
+            seen.append(beat)
+    assert all(b.batches == [11, 12] for b in seen)  # running and queued behind it
+    assert all(b.stalled_s < 1.0 for b in seen)  # it moves: tokens every step

@@ -144,12 +144,24 @@ class ServingCore:
         self.members.join(reg, now, out)
         return out
 
+    def worker_rejoined(self, wid: str, now: float) -> Effects:
+        """Member ``wid`` registered again on its own connection (our Welcome was late):
+        welcomed again, nothing lost."""
+        out = Effects()
+        self.members.rewelcome(wid, now, out)
+        return out
+
     def worker_message(self, wid: str, msg: P.WorkerMsg, now: float) -> Effects:
         """A member's heartbeat, acknowledgement, streamed tokens or result."""
         out = Effects()
         self.members.heard(wid, msg, now)
-        if isinstance(msg, P.BatchAck):
-            self.dispatch.acked(wid, msg.batch_id)
+        if isinstance(msg, P.Heartbeat):
+            astray = self.dispatch.heartbeat(wid, msg, now)
+            if astray:
+                self._lose(wid, f"batch={astray[0]} was sent to it and it does not have it", "lost_batch",
+                           now, out)
+        elif isinstance(msg, P.BatchAck):
+            self.dispatch.acked(wid, msg.batch_id, now)
         elif isinstance(msg, P.Tokens):
             self.streaming.on_tokens(msg, now, out)
         elif isinstance(msg, P.Result):
@@ -172,11 +184,11 @@ class ServingCore:
         self.dispatch.flush_released(out)
         return out
 
-    def worker_lost(self, wid: str, why: str, now: float) -> Effects:
-        """A member is gone (silent, unreachable, exited, replaced, overdue): its batches go
-        back to the pool; what it streamed to clients stands."""
+    def worker_lost(self, wid: str, why: str, reason: P.LossReason, now: float) -> Effects:
+        """A member is gone (:data:`~sclsd.protocol.LossReason`): its batches go back to the
+        pool; what it streamed to clients stands."""
         out = Effects()
-        self._lose(wid, why, now, out)
+        self._lose(wid, why, reason, now, out)
         return out
 
     def drain_worker(self, wid: str, resume: bool, requester: Client) -> Effects:
@@ -190,8 +202,8 @@ class ServingCore:
             out.send(requester, P.Error(code="unknown_worker", message=f"no registered worker {wid!r}"))
         return out
 
-    def _lose(self, wid: str, why: str, now: float, out: Effects) -> None:
-        if self.members.leave(wid, why, now, out):
+    def _lose(self, wid: str, why: str, reason: P.LossReason, now: float, out: Effects) -> None:
+        if self.members.leave(wid, why, reason, now, out):
             self.streaming.settle(None, now, out)
             self.dispatch.flush_released(out)
 
@@ -219,16 +231,21 @@ class ServingCore:
             wait = min(wait, nd - now)
         return out, wait
 
-    def tick(self, now: float) -> Effects:
+    def tick(self, now: float, judge: bool = True) -> Effects:
         """Once per heartbeat interval: silent workers are lost, the others get a keepalive;
-        then workers that left a batch unacknowledged or overdue are lost."""
+        then workers holding a batch that made no progress are lost.
+
+        ``judge`` False (the shell's tick came late: the daemon's own loop was held up)
+        loses nobody: the workers' messages of that time are still waiting to be read, so
+        their silence would be the daemon's, not theirs."""
         out = Effects()
         for wid in list(self.members.workers):
-            quiet = self.members.silent_for(wid, now)
+            quiet = self.members.silent_for(wid, now) if judge else None
             if quiet is not None:
-                self._lose(wid, f"no heartbeat for {quiet:.1f}s", now, out)
+                self._lose(wid, f"no heartbeat for {quiet:.1f}s", "silent", now, out)
             else:
                 out.tell(wid, P.Keepalive())
-        for wid, why in self.dispatch.overdue(now):
-            self._lose(wid, why, now, out)
+        if judge:
+            for wid, why in self.dispatch.stalled(now):
+                self._lose(wid, why, "stalled", now, out)
         return out

@@ -1,12 +1,23 @@
 """Dispatch bookkeeping: a scheduled :class:`~sclsd.core.batch.Batch` becomes a typed
 ``batch`` message for its worker, and is watched until its result comes back.
 
-Nothing sent is ever lost: a batch the worker does not acknowledge within
-``daemon.batch_ack_timeout_s``, or that stays in flight longer than
-``max(daemon.batch_overdue_min_s, daemon.batch_overdue_factor ×`` the worker's
-estimated queue at dispatch``)``, drops the worker (:meth:`DispatchBook.overdue`
-names them; a local one is restarted) and every request it held is re-queued.
-A send the transport refuses does the same (the shell reports it).
+Nothing sent is ever lost, and no worker is dropped for being slow. A batch is
+judged by progress, never by its age against an estimate (a loaded machine, a
+first call that compiles, a long prefill are all slow, not faulty):
+
+* it *arrived* when the worker acknowledges it or names it in a heartbeat
+  (``Heartbeat.batches``); a worker that heartbeats without naming a batch
+  more than ``daemon.batch_ack_timeout_s`` after it was sent never got it
+  (``lost_batch``): the worker is dropped without a kill, registers again,
+  and the batch goes back to the pool;
+* it *moves* while its tokens stream in, or while the worker's heartbeats name
+  it with an engine that made progress recently (``Heartbeat.stalled_s``); one
+  that has not moved for ``daemon.batch_stall_timeout_s`` drops the worker as
+  ``stalled`` (:meth:`DispatchBook.stalled`; a local one is killed and
+  restarted).
+
+Either way every request it held is re-queued. A send the transport refuses
+does the same (the shell reports it).
 
 Dispatch also keeps workers from holding KV nobody will use: when the
 scheduler lets go of a request's retained KV (the request moved to another
@@ -41,10 +52,11 @@ class DispatchBook:
         self.table = table
         self.members = members
         """Registered workers: only they are told anything."""
-        #: batch id -> (worker, time by which its acknowledgement must arrive)
+        #: batch id -> (worker, time after which a heartbeat that does not name it means the
+        #: worker never got it)
         self.unacked: dict[int, tuple[str, float]] = {}
-        #: batch id -> (worker, time after which it is overdue)
-        self.due: dict[int, tuple[str, float]] = {}
+        #: batch id -> (worker, the latest time the worker showed progress on it)
+        self.moved: dict[int, tuple[str, float]] = {}
 
     def message(self, batch: Batch) -> P.BatchMsg:
         """The wire form of a batch: each request's whole context by token ids."""
@@ -69,11 +81,8 @@ class DispatchBook:
         """Send ``batch`` to its worker and start watching it."""
         wid = batch.worker
         assert wid is not None
-        d = self.cfg.daemon
-        ws = self.sched.workers.get(wid)
-        ahead = ws.load if ws is not None else batch.est_time  # includes this batch
-        self.unacked[batch.bid] = (wid, now + d.batch_ack_timeout_s)
-        self.due[batch.bid] = (wid, now + max(d.batch_overdue_min_s, d.batch_overdue_factor * ahead))
+        self.unacked[batch.bid] = (wid, now + self.cfg.daemon.batch_ack_timeout_s)
+        self.moved[batch.bid] = (wid, now)
         log.debug("batch=%d -> worker=%s n=%d L=%d est=%.3fs ids=%s", batch.bid, wid, batch.size,
                   batch.input_len, batch.est_time, ",".join(r.rid for r in batch.requests))
         self.flush_released(out)  # the round may have moved requests away from their KV
@@ -98,24 +107,46 @@ class DispatchBook:
 
     # ------------------------------------------------------------------ tracking
 
-    def acked(self, wid: str, batch_id: int) -> None:
-        """Worker ``wid`` has batch ``batch_id`` (an ack, its tokens or its result said so)."""
+    def acked(self, wid: str, batch_id: int, now: float) -> None:
+        """Worker ``wid`` has batch ``batch_id`` (an ack, a heartbeat, its tokens or its result
+        said so)."""
         entry = self.unacked.get(batch_id)
         if entry is not None and entry[0] == wid:
             del self.unacked[batch_id]
+        self.progressed(wid, batch_id, now)
+
+    def progressed(self, wid: str, batch_id: int, since: float) -> None:
+        """Worker ``wid`` showed progress on ``batch_id`` at ``since``."""
+        entry = self.moved.get(batch_id)
+        if entry is not None and entry[0] == wid and since > entry[1]:
+            self.moved[batch_id] = (wid, since)
+
+    def heartbeat(self, wid: str, beat: P.Heartbeat, now: float) -> list[int]:
+        """Apply a heartbeat's account of the batches ``wid`` holds; returns the batches sent
+        to it, past their acknowledgement time, that it does not name: it never got them."""
+        named = set(beat.batches)
+        moving_since = now - beat.stalled_s
+        for bid in named:
+            self.acked(wid, bid, moving_since)
+        return sorted(bid for bid, (w, after) in self.unacked.items()
+                      if w == wid and now > after and bid not in named and bid in self.sched.batches)
 
     def settled(self, batch_id: int) -> None:
         """The batch's result was applied (or the batch failed): stop watching it."""
         self.unacked.pop(batch_id, None)
-        self.due.pop(batch_id, None)
+        self.moved.pop(batch_id, None)
 
-    def overdue(self, now: float) -> Iterator[tuple[str, str]]:
-        """Workers that left a batch unacknowledged or overdue, with why (see the module
-        docstring). Lazy: a worker the caller drops meanwhile takes its batches along."""
-        for table, what in ((self.unacked, "not acknowledged"), (self.due, "overdue")):
-            for bid, (wid, deadline) in list(table.items()):
-                if bid not in self.sched.batches:
-                    table.pop(bid, None)  # answered, or re-queued with its worker
-                elif now > deadline:
-                    table.pop(bid, None)
-                    yield wid, f"batch={bid} {what} in time"
+    def stalled(self, now: float) -> Iterator[tuple[str, str]]:
+        """Workers holding a batch that has not moved for ``daemon.batch_stall_timeout_s``,
+        with why (see the module docstring). Lazy: a worker the caller drops meanwhile takes
+        its batches along."""
+        for bid in [b for b in self.unacked if b not in self.sched.batches]:
+            del self.unacked[bid]  # answered, or re-queued with its worker
+        limit = self.cfg.daemon.batch_stall_timeout_s
+        for bid, (wid, at) in list(self.moved.items()):
+            if bid not in self.sched.batches:
+                self.moved.pop(bid, None)
+            elif now - at > limit:
+                self.moved.pop(bid, None)
+                yield wid, (f"batch={bid} made no progress for {now - at:.0f}s "
+                            f"(daemon.batch_stall_timeout_s = {limit:g})")

@@ -42,11 +42,20 @@ class Ended:
 
 @dataclass(frozen=True, slots=True)
 class Lost:
-    """A worker the core dropped: the shell forgets its connection and kills its local
-    process, if it has one (a spawned worker restarts)."""
+    """A worker the core dropped: the shell forgets its connection, counts the drop by
+    ``reason`` and, when ``kill``, kills its local process if it has one (a spawned worker
+    restarts). A worker that lives and will register again by itself is never killed."""
 
     wid: str
     why: str
+    reason: P.LossReason
+
+    @property
+    def kill(self) -> bool:
+        """Whether this drop ends the worker's process: only when the process is hung
+        (silent, stalled) or cannot be reached; otherwise it has exited already, or it is
+        alive and registers again by itself (docs/operations.md, Workers)."""
+        return self.reason in ("silent", "stalled", "unreachable")
 
 
 class DecodeJob(Protocol):

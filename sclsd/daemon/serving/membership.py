@@ -3,18 +3,23 @@
 A worker the shell authenticated joins (:meth:`Membership.join`) unless its
 model cannot serve the daemon's token ids, its engine cannot serve the
 configured policy, or the cost model cannot use its report; it then gets a
-``welcome`` and the scheduler a worker. Members heartbeat; the daemon sends
-each a ``keepalive`` as often. A member leaves (:meth:`Membership.leave`)
-when it is lost: its heartbeats stopped, a send to it failed, it registered
-again (restarted), or it left a batch unacknowledged or overdue; its batches
-go back to the pool. Draining takes a member out of rotation without
+``welcome`` and the scheduler a worker. A member that sends ``register``
+again on the same connection (its Welcome was slow to come) is welcomed
+again and keeps everything (:meth:`Membership.rewelcome`). Members
+heartbeat; the daemon sends each a ``keepalive`` as often. A member leaves
+(:meth:`Membership.leave`) when it is lost, for one of the reasons of
+:data:`sclsd.protocol.LossReason`: its process ended, its heartbeats
+stopped, a batch it holds made no progress, a send to it failed, it
+registered again on a new connection; its batches go back to the pool, and
+the drop is logged at warning and kept per worker (:attr:`Membership.losses`,
+shown by the status). Draining takes a member out of rotation without
 touching the batches it holds.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from ... import protocol as P
@@ -26,7 +31,7 @@ from .effects import Effects, Lost
 
 log = logging.getLogger("sclsd.workers")
 
-__all__ = ["Membership", "WorkerCosts", "WorkerInfo"]
+__all__ = ["LossRecord", "Membership", "WorkerCosts", "WorkerInfo"]
 
 
 class WorkerCosts(Protocol):
@@ -56,6 +61,17 @@ class WorkerInfo:
     registered_at: float = 0.0
 
 
+@dataclass(eq=False)
+class LossRecord:
+    """How often a worker id was dropped, and the last time why."""
+
+    count: int = 0
+    by_reason: dict[P.LossReason, int] = field(default_factory=dict)
+    last_reason: P.LossReason = "exited"
+    last_why: str = ""
+    last_at: float = 0.0
+
+
 class Membership:
     """The registered workers (see the module docstring)."""
 
@@ -65,6 +81,8 @@ class Membership:
         self.cost = cost
         self.tok = tok
         self.workers: dict[str, WorkerInfo] = {}
+        self.losses: dict[str, LossRecord] = {}
+        """Every worker id dropped since the daemon started (members or not)."""
 
     def __contains__(self, wid: object) -> bool:
         return wid in self.workers
@@ -101,17 +119,32 @@ class Membership:
         out.tell(wid, P.Welcome(heartbeat_interval_s=self.cfg.daemon.heartbeat_interval_s))
         out.wake = True
 
-    def leave(self, wid: str, why: str, now: float, out: Effects) -> bool:
-        """``wid`` is lost: its batches go back to the pool. False if it was no member."""
+    def rewelcome(self, wid: str, now: float, out: Effects) -> None:
+        """A member registered again on its own connection: it sent ``register`` before our
+        Welcome reached it (a slow start, a busy machine). Nothing it holds is gone, so it is
+        welcomed again and keeps its batches; dropping it would kill a healthy worker."""
+        self.workers[wid].last_seen = now
+        log.info("worker=%s registered again on the same connection: welcomed again", wid)
+        out.tell(wid, P.Welcome(heartbeat_interval_s=self.cfg.daemon.heartbeat_interval_s))
+
+    def leave(self, wid: str, why: str, reason: P.LossReason, now: float, out: Effects) -> bool:
+        """``wid`` is lost for ``reason``: its batches go back to the pool, the drop is
+        logged and counted. False if it was no member."""
         if self.workers.pop(wid, None) is None:
             return False
-        log.warning("worker=%s lost: %s", wid, why)
+        rec = self.losses.setdefault(wid, LossRecord())
+        rec.count += 1
+        rec.by_reason[reason] = rec.by_reason.get(reason, 0) + 1
+        rec.last_reason, rec.last_why, rec.last_at = reason, why, now
+        lost = Lost(wid, why, reason)
+        log.warning("worker=%s lost (%s): %s%s", wid, reason, why,
+                    "; killing its process" if lost.kill else "")
         back = self.sched.remove_worker(wid, now)
         if back:
             log.warning("worker=%s lost with %d requests; re-queued: %s", wid, len(back),
                         ",".join(r.rid for r in back))
         self.cost.on_dead(wid)
-        out.lost.append(Lost(wid, why))
+        out.lost.append(lost)
         out.wake = True
         return True
 

@@ -87,7 +87,7 @@ class Results:
         batch = self._batch(res.worker_id, res.batch_id)
         if batch is None:
             return
-        self.dispatch.acked(res.worker_id, res.batch_id)  # a result implies receipt
+        self.dispatch.acked(res.worker_id, res.batch_id, now)  # a result implies receipt
         if res.error is not None:
             log.error("worker=%s batch=%d failed: %s; ids=%s", res.worker_id, res.batch_id, res.error,
                       ",".join(r.rid for r in batch.requests))

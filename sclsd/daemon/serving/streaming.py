@@ -57,7 +57,7 @@ class Streaming:
         batch = self.sched.batches.get(msg.batch_id)
         if batch is None or batch.worker != msg.worker_id:
             return  # re-queued meanwhile (its worker lost), or not this worker's
-        self.dispatch.acked(msg.worker_id, msg.batch_id)  # it runs: it was received
+        self.dispatch.acked(msg.worker_id, msg.batch_id, now)  # it runs: it moves
         members = {r.rid: r for r in batch.requests}
         chunks: list[tuple[Entry, Chunk]] = []
         seen: set[str] = set()

@@ -65,8 +65,11 @@ class InprocWorker:
         fields.update(overrides)
         self.send(P.Register(**fields))
 
-    def heartbeat(self, queued: int = 0, busy: bool = False) -> None:
-        self.send(P.Heartbeat(worker_id=self.wid, queued_batches=queued, busy=busy))
+    def heartbeat(self, queued: int = 0, busy: bool = False, stalled_s: float = 0.0) -> None:
+        """Send a heartbeat naming the batches held back (``hold=True``): those that arrived
+        and are not served yet, moving ``stalled_s`` ago."""
+        self.send(P.Heartbeat(worker_id=self.wid, queued_batches=queued, busy=busy,
+                              batches=[b.batch_id for b in self.held], stalled_s=stalled_s))
 
     def send(self, msg: Any) -> None:
         """Deliver a worker message to the daemon (through the codec), on the next loop

@@ -114,9 +114,9 @@ class Harness:
         """The heartbeat tick at ``now``: silent workers and overdue batches are lost."""
         self.deliver(self.core.tick(now))
 
-    def lose(self, wid: str, why: str = "test") -> None:
+    def lose(self, wid: str, why: str = "test", reason: P.LossReason = "exited") -> None:
         """Declare a worker lost, as a silence, a failed send or its exit would."""
-        self.deliver(self.core.worker_lost(wid, why, self.server.clock()))
+        self.deliver(self.core.worker_lost(wid, why, reason, self.server.clock()))
 
     def drain(self, wid: str, resume: bool = False) -> None:
         """Take a worker out of rotation (or back in), as an admin's ``drain_worker`` does."""

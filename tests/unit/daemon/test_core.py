@@ -160,7 +160,7 @@ def test_a_lost_worker_keeps_what_it_streamed_and_its_requests_go_on_elsewhere(d
     drv.serve("w0", stream=True, result=False)  # the slice's 8 tokens streamed, no result
     streamed = [t for d in drv.events("c", P.Delta) for t in d.token_ids]
     assert len(streamed) == 8
-    eff = drv.run(drv.core.worker_lost("w0", "test", drv.now))
+    eff = drv.run(drv.core.worker_lost("w0", "test", "exited", drv.now))
     assert [x.wid for x in eff.lost] == ["w0"] and eff.wake
     e = drv.core.table.get("s")
     assert e is not None and e.req.num_generated == 8 and e.out.ids == streamed

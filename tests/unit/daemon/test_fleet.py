@@ -3,9 +3,16 @@ batches, registration checks, drain, and the status snapshot, all in-process."""
 
 from __future__ import annotations
 
+import asyncio
+
 from sclsd import protocol as P
 
 from .conftest import Harness, RecConn, held, until
+
+
+async def _turn() -> None:
+    """One turn of the event loop: what an in-process worker sent is delivered."""
+    await asyncio.sleep(0)
 
 
 async def _one_batch_on(h: Harness, wid: str, conn: RecConn, rid: str = "r") -> None:
@@ -46,42 +53,113 @@ def test_refused_send_requeues_instead_of_losing(daemon) -> None:
     daemon(body)
 
 
-def test_unacknowledged_batch_drops_the_worker(daemon) -> None:
+def test_a_batch_the_worker_never_got_drops_it_without_a_kill(daemon) -> None:
     async def body(h: Harness) -> None:
-        h.worker("w0", hold=True, ack=False)
+        w0 = h.worker("w0", ack=False, hold=True)
         await h.registered("w0")
         conn = RecConn()
         await _one_batch_on(h, "w0", conn)
-        h.tick(h.server.clock() + 1.0)  # within daemon.batch_ack_timeout_s: nothing happens
+        ack = h.server.cfg.daemon.batch_ack_timeout_s
+        h.tick(h.server.clock() + ack + 1)  # no ack: the tick alone judges nothing
         assert "w0" in h.members()
-        h.tick(h.server.clock() + h.server.cfg.daemon.batch_ack_timeout_s + 1)
+        w0.held.clear()  # the batch never reached the engine: the heartbeat does not name it
+        sent = h.core.dispatch.unacked
+        (bid,) = list(sent)
+        sent[bid] = ("w0", h.server.clock() - 0.1)  # its acknowledgement time is past
+        w0.heartbeat()
+        await _turn()  # the heartbeat goes through the loop
         assert "w0" not in h.members()
+        losses = h.core.members.losses["w0"]
+        assert losses.last_reason == "lost_batch" and f"batch={bid}" in losses.last_why
         h.worker("w1")
         await h.finished(conn, "r")
         assert conn.terminal("r")[0].worker == "w1"
 
-    # The tick also loses workers silent past the heartbeat timeout: let only the missing
-    # acknowledgement count here.
     daemon(body, daemon={"heartbeat_timeout_s": 60.0})
 
 
-def test_overdue_batch_drops_the_worker_even_when_acknowledged(daemon) -> None:
+def test_a_heartbeat_that_names_the_batch_stands_for_its_ack(daemon) -> None:
     async def body(h: Harness) -> None:
-        h.worker("w0", hold=True)
+        w0 = h.worker("w0", ack=False, hold=True)
+        await h.registered("w0")
+        conn = RecConn()
+        await _one_batch_on(h, "w0", conn)
+        (bid,) = list(h.core.dispatch.unacked)
+        w0.heartbeat()
+        await _turn()
+        assert not h.core.dispatch.unacked
+        h.tick(h.server.clock() + 3 * h.server.cfg.daemon.batch_ack_timeout_s)
+        assert "w0" in h.members() and bid in h.server.sched.batches
+
+    daemon(body, daemon={"heartbeat_timeout_s": 60.0})
+
+
+def test_a_slow_batch_that_moves_is_never_dropped_and_one_that_stalls_is(daemon) -> None:
+    async def body(h: Harness) -> None:
+        w0 = h.worker("w0", hold=True)
         await h.registered("w0")
         conn = RecConn()
         await _one_batch_on(h, "w0", conn)
         d = h.core.dispatch
         await conn.wait_for(lambda: not d.unacked)  # the ack went through the loop
-        h.tick(h.server.clock() + h.server.cfg.daemon.batch_overdue_min_s - 1)
+        stall = h.server.cfg.daemon.batch_stall_timeout_s
+        t0 = h.server.clock()
+        # Far past any estimate of the batch, but the worker keeps saying it moves.
+        for k in range(1, 6):
+            now = t0 + k * (stall - 1)
+            h.deliver(h.core.worker_message("w0", P.Heartbeat(worker_id="w0", batches=[
+                b.batch_id for b in w0.held], stalled_s=0.5), now))
+            h.tick(now + 0.5)
+            assert "w0" in h.members()
+        # Then it holds the batch and says its engine has not moved since.
+        last = t0 + 5 * (stall - 1)
+        h.deliver(h.core.worker_message("w0", P.Heartbeat(worker_id="w0", batches=[
+            b.batch_id for b in w0.held], stalled_s=stall / 2), last + stall / 2))
+        h.tick(last + stall - 1)
         assert "w0" in h.members()
-        h.tick(h.server.clock() + h.server.cfg.daemon.batch_overdue_min_s + 1)
+        h.tick(last + stall + 1)
         assert "w0" not in h.members()
+        losses = h.core.members.losses["w0"]
+        assert losses.last_reason == "stalled" and losses.count == 1
 
-    # The tick also loses workers silent past the heartbeat timeout: let only the batch's
-    # deadline count here.
-    daemon(body, daemon={"batch_overdue_factor": 1.0, "batch_overdue_min_s": 10.0,
-                         "heartbeat_timeout_s": 60.0})
+    # The tick also loses workers silent past the heartbeat timeout: let only progress count.
+    daemon(body, daemon={"batch_stall_timeout_s": 20.0, "heartbeat_timeout_s": 1000.0})
+
+
+def test_a_member_registering_again_on_its_connection_is_welcomed_not_dropped(daemon) -> None:
+    async def body(h: Harness) -> None:
+        w0 = h.worker("w0", hold=True)
+        await h.registered("w0")
+        conn = RecConn()
+        await _one_batch_on(h, "w0", conn)
+        welcomes = sum(isinstance(m, P.Welcome) for m in w0.received)
+        w0.register()  # its Welcome was slow to come: it sends Register again
+        await until(w0.got, lambda: sum(isinstance(m, P.Welcome) for m in w0.received) > welcomes)
+        assert "w0" in h.members() and not h.core.members.losses
+        assert len(h.server.sched.batches) == 1  # its batch stays with it
+        w0.hold = False
+        w0.release()
+        await h.finished(conn, "r")
+        assert conn.terminal("r")[0].worker == "w0"
+
+    daemon(body)
+
+
+def test_a_new_process_under_a_members_id_replaces_it_without_a_kill(daemon) -> None:
+    async def body(h: Harness) -> None:
+        h.worker("w0", hold=True)
+        await h.registered("w0")
+        conn = RecConn()
+        await _one_batch_on(h, "w0", conn)
+        killed: list[str] = []
+        h.server.supervisor.kill = lambda wid, sig=0: killed.append(wid)  # type: ignore[method-assign]
+        again = h.worker("w0")  # same pid (this process), new connection: it reconnected
+        await until(again.got, lambda: h.members().get("w0") == again.peer)
+        assert h.core.members.losses["w0"].last_reason == "reconnected" and not killed
+        await h.finished(conn, "r")
+        assert conn.terminal("r")[0].worker == "w0"
+
+    daemon(body)
 
 
 def test_registration_needs_the_secret_and_cannot_take_over(daemon) -> None:

@@ -16,8 +16,8 @@ KV across slices (``kv_reuse``, on by default): the KV of each unfinished row is
 kept after its slice (:mod:`worker.engines.kvstore`), within ``kv_retain_bytes``
 (default: the memory budget), least recently used evicted first, and always
 shrunk before a batch to what fits beside it; what does not fit waits in host
-memory, within ``kv_host_bytes`` (default: the memory budget on CUDA, none on
-the CPU), and is copied back when its request returns. A batch whose rows' KV is held
+memory, within ``kv_host_bytes`` (default on CUDA: the memory budget, at most 16 GiB and
+a quarter of RAM; none on the CPU), and is copied back when its request returns. A batch whose rows' KV is held
 prefills only the tokens beyond it. New tokens are handed to ``emit`` after the
 prefill and after every decode step.
 """
@@ -159,14 +159,41 @@ class EagerRun:
 
 
 def to_host(entry: Retained) -> Retained:
-    """``entry`` copied to host memory (pinned when it comes from a GPU, so the copy back
-    before its next slice runs at the link's speed)."""
-    pin = any(k.is_cuda for k, _ in entry.kv)
+    """``entry`` copied to host memory: every layer's keys and values into one buffer,
+    allocated once (pinned when the entry comes from a GPU, so the copy back before its next
+    slice runs at the link's speed) and filled by copies the host does not wait for (the
+    device reads the buffer back in stream order, and torch keeps a pinned block in use until
+    the copies that touch it are done)."""
+    import torch
 
-    def host(t: Any) -> Any:
-        return t.to("cpu").pin_memory() if pin else t.to("cpu", copy=True)
+    flat = [t for pair in entry.kv for t in pair]
+    pin = any(t.is_cuda for t in flat)
+    buf = torch.empty(sum(t.numel() for t in flat), dtype=flat[0].dtype, pin_memory=pin)
+    out, at = [], 0
+    for t in flat:
+        h = buf[at:at + t.numel()].view(t.shape)
+        h.copy_(t, non_blocking=pin)
+        out.append(h)
+        at += t.numel()
+    return Retained(entry.tokens, entry.nbytes, list(zip(out[0::2], out[1::2], strict=True)), True)
 
-    return Retained(entry.tokens, entry.nbytes, [(host(k), host(v)) for k, v in entry.kv], True)
+
+#: Most host memory kept KV takes by default on CUDA (pinned memory is not swappable, and
+#: the KV memory of an 80 GB card would pin ~64 GB): 16 GiB, and at most a quarter of RAM.
+DEFAULT_HOST_KV_BYTES = 16 * 2**30
+
+
+def default_host_bytes(device_type: str, kv_limit: int, ram: int | None = None) -> int:
+    """Host bytes for kept KV when ``kv_host_bytes`` is not given: none on the CPU (the host
+    is the device); on CUDA the KV memory, within :data:`DEFAULT_HOST_KV_BYTES` and a quarter
+    of ``ram`` (the machine's physical memory by default)."""
+    if device_type != "cuda":
+        return 0
+    if ram is None:
+        import os
+
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(0, min(int(kv_limit), DEFAULT_HOST_KV_BYTES, int(ram) // 4))
 
 
 def vocab_size(spec: models.ModelSpec, config: Any) -> int:
@@ -459,7 +486,7 @@ class HFEngine(Engine):
         arena = self.static.arena.nbytes if self.static is not None else 0
         budget = self.kv_limit - arena if retain is None else int(retain)
         if host is None:
-            host = self.kv_limit if self.device.type == "cuda" else 0
+            host = default_host_bytes(self.device.type, self.kv_limit)
         log.info("KV kept across slices: up to %d bytes, %d more in host memory", budget, host)
         if self.static is not None:
             return KVReuse(KVStore(budget, host, to_host), self.delta, arena, beside=False)

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "KVReuse", "KVStore", "Retained", "assemble_past", "common_prefix", "cut_row", "supports_reuse",
+    "KVReuse", "KVStore", "Retained", "assemble_past", "common_prefix", "cut_row", "cut_rows",
+    "supports_reuse",
 ]
 
 
@@ -250,6 +251,38 @@ def cut_row(cache: Any, row: int, mask_row: Any) -> tuple[list[tuple[Any, Any]],
     return kv, nbytes
 
 
+def cut_rows(cache: Any, rows: list[int], mask: Any) -> list[tuple[list[tuple[Any, Any]], int]]:
+    """The KV of every row in ``rows`` from a batch cache, only at the columns ``mask`` (``[batch
+    rows, columns]``) marks real: per row, per layer ``(keys, values)`` as ``[1, heads, tokens,
+    head_dim]`` tensors, and their size in bytes.
+
+    One copy of the mask to the host (the only wait on the device) and one gather per layer
+    and K or V for all rows at once, instead of a wait and ``2 × layers`` copies per row. The
+    rows' tensors are views of one gathered tensor per layer (its memory is theirs only, not
+    the batch cache's), so it returns to the device once the last of those rows' entries
+    leaves; each row's bytes count its own part."""
+    import torch
+
+    if not rows:
+        return []
+    sel = mask[rows].to("cpu")  # the one wait: which columns are real, per row
+    counts = sel.sum(-1).tolist()
+    where = sel.nonzero()
+    dev = cache.layers[0].keys.device
+    row_idx = torch.tensor(rows, dtype=torch.long)[where[:, 0]].to(dev, non_blocking=True)
+    col_idx = where[:, 1].to(dev, non_blocking=True)
+    per_row: list[list[tuple[Any, Any]]] = [[] for _ in rows]
+    nbytes = [0] * len(rows)
+    for layer in cache.layers:
+        # [tokens of all rows, heads, head_dim] -> [heads, tokens, head_dim]; each row a slice.
+        k_all = layer.keys[row_idx, :, col_idx].transpose(0, 1)
+        v_all = layer.values[row_idx, :, col_idx].transpose(0, 1)
+        for j, (k, v) in enumerate(zip(k_all.split(counts, dim=1), v_all.split(counts, dim=1), strict=True)):
+            per_row[j].append((k.unsqueeze(0), v.unsqueeze(0)))
+            nbytes[j] += k.numel() * k.element_size() + v.numel() * v.element_size()
+    return list(zip(per_row, nbytes, strict=True))
+
+
 class KVReuse:
     """A torch engine's use of a :class:`KVStore`: check rows out before a batch, keep the
     unfinished rows' KV after it.
@@ -293,12 +326,11 @@ class KVReuse:
         """Keep the KV of every unfinished row ``(rid, context, generated, done)``; returns
         the tokens kept per row (0: none)."""
         kept = [0] * len(rows)
-        for i, (rid, context, out, done) in enumerate(rows):
-            if done or not out:
-                continue
+        live = [i for i, (_, _, out, done) in enumerate(rows) if out and not done]
+        for i, (kv, nbytes) in zip(live, cut_rows(cache, live, mask), strict=True):
+            rid, context, out, _ = rows[i]
             # The last token was sampled, never fed: its KV does not exist yet.
             tokens = list(context) + out[:-1]
-            kv, nbytes = cut_row(cache, i, mask[i])
             if kv and kv[0][0].shape[2] != len(tokens):
                 raise RuntimeError(f"row {rid!r}: the cache holds {kv[0][0].shape[2]} tokens, "
                                    f"its context {len(tokens)}")

@@ -32,6 +32,10 @@ by a logits processor of the engine's own that transformers runs before its warp
 between grants and is replayed from the row's tokens when the request is served
 fresh. Prefix sharing is off: the daemon's KV accounting (and ``prefill_tokens``)
 assumes every request holds its own blocks.
+
+The manager's setup is :mod:`worker.engines.cb_setup`'s: the cache's size, on CUDA the memory
+share (at most transformers' own), the KV padding of captured steps (``kv_padding_tokens``,
+2,048 by default) and the step shapes captured at warm-up.
 """
 
 from __future__ import annotations
@@ -48,6 +52,15 @@ from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, EngineCaps, Reque
 from worker.engines.base import EMPTY, Done, Emit, EngineInfo, Stream, Take
 from worker.engines.cb_constraints import RequestRules, RowRules
 from worker.engines.cb_grants import Allowance, GrantControl, register, unregister
+from worker.engines.cb_setup import (  # noqa: F401 - GPU_GRAPHS_MEMORY_SHARE: part of this module's API
+    GPU_GRAPHS_MEMORY_SHARE,
+    cache_size,
+    cache_tokens,
+    generation_config,
+    graph_padding,
+    manager_options,
+    warm_graphs,
+)
 from worker.engines.grammar import supported as grammar_supported
 from worker.engines.hf import HFEngine, peak_memory
 
@@ -55,77 +68,6 @@ log = logging.getLogger(__name__)
 
 #: transformers' "no limit" for max_new_tokens: rows stop at their allowance or a stop token.
 NO_LIMIT = 2**31 - 1
-#: CPU defaults: small pages (the daemon counts tokens, transformers allocates pages), and a
-#: cache of the memory budget capped here (SDPA keeps a [batch tokens, cache tokens] mask).
-CPU_PAGE_SIZE = 16
-CPU_MAX_CACHE_TOKENS = 65536
-#: Elsewhere: transformers' default page; transformers sizes the cache itself.
-GPU_PAGE_SIZE = 256
-#: Share of the free memory transformers' sizing may take with CUDA graphs on (its own
-#: default, 0.9, leaves nothing for the graphs' memory pool).
-GPU_GRAPHS_MEMORY_SHARE = 0.85
-
-
-
-def cache_size(device: str, kv_limit: int, delta: int, page_size: int | None,
-               num_blocks: int | None) -> tuple[int, int | None]:
-    """(page tokens, pages) of the paged cache. On the CPU sized here, from the memory budget
-    (transformers would take 60 % of the machine's RAM). On CUDA the pages are None unless
-    given: transformers sizes the cache from the free memory with its own footprint formula
-    (KV, activations, the SDPA mask), which never asks for what it then refuses, and the
-    engine reports what it built (:func:`cache_tokens`)."""
-    if device == "cpu":
-        page = page_size or CPU_PAGE_SIZE
-        tokens = min(kv_limit // max(1, delta), CPU_MAX_CACHE_TOKENS)
-        return page, num_blocks if num_blocks is not None else max(1, -(-tokens // page))
-    return page_size or GPU_PAGE_SIZE, num_blocks
-
-
-def cache_tokens(mgr: Any) -> int:
-    """Tokens of KV the manager's paged cache holds (its whole-model blocks × page)."""
-    cache = mgr.batch_processor.cache
-    return int(cache.num_blocks) * int(mgr.continuous_batching_config.page_size)
-
-
-def manager_options(device: str, page_size: int, num_blocks: int | None, cuda_graphs: Any,
-                    memory_share: float | None, max_batch_tokens: int | None) -> dict[str, Any]:
-    """The cache and graph settings of ``ContinuousBatchingConfig``. On CUDA transformers'
-    own graphs are on unless ``cuda_graphs`` is false (forced: without flash attention it
-    would not choose them, though they cut a 7B decode step 3.6× on an H100), and with
-    them the cache takes :data:`GPU_GRAPHS_MEMORY_SHARE` of the free memory unless
-    ``memory_share`` says otherwise."""
-    from worker.engines.static import as_switch
-
-    opts: dict[str, Any] = {"page_size": page_size, "num_blocks": num_blocks}
-    if max_batch_tokens is not None:
-        if int(max_batch_tokens) < 1:
-            raise ValueError(f"max_batch_tokens: expected a positive integer, got {max_batch_tokens!r}")
-        opts["max_batch_tokens"] = int(max_batch_tokens)
-    graphs = as_switch("cuda_graphs", cuda_graphs, device == "cuda")
-    if graphs and device != "cuda":
-        raise ValueError("cuda_graphs: CUDA graphs need a CUDA device")
-    if memory_share is not None and not 0.0 < float(memory_share) <= 1.0:
-        raise ValueError(f"memory_share: expected a number in (0, 1], got {memory_share!r}")
-    if device == "cuda":
-        opts["use_cuda_graph"] = graphs
-        share = memory_share if memory_share is not None else (GPU_GRAPHS_MEMORY_SHARE if graphs else None)
-        if share is not None:
-            opts["max_memory_percent"] = float(share)
-    return opts
-
-
-def generation_config(sampling: bool, pad_id: int, eos: list[int]) -> Any:
-    """The manager's settings. With ``sampling``: placeholder temperature, top-k and top-p
-    that make transformers build those warpers; each request passes its own
-    (:func:`sampling_kwargs`). Without: greedy decoding, no warpers (cheaper: the warpers
-    sort the whole vocabulary at every step)."""
-    from transformers import GenerationConfig
-
-    extra: dict[str, Any] = dict(temperature=0.5, top_k=50, top_p=0.9) if sampling else {}
-    return GenerationConfig(do_sample=sampling, max_new_tokens=1024, pad_token_id=pad_id,
-                            eos_token_id=eos[0] if eos else -1, **extra)
-
-
 def sampling_refusal(batch: BatchMsg, sampling: bool) -> str | None:
     """Why this engine cannot serve ``batch``'s sampling settings, if it cannot."""
     hot = [r for r in batch.requests if r.temperature > 0]
@@ -307,6 +249,7 @@ class HFCBEngine(HFEngine):
     def __init__(self, *args: Any, poll_s: float = 0.005, page_size: int | None = None,
                  num_blocks: int | None = None, sampling: bool = True, cuda_graphs: Any = "auto",
                  memory_share: float | None = None, max_batch_tokens: int | None = None,
+                 kv_padding_tokens: int | None = None,
                  **kwargs: Any) -> None:
         # transformers' paged cache owns the KV here: HFEngine's own store and static cache stay off.
         kwargs["kv_reuse"] = False
@@ -319,6 +262,8 @@ class HFCBEngine(HFEngine):
                                            page_size, num_blocks)
         self.cache_opts = manager_options(self.device.type, page_size, num_blocks, cuda_graphs,
                                           memory_share, max_batch_tokens)
+        self.cache_opts |= graph_padding(self.device.type, bool(self.cache_opts.get("use_cuda_graph")),
+                                         kv_padding_tokens)
         self.cache_tokens = num_blocks * page_size if num_blocks is not None else 0
         """Tokens the paged cache holds (0 until transformers has sized it: :meth:`warm_up`)."""
         self._mgr: Any = None
@@ -343,9 +288,8 @@ class HFCBEngine(HFEngine):
         captures its graphs, when on), so the M_ava reported is what the cache holds."""
         if progress is not None:
             progress("warming: starting transformers' continuous batching")
-        self._manager()
-        log.info("paged cache: %d tokens of KV (%.2f GiB)", self.cache_tokens,
-                 self.cache_tokens * self.delta / 2**30)
+        self._manager(progress)
+        log.info("paged cache: %d tokens of KV (%.2f GiB)", self.cache_tokens, self.cache_tokens * self.delta / 2**30)
 
     def caps(self) -> EngineCaps:
         """Continuous batching; sampling when started with it, never seeded; whole pages (the
@@ -357,7 +301,7 @@ class HFCBEngine(HFEngine):
 
     # ------------------------------------------------------------------ the manager
 
-    def _manager(self) -> Any:
+    def _manager(self, progress: Callable[[str], None] | None = None) -> Any:
         """The continuous batching manager, created and started on first use."""
         if self._mgr is not None:
             return self._mgr
@@ -382,7 +326,8 @@ class HFCBEngine(HFEngine):
             import torch
 
             with torch.cuda.device(self.device):
-                mgr.warmup()  # builds the cache (sized by transformers) and captures its graphs
+                mgr.warmup()  # builds the cache (sized by transformers) and captures its largest graphs
+                warm_graphs(mgr, progress)  # and the common shapes, not met first while serving
             self.cache_tokens = cache_tokens(mgr)
         # mgr.start() without its non-daemon thread: kept KV keeps the manager alive between
         # batches, and a process that forgot close() must still be able to exit.

@@ -236,6 +236,8 @@ class Admission:
         over = self._overloaded(uid, len(ids))
         if over is not None:
             return self.refuse(conn, "overloaded", over[1], g.id, over[0])
+        if conn.closed:
+            return Effects()  # the client went away while we checked: nobody to serve
         return self.core.submit(conn, uid, g, rid, list(ids), self.clock())
 
     async def _tokenize(self, g: P.Generate) -> list[int]:

@@ -50,9 +50,13 @@ class Frontend:
         return self.handlers[type(msg)](conn, msg)
 
     def on_close(self, conn: Conn) -> Effects:
-        """A client that disconnects cancels its requests."""
-        for rid in sorted(self.core.table.of_client(conn)):
-            log.info("id=%s cancelled: conn=%d disconnected", rid, conn.cid)
+        """A client that disconnects cancels its requests (one log line for them all: a
+        pipelining client may leave thousands)."""
+        rids = sorted(self.core.table.of_client(conn))
+        if rids:
+            more = f" and {len(rids) - 5} more" if len(rids) > 5 else ""
+            log.info("conn=%d disconnected: %d requests cancelled (id=%s%s)", conn.cid, len(rids),
+                     ",".join(rids[:5]), more)
         return self.core.client_gone(conn, self.clock())
 
     def is_admin(self, conn: Conn) -> bool:

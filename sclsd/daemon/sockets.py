@@ -107,6 +107,9 @@ class Conn:
     max_buffer: int
     peer: PeerCred | None = None
     closed: bool = False
+    """Nothing more is sent: we closed it, or its transport is gone."""
+    released: bool = False
+    """Its server let go of it (its requests were cancelled): at most once."""
     _pending: list[bytes] = field(default_factory=list)
     _pending_bytes: int = 0
     _paused: bool = False
@@ -135,8 +138,10 @@ class Conn:
             self._check_hard_cap()
 
     def flush(self) -> None:
-        """Write what ``send`` queued (called once per loop turn; safe to call any time)."""
-        if not self._pending or self.closed:
+        """Write what ``send`` queued (called once per loop turn; safe to call any time,
+        the transport gone included: what cannot be written any more is dropped)."""
+        transport = self.writer.transport
+        if not self._pending or self.closed or transport.is_closing():
             self._pending.clear()
             self._pending_bytes = 0
             return
@@ -144,7 +149,12 @@ class Conn:
         self._pending.clear()
         self._pending_bytes = 0
         self._written += len(data)
-        self.writer.write(data)  # past the high-water mark, the transport pauses us
+        try:
+            self.writer.write(data)  # past the high-water mark, the transport pauses us
+        except RuntimeError:
+            # uvloop closes a transport whose write failed (the peer hung up) and raises
+            # on any later write; the connection's end follows from connection_lost.
+            return
         if self._paused:
             self._check_hard_cap()
 
@@ -194,12 +204,22 @@ class Conn:
             self.writer.transport.abort()
 
     def close(self) -> None:
+        """Close after writing what was sent (never raises: the transport may be gone)."""
         if not self.closed:
-            self.flush()  # what was sent goes out before the close
-            self.closed = True
-            if self._grace is not None:
-                self._grace.cancel()
-            self.writer.close()
+            try:
+                self.flush()  # what was sent goes out before the close
+            finally:
+                self.lost()
+                self.writer.close()
+
+    def lost(self) -> None:
+        """The transport is gone (or going): nothing more is sent, no timer is left."""
+        self.closed = True
+        self._pending.clear()
+        self._pending_bytes = 0
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
 
 
 class _FlowProtocol(asyncio.StreamReaderProtocol):
@@ -207,6 +227,16 @@ class _FlowProtocol(asyncio.StreamReaderProtocol):
     resumes writing (the stream's own ``drain()`` keeps working as before)."""
 
     conn: Conn | None = None
+    #: Called once the transport is gone, before the read loop may notice (it may be
+    #: waiting on a handler): the server lets go of the connection at once.
+    gone: Callable[[], None] | None = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if self.conn is not None:
+            self.conn.lost()
+        if self.gone is not None:
+            self.gone()
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -417,6 +447,7 @@ class FrameServer:
             await self._flush_and_close(conn)
             return
         self.conns.add(conn)
+        protocol.gone = lambda: self._release(conn)
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
@@ -435,13 +466,28 @@ class FrameServer:
             conn.send(P.Error(code="internal", message="internal error; connection closed"))
             why = "closed after an internal error"
         finally:
-            self.conns.discard(conn)
             if task is not None:
                 self._tasks.discard(task)
-            conn.close()
-            if self.on_close is not None:
-                self.on_close(conn)
+            self._release(conn)
             log.log(self.conn_log_level, "%s conn=%d %s", self.name, conn.cid, why)
+
+    def _release(self, conn: Conn) -> None:
+        """The connection is over (its read loop ended, or its transport is gone, whichever
+        comes first): it is closed and ``on_close`` runs, once, whatever raises on the way,
+        so a disconnect always cancels its requests."""
+        if conn.released:
+            return
+        conn.released = True
+        self.conns.discard(conn)
+        try:
+            conn.close()
+        except Exception:  # noqa: BLE001 - a transport already gone must not keep its requests
+            log.debug("%s conn=%d close failed", self.name, conn.cid, exc_info=True)
+        if self.on_close is not None:
+            try:
+                self.on_close(conn)
+            except Exception:
+                log.exception("%s conn=%d letting go of its requests failed", self.name, conn.cid)
 
     async def _read_loop(self, reader: asyncio.StreamReader, conn: Conn) -> None:
         while not conn.closed:

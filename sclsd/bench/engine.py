@@ -9,7 +9,9 @@ For every engine variant and shape ``N x P`` (N rows of P-token prompts, ``--gen
 tokens, greedy, EOS ignored) one batch is served twice: the first call of the shape
 (cold) and the second (warm). Reported per call, from the engine's streamed tokens:
 the prefill, until every row has its first token, and the decode step, the rest of the
-call divided by the ``gen - 1`` steps after it (in ms). Timing the stream rather than
+call divided by the ``gen - 1`` steps after it (in ms). Each variant's decode graphs kept after
+its warm-up check are printed and written; a variant that asked for graphs and kept none is
+an error (exit status 1): its timings would be the eager step's. Timing the stream rather than
 the engine's own stats treats every engine alike: continuous batching (``hf-cb``)
 interleaves prefill and decode and reports one wall time. Each variant runs in a process of its own
 (so a GPU's memory is given back between them), after the engine's warm-up, as a worker
@@ -148,6 +150,25 @@ def _serve_call(engine: Any, batch: Any) -> tuple[float, float]:
     return t1 - t0, 1000 * (end - t1) / max(1, gen - 1)
 
 
+def graph_facts(engine: Any) -> dict[str, Any]:
+    """Which decode graphs the engine's static path asked for and kept after its warm-up
+    check: ``graphs_requested`` and ``graphs_kept`` (``[batch, cache]`` buckets); nothing for
+    an engine without one."""
+    static = getattr(engine, "static", None)
+    if static is None:
+        return {}
+    return {"graphs_requested": bool(static.graphs_requested), "graphs_kept": [list(b) for b in static.captured()]}
+
+
+def graph_problem(row: dict[str, Any]) -> str | None:
+    """What is wrong with a variant's graphs, from its first line: graphs asked for and none
+    kept (every decode step then runs eagerly, and its timings are not the graphed ones)."""
+    if row.get("graphs_requested") and not row.get("graphs_kept"):
+        return (f"{row['variant']}: CUDA graphs were requested but none was kept after the warm-up check "
+                "(decode ran eagerly; see the worker's warnings)")
+    return None
+
+
 def child(args: argparse.Namespace) -> int:
     """Run one variant over every shape; one JSON line per call on stdout."""
     from worker.engines import create_engine
@@ -164,8 +185,8 @@ def child(args: argparse.Namespace) -> int:
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine.warm_up(lambda step: print(step, file=sys.stderr, flush=True))
-    print(json.dumps({"variant": name, "load_s": round(load_s, 2), "warm_up_s": round(time.perf_counter() - t0, 2)}),
-          flush=True)
+    print(json.dumps({"variant": name, "load_s": round(load_s, 2), "warm_up_s": round(time.perf_counter() - t0, 2),
+                      **graph_facts(engine)}), flush=True)
     vocab = min(int(engine.config.vocab_size), 32000)
     bid = 0
     try:
@@ -253,6 +274,13 @@ def run(args: argparse.Namespace) -> int:
         for line in proc.stdout:
             row = json.loads(line)
             rows.append(row)
+            if "graphs_kept" in row:
+                kept = row["graphs_kept"]
+                print(f"   graphs kept: {len(kept)}" + (f" (batch, cache: {kept})" if kept else ""),
+                      file=sys.stderr, flush=True)
+                if problem := graph_problem(row):
+                    rc = 1
+                    print(f"   ERROR {problem}", file=sys.stderr, flush=True)
             if "n" in row:
                 what = row.get("error") or f"prefill {row['prefill_s']:.3f} s, {row['ms_per_step']:.1f} ms/step"
                 print(f"   N={row['n']} P={row['p']} {row['call']}: {what}", file=sys.stderr, flush=True)
@@ -265,6 +293,12 @@ def run(args: argparse.Namespace) -> int:
     header = (f"`{model}` in {dtype} on {facts.get('gpu') or 'the CPU'}; prefill until every row streamed "
               f"its first token, then ms per step over the other {gen - 1} of {gen} new tokens; cold "
               f"(first call of the shape) / warm (second).")
+    graphs = [f"{r['variant']}: {len(r['graphs_kept'])} decode graphs kept" for r in rows if "graphs_kept" in r]
+    problems = [p for p in (graph_problem(r) for r in rows) if p]
+    if graphs:
+        header += " " + "; ".join(graphs) + "."
+    if problems:
+        header += "\n\n**" + " ".join(f"ERROR {p}." for p in problems) + "**"
     (out / "engine.md").write_text(header + "\n\n" + table + "\n")
     (out / "engine.json").write_text(json.dumps({"model": model, "dtype": dtype, "device": device, "facts": facts,
                                                  "gen": gen, "floor_ms": floor, "rows": rows}, indent=2) + "\n")

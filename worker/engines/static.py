@@ -330,6 +330,8 @@ class StaticRunner:
         self.mask_values = (torch.zeros((), dtype=dtype, device=device),
                             torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device))
         self.graphs_on = bool(graphs)
+        self.graphs_requested = bool(graphs) and self.device.type == "cuda"
+        """Graphs were asked for (kept or not: :meth:`captured` says which are)."""
         self.bucketing = self.graphs_on if buckets is None else bool(buckets)
         """Batches run in bucket shapes (always with graphs; without, only when asked: tests)."""
         self.use_graphs = True

@@ -196,6 +196,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"batches: {st.counters.get('batches', 0)}, estimator mean |error| "
                   f"{e.mean_abs_error_s:.2f}s over the last {e.batches}")
         rc = 0 if len(ok) == len(results) else 1
+        if st.worker_losses:
+            # A healthy demo loses no worker: a drop is a fault to see, not to pass over.
+            for wl in st.worker_losses:
+                print(f"worker {wl.id} was dropped {wl.count} time(s); last: {wl.last_reason}: "
+                      f"{wl.last_why}", file=sys.stderr)
+            rc = 1
         print("\nthrough sclsd-http with the OpenAI SDK's defaults (temperature 1): ", end="", flush=True)
         try:
             print(_openai_default_request(url, st.model), flush=True)

@@ -12,7 +12,7 @@ the card).
 ``n · c`` slots as ``[n, kv_heads, c, head_dim]`` views, wrapped as transformers'
 ``StaticLayer``s (a :class:`~transformers.Cache` of them): the model writes each new
 token's KV at the column a per-layer counter names and attends over the whole view
-through a 4-D boolean mask. Row ``i`` starts at the same place whatever ``n`` is, so a
+through a 4-D boolean mask (additive for eager attention: :meth:`StaticRunner.attention_mask`). Row ``i`` starts at the same place whatever ``n`` is, so a
 prefill of the batch's ``N`` real rows and the decode of its bucket of ``n >= N`` rows
 share their memory. The arena is the batch's memory, all of it: the worker reports its
 size as M_ava, and the daemon never sends a batch it cannot hold.

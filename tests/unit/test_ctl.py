@@ -64,17 +64,34 @@ def test_unreachable_sockets_are_named_with_their_origin(tmp_path: Path, capsys)
     assert f"{tmp_path}/status.sock (from --run-dir {tmp_path})" in err
 
 
-def snapshot(workers: int, loading: int, serving: bool = True) -> StatusSnapshot:
+def snapshot(workers: int, loading: int, serving: bool = True, expected: int = 0,
+             states: tuple[str, ...] = ()) -> StatusSnapshot:
     w = [WorkerStatus(id=f"w{i}", engine="fake", model="m", device="cpu", pid=1, state="active",
                       load_s=0, batches_inflight=0, queued_batches=0, busy=False, batches_done=0,
                       tokens_done=0, heartbeat_age_s=0) for i in range(workers)]
-    lw = [LoadingWorker(id=f"w{workers + i}", pid=2, age_s=3.0, step="loading engine") for i in range(loading)]
+    lw = [LoadingWorker(id=f"w{workers + i}", pid=2, age_s=3.0, step="loading engine",
+                        state=states[i] if i < len(states) else "loading")  # type: ignore[arg-type]
+          for i in range(loading)]
     return StatusSnapshot(version="0", protocol=5, uptime_s=1, draining=False, model="m", policy="scls",
                           slice_len=8, interval_s=0.1, pool_size=0, live_requests=0, running_requests=0,
                           admitting=0, queued_tokens=0, limits=Limits(1, 1), connections=0,
                           metrics_http=None, workers=w, estimator={},
                           estimator_error=EstimatorError(0, None, None, []), counters={},
-                          serving=serving, loading=lw)
+                          serving=serving, loading=lw, expected_workers=expected)
+
+
+def test_wait_ready_waits_for_every_configured_worker() -> None:
+    # Two configured, one registered, the other between its exit and its restart: 1/2 is not
+    # ready, and not hopeless either.
+    ready, doing = ctl.readiness(snapshot(1, 1, expected=2, states=("restarting",)))
+    assert ready is False and doing.startswith("1/2 workers registered")
+    # Even when the status lists nobody else (a moment between processes): still 1/2.
+    ready, doing = ctl.readiness(snapshot(1, 0, expected=2))
+    assert ready is False and doing.startswith("1/2 workers registered")
+    assert ctl.readiness(snapshot(1, 0, expected=2), 1)[0] is True  # --min-workers 1
+    # A worker given up will not come: say so at once rather than wait for the timeout.
+    ready, doing = ctl.readiness(snapshot(1, 1, expected=2, states=("given_up",)))
+    assert ready is None and "given up: w1" in doing
 
 
 def test_wait_ready_counts_the_workers_still_loading() -> None:

@@ -193,11 +193,16 @@ def test_loading_lists_running_unregistered_workers_with_their_latest_step(tmp_p
                      on_give_up=lambda y: None)
     sup.procs = {"w0": SimpleNamespace(pid=10, returncode=None),  # type: ignore[dict-item]
                  "w1": SimpleNamespace(pid=11, returncode=None),
-                 "w2": SimpleNamespace(pid=12, returncode=1)}  # exited: not loading
-    sup.spawned_at = {"w0": 0.0, "w1": 0.0, "w2": 0.0}
+                 "w2": SimpleNamespace(pid=12, returncode=1),  # exited: restarting
+                 "w3": SimpleNamespace(pid=13, returncode=1)}  # exited too often: given up
+    sup.gave_up = {"w3": "local worker w3 exited 5 times in a row"}
+    sup.spawned_at = {"w0": 0.0, "w1": 0.0, "w2": 0.0, "w3": 0.0}
     Path(sup.progress_file("w0")).write_text("reading x.gguf and dequantising its weights\n")
     loading = sup.loading(registered={"w1": object()})
-    assert [(w.id, w.pid, w.step) for w in loading] == [("w0", 10, "reading x.gguf and dequantising its weights")]
+    assert [(w.id, w.pid, w.step, w.state) for w in loading] == [
+        ("w0", 10, "reading x.gguf and dequantising its weights", "loading"),
+        ("w2", 12, "exited rc=1", "restarting"),
+        ("w3", 13, "local worker w3 exited 5 times in a row", "given_up")]
     assert loading[0].age_s > 0
     assert [w.step for w in sup.loading(registered=set()) if w.id == "w1"] == [""]  # no step logged yet
 

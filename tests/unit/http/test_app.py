@@ -175,6 +175,16 @@ def test_health_ready_metrics_and_model_name_override(front) -> None:
         assert (await f.http.get("/health")).status_code == 200
         ready = (await f.http.get("/ready")).json()
         assert ready["ready"] is True and ready["workers"] == 1
+        # As if the config started two workers: 1/2 is not ready.
+        cfg = f.h.server.cfg
+        spawn = cfg.workers.spawn
+        object.__setattr__(cfg.workers, "spawn", 2)
+        try:
+            not_yet = await f.http.get("/ready")
+            assert not_yet.status_code == 503 and not_yet.json()["why"] == "1/2 workers active"
+            assert (await f.http.get("/ready?min_workers=1")).status_code == 200
+        finally:
+            object.__setattr__(cfg.workers, "spawn", spawn)
         metrics = (await f.http.get("/metrics")).text
         assert "sclsd:request_success_total" in metrics or "# HELP sclsd:" in metrics
         assert (await f.http.get("/v1/models")).json()["data"][0]["id"] == "my-model"

@@ -69,6 +69,8 @@ OPTIONS: dict[str, Option] = {
     "max_batch_tokens": Option(("hf-cb",), "int", lo=1, help="most tokens per iteration"),
     "memory_share": Option(("hf-cb",), "float", lo=0.0, hi=1.0, lo_open=True, help="share of free memory"),
     "poll_s": Option(("hf-cb",), "float", lo=0.0, lo_open=True, help="result poll interval"),
+    "kv_padding_tokens": Option(("hf-cb",), "int", lo=1,
+                                help="captured steps pad KV reads to a multiple of this (CUDA graphs)"),
     # deepspeed
     "kernel_inject": Option(("deepspeed",), "bool", help="DeepSpeed kernel injection (refused)"),
     # every torch engine (model.dtype is the place for it now)

@@ -21,7 +21,8 @@ SUBCOMMANDS = {
     "pipeline": ("sclsd.bench.pipeline", "many requests pipelined on one connection: none lost"),
     "chaos": ("sclsd.bench.chaos", "kill workers at random under a stream of requests: none lost or duplicated"),
     "figures": ("sclsd.bench.figures", "regenerate the figures of docs/benchmarks.md"),
-    "gpu-check": ("sclsd.bench.gpu_check", "profile hf and deepspeed, check the fit, replay live"),
+    "gpu-check": ("sclsd.bench.gpu_check", "every GPU target in one call under a deadline: hf step, hf-cb, "
+                   "profile RMSE, live scls/ils/scls-cb, compiled generate"),
     "engine": ("sclsd.bench.engine", "ms per decode step of each engine, cold and warm"),
 }
 

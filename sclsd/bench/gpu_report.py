@@ -1,0 +1,304 @@
+"""The targets of ``sclsd-bench gpu-check`` and its ``summary.md``, from ``results.jsonl``.
+
+Every target gets one of three verdicts: **met**, **missed**, or **not measured** with
+the reason (the stage was skipped for the deadline, timed out, failed, or did not run at
+the target's shape or rate). The summary is rendered from the rows alone, so it can be
+rewritten after every stage and again from a ``results.jsonl`` that came back from a box.
+Standard library only, as the runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+#: hf decode: at most this many ms per step at :data:`HF_SHAPE`, its decode graphs kept.
+HF_MS_LIMIT = 12.0
+HF_SHAPE = (32, 256)
+#: The live targets are stated for replays at this arrival rate (req/s).
+LIVE_RATE = 4.0
+#: scls: at least this throughput (req/s) with an average TTFT of at most SCLS_TTFT_S.
+SCLS_RPS, SCLS_TTFT_S = 3.0, 2.0
+#: ils and scls-cb (both on hf-cb): at least this throughput (req/s).
+CB_RPS = 1.5
+#: Profile fit: RMSE over the mean measured time, per sample kind, at most this.
+RMSE_LIMITS = {"prefill": 0.10, "decode": 0.10, "batch": 0.15}
+#: A worker from its start to ready (registered, or its engine warmed up), at most this.
+READY_LIMIT_S = 60.0
+
+MET, MISSED, NOT_MEASURED = "met", "missed", "not measured"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One target's line of the summary."""
+
+    target: str
+    measured: str
+    verdict: str
+
+
+class Rows:
+    """The rows of one run, with the look-ups the verdicts need."""
+
+    def __init__(self, rows: Iterable[dict[str, Any]]) -> None:
+        self.rows = list(rows)
+
+    def find(self, stage: str, **match: Any) -> list[dict[str, Any]]:
+        return [r for r in self.rows if r.get("stage") == stage and all(r.get(k) == v for k, v in match.items())]
+
+    def last(self, stage: str, **match: Any) -> dict[str, Any] | None:
+        got = self.find(stage, **match)
+        return got[-1] if got else None
+
+    def why_not(self, stage: str, what: str = "") -> str:
+        """Why ``stage`` gave no figure: its end row, or that it has not run (yet)."""
+        end = self.last(stage, phase="end")
+        err = next((r["error"] for r in reversed(self.find(stage)) if r.get("error")), None)
+        if end is None:
+            return f"{stage}: not run"
+        status, note = end.get("status"), end.get("note") or ""
+        if status == "skipped":
+            return f"{stage}: {note}"
+        if status == "timed out":
+            return f"{stage}: timed out ({note})"
+        if status == "failed" or err:
+            return f"{stage}: failed ({_short(err or note)})"
+        return f"{stage}: {what or 'no figure'}"
+
+
+def _short(text: Any, n: int = 160) -> str:
+    s = " ".join(str(text).split())
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def _f(v: Any, fmt: str = "{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
+
+
+# --------------------------------------------------------------------------- verdicts
+
+
+def hf_decode(rows: Rows) -> Verdict:
+    """hf decode at N = 32, P = 256 (the warm call) within :data:`HF_MS_LIMIT` ms/step,
+    the decode graphs kept (captured, and used for that shape)."""
+    n, p = HF_SHAPE
+    target = f"hf decode ≤ {HF_MS_LIMIT:g} ms/step at N = {n}, P = {p}, graphs kept"
+    r = rows.last("hf", phase="shape", n=n, p=p, call="warm")
+    if r is None or r.get("ms_per_step") is None:
+        return Verdict(target, rows.why_not("hf", f"no N={n} P={p} shape"), NOT_MEASURED)
+    ms, kept = r["ms_per_step"], bool(r.get("graphs_kept"))
+    gen = rows.last("generate", phase="shape", n=n, p=p, call="warm")
+    ref = f"; compiled generate {_f(gen.get('ms_per_step'))} ms" if gen and gen.get("ms_per_step") else ""
+    measured = f"{ms:.2f} ms/step, graphs {'kept' if kept else 'NOT kept'}{ref}"
+    return Verdict(target, measured, MET if ms <= HF_MS_LIMIT and kept else MISSED)
+
+
+def cb_starts(rows: Rows) -> Verdict:
+    """hf-cb loads and warms up with its default options."""
+    target = "hf-cb starts with its defaults"
+    err = next((r for r in rows.find("cb") if r.get("error")), None)
+    if err is not None:
+        return Verdict(target, f"{err.get('phase')}: {_short(err['error'])}", MISSED)
+    ready = rows.last("cb", phase="ready")
+    if ready is None:
+        return Verdict(target, rows.why_not("cb", "no ready row"), NOT_MEASURED)
+    step = rows.last("cb", phase="shape", n=HF_SHAPE[0], p=HF_SHAPE[1], call="warm")
+    extra = f"; {_f(step.get('ms_per_step'))} ms/step at N={HF_SHAPE[0]}" if step else ""
+    return Verdict(target, f"started: cache {ready.get('cache_tokens')} tokens{extra}", MET)
+
+
+def live(rows: Rows, policy: str, min_rps: float, max_ttft_s: float | None = None) -> Verdict:
+    """A live replay at :data:`LIVE_RATE` req/s: every request served, throughput at least
+    ``min_rps`` and, where given, average TTFT at most ``max_ttft_s``."""
+    stage = f"live-{policy}"
+    target = f"live at {LIVE_RATE:g} req/s: `{policy}` ≥ {min_rps:g} req/s" + (
+        f", avg TTFT ≤ {max_ttft_s:g} s" if max_ttft_s is not None else "")
+    r = rows.last(stage, phase="replay")
+    if r is None or r.get("throughput_rps") is None:
+        return Verdict(target, rows.why_not(stage, "no replay row"), NOT_MEASURED)
+    rps, ttft = r["throughput_rps"], r.get("avg_ttft_s")
+    measured = (f"{rps:.2f} req/s, avg TTFT {_f(ttft)} s, {r.get('completed')}/{r.get('requests')} done, "
+                f"{r.get('errors') or 0} errors")
+    if r.get("rate") != LIVE_RATE:
+        return Verdict(target, f"{measured} (replayed at {r.get('rate')} req/s, not {LIVE_RATE:g})", NOT_MEASURED)
+    ok = (rps >= min_rps and not r.get("errors") and r.get("completed") == r.get("requests")
+          and (max_ttft_s is None or (ttft is not None and ttft <= max_ttft_s)))
+    return Verdict(target, measured, MET if ok else MISSED)
+
+
+def rmse_verdicts(check: dict[str, Any] | None, why: str) -> list[Verdict]:
+    """One verdict per sample kind of a profile check row (:data:`RMSE_LIMITS`)."""
+    out = []
+    if check is not None and check.get("error"):
+        why, check = f"profile: {_short(check['error'])}", None
+    for kind, limit in RMSE_LIMITS.items():
+        target = f"profile RMSE/mean ≤ {limit:.0%} ({kind})"
+        r = (check or {}).get("kinds", {}).get(kind)
+        if not r or r.get("relative") is None:
+            out.append(Verdict(target, why if check is None else f"no {kind} samples", NOT_MEASURED))
+            continue
+        rel = r["relative"]
+        measured = f"{rel:.1%} (RMSE {1000 * r['rmse_s']:.2f} ms over {r['n']} samples, mean {1000 * r['mean_s']:.2f} ms)"
+        out.append(Verdict(target, measured, MET if rel <= limit else MISSED))
+    return out
+
+
+def ready_times(rows: Rows) -> list[tuple[str, float]]:
+    """Every start-to-ready figure of the run: the engine stages' (process launch to warmed
+    up) and the live daemons' (start to worker registered, and the worker's own clock)."""
+    out: list[tuple[str, float]] = []
+    for stage in ("hf", "cb", "generate"):
+        for r in rows.find(stage, phase="ready"):
+            if isinstance(r.get("ready_since_launch_s"), (int, float)):
+                out.append((stage, float(r["ready_since_launch_s"])))
+    for r in rows.rows:
+        stage = str(r.get("stage", ""))
+        if not stage.startswith("live-"):
+            continue
+        if r.get("phase") == "ready" and isinstance(r.get("ready_s"), (int, float)):
+            out.append((stage, float(r["ready_s"])))
+        if r.get("phase") == "stopped":
+            out += [(f"{stage} worker", float(x)) for x in r.get("worker_ready_in_s") or []]
+    return out
+
+
+def ready(rows: Rows) -> Verdict:
+    """Worker start to ready within :data:`READY_LIMIT_S` everywhere it was measured."""
+    target = f"worker start to ready ≤ {READY_LIMIT_S:g} s"
+    times = ready_times(rows)
+    if not times:
+        return Verdict(target, "no stage reached ready", NOT_MEASURED)
+    worst = max(t for _, t in times)
+    measured = ", ".join(f"{s} {t:.1f} s" for s, t in times)
+    return Verdict(target, measured, MET if worst <= READY_LIMIT_S else MISSED)
+
+
+def tests_gpu(rows: Rows) -> Verdict | None:
+    """tests/gpu passing, when the stage was asked for."""
+    end = rows.last("tests", phase="end")
+    if end is None:
+        return None
+    r = rows.last("tests", phase="result")
+    if r is None:
+        return Verdict("`pytest tests/gpu` passes", rows.why_not("tests"), NOT_MEASURED)
+    return Verdict("`pytest tests/gpu` passes", _short(r.get("summary")), MET if r.get("rc") == 0 else MISSED)
+
+
+def verdicts(rows: Rows) -> list[Verdict]:
+    """Every target, in the order of the summary."""
+    out = [hf_decode(rows), cb_starts(rows), live(rows, "scls", SCLS_RPS, SCLS_TTFT_S),
+           live(rows, "ils", CB_RPS), live(rows, "scls-cb", CB_RPS)]
+    out += rmse_verdicts(rows.last("profile", phase="check"), rows.why_not("profile", "no check row"))
+    out.append(ready(rows))
+    t = tests_gpu(rows)
+    if t is not None:
+        out.append(t)
+    return out
+
+
+# --------------------------------------------------------------------------- summary.md
+
+
+def render(rows_in: Iterable[dict[str, Any]]) -> str:
+    """``summary.md`` from the rows of ``results.jsonl``."""
+    rows = Rows(rows_in)
+    plan = rows.last("plan") or {}
+    facts = rows.last("facts", phase="facts") or {}
+    out = ["# sclsd-bench gpu-check", ""]
+    if plan.get("smoke"):
+        out += ["**Smoke run** (CPU plumbing check on a tiny model): its figures say nothing about a GPU.", ""]
+    if facts:
+        card = (f"{facts.get('gpu')} ({_f(facts.get('mem_total_gib'), '{:.1f}')} GiB, CUDA {facts.get('cuda')})"
+                if facts.get("cuda_available") else "no CUDA device")
+        out.append(f"{card}; Python {facts.get('python')}, torch {facts.get('torch')}, transformers "
+                   f"{facts.get('transformers')}, triton {facts.get('triton')}, scipy {facts.get('scipy')}.")
+    if plan:
+        out.append(f"Model `{plan.get('model')}` in {plan.get('dtype')} on {plan.get('device')}; trace "
+                   f"{plan.get('trace_kind')} ({plan.get('trace')}); deadline {plan.get('deadline_s')} s; "
+                   f"stages {', '.join(plan.get('stages', []))}.")
+    out += ["", "| target | measured | verdict |", "|---|---|---|"]
+    for v in verdicts(rows):
+        out.append(f"| {v.target} | {v.measured} | {v.verdict} |")
+    out += _engines(rows) + _profile(rows) + _live(rows) + _stages(rows)
+    return "\n".join(out) + "\n"
+
+
+def _engines(rows: Rows) -> list[str]:
+    out: list[str] = []
+    for stage, title in (("hf", "hf (static cache, captured decode graphs)"), ("cb", "hf-cb (defaults)"),
+                         ("generate", "transformers' compiled generate (the in-library reference)")):
+        got = rows.find(stage)
+        if not [r for r in got if r.get("phase") != "end"]:
+            continue
+        out += ["", f"## {title}", ""]
+        for r in rows.find(stage, phase="ready"):
+            g = r.get("graphs") or {}
+            out.append(f"- ready {_f(r.get('ready_since_launch_s'), '{:.1f}')} s after launch (load "
+                       f"{_f(r.get('load_s'))} s, warm-up {_f(r.get('warm_up_s'))} s)"
+                       + (f"; {g.get('captured')} graphs captured of {g.get('buckets')} buckets in "
+                          f"{_f(g.get('capture_s'))} s, arena {g.get('arena_tokens')} tokens" if g else "")
+                       + (f"; cache {r.get('cache_tokens')} tokens" if r.get("cache_tokens") else ""))
+        for r in rows.find(stage, phase="shape"):
+            what = (f"ERROR {_short(r['error'])}" if r.get("error") else
+                    f"{_f(r.get('ms_per_step'))} ms/step, prefill {_f(r.get('prefill_s'), '{:.3f}')} s"
+                    + (f", graphs {'kept' if r.get('graphs_kept') else 'not kept'}" if "graphs_kept" in r else ""))
+            out.append(f"- N={r.get('n')} P={r.get('p')} {r.get('call')}: {what}")
+        for r in rows.find(stage, phase="ab"):
+            out.append(f"- N={r.get('n')} P={r.get('p')}: graphs {_f(r.get('graphs_ms_per_step'))} ms vs eager "
+                       f"{_f(r.get('eager_ms_per_step'))} ms; greedy rows identical {r.get('rows_identical')}")
+        for r in rows.find(stage):
+            if r.get("error") and r.get("phase") != "shape":
+                out.append(f"- ERROR ({r.get('phase')}): {_short(r['error'], 400)}")
+            if r.get("warnings"):
+                out.append(f"- warnings: {_short('; '.join(r['warnings']), 600)}")
+    return out
+
+
+def _profile(rows: Rows) -> list[str]:
+    check = rows.last("profile", phase="check")
+    if check is None or "kinds" not in check:
+        return []
+    out = ["", "## profile (`sclsd-worker profile`)", "", "| samples | n | RMSE ms | mean ms | RMSE/mean | limit |",
+           "|---|---:|---:|---:|---:|---:|"]
+    for kind, r in check.get("kinds", {}).items():
+        out.append(f"| {kind} | {r.get('n')} | {_f(r['rmse_s'] * 1000 if r.get('rmse_s') is not None else None)} | "
+                   f"{_f(r['mean_s'] * 1000 if r.get('mean_s') is not None else None)} | "
+                   f"{_f(r.get('relative'), '{:.1%}')} | {RMSE_LIMITS.get(kind, 0):.0%} |")
+    out.append(f"\nBudget {check.get('budget_s')} s, profiled in {_f(check.get('elapsed_s'), '{:.0f}')} s; "
+               f"M_ava {_f(check.get('m_ava_gib'), '{:.1f}')} GiB; coefficients {check.get('coefficients')}.")
+    if check.get("worst_decode"):
+        out.append(f"Worst decode samples: {check['worst_decode']}.")
+    return out
+
+
+def _live(rows: Rows) -> list[str]:
+    reps = [r for r in rows.rows if str(r.get("stage", "")).startswith("live-") and r.get("phase") == "replay"]
+    if not reps:
+        return []
+    out = ["", "## live replays", "", "| policy | engine | rate | done | req/s | out tok/s | avg TTFT s | p95 lat s | "
+           "max gap s | batch | preempt | errors |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in reps:
+        out.append(f"| {r.get('policy')} | {r.get('engine')} | {_f(r.get('rate'), '{:g}')} | "
+                   f"{r.get('completed')}/{r.get('requests')} | {_f(r.get('throughput_rps'))} | "
+                   f"{_f(r.get('output_tps'), '{:.0f}')} | {_f(r.get('avg_ttft_s'))} | {_f(r.get('p95_latency_s'), '{:.1f}')} | "
+                   f"{_f(r.get('max_gap_s'))} | {_f(r.get('avg_batch_size'), '{:.1f}')} | {r.get('preemptions')} | "
+                   f"{r.get('errors')} |")
+    for r in rows.rows:
+        if str(r.get("stage", "")).startswith("live-") and r.get("phase") == "stopped":
+            out.append(f"- {r['stage']}: worker ready in {r.get('worker_ready_in_s')} s (its own clock); restarts "
+                       f"{r.get('worker_exits')}, graphs dropped {r.get('graphs_dropped')}, tracebacks "
+                       f"{r.get('tracebacks')}; {_f(r.get('total_s'), '{:.0f}')} s in all")
+    return out
+
+
+def _stages(rows: Rows) -> list[str]:
+    ends = [r for r in rows.rows if r.get("phase") == "end"]
+    if not ends:
+        return []
+    out = ["", "## stages", "", "| stage | status | rc | seconds | note |", "|---|---|---:|---:|---|"]
+    for r in ends:
+        out.append(f"| {r.get('stage')} | {r.get('status')} | {_f(r.get('rc'), '{}')} | {_f(r.get('seconds'), '{:.0f}')} | "
+                   f"{_short(r.get('note') or '', 200)} |")
+    return out

@@ -1,0 +1,155 @@
+"""``sclsd-bench gpu-check``'s planning: the model for the card, the trace, the stages and
+their caps, the live configs, the profile's RMSE check."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sclsd.bench import gpu_check as G
+from sclsd.bench.gpu_stages import live_sections, why_not_ready
+from sclsd.eval.traces import load_trace
+
+GIB = 2**30
+
+
+def args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    G.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def cuda_facts(mem_gib: float) -> dict[str, Any]:
+    return {"phase": "facts", "cuda_available": True, "mem_total": int(mem_gib * GIB), "gpu": "H100"}
+
+
+@pytest.mark.parametrize(("mem_gib", "model"), [
+    (79.2, "random:llama2-7b"),     # an H100 80GB: the targets' model, not the 13B that fits it
+    (40, "random:llama2-7b"),
+    (24, "random:llama2-7b"),
+    (139.8, "random:llama2-13b"),   # an H200
+    (16, "tiny-random"),            # the 7B's 13.7 GB of weights would leave no room
+])  # fmt: skip
+def test_the_model_follows_the_card(mem_gib: float, model: str) -> None:
+    assert G.choose_model(int(mem_gib * GIB)) == model
+
+
+def test_builtin_parameter_counts_need_no_transformers() -> None:
+    # LLaMA2-7B's 6,738,415,616 with its 32,000-token vocabulary; here the SmolLM2 vocabulary.
+    assert G.builtin_params("llama2-7b") - 2 * (49152 - 32000) * 4096 == 6_738_415_616
+
+
+def test_a_bundle_copy_of_the_architecture_is_preferred(tmp_path: Path) -> None:
+    assert G.bundled("random:llama2-7b", tmp_path) == "random:llama2-7b"  # the bundle lacks it
+    (tmp_path / "llama2-7b").mkdir()
+    (tmp_path / "llama2-7b" / "config.json").write_text("{}")
+    assert G.bundled("random:llama2-7b", tmp_path) == f"random:{(tmp_path / 'llama2-7b').resolve()}"
+    assert G.bundled("tiny-random", tmp_path) == "tiny-random"
+
+
+def test_plan_on_an_h100_and_in_smoke() -> None:
+    p = G.make_plan(args(), cuda_facts(79.2), None, "/t.csv", "file")
+    assert (p.device, p.model, p.dtype, p.smoke, p.skip) == ("cuda:0", "random:llama2-7b", "float16", False, None)
+    assert (p.sizes.num, p.sizes.rate, p.sizes.hf_shapes, p.sizes.slice_len) == (40, 4.0, "32x256,64x256", 128)
+    assert p.stages == ("hf", "cb", "profile", "live", "generate") and p.policies == ("scls", "ils", "scls-cb")
+    s = G.make_plan(args("--smoke", "--stages", "live,tests,hf", "--live", "scls"), {}, None, "/t.csv", "file")
+    assert (s.device, s.model, s.dtype) == ("cpu", "tiny-random", "float32")
+    assert s.stages == ("hf", "live", "tests") and s.policies == ("scls",)
+    assert G.make_plan(args(), {"cuda_available": False}, None, "/t", "file").skip.startswith("no CUDA device")
+
+
+def test_stages_with_their_caps_and_commands(tmp_path: Path) -> None:
+    plan = G.make_plan(args("--stages", "hf,profile,live,tests", "--profile-budget", "80"), cuda_facts(80), None,
+                       "/t.csv", "file")  # fmt: skip
+    stages = G.measuring_stages(plan, tmp_path / "out", tmp_path, {}, G.parse_caps(["live-ils=70", "tests=99"]))
+    by = {s.name: s for s in stages}
+    assert list(by) == ["hf", "profile", "live-scls", "live-ils", "live-scls-cb", "tests"]
+    assert (by["hf"].cap_s, by["hf"].min_s) == G.CAPS["hf"]
+    assert by["profile"].cap_s == 80 + G.PROFILE_MARGIN_S and "80" in by["profile"].argv
+    assert (by["live-scls"].cap_s, by["live-ils"].cap_s, by["tests"].cap_s) == (130, 70, 99)
+    assert by["live-ils"].min_s == 45  # a cap under the minimum would lower it; this one does not
+    ils = by["live-ils"].argv
+    assert ils[ils.index("--rate") + 1] == "4" and ils[ils.index("--num") + 1] == "40"
+    assert ils[ils.index("--profile") + 1] == str(tmp_path / "out" / "profile-hf.json")
+    assert by["live-ils"].attach == [tmp_path / "live-ils.log"] and by["live-ils"].log == "live.log"
+    assert "--ab" in by["hf"].argv and by["hf"].argv[by["hf"].argv.index("--shapes") + 1] == "32x256,64x256"
+    # A cap below a stage's minimum lowers the minimum: the stage runs, under the cap asked for.
+    assert G.cap_of("hf", plan, {"hf": 5}) == (5, 5)
+
+
+def test_no_cuda_skips_every_measuring_stage(tmp_path: Path) -> None:
+    plan = G.make_plan(args(), {"cuda_available": False}, None, "/t.csv", "file")
+    assert all(s.skip and "--smoke" in s.skip for s in G.measuring_stages(plan, tmp_path, tmp_path, {}, {}))
+
+
+def test_bad_caps_are_refused() -> None:
+    with pytest.raises(SystemExit, match="STAGE=SECONDS"):
+        G.parse_caps(["hf"])
+    with pytest.raises(SystemExit, match="STAGE=SECONDS"):
+        G.parse_caps(["hf=soon"])
+
+
+def test_synthetic_trace_resembles_sharegpt_and_follows_its_seed(tmp_path: Path) -> None:
+    a = load_trace(G.synthetic_trace(tmp_path / "a.csv", 4000, seed=1))
+    b = load_trace(G.synthetic_trace(tmp_path / "b.csv", 4000, seed=1))
+    c = load_trace(G.synthetic_trace(tmp_path / "c.csv", 4000, seed=2))
+    assert np.array_equal(a.input_tokens, b.input_tokens) and not np.array_equal(a.input_tokens, c.input_tokens)
+    assert not a.has_arrivals  # the replay draws Poisson arrivals at --rate
+    # ShareGPT: input median 1730, p90 5696; output median 415, p90 834, at most 1024.
+    for got, median, p90, top in ((a.input_tokens, 1730, 5696, 8141), (a.output_tokens, 415, 834, 1024)):
+        assert abs(np.median(got) - median) < 0.08 * median
+        assert abs(np.percentile(got, 90) - p90) < 0.08 * p90
+        assert got.min() >= 1 and got.max() <= top
+
+
+def test_live_configs() -> None:
+    kw: dict[str, Any] = dict(model="random:llama2-7b", device="cuda:0", dtype="float16", slice_len=128,
+                              max_input=1024, max_gen=1024)  # fmt: skip
+    scls = live_sections("scls", **kw, profile=Path("/p/profile-hf.json"), options={"static_cache": True})
+    assert scls["workers"] == {"spawn": 1, "engine": "hf", "device": "cuda", "threads": 1,
+                               "options": {"static_cache": True}}  # fmt: skip
+    assert scls["scheduler"] == {"policy": "scls", "slice_len": 128, "profile": "/p/profile-hf.json"}
+    assert scls["model"]["dtype"] == "float16"
+    ils = live_sections("ils", **kw)
+    assert ils["workers"]["engine"] == "hf-cb" and "options" not in ils["workers"]
+    assert ils["scheduler"]["policy"] == "sls" and ils["scheduler"]["batch_size"] == 1
+    cb = live_sections("scls-cb", **kw)
+    assert (cb["workers"]["engine"], cb["scheduler"]["policy"]) == ("hf-cb", "scls-cb")
+
+
+def test_a_worker_that_cannot_start_is_said_in_one_line() -> None:
+    text = ("1 workers not registered within 70s:\n... INFO sclsd: listening\nTraceback (most recent call last):\n"
+            "  File x\nModuleNotFoundError: No module named 'flash_attn'\n... INFO sclsd: stopped")
+    assert why_not_ready(text) == ("1 workers not registered within 70s: | "
+                                   "ModuleNotFoundError: No module named 'flash_attn'")
+
+
+def write_profile(path: Path, prefill_rel: float, decode_rel: float, batch_rel: float) -> Path:
+    """A profile whose estimator predicts 10 ms for a prefill and for a decode step, with
+    samples off by ± the given share (so RMSE / mean is exactly that share)."""
+    def around(t: float, rel: float, k: int) -> list[float]:
+        return [t * (1 + rel * (-1) ** i) for i in range(k)]
+
+    samples = {"prefill": [[1, 64, t] for t in around(0.01, prefill_rel, 8)],
+               "decode": [[1, 64, t] for t in around(0.01, decode_rel, 8)],
+               "batch": [[1, 64, 4, t] for t in around(0.05, batch_rel, 4)]}  # 10 ms + 4 x 10 ms
+    path.write_text(json.dumps({"name": "t", "engine": "hf", "model": "m", "device": "cuda",
+                                "coefficients": {"p4": 0.01, "d4": 0.01}, "kv_bytes_per_token": 512,
+                                "mem_available": 2**30, "samples": samples}))  # fmt: skip
+    return path
+
+
+def test_check_profile_judges_each_kind_at_its_own_limit(tmp_path: Path) -> None:
+    c = G.check_profile(write_profile(tmp_path / "a.json", 0.09, 0.09, 0.14))
+    rel = {r["samples"]: round(r["relative"], 6) for r in c["rows"]}
+    assert rel == {"prefill": 0.09, "decode": 0.09, "batch": 0.14}
+    assert c["ok"] and {r["samples"]: r["limit"] for r in c["rows"]} == {"prefill": 0.1, "decode": 0.1, "batch": 0.15}
+    assert not G.check_profile(write_profile(tmp_path / "b.json", 0.09, 0.11, 0.14))["ok"]
+    assert not G.check_profile(write_profile(tmp_path / "c.json", 0.09, 0.09, 0.16))["ok"]
+    # The worst decode sample is one 9% under the estimate: off by 0.09 / 0.91 of itself.
+    assert c["worst_decode"][0]["rel_err"] == round(0.09 / 0.91, 3)

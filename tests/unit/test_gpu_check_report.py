@@ -1,0 +1,135 @@
+"""``sclsd-bench gpu-check``'s targets and summary: each verdict from result rows alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sclsd.bench import gpu_report as R
+
+
+def end(stage: str, status: str = "ok", note: str = "") -> dict[str, Any]:
+    return {"stage": stage, "phase": "end", "status": status, "rc": 0 if status == "ok" else 1, "note": note}
+
+
+def hf_row(ms: float, kept: bool = True, n: int = 32, p: int = 256, call: str = "warm") -> dict[str, Any]:
+    return {"stage": "hf", "phase": "shape", "n": n, "p": p, "call": call, "ms_per_step": ms, "graphs_kept": kept}
+
+
+def replay(policy: str, rps: float, ttft: float = 0.5, rate: float = 4.0, done: int = 40,
+           errors: int = 0) -> dict[str, Any]:  # fmt: skip
+    return {"stage": f"live-{policy}", "phase": "replay", "policy": policy, "rate": rate, "requests": 40,
+            "completed": done, "errors": errors, "throughput_rps": rps, "avg_ttft_s": ttft}  # fmt: skip
+
+
+@pytest.mark.parametrize(("ms", "kept", "verdict"), [
+    (11.9, True, R.MET), (12.0, True, R.MET), (12.1, True, R.MISSED), (8.0, False, R.MISSED),
+])  # fmt: skip
+def test_hf_decode_needs_the_time_and_the_graphs(ms: float, kept: bool, verdict: str) -> None:
+    """12 ms/step at N = 32, P = 256 is met only with the graphs kept: a fast step that fell
+    back to eager is a different configuration than the one served."""
+    v = R.hf_decode(R.Rows([hf_row(ms, kept), end("hf")]))
+    assert v.verdict == verdict
+    assert (f"{ms:.2f} ms/step" in v.measured) and (("NOT kept" in v.measured) != kept)
+
+
+def test_hf_decode_reads_the_warm_call_at_the_target_shape_and_names_the_reference() -> None:
+    rows = R.Rows([hf_row(30.0, call="cold"), hf_row(5.0, n=64), hf_row(11.0),
+                   {"stage": "generate", "phase": "shape", "n": 32, "p": 256, "call": "warm", "ms_per_step": 7.5}])
+    v = R.hf_decode(rows)
+    assert v.verdict == R.MET and v.measured.startswith("11.00 ms/step") and "compiled generate 7.50 ms" in v.measured
+
+
+@pytest.mark.parametrize(("rows", "why"), [
+    ([], "hf: not run"),
+    ([end("hf", "skipped", "skipped: 30 s left before the deadline, needs 40 s")], "needs 40 s"),
+    ([end("hf", "timed out", "killed after its 140 s cap")], "timed out (killed after its 140 s cap)"),
+    ([{"stage": "hf", "phase": "load", "error": "OutOfMemoryError: CUDA"}, end("hf", "failed")], "OutOfMemoryError"),
+    ([hf_row(9.0, n=2, p=16), end("hf")], "no N=32 P=256 shape"),
+])  # fmt: skip
+def test_a_target_without_its_figure_is_not_measured_and_says_why(rows: list[dict[str, Any]], why: str) -> None:
+    v = R.hf_decode(R.Rows(rows))
+    assert v.verdict == R.NOT_MEASURED and why in v.measured
+
+
+def test_hf_cb_starts_or_says_its_error() -> None:
+    ok = R.cb_starts(R.Rows([{"stage": "cb", "phase": "ready", "cache_tokens": 81920}, end("cb")]))
+    assert ok.verdict == R.MET and "81920" in ok.measured
+    bad = R.cb_starts(R.Rows([{"stage": "cb", "phase": "load", "error": "ValueError: num_blocks"}, end("cb", "failed")]))
+    assert bad.verdict == R.MISSED and "num_blocks" in bad.measured
+    assert R.cb_starts(R.Rows([])).verdict == R.NOT_MEASURED
+
+
+@pytest.mark.parametrize(("row", "verdict"), [
+    (replay("scls", 3.2, ttft=1.9), R.MET),
+    (replay("scls", 2.9, ttft=0.5), R.MISSED),              # too slow
+    (replay("scls", 3.5, ttft=2.3), R.MISSED),              # first tokens too late
+    (replay("scls", 3.5, done=39, errors=1), R.MISSED),     # a request lost
+    (replay("scls", 5.0, rate=2.0), R.NOT_MEASURED),        # not at the targets' rate
+])  # fmt: skip
+def test_live_scls_target(row: dict[str, Any], verdict: str) -> None:
+    assert R.live(R.Rows([row]), "scls", R.SCLS_RPS, R.SCLS_TTFT_S).verdict == verdict
+
+
+def test_live_cb_policies_have_no_ttft_bound() -> None:
+    rows = R.Rows([replay("ils", 1.5, ttft=9.0), replay("scls-cb", 1.4)])
+    assert R.live(rows, "ils", R.CB_RPS).verdict == R.MET
+    assert R.live(rows, "scls-cb", R.CB_RPS).verdict == R.MISSED
+
+
+def check(prefill: float, decode: float, batch: float | None) -> dict[str, Any]:
+    kinds = {k: {"n": 8, "rmse_s": rel * 0.01, "mean_s": 0.01, "relative": rel}
+             for k, rel in (("prefill", prefill), ("decode", decode), ("batch", batch)) if rel is not None}
+    return {"stage": "profile", "phase": "check", "kinds": kinds}
+
+
+def test_rmse_is_judged_at_10_percent_for_prefill_and_decode_and_15_for_batches() -> None:
+    got = {v.target: v.verdict for v in R.rmse_verdicts(check(0.099, 0.101, 0.149), "")}
+    assert got == {"profile RMSE/mean ≤ 10% (prefill)": R.MET, "profile RMSE/mean ≤ 10% (decode)": R.MISSED,
+                   "profile RMSE/mean ≤ 15% (batch)": R.MET}
+    got = [v.verdict for v in R.rmse_verdicts(check(0.05, 0.05, 0.151), "")]
+    assert got == [R.MET, R.MET, R.MISSED]
+    # No validation batches: that kind is not measured, the others still judged.
+    assert [v.verdict for v in R.rmse_verdicts(check(0.05, 0.2, None), "")] == [R.MET, R.MISSED, R.NOT_MEASURED]
+
+
+def test_a_failed_profile_leaves_every_rmse_target_not_measured_with_its_error() -> None:
+    rows = R.Rows([{"stage": "profile", "phase": "check", "error": "only 3 grid points fit"}, end("profile", "failed")])
+    vs = [v for v in R.verdicts(rows) if v.target.startswith("profile")]
+    assert len(vs) == 3 and all(v.verdict == R.NOT_MEASURED and "only 3 grid points" in v.measured for v in vs)
+
+
+def test_ready_takes_the_worst_of_every_start() -> None:
+    rows = [{"stage": "hf", "phase": "ready", "ready_since_launch_s": 41.0},
+            {"stage": "live-scls", "phase": "ready", "ready_s": 35.0},
+            {"stage": "live-ils", "phase": "stopped", "worker_ready_in_s": [12.0]}]
+    assert R.ready(R.Rows(rows)).verdict == R.MET
+    rows.append({"stage": "cb", "phase": "ready", "ready_since_launch_s": 61.0})
+    v = R.ready(R.Rows(rows))
+    assert v.verdict == R.MISSED and "cb 61.0 s" in v.measured and "live-ils worker 12.0 s" in v.measured
+    assert R.ready(R.Rows([])).verdict == R.NOT_MEASURED
+
+
+def test_summary_lists_every_target_and_the_stages() -> None:
+    rows = [
+        {"stage": "plan", "model": "random:llama2-7b", "dtype": "float16", "device": "cuda:0", "smoke": False,
+         "trace_kind": "synthetic, seed 0", "trace": "/tmp/t.csv", "deadline_s": 510, "stages": ["hf", "live"]},
+        {"stage": "facts", "phase": "facts", "cuda_available": True, "gpu": "NVIDIA H100 80GB HBM3",
+         "mem_total_gib": 79.2, "cuda": "12.8"},
+        hf_row(10.5), end("hf"), replay("scls", 3.3, ttft=0.9), end("live-scls"),
+        end("live-ils", "timed out", "killed after its 130 s cap"),
+        end("generate", "skipped", "skipped: 20 s left before the deadline, needs 70 s"),
+    ]  # fmt: skip
+    text = R.render(rows)
+    table = [line for line in text.splitlines() if line.startswith("| ") and line.endswith(" |")]
+    verdicts = {line.split(" | ")[0][2:]: line.rsplit(" | ", 1)[1][:-2] for line in table}
+    assert verdicts["hf decode ≤ 12 ms/step at N = 32, P = 256, graphs kept"] == "met"
+    assert verdicts["live at 4 req/s: `scls` ≥ 3 req/s, avg TTFT ≤ 2 s"] == "met"
+    assert verdicts["live at 4 req/s: `ils` ≥ 1.5 req/s"] == "not measured"
+    assert verdicts["hf-cb starts with its defaults"] == "not measured"
+    assert sum(1 for k in verdicts if k.startswith("profile RMSE")) == 3
+    assert "NVIDIA H100 80GB HBM3" in text and "`random:llama2-7b` in float16" in text
+    assert "| live-ils | timed out |" in text and "| generate | skipped |" in text and "needs 70 s" in text
+    assert "Smoke run" not in text
+    assert "Smoke run" in R.render([{"stage": "plan", "smoke": True}])

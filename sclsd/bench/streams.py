@@ -24,15 +24,26 @@ p99 and its maximum, the streams with a gap over ``--gap-bound`` seconds (a stre
 user sees freeze) with the median of those gaps, and goodput under
 :data:`sclsd.eval.metrics.DEFAULT_SLO` (TTFT <= 2 s, no gap over 1 s). ``--warmup``
 requests per configuration run first and are not counted.
+
+``--saturate N`` runs N processes that spin on the CPU for the whole run (a machine busy
+with other work), and ``--duration S`` keeps the closed loop going for S seconds (prompts
+reused) instead of stopping at ``--num``. Each configuration also reports the workers the
+daemon dropped (``worker_losses``, with their reasons): a slow machine is no fault, so
+the run fails (exit status 1) when a worker was dropped, as when a request was not served.
+The daemon runs with its default liveness timings.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -59,14 +70,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="requests served first and not counted")
     p.add_argument("--gap-bound", type=float, default=DEFAULT_SLO.gap_s, help="a stream with a longer gap counts as stalled")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--saturate", type=int, default=0,
+                   help="processes spinning on the CPU during the run (other work on the machine)")
+    p.add_argument("--duration", type=float, default=0.0,
+                   help="seconds to keep the loop going, prompts reused (0: --num requests)")
     p.add_argument("--out", default="out/streams", help="directory for streams.json and streams.md")
 
 
 def sections(name: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """The daemon config of configuration ``name`` (generous heartbeats: two CPU-bound
-    workers on a busy machine answer late)."""
+    """The daemon config of configuration ``name`` (the daemon's own liveness timings: a
+    busy machine must not make it drop a worker)."""
     out: dict[str, dict[str, Any]] = {
-        "daemon": {"heartbeat_timeout_s": 120.0, "drain_timeout_s": 120.0},
+        "daemon": {"drain_timeout_s": 120.0},
         "model": {"name": args.model},
         "workers": {"spawn": args.workers, "threads": args.threads},
     }
@@ -159,15 +174,19 @@ async def drive(sock: str, name: str, work: list[list[int]], args: argparse.Name
     """Serve every prompt of ``work``, ``args.concurrency`` at a time, streaming; the streams
     in the order sent."""
     streams: list[Stream] = []
-    todo = iter(enumerate(work))
     t0 = time.monotonic()
+    duration = getattr(args, "duration", 0.0)
+    todo: Iterator[tuple[int, list[int]]] = iter(enumerate(work))
+    if duration > 0:  # prompts reused until the time is up
+        todo = ((i, work[i % len(work)]) for i in range(10**9))
     state = {"done": 0, "stalled": 0, "shown": t0}
 
     def show(final: bool = False) -> None:
         now = time.monotonic()
         if progress and (final or now - state["shown"] >= 15.0):
             state["shown"] = now
-            print(f"  [{name}] {state['done']}/{len(work)} done, {state['stalled']} with a gap "
+            total = f"{now - t0:.0f}/{duration:.0f}s" if duration > 0 else f"{len(work)}"
+            print(f"  [{name}] {state['done']}/{total} done, {state['stalled']} with a gap "
                   f"> {args.gap_bound:g}s ({now - t0:.0f}s)", file=sys.stderr, flush=True)
 
     async with AsyncClient(sock) as client:
@@ -198,6 +217,8 @@ async def drive(sock: str, name: str, work: list[list[int]], args: argparse.Name
 
         async def client_loop() -> None:
             for i, ids in todo:  # one shared iterator: each client takes the next request
+                if duration > 0 and time.monotonic() - t0 >= duration:
+                    return
                 await one(i, ids)
 
         await asyncio.gather(*(client_loop() for _ in range(args.concurrency)))
@@ -205,21 +226,44 @@ async def drive(sock: str, name: str, work: list[list[int]], args: argparse.Name
     return sorted(streams, key=lambda s: s.sent)
 
 
+@contextlib.contextmanager
+def saturated(n: int) -> Iterator[None]:
+    """``n`` processes spinning on the CPU meanwhile (each ends by itself after a day, should
+    this process die without stopping them)."""
+    spin = "import time\nend = time.monotonic() + 86400\nwhile time.monotonic() < end: pass\n"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def run_config(name: str, args: argparse.Namespace, work: list[list[int]]) -> dict[str, Any]:
     """Start the daemon of ``name``, warm it up, measure, stop it; the report with the config."""
     cfg = sections(name, args)
-    print(f"== {name}: starting sclsd with {args.workers} workers ({cfg.get('scheduler') or 'defaults'})",
+    busy = getattr(args, "saturate", 0)
+    print(f"== {name}: starting sclsd with {args.workers} workers ({cfg.get('scheduler') or 'defaults'})"
+          + (f", {busy} processes spinning on {os.cpu_count()} cores" if busy else ""),
           file=sys.stderr, flush=True)
-    with launch(cfg) as d:
+    with saturated(busy), launch(cfg) as d:
         d.wait_workers(args.workers, timeout=600, progress=True)
         st = d.status()
         engines = sorted({w.engine for w in st.workers})
         if args.warmup:
             asyncio.run(drive(d.sock, f"{name}-warmup", work[: args.warmup], args, progress=False))
         streams = asyncio.run(drive(d.sock, name, work[args.warmup:], args))
-        counters = dict(d.status().counters)
+        end = d.status()
+        counters = dict(end.counters)
+    losses: dict[str, dict[str, Any]] = {
+        wl.id: {"count": wl.count, "by_reason": dict(wl.by_reason), "last": wl.last_why}
+        for wl in end.worker_losses}
+    if losses:
+        print(f"  [{name}] workers dropped: {losses}", file=sys.stderr, flush=True)
     out = report(streams, gap_bound=args.gap_bound)
     out.update(config=name, policy=st.policy, slice_len=st.slice_len, engine=",".join(engines),
+               saturate=busy, workers_dropped=sum(wl.count for wl in end.worker_losses), worker_losses=losses,
                counters=counters, streams=[asdict(s) for s in streams])
     return out
 
@@ -230,7 +274,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             ("throughput_rps", "req/s"), ("output_tps", "out tok/s"), ("p50_ttft_s", "TTFT p50 s"),
             ("p95_ttft_s", "TTFT p95 s"), ("p50_gap_s", "max gap p50 s"), ("p95_gap_s", "p95 s"),
             ("p99_gap_s", "p99 s"), ("max_gap_s", "max s"), ("stalled_streams", "streams gap > 1 s"),
-            ("p50_stall_s", "their median gap s"), ("goodput_rps", "goodput req/s")]
+            ("p50_stall_s", "their median gap s"), ("goodput_rps", "goodput req/s"),
+            ("workers_dropped", "workers dropped")]
     lines = ["| " + " | ".join(h for _, h in cols) + " |",
              "|" + "|".join("---" if k in ("config", "policy", "engine") else "---:" for k, _ in cols) + "|"]
     for r in rows:
@@ -264,4 +309,4 @@ def run(args: argparse.Namespace) -> int:
     table = markdown(rows)
     (out / "streams.md").write_text(table + "\n")
     print(table)
-    return 0 if all(r["completed"] == r["requests"] for r in rows) else 1
+    return 0 if all(r["completed"] == r["requests"] and not r["workers_dropped"] for r in rows) else 1

@@ -52,6 +52,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 
 from sclsd.protocol import BatchRequest
 from sclsd.protocol.common import MAX_TOKEN_LIST
+from worker.engines.cb_select import Picker, RowPick, pick_key, wants_pick
 from worker.engines.grammar import grammar_for, row_matcher
 
 log = logging.getLogger(__name__)
@@ -80,13 +81,14 @@ def generated_since(state: Any, k: int) -> list[int]:
 
 
 def has_rules(r: BatchRequest) -> bool:
-    """Whether row ``r`` asks for anything of this module."""
-    return bool(r.grammar or r.logit_bias or r.min_tokens > r.generated)
+    """Whether row ``r`` asks for anything of this module (or for picks of its own:
+    :mod:`worker.engines.cb_select`)."""
+    return bool(r.grammar or r.logit_bias or r.min_tokens > r.generated) or wants_pick(r)
 
 
 def rules_key(r: BatchRequest) -> tuple[Any, ...]:
     """What a resumed request must share with the row resuming it for its rules to hold."""
-    return (r.min_tokens, tuple(sorted(r.logit_bias.items())), r.grammar)
+    return (r.min_tokens, tuple(sorted(r.logit_bias.items())), r.grammar, pick_key(r))
 
 
 def words(vocab: int) -> int:
@@ -112,6 +114,8 @@ class RowRules:
     matcher: Any = None
     consumed: int = 0
     """Tokens of this transformers request's own output the matcher has consumed."""
+    pick: RowPick | None = None
+    """How the engine picks the request's tokens itself (seed, log-probabilities), or None."""
 
     @classmethod
     def build(cls, r: BatchRequest, stops: tuple[int, ...], vocab: int, tokenizer: Any,
@@ -138,9 +142,10 @@ class RowRules:
             val = torch.full((len(in_vocab),), float("-inf"))
             early_bias = (idx, val) if bias is None else (torch.cat([bias[0], idx]), torch.cat([bias[1], val]))
         matcher = row_matcher(r, tokenizer) if r.grammar else None
-        if bias is None and stop_bits is None and matcher is None:
+        pick = RowPick.build(r)
+        if bias is None and stop_bits is None and matcher is None and pick is None:
             return None
-        return cls(rules_key(r), r.generated, r.min_tokens, stop_bits, bias, early_bias, matcher)
+        return cls(rules_key(r), r.generated, r.min_tokens, stop_bits, bias, early_bias, matcher, pick=pick)
 
     def early(self, state: Any) -> bool:
         """Whether the stop tokens are still masked for ``state``'s next token."""
@@ -197,6 +202,8 @@ class RequestRules(ContinuousBatchingLogitsProcessor):
         """The manager's processor list (:meth:`install`)."""
         self.others = False
         """Whether that list holds other processors (transformers' warpers)."""
+        self.picker = Picker(self.device)
+        """The rows whose tokens the engine picks itself (:mod:`worker.engines.cb_select`)."""
         self._none = torch.empty(0, dtype=torch.int32)
         allowed = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1  # byte -> its 8 bits, low first
         self._byte_addend = torch.where(allowed.bool(), 0.0, float("-inf")).to(self.device)
@@ -231,6 +238,7 @@ class RequestRules(ContinuousBatchingLogitsProcessor):
                     or cfg.decode_compile_config is not None)
         rules = cls(vocab, device, captured=captured, rows=int(cfg.max_requests_per_batch or 0))
         rules.install(mgr.logit_processor)
+        rules.picker.attach(mgr)
         return rules
 
     def for_row(self, r: BatchRequest, stops: tuple[int, ...], spec: Any,
@@ -276,12 +284,15 @@ class RequestRules(ContinuousBatchingLogitsProcessor):
         rules = self.rules
         bias_rows: list[tuple[int, RowRules, bool]] = []
         mask_rows: list[tuple[int, RowRules, bool]] = []
+        pick_rows: list[tuple[int, RowPick, int]] = []
         captured = self.captured
         if rules:
             for i, fs in enumerate(requests_with_new_token):
                 rr = rules.get(fs.state.request_id)
                 if rr is None:
                     continue
+                if rr.pick is not None:
+                    pick_rows.append((i, rr.pick, generated_count(fs.state)))
                 early = rr.early(fs.state)
                 if rr.matcher is not None:
                     rr.catch_up(fs.state)
@@ -295,6 +306,7 @@ class RequestRules(ContinuousBatchingLogitsProcessor):
                         mask_rows.append((i, rr, True))
                 elif rr.bias is not None or early:  # eagerly the stops are -inf entries of the scatter
                     bias_rows.append((i, rr, early))
+        self.picker.stage(pick_rows, captured)
         if captured:
             self._stage_captured(bias_rows, mask_rows)
         else:
@@ -302,17 +314,21 @@ class RequestRules(ContinuousBatchingLogitsProcessor):
         return self._none  # no per-row argument: the processor's argument row keeps its default
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+        picker = self.picker
+        if picker.active:
+            picker.before(scores)  # log-probabilities of the model's own logits
         if self.captured:
             n = scores.size(0)
             scores.scatter_add_(1, self._idx[:n], self._val[:n])
-            return scores.add_(self._addend(self._bits[:n]))
-        if self._bias_plan is not None:
-            rows, idx, val = self._bias_plan
-            scores.index_put_((rows, idx), val, accumulate=True)
-        if self._mask_plan is not None:
-            rows, bits = self._mask_plan
-            scores.index_add_(0, rows, self._addend(bits))
-        return scores
+            scores.add_(self._addend(self._bits[:n]))
+        else:
+            if self._bias_plan is not None:
+                rows, idx, val = self._bias_plan
+                scores.index_put_((rows, idx), val, accumulate=True)
+            if self._mask_plan is not None:
+                rows, bits = self._mask_plan
+                scores.index_add_(0, rows, self._addend(bits))
+        return picker.after(scores) if picker.active else scores
 
     # ------------------------------------------------------------------ internals
 
@@ -352,7 +368,7 @@ class RequestRules(ContinuousBatchingLogitsProcessor):
                 self._mask_plan = (rows.to(dev), bits.to(dev))
         if self.procs is not None:
             self.procs.do_processing = (self.others or self._bias_plan is not None
-                                        or self._mask_plan is not None)
+                                        or self._mask_plan is not None or self.picker.active)
 
     def _stage_captured(self, bias_rows: list[tuple[int, RowRules, bool]],
                         mask_rows: list[tuple[int, RowRules, bool]]) -> None:

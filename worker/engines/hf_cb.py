@@ -24,8 +24,11 @@ once (``kv_peak_tokens``). With ``kv_reuse`` off a row ends with its batch.
 
 Sampling: on unless started with ``sampling = false`` (greedy only); each request's
 temperature, top-k and top-p go to transformers' per-request warpers (greedy rows as
-top-k 1). A seed is refused per batch (transformers seeds per manager), and the
-engine's caps say so, so the daemon refuses seeded requests at admission. Each row's
+top-k 1). A row with a ``seed``, ``min_p`` or ``logprobs`` has its tokens picked by the
+engine instead, as the static engines pick them (:mod:`worker.engines.cb_select`): a
+seeded request gives ``hf``'s tokens, over any grants, and ``logprobs`` are the model's
+log-softmax at each pick with the ``top_logprobs`` likeliest tokens, streamed with their
+tokens. Each row's
 ``min_tokens``, ``logit_bias`` and grammar are applied per request, greedy or sampled,
 by a logits processor of the engine's own that transformers runs before its warpers
 (:mod:`worker.engines.cb_constraints`); a grammar's matcher stays with a request kept
@@ -48,10 +51,18 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, EngineCaps, RequestOutput
+from sclsd.protocol import (
+    BatchMsg,
+    BatchRequest,
+    BatchStats,
+    EngineCaps,
+    RequestOutput,
+    TokenLogprobs,
+)
 from worker.engines.base import EMPTY, Done, Emit, EngineInfo, Stream, Take
 from worker.engines.cb_constraints import RequestRules, RowRules
 from worker.engines.cb_grants import Allowance, GrantControl, register, unregister
+from worker.engines.cb_select import RowPick
 from worker.engines.cb_setup import (  # noqa: F401 - GPU_GRAPHS_MEMORY_SHARE: part of this module's API
     GPU_GRAPHS_MEMORY_SHARE,
     cache_size,
@@ -70,11 +81,8 @@ log = logging.getLogger(__name__)
 NO_LIMIT = 2**31 - 1
 def sampling_refusal(batch: BatchMsg, sampling: bool) -> str | None:
     """Why this engine cannot serve ``batch``'s sampling settings, if it cannot."""
-    hot = [r for r in batch.requests if r.temperature > 0]
-    if hot and not sampling:
+    if not sampling and any(r.temperature > 0 for r in batch.requests):
         return "hf-cb serves greedy decoding only (temperature 0) unless started with sampling = true"
-    if any(r.seed is not None for r in hot):
-        return "hf-cb cannot seed a request (transformers seeds per manager)"
     return None
 
 
@@ -129,13 +137,22 @@ class _Row:
     """Tokens of this batch already streamed."""
     reused: int = 0
     """Context tokens resumed from the request's kept KV (no prefill)."""
+    pick: RowPick | None = None
+    """The engine's own picks of ``tid``'s tokens (and their log-probabilities), if any."""
+
+    def logprobs(self, toks: list[int], start: int = 0) -> list[TokenLogprobs]:
+        """Log-probabilities of this batch's tokens ``toks[start:]`` (empty if not asked)."""
+        if self.pick is None:
+            return []
+        return self.pick.entries(self.base + start, self.base + len(toks))
 
 
 def _stream_new(row: _Row, toks: list[int], stream: Stream | None) -> None:
     """Hand ``stream`` the tokens ``row`` generated since the last call (the Result still
     carries all of them)."""
     if stream is not None and len(toks) > row.sent:
-        stream(row.batch_id, [RequestOutput(rid=row.req.rid, token_ids=toks[row.sent:])])
+        stream(row.batch_id, [RequestOutput(rid=row.req.rid, token_ids=toks[row.sent:],
+                                            logprobs=row.logprobs(toks, row.sent))])
         row.sent = len(toks)
 
 
@@ -292,11 +309,11 @@ class HFCBEngine(HFEngine):
         log.info("paged cache: %d tokens of KV (%.2f GiB)", self.cache_tokens, self.cache_tokens * self.delta / 2**30)
 
     def caps(self) -> EngineCaps:
-        """Continuous batching; sampling when started with it, never seeded; whole pages (the
-        daemon's grants reserve them); min_tokens, logit_bias and grammars per request."""
+        """Continuous batching; sampling when started with it, seeded; whole pages (the daemon's
+        grants reserve them); min_tokens, logit_bias, grammars and log-probabilities per request."""
         page = getattr(self, "cache_opts", {}).get("page_size", 1) or 1
         return EngineCaps(batching="continuous", sampling=getattr(self, "sampling", False),
-                          seeded=False, max_context=self.max_context, kv_page_tokens=page,
+                          seeded=True, max_context=self.max_context, kv_page_tokens=page,
                           min_tokens=True, logit_bias=True, grammar=grammar_supported())
 
     # ------------------------------------------------------------------ the manager
@@ -452,8 +469,9 @@ class HFCBEngine(HFEngine):
         if (kept is not None and resumes(kept, batch, r, stops, self._rules)
                 and self._control.resume(kept.tid, Allowance(len(ctx) + cap, keep))):
             p.reused_tokens += len(ctx) - 1
+            held = self._rules.get(kept.tid)
             return _Row(batch.batch_id, r, kept.tid, cap, len(ctx) - kept.added_len, kept.added_len,
-                        stops, keep, reused=len(ctx) - 1)
+                        stops, keep, reused=len(ctx) - 1, pick=held.pick if held is not None else None)
         if kept is not None:
             self._control.drop(kept.tid)
         if rules is None:  # it was to resume, but was evicted meanwhile
@@ -466,7 +484,8 @@ class HFCBEngine(HFEngine):
                         eos_token_id=list(stops) if stops else -1,
                         **(sampling_kwargs(r, int(self.config.vocab_size)) if self.sampling else {}))
         p.prefill_tokens += len(ctx)
-        return _Row(batch.batch_id, r, tid, cap, 0, len(ctx), stops, keep)
+        return _Row(batch.batch_id, r, tid, cap, 0, len(ctx), stops, keep,
+                    pick=rules.pick if rules is not None else None)
 
     def _collect(self, mgr: Any, pending: dict[int, _Pending], owner: dict[str, _Row],
                  emit: Done) -> None:
@@ -506,7 +525,7 @@ class HFCBEngine(HFEngine):
         kept = self._paused.end(row, toks if reason is None and not finished else None, self._control)
         p.outputs[row.req.rid] = RequestOutput(
             rid=row.req.rid, token_ids=toks, finish_reason=reason, kv_tokens=kept,  # type: ignore[arg-type]
-            reused_tokens=row.reused)
+            reused_tokens=row.reused, logprobs=row.logprobs(toks))
         if len(p.outputs) == len(p.batch.requests):
             del pending[row.batch_id]
             self._emit_done(p, emit)

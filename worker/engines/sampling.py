@@ -91,6 +91,47 @@ def filter_logits(x: Any, temperature: Any, top_k: Any, top_p: Any, min_p: Any,
     return x
 
 
+def inverse_transform(x: Any, u: Any, temperature: Any, top_k: Any, top_p: Any, min_p: Any,
+                      cuts: tuple[bool, bool, bool] = (True, True, True)) -> Any:
+    """The token each row of ``[rows, vocab]`` fp32 logits ``x`` draws with the uniform number
+    ``u[row]`` (``[rows]`` float64): the first token, in vocabulary order, whose cumulative
+    probability after :func:`filter_logits` exceeds ``u`` times the total (module docstring).
+    Every engine that seeds a request draws through this, so they agree token for token."""
+    import torch
+
+    y = filter_logits(x, temperature, top_k, top_p, min_p, cuts)
+    probs = torch.softmax(y, dim=-1, dtype=torch.float64)
+    cdf = torch.cumsum(probs, dim=-1)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=x.shape[-1] - 1)
+
+
+def token_logprobs(lp: Any, tokens: Any, k: int) -> tuple[Any, Any, Any]:
+    """From ``[rows, vocab]`` log-probabilities: each row's chosen token's (``[rows]``) and its
+    ``k`` most likely tokens' values and ids (``[rows, k]``, most likely first)."""
+    chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    if k > 0:
+        values, ids = lp.topk(k, dim=-1)
+        return chosen, values, ids
+    return chosen, lp.new_zeros((lp.shape[0], 0)), lp.new_zeros((lp.shape[0], 0))
+
+
+def pack_logprobs(tokens: Any, chosen: Any, top_values: Any, top_ids: Any) -> Any:
+    """One float64 ``[rows, 2 + 2k]`` tensor of a step's picks, for one device-to-host copy:
+    token, its log-probability, the ``k`` top values, the ``k`` top ids."""
+    import torch
+
+    return torch.cat([tokens.to(torch.float64).unsqueeze(1), chosen.double().unsqueeze(1),
+                      top_values.double(), top_ids.double()], dim=1)
+
+
+def unpack_logprobs(row: Sequence[float], k: int, want: int) -> TokenLogprobs:
+    """A row of :func:`pack_logprobs` (as a host list) as the protocol's entry, with the
+    ``want`` (at most ``k``) most likely tokens."""
+    top = [Logprob(int(row[2 + k + j]), max(MIN_LOGPROB, row[2 + j])) for j in range(want)]
+    return TokenLogprobs(Logprob(int(row[0]), max(MIN_LOGPROB, row[1])), top)
+
+
 @dataclass
 class Draw:
     """One step's picks, still on the device: ``tokens`` ``[rows]``; for rows that asked for
@@ -110,8 +151,7 @@ class Draw:
         if self.chosen is None:
             packed = self.tokens
         else:
-            packed = torch.cat([self.tokens.to(torch.float64).unsqueeze(1), self.chosen.double().unsqueeze(1),
-                                self.top_values.double(), self.top_ids.double()], dim=1)
+            packed = pack_logprobs(self.tokens, self.chosen, self.top_values, self.top_ids)
         if packed.device.type != "cuda":
             return PendingDraw(self, packed, None)
         host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -139,14 +179,9 @@ class PendingDraw:
         out: list[TokenLogprobs | None] = []
         tokens: list[int] = []
         for i, row in enumerate(self.host.tolist()):
-            tok = int(row[0])
-            tokens.append(tok)
+            tokens.append(int(row[0]))
             want = sampler.top_logprobs[i]
-            if want is None:
-                out.append(None)
-                continue
-            top = [Logprob(int(row[2 + k + j]), max(MIN_LOGPROB, row[2 + j])) for j in range(want)]
-            out.append(TokenLogprobs(Logprob(tok, max(MIN_LOGPROB, row[1])), top))
+            out.append(None if want is None else unpack_logprobs(row, k, want))
         return tokens, out
 
 
@@ -271,22 +306,13 @@ class BatchSampler:
         if not self.all_greedy:
             if self.step >= self._u.shape[0]:  # more steps than announced: extend the table
                 self._u = torch.cat([self._u, self.uniforms(self._u.shape[0], self._u.shape[0])])
-            u = self._u[self.step]
-            y = filter_logits(x, self.temperature, self.top_k, self.top_p, self.min_p, self.cuts)
-            probs = torch.softmax(y, dim=-1, dtype=torch.float64)
-            cdf = torch.cumsum(probs, dim=-1)
-            target = (u * cdf[:, -1]).unsqueeze(1)
-            drawn = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=x.shape[-1] - 1)
+            drawn = inverse_transform(x, self._u[self.step], self.temperature, self.top_k, self.top_p,
+                                      self.min_p, self.cuts)
             tokens = torch.where(self.greedy, tokens, drawn)
         draw = Draw(tokens)
         if self.k >= 0:
-            lp = torch.log_softmax(raw.float(), dim=-1)
-            draw.chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
-            if self.k > 0:
-                draw.top_values, draw.top_ids = torch.topk(lp, self.k, dim=-1)
-            else:
-                draw.top_values = lp.new_zeros((self.rows, 0))
-                draw.top_ids = lp.new_zeros((self.rows, 0))
+            draw.chosen, draw.top_values, draw.top_ids = token_logprobs(
+                torch.log_softmax(raw.float(), dim=-1), tokens, self.k)
         self._advance(tokens)
         return draw
 

@@ -10,6 +10,10 @@ A ``max_tokens`` above ``model.max_gen`` is lowered to it, or refused when the
 request says ``cap_max_tokens = false`` (the HTTP front end does, as vLLM
 refuses); chat messages for a model whose tokenizer has no chat template are
 refused rather than rendered in a made-up format.
+A request id is the client's own: unique among that connection's live requests
+only (``duplicate_id`` otherwise), so no client can take or collide with another's
+ids; the daemon knows the request by ``<connection>:<client id>``
+(:func:`daemon_id`), which its logs show and an admin may cancel by.
 Tokenizing runs in the thread pool, at most ``daemon.max_tokenizing`` prompts at
 once; a connection's frames are handled one after another, so one client cannot
 queue more than one prompt there. An admitted request goes to the serving core
@@ -26,6 +30,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
+import msgspec
+
 from .. import protocol as P
 from ..config import Config
 from ..defaults import ENGINE_FEATURES
@@ -38,6 +44,13 @@ from .serving.effects import Effects
 from .sockets import Conn
 
 log = logging.getLogger("sclsd")
+
+
+def daemon_id(conn: Conn, client_id: str) -> str:
+    """The daemon's id for the request ``conn`` calls ``client_id``: unique among live
+    requests, as a client's ids are unique among its own (the connection number has no
+    ``:``, so no two pairs give one string)."""
+    return f"{conn.cid}:{client_id}"
 
 
 def max_token_chars(tok: Tokenizer) -> int:
@@ -167,19 +180,19 @@ class Admission:
                 return "structured", f"structured output: these workers ({engine}) do not enforce grammars"
         return None
 
-    def _check_state(self, rid: str) -> tuple[P.ErrorCode, str] | None:
+    def _check_state(self, conn: Conn, client_id: str) -> tuple[P.ErrorCode, str] | None:
         if self.is_draining():
             return "draining", "the daemon is shutting down"
         why = self.not_serving()
         if why is not None:
             return "no_workers", why
-        if rid in self.live:
-            return "duplicate_id", f"request id {rid!r} is already live"
+        if self.live.find(conn, client_id) is not None:
+            return "duplicate_id", f"request id {client_id!r} is already live on this connection"
         return None
 
     async def _admit(self, conn: Conn, g: P.Generate) -> Effects:
         m = self.cfg.model
-        rid = g.id or uuid.uuid4().hex[:16]
+        client_id = g.id or uuid.uuid4().hex[:16]
         uid = conn.peer.uid if conn.peer is not None else None
         if len(self.live) + self.admitting > self.cfg.daemon.max_queued_requests:
             # Refuse before any tokenizing work.
@@ -205,7 +218,7 @@ class Admission:
         if g.messages is not None and not has_chat_template(self.tok):
             return self.refuse(conn, "bad_request", "messages: the model's tokenizer has no chat "
                                "template; send a prompt instead", g.id, "chat_template")
-        bad = self._check_state(rid)
+        bad = self._check_state(conn, client_id)
         if bad is not None:
             return self.refuse(conn, *bad, g.id)
         if g.prompt_ids is not None:
@@ -225,7 +238,7 @@ class Admission:
                 return self.refuse(conn, "bad_request", f"cannot tokenize: {exc}", g.id, "tokenize")
             if conn.closed:
                 return Effects()
-            bad = self._check_state(rid)  # the world may have changed while we tokenized
+            bad = self._check_state(conn, client_id)  # the world may have changed while we tokenized
             if bad is not None:
                 return self.refuse(conn, *bad, g.id)
         if not ids:
@@ -238,7 +251,9 @@ class Admission:
             return self.refuse(conn, "overloaded", over[1], g.id, over[0])
         if conn.closed:
             return Effects()  # the client went away while we checked: nobody to serve
-        return self.core.submit(conn, uid, g, rid, list(ids), self.clock())
+        if g.id is None:  # the id it hears in every event of the request (refusals say None)
+            g = msgspec.structs.replace(g, id=client_id)
+        return self.core.submit(conn, uid, g, daemon_id(conn, client_id), list(ids), self.clock())
 
     async def _tokenize(self, g: P.Generate) -> list[int]:
         """Blocking work: in the thread pool, at most ``daemon.max_tokenizing`` at once."""

@@ -1,7 +1,10 @@
 """The client socket's front end: one table from message type to handler.
 
 ``generate`` goes to :mod:`.admission`; ``cancel`` ends a live request of the
-same connection (any connection's for an admin); ``ping`` is answered at once;
+same connection, by the id the client gave it; an admin's ``cancel`` with
+``any_connection`` reaches any connection's, by the daemon's id
+(``<connection>:<client id>``, as the logs show it) or by a client id only one live
+request has; ``ping`` is answered at once;
 ``drain_worker`` (admin) takes a worker out of rotation or puts it back.
 Admins are the uids in ``daemon.admin_uids`` (by default root and the daemon's
 own uid), as told by the connection's peer credentials.
@@ -69,18 +72,43 @@ class Frontend:
         return out
 
     def on_cancel(self, conn: Conn, msg: P.Cancel) -> Effects:
-        # A client cancels its own requests only: ids are client-chosen and guessable.
-        other = msg.any_connection and not self.core.owns(conn, msg.id)
+        # A client cancels its own requests only, by its own ids (scoped to its connection).
+        rid = self.core.table.find(conn, msg.id)
+        other = rid is None and msg.any_connection
         if other and not self.is_admin(conn):
             log.warning("conn=%d cancel id=%s of another connection refused: uid %s is not an admin",
                         conn.cid, msg.id, conn.peer and conn.peer.uid)
-            out = Effects()
-            out.send(conn, P.Error(code="forbidden", message="only an admin may cancel other "
-                                   "connections' requests", id=msg.id))
-            return out
-        out = self.core.cancel(msg.id, self.clock(), requester=conn, any_client=other)
+            return self._error(conn, "forbidden", "only an admin may cancel other connections' "
+                               "requests", msg.id)
+        if other:
+            rid, why = self._anyones(msg.id)
+            if rid is None:
+                return self._error(conn, "unknown_id", why, msg.id)
+        if rid is None:
+            return self._error(conn, "unknown_id", f"no live request {msg.id!r}", msg.id)
+        out = self.core.cancel(rid, self.clock(), requester=conn, any_client=other)
         if out.ended:
-            log.info("id=%s cancelled by conn=%d", msg.id, conn.cid)
+            log.info("id=%s cancelled by conn=%d", rid, conn.cid)
+        return out
+
+    def _anyones(self, asked: str) -> tuple[str | None, str]:
+        """The live request an admin means by ``asked``: the daemon's id, or a client id that
+        one live request has; (None, why) when there is none, or several."""
+        table = self.core.table
+        if asked in table:
+            return asked, ""
+        rids = table.with_client_id(asked)
+        if len(rids) == 1:
+            return rids[0], ""
+        if not rids:
+            return None, f"no live request {asked!r}"
+        return None, (f"{len(rids)} live requests have the client id {asked!r}; cancel one by the "
+                      f"daemon's id: {', '.join(sorted(rids)[:10])}")
+
+    @staticmethod
+    def _error(conn: Conn, code: P.ErrorCode, message: str, rid: str) -> Effects:
+        out = Effects()
+        out.send(conn, P.Error(code=code, message=message, id=rid))
         return out
 
     def on_drain_worker(self, conn: Conn, msg: P.DrainWorker) -> Effects:

@@ -38,7 +38,7 @@ class ClientEvents:
         if e.wants_logprobs:
             lps = self._named(out.unsent_logprobs()) or None
         if ids or text or lps:
-            return P.Delta(id=e.rid, token_ids=ids, text=text, logprobs=lps)
+            return P.Delta(id=e.client_id, token_ids=ids, text=text, logprobs=lps)
         return None
 
     def done(self, e: Entry, reason: FinishReason, now: float) -> P.Done:
@@ -48,7 +48,7 @@ class ClientEvents:
         r = e.req
         streams = e.streams
         return P.Done(
-            id=r.rid,
+            id=e.client_id,
             finish_reason=reason,
             usage=P.Usage(prompt_tokens=len(e.prompt_ids), completion_tokens=len(out.ids),
                           cached_tokens=e.cached_tokens),

@@ -35,7 +35,7 @@ class Replies:
     def accept(self, e: Entry, out: Effects) -> None:
         """The request is live, its client hears ``accepted``, the pool has it."""
         self.table.add(e)
-        out.send(e.client, P.Accepted(id=e.rid, prompt_tokens=len(e.prompt_ids)))
+        out.send(e.client, P.Accepted(id=e.client_id, prompt_tokens=len(e.prompt_ids)))
         self.sched.add(e.req, e.req.arrival)
 
     def delta(self, e: Entry, ids: list[int], text: str, out: Effects) -> None:
@@ -67,7 +67,7 @@ class Replies:
         if e is None:
             return
         self.sched.cancel(rid, now, "error")
-        out.send(e.client, P.Error(code=code, message=message, id=rid))
+        out.send(e.client, P.Error(code=code, message=message, id=e.client_id))
         self._end(e, "error", self.events.timings(e, now), out, code)
         log.info("error id=%s code=%s", rid, code)
 
@@ -76,7 +76,7 @@ class Replies:
         batches failed ``scheduler.max_failures`` + 1 times."""
         if not self.table.holds(e):
             return
-        out.send(e.client, P.Error(code="engine_error", message=message, id=e.rid))
+        out.send(e.client, P.Error(code="engine_error", message=message, id=e.client_id))
         self._end(e, "error", self.events.timings(e, now), out)
         log.info("error id=%s code=engine_error: %s", e.rid, message)
 

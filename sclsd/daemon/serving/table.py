@@ -1,5 +1,11 @@
 """The request table: every accepted request, by id, until its terminal event.
 
+Ids are the daemon's own (:attr:`Entry.rid`, what the scheduler and the workers
+know a request by): a client's id is only unique among that client's live
+requests, so no client can take or collide with another's ids; its events carry
+the client's id (:attr:`Entry.client_id`), and the table finds a request by
+(client, client id) as well.
+
 An :class:`Entry` owns the request's scheduler view (its
 :class:`~sclsd.core.request.Request`), what its client asked for, and its
 :class:`~sclsd.daemon.serving.output.Output`; nothing about a request is
@@ -56,7 +62,14 @@ class Entry:
 
     @property
     def rid(self) -> str:
+        """The daemon's id for it (unique among live requests, whoever sent them)."""
         return self.req.rid
+
+    @property
+    def client_id(self) -> str:
+        """The id its client knows it by (unique among that client's live requests): every
+        event to the client carries it."""
+        return self.gen.id if self.gen.id is not None else self.req.rid
 
     @property
     def streams(self) -> bool:
@@ -77,7 +90,8 @@ class RequestTable:
         self.queued_tokens = 0
         #: Live requests and their prompt tokens per client uid (``daemon.uid_share``).
         self.by_uid: dict[int | None, tuple[int, int]] = {}
-        self._by_client: dict[Client, set[str]] = {}
+        #: Each client's live requests: its id for each -> the daemon's.
+        self._by_client: dict[Client, dict[str, str]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -99,16 +113,29 @@ class RequestTable:
         return list(self._entries)
 
     def of_client(self, client: Client) -> set[str]:
-        """The live requests ``client`` submitted (a copy)."""
-        return set(self._by_client.get(client, ()))
+        """The live requests ``client`` submitted, by the daemon's ids (a copy)."""
+        return set(self._by_client.get(client, {}).values())
 
     def owns(self, client: Client, rid: str) -> bool:
-        """Whether ``rid`` is a live request ``client`` submitted."""
-        return rid in self._by_client.get(client, ())
+        """Whether ``rid`` (the daemon's id) is a live request ``client`` submitted."""
+        e = self._entries.get(rid)
+        return e is not None and e.client == client
+
+    def find(self, client: Client, client_id: str) -> str | None:
+        """The daemon's id of ``client``'s live request that it calls ``client_id``."""
+        return self._by_client.get(client, {}).get(client_id)
+
+    def with_client_id(self, client_id: str) -> list[str]:
+        """The daemon's ids of every live request whose client calls it ``client_id``
+        (any client's: for an admin, who may not know the daemon's id)."""
+        return [rid for rid, e in self._entries.items() if e.client_id == client_id]
 
     def add(self, e: Entry) -> None:
+        mine = self._by_client.setdefault(e.client, {})
+        # Admission refuses a client id its client has live; never two of one.
+        assert e.client_id not in mine, f"{e.client_id!r} is live for this client"
         self._entries[e.rid] = e
-        self._by_client.setdefault(e.client, set()).add(e.rid)
+        mine[e.client_id] = e.rid
         self._count(e, +1)
 
     def remove(self, e: Entry) -> bool:
@@ -118,7 +145,7 @@ class RequestTable:
         del self._entries[e.rid]
         mine = self._by_client.get(e.client)
         if mine is not None:
-            mine.discard(e.rid)
+            mine.pop(e.client_id, None)
             if not mine:
                 del self._by_client[e.client]
         self._count(e, -1)

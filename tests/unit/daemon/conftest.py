@@ -106,9 +106,10 @@ class Harness:
         return self.core.table
 
     def entry(self, rid: str) -> Entry:
-        e = self.live.get(rid)
-        assert e is not None, f"{rid} is not live"
-        return e
+        """The live request its client calls ``rid`` (the tests' clients use distinct ids)."""
+        found = [e for e in self.live if e.client_id == rid]
+        assert len(found) == 1, f"{rid} is not live" if not found else f"{rid} is live {len(found)} times"
+        return found[0]
 
     def tick(self, now: float) -> None:
         """The heartbeat tick at ``now``: silent workers and overdue batches are lost."""

@@ -10,6 +10,7 @@ import pytest
 from sclsd import protocol as P
 from sclsd.config import ConfigError, from_dict
 from sclsd.core.grant_scheduler import SliceGrantScheduler
+from sclsd.daemon.admission import daemon_id
 
 from .conftest import Harness, RecConn, held, until
 
@@ -146,8 +147,9 @@ def test_cancel_frees_the_grant_and_releases_kept_kv(daemon) -> None:
         assert conn.terminal("a")[0].finish_reason == "cancelled"
         w0.release()  # the running grant's result comes back: the policy forgets "a"
         sched = h.server.sched
-        await until(h.wake, lambda: "a" not in sched.grants.grants_on("w0"))
-        await until(w0.got, lambda: any(isinstance(m, P.Release) and "a" in m.rids for m in w0.received))
+        a = daemon_id(conn, "a")  # what the daemon and its workers call it
+        await until(h.wake, lambda: a not in sched.grants.grants_on("w0"))
+        await until(w0.got, lambda: any(isinstance(m, P.Release) and a in m.rids for m in w0.received))
         assert sched.grants.reserved("w0") == 0 and sched.grants.queued == 0
 
     daemon(body, scheduler=CB)

@@ -11,6 +11,7 @@ import pytest
 
 from sclsd import protocol as P
 from sclsd.core.grant_scheduler import SliceGrantScheduler
+from sclsd.daemon.admission import daemon_id
 from sclsd.daemon.transport.inproc import InprocWorker
 
 from .conftest import Harness, RecConn, held, until
@@ -69,8 +70,9 @@ def test_static_batches_waiting_running_and_kv(daemon) -> None:
         h.drain("w0")  # r0 comes back from its slice and stays in the pool, its KV kept on w0
         sched = h.server.sched
         w.release(1)
-        await until(h.wake, lambda: sched.live["r0"].slices == 1)
-        r0 = sched.live["r0"]
+        rid0 = daemon_id(conn, "r0")  # what the daemon and its workers call it
+        await until(h.wake, lambda: sched.live[rid0].slices == 1)
+        r0 = sched.live[rid0]
         assert r0.kv_worker == "w0" and r0.kv_tokens > 0
         second, *behind = w.held  # w0 now serves the oldest batch it holds
         st = h.server.snapshot()

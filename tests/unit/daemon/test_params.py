@@ -184,7 +184,7 @@ def test_user_is_logged_with_the_request(daemon, caplog: pytest.LogCaptureFixtur
 
     with caplog.at_level(logging.INFO, logger="sclsd"):
         daemon(body)
-    assert any("done id=u " in r.getMessage() and "user='alice@example'" in r.getMessage()
+    assert any("done id=1:u " in r.getMessage() and "user='alice@example'" in r.getMessage()
                for r in caplog.records)
 
 

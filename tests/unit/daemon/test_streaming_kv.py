@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 from sclsd import protocol as P
+from sclsd.daemon.admission import daemon_id
 from worker.engines.fake import FakeEngine
 
 from .conftest import Harness, RecConn, held, until
@@ -155,8 +156,9 @@ def test_tokens_are_checked_like_results(daemon) -> None:
         bid = owner.held[0].batch_id
 
         def tokens(w: Any, batch_id: int, rid: str, ids: list[int]) -> None:
+            # Workers know a request by the daemon's id for it.
             w.send(P.Tokens(worker_id=w.wid, batch_id=batch_id,
-                            outputs=[P.RequestOutput(rid=rid, token_ids=ids)]))
+                            outputs=[P.RequestOutput(rid=daemon_id(conn, rid), token_ids=ids)]))
 
         tokens(other, bid, "s", [7])  # not its batch
         tokens(owner, bid + 100, "s", [7])  # no such batch
@@ -194,14 +196,15 @@ def test_kv_worker_follows_results_and_ended_requests_are_released(daemon) -> No
         await held(w)  # the second slice is on its way: the first's result was applied
         r = ctx(h, "k").req
         assert r.kv_worker == "w0" and r.kv_tokens == len(PROMPT) + 8 - 1
-        assert w.engine.kv.store.held() == {"k": len(PROMPT) + 7}
+        k = daemon_id(conn, "k")  # what the daemon and its workers call it
+        assert w.engine.kv.store.held() == {k: len(PROMPT) + 7}
         w.release(1)
         await held(w)
         assert h.counters()["reused_tokens"] == len(PROMPT) + 7
         assert h.counters()["prefill_tokens"] == len(PROMPT) + 1
         h.server.on_client(conn, P.Cancel(id="k"))
         await until(w.got, lambda: any(isinstance(m, P.Release) for m in w.received))
-        assert [m.rids for m in w.received if isinstance(m, P.Release)] == [["k"]]
+        assert [m.rids for m in w.received if isinstance(m, P.Release)] == [[k]]
         assert w.engine.kv.store.held() == {}
 
     daemon(body)

@@ -5,7 +5,11 @@ The daemon calls these from a thread pool, never on the event loop.
 
 from __future__ import annotations
 
+import copy
+import json
 import os
+import re
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,7 +42,12 @@ class ByteTokenizer:
 
 class HFTokenizer:
     """A transformers tokenizer loaded through :mod:`sclsd.models` (a GGUF's from the model
-    cache under ``cache_dir``: :mod:`sclsd.modelcache`)."""
+    cache under ``cache_dir``: :mod:`sclsd.modelcache`).
+
+    In a chat, only the template's own markers are special tokens: text the messages (or
+    tools) carry is tokenized with special-token text kept as text (transformers'
+    ``split_special_tokens``), so a user cannot forge ``<|im_end|><|im_start|>system``.
+    """
 
     def __init__(self, spec: str, cache_dir: str | os.PathLike[str] | None = None) -> None:
         from .models import load_tokenizer
@@ -46,20 +55,120 @@ class HFTokenizer:
         self.spec = spec
         self.tok: Any = load_tokenizer(spec, cache_dir=cache_dir)
         self.vocab_size = len(self.tok)
+        # A second instance that always splits special-token text: transformers switches a
+        # flag on the shared backend per call, which threads tokenizing at once would race on.
+        self._text_tok: Any = copy.deepcopy(self.tok)
+        self._text_tok.split_special_tokens = True
+        added: dict[str, int] = self.tok.get_added_vocab() if hasattr(self.tok, "get_added_vocab") else {}
+        self._added = added
+        self._added_re = re.compile("|".join(re.escape(t) for t in sorted(added, key=len, reverse=True))
+                                    ) if added else None
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=False))
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def encode_text(self, text: str) -> list[int]:
+        """``text`` as text: special-token strings in it are not special tokens."""
+        return list(self._text_tok.encode(text, add_special_tokens=False))
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         if getattr(self.tok, "chat_template", None):
-            out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if isinstance(out, dict) or hasattr(out, "input_ids"):
-                out = out["input_ids"]
-            return [int(i) for i in out]
-        return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: ")
+            return self.render_chat(messages)
+        # No template: the whole text is the messages' (no marker of ours is special).
+        return self.encode_text("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: ")
+
+    def render_chat(self, messages: list[dict[str, Any]], **template: Any) -> list[int]:
+        """``messages`` through the chat template with the generation prompt (``template``:
+        its other variables, e.g. ``tools``); every string the messages and variables carry
+        is tokenized as text (:func:`chat_pieces`)."""
+        # Tokenized in one pass between the template's own added tokens (as the tokenizer
+        # itself splits there), so text on either side of a message's edge merges as it
+        # would in the whole rendering: a chat without special text gets the same ids.
+        out: list[int] = []
+        text: list[str] = []
+        for piece in chat_pieces(self.tok, messages, template):
+            if not isinstance(piece, Verbatim):
+                text.append(piece)
+                continue
+            pos = 0
+            for m in self._added_re.finditer(piece.text) if self._added_re is not None else ():
+                text.append(piece.text[pos:m.start()])
+                out += self.encode_text("".join(text))
+                out.append(self._added[m.group()])
+                text, pos = [], m.end()
+            text.append(piece.text[pos:])
+        return out + self.encode_text("".join(text))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@dataclass(frozen=True)
+class Verbatim:
+    """Text the chat template itself wrote: its markers are special tokens."""
+
+    text: str
+
+
+def chat_pieces(tok: Any, messages: list[dict[str, Any]], template: dict[str, Any]) -> list[Verbatim | str]:
+    """The rendered chat as the template's own text (:class:`Verbatim`) and the text the
+    caller gave (plain ``str``), in order.
+
+    Every string in the messages (but roles and types) and in ``template``'s values is
+    replaced by a placeholder no one can guess, the template rendered, and the rendering
+    cut at the placeholders. Each placeholder stands for what the template made of its
+    string: as given, JSON-escaped (``tojson``) or trimmed, as the real rendering shows;
+    where that cannot be told, the string as given (never template text)."""
+    tag = secrets.token_hex(8)
+    values: list[str] = []
+
+    def hide(x: Any, key: str = "") -> Any:
+        if isinstance(x, str) and key not in ("role", "type"):
+            values.append(x)
+            return f"SCLSD{tag}P{len(values) - 1}E"
+        if isinstance(x, dict):
+            return {k: hide(v, k) for k, v in x.items()}
+        if isinstance(x, list):
+            return [hide(v) for v in x]
+        return x
+
+    hidden = hide({"messages": messages, **template})
+    marked = _render(tok, hidden.pop("messages"), hidden)
+    real = _render(tok, messages, template)
+    parts = re.split(f"SCLSD{tag}P(\\d+)E", marked)
+    texts, slots = parts[0::2], [values[int(i)] for i in parts[1::2]]
+    shown = _as_rendered(real, texts, slots)
+    out: list[Verbatim | str] = []
+    for i, text in enumerate(texts):
+        if text:
+            out.append(Verbatim(text))
+        if i < len(slots):
+            out.append(shown[i] if shown is not None else slots[i])
+    return out
+
+
+def _render(tok: Any, messages: list[dict[str, Any]], template: dict[str, Any]) -> str:
+    return str(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template))
+
+
+def _as_rendered(real: str, texts: list[str], slots: list[str]) -> list[str] | None:
+    """What the template wrote for each slot, given the real rendering and the template's
+    text around the slots; None when the two cannot be matched exactly."""
+    pos, shown = 0, []
+    if not real.startswith(texts[0]):
+        return None
+    pos = len(texts[0])
+    for i, value in enumerate(slots):
+        after = texts[i + 1]
+        for form in (value, json.dumps(value)[1:-1], json.dumps(value, ensure_ascii=False)[1:-1],
+                     value.strip()):
+            if real.startswith(form, pos) and real.startswith(after, pos + len(form)):
+                shown.append(form)
+                pos += len(form) + len(after)
+                break
+        else:
+            return None
+    return shown if pos == len(real) else None
 
 
 def load(spec: str, cache_dir: str | os.PathLike[str] | None = None) -> Tokenizer:

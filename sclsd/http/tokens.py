@@ -60,7 +60,7 @@ class View:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if add_special_tokens and self.hf is not None:
-            return list(self.hf.encode(text, add_special_tokens=True))
+            return list(self.t.encode(text, add_special_tokens=True))
         return self.t.encode(text)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
@@ -92,13 +92,10 @@ class View:
             raise unsupported("tools", "the model's chat template formats tool calls in a way this "
                               "server does not parse (only Hermes-style <tool_call> blocks)")
         try:
-            out = self.hf.apply_chat_template(chat.messages, tools=chat.tools,
-                                              add_generation_prompt=True, tokenize=True)
+            # As the daemon renders plain chats: only the template's markers are special.
+            return [int(i) for i in self.t.render_chat(chat.messages, tools=chat.tools)]
         except Exception as exc:  # noqa: BLE001 - the template's own refusal (raise_exception)
             raise bad("messages", f"messages: the chat template refused them: {exc}") from None
-        if isinstance(out, dict) or hasattr(out, "input_ids"):
-            out = out["input_ids"]
-        return [int(i) for i in out]
 
     def fim(self, prefix: str, suffix: str) -> list[int]:
         """Fill-in-the-middle prompt ids, prefix-suffix-middle, with the model's FIM tokens."""

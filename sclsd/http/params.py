@@ -189,13 +189,16 @@ def _prompts(body: dict[str, Any], max_choices: int) -> list[dict[str, Any]]:
         raise bad("prompt", "prompt: required", "missing_parameter")
     if isinstance(p, str):
         return [{"prompt": p}]
-    if isinstance(p, list) and 0 < len(p) <= max_choices:
-        if all(isinstance(x, str) for x in p):
-            return [{"prompt": x} for x in p]
+    if isinstance(p, list) and p:
+        # One prompt of token ids is as long as the model allows (the daemon bounds it);
+        # ``max_choices`` bounds how many prompts a list holds.
         if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
             return [{"prompt_ids": p}]
-        if all(isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool)
-                                                    for t in x) for x in p):
+        if len(p) <= max_choices and all(isinstance(x, str) for x in p):
+            return [{"prompt": x} for x in p]
+        if len(p) <= max_choices and all(
+                isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+                for x in p):
             return [{"prompt_ids": x} for x in p]
     raise bad("prompt", "prompt: must be a string, a list of strings, a list of token ids "
               f"or a list of such lists (none empty, at most {max_choices} prompts)")

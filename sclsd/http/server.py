@@ -11,10 +11,13 @@ for the httptools parser is added at the protocol level, in :func:`guarded_proto
   within ``body_timeout_s``, else 408 and the connection is closed (here rather than
   in the app, so that it costs a request nothing but a timer, and holds for routes
   that never read their body);
-* a **header size bound**: past ``max_header_bytes`` of an unfinished head, 431 and
-  the connection is closed (httptools buffers a header without bound; h11's
-  ``h11_max_incomplete_event_size`` exists only for the slower h11 parser). The bound
-  holds within one socket read (at most 256 KiB more);
+* a **header size bound**: a request line and headers of more than ``max_header_bytes``
+  in all, or more than :data:`MAX_HEADERS` headers, get 431 and the connection is
+  closed before the app sees the request: counted header by header as the parser
+  finds them (a head that arrives whole in one read included), and, for a head not
+  finished yet, by the bytes received (httptools buffers a header without bound; h11's
+  ``h11_max_incomplete_event_size`` exists only for the slower h11 parser; that bound
+  holds within one socket read, at most 256 KiB more);
 * a **connection cap**: a connection beyond ``max_connections`` gets 503 and is closed
   at once. uvicorn's ``limit_concurrency`` is not enough: it answers only once a
   request's headers are complete, so connections that never finish them (slowloris)
@@ -41,6 +44,11 @@ log = logging.getLogger("sclsd.http")
 #: File descriptors kept for everything but HTTP connections (daemon sockets, logs, ...).
 SPARE_FDS = 64
 
+#: Most headers one request may have (as Tomcat's ``maxHeaderCount``); 431 beyond.
+MAX_HEADERS = 256
+#: What a header costs beyond its name and value: ": " and CRLF.
+_HEADER_OVERHEAD = 4
+
 _PHRASE = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large",
            503: b"Service Unavailable"}
 
@@ -50,6 +58,10 @@ def raw_error(status: int, message: str, code: str) -> bytes:
     body = render.error_body(ApiError(status, message, None, code))
     return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n" % (status, _PHRASE.get(status, b""), len(body))) + body
+
+
+class HeadTooLarge(Exception):
+    """Raised from a parser callback to stop parsing a head already refused with 431."""
 
 
 def guarded_protocol(limits: Limits, metrics: HttpMetrics) -> type[asyncio.Protocol]:
@@ -62,6 +74,10 @@ def guarded_protocol(limits: Limits, metrics: HttpMetrics) -> type[asyncio.Proto
         _body_timer: asyncio.TimerHandle | None = None
         _in_head = True
         _head_bytes = 0
+        _head_size = 0
+        """Request line and headers of the current head, as parsed."""
+        _head_count = 0
+        _head_refused = False
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -108,6 +124,8 @@ def guarded_protocol(limits: Limits, metrics: HttpMetrics) -> type[asyncio.Proto
                          f"{limits.body_timeout_s:g} s (http.body_timeout_s)", "body_timeout")
 
         def send_400_response(self, msg: str) -> None:
+            if self._head_refused:
+                return  # parsing stopped on purpose (HeadTooLarge): answered already
             # uvicorn answers a request httptools cannot parse in plain text: JSON here too.
             self._refuse(400, f"not a valid HTTP/1.1 request: {msg}", "invalid_http")
 
@@ -129,8 +147,28 @@ def guarded_protocol(limits: Limits, metrics: HttpMetrics) -> type[asyncio.Proto
                 self._refuse(431, f"the request's line and headers exceed {limits.max_header_bytes} "
                              "bytes (http.max_header_bytes)", "header_too_large")
 
+        def on_url(self, url: bytes) -> None:
+            self._count_head(len(url), 0)
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count_head(len(name) + len(value) + _HEADER_OVERHEAD, 1)
+            super().on_header(name, value)
+
+        def _count_head(self, size: int, headers: int) -> None:
+            self._head_size += size
+            self._head_count += headers
+            if self._head_size > limits.max_header_bytes or self._head_count > MAX_HEADERS:
+                what = (f"more than {MAX_HEADERS} headers" if self._head_count > MAX_HEADERS else
+                        f"the request's line and headers exceed {limits.max_header_bytes} bytes "
+                        "(http.max_header_bytes)")
+                self._refuse(431, what, "header_too_large")
+                self._head_refused = True
+                raise HeadTooLarge(what)  # the parser stops: the app never sees this request
+
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            self._head_size = self._head_count = 0
             self._in_head = True
             if self._timer is None:  # a later request on a kept-alive connection
                 self._arm()

@@ -104,6 +104,29 @@ def test_structured_output_min_tokens_and_logit_bias_across_grants(daemon) -> No
     assert forced.token_ids == [77] * 12
 
 
+def test_logprobs_and_seeds_across_grants(daemon) -> None:
+    """hf-cb workers return log-probabilities over every grant, and a seed gives the same
+    text twice (the grants' draws depend on the seed and the position only)."""
+    seeded = dict(prompt="Once upon a time there was", max_tokens=10, temperature=0.9, ignore_eos=True)
+
+    async def run() -> list[P.Done]:
+        async with AsyncClient(daemon.sock) as c:
+            return list(await asyncio.gather(
+                c.complete(prompt="The capital of France is", max_tokens=10, temperature=0.0,
+                           ignore_eos=True, logprobs=True, top_logprobs=2),
+                c.complete(**seeded, seed=11), c.complete(**seeded, seed=11), c.complete(**seeded, seed=12)))
+
+    lp, first, again, other = asyncio.run(run())
+    assert lp.timings.slices == 3 and lp.token_ids == _reference(["The capital of France is"], 10)[0]
+    assert lp.logprobs is not None and len(lp.logprobs) == 10
+    for e, tok in zip(lp.logprobs, lp.token_ids, strict=True):
+        assert e.chosen.id == tok and len(e.top) == 2 and e.top[0].id == tok  # greedy: the likeliest
+        assert e.top[0].logprob >= e.top[1].logprob and e.chosen.logprob < 0
+    assert first.timings.slices == 3 and len(first.token_ids) == 10
+    assert again.token_ids == first.token_ids and again.text == first.text
+    assert other.token_ids != first.token_ids
+
+
 def test_a_worker_killed_during_grants_loses_no_request(daemon) -> None:
     want = _reference(PROMPTS, 40)
 

@@ -55,7 +55,7 @@ def test_a_greedy_engine_refuses_sampling(engines) -> None:
         cb.serve(batch)
 
 
-def test_sampling_is_per_request_and_a_seed_is_refused(engines) -> None:
+def test_sampling_is_per_request_and_seeds_are_served(engines) -> None:
     from worker.engines import create_engine
 
     _, hf = engines
@@ -71,9 +71,11 @@ def test_sampling_is_per_request_and_a_seed_is_refused(engines) -> None:
     assert k1.token_ids == want.token_ids and g.token_ids == want.token_ids
     assert len(w.token_ids) == 8  # sampled from the whole vocabulary (random weights: not greedy's)
     assert w.token_ids != want.token_ids
-    seeded = P.BatchRequest(rid="s", token_ids=[1, 2], max_new_tokens=4, temperature=0.7, seed=3)
-    with pytest.raises(RuntimeError, match="seed"):
-        cb.serve(P.BatchMsg(batch_id=32, slice_len=8, requests=[seeded]))
+    seeded = P.BatchRequest(rid="s", token_ids=[1, 2], max_new_tokens=4, temperature=0.7, seed=3,
+                            ignore_eos=True)
+    (first,), _ = cb.serve(P.BatchMsg(batch_id=32, slice_len=8, requests=[seeded]))
+    (again,), _ = cb.serve(P.BatchMsg(batch_id=33, slice_len=8, requests=[seeded]))
+    assert len(first.token_ids) == 4 and again.token_ids == first.token_ids  # the same seed, the same tokens
     cb.close()
 
 

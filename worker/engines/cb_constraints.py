@@ -52,7 +52,14 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 
 from sclsd.protocol import BatchRequest
 from sclsd.protocol.common import MAX_TOKEN_LIST
-from worker.engines.cb_select import Picker, RowPick, pick_key, wants_pick
+from worker.engines.cb_select import (
+    Picker,
+    RowPick,
+    generated_count,
+    generated_since,
+    pick_key,
+    wants_pick,
+)
 from worker.engines.grammar import grammar_for, row_matcher
 
 log = logging.getLogger(__name__)
@@ -61,23 +68,6 @@ __all__ = ["RequestRules", "RowRules", "generated_count", "generated_since", "ha
 
 #: ``logit_bias`` entries one row may carry on the captured path (the protocol's own limit).
 CAPTURED_BIAS_ENTRIES = MAX_TOKEN_LIST
-
-
-def generated_count(state: Any) -> int:
-    """Tokens transformers request ``state`` generated (a soft reset moves them into its
-    prompt: ``_true_initial_tokens`` says where they start)."""
-    true_initial = state._true_initial_tokens
-    moved = len(state.initial_tokens) - true_initial if true_initial else 0
-    return moved + len(state.generated_tokens)
-
-
-def generated_since(state: Any, k: int) -> list[int]:
-    """The tokens ``state`` generated after its first ``k``."""
-    true_initial = state._true_initial_tokens
-    moved = len(state.initial_tokens) - true_initial if true_initial else 0
-    if k < moved:
-        return list(state.initial_tokens[true_initial + k:]) + list(state.generated_tokens)
-    return list(state.generated_tokens[k - moved:])
 
 
 def has_rules(r: BatchRequest) -> bool:
@@ -202,7 +192,7 @@ class RequestRules(ContinuousBatchingLogitsProcessor):
         """The manager's processor list (:meth:`install`)."""
         self.others = False
         """Whether that list holds other processors (transformers' warpers)."""
-        self.picker = Picker(self.device)
+        self.picker = Picker(self.device, vocab)
         """The rows whose tokens the engine picks itself (:mod:`worker.engines.cb_select`)."""
         self._none = torch.empty(0, dtype=torch.int32)
         allowed = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1  # byte -> its 8 bits, low first
@@ -284,7 +274,7 @@ class RequestRules(ContinuousBatchingLogitsProcessor):
         rules = self.rules
         bias_rows: list[tuple[int, RowRules, bool]] = []
         mask_rows: list[tuple[int, RowRules, bool]] = []
-        pick_rows: list[tuple[int, RowPick, int]] = []
+        pick_rows: list[tuple[int, RowPick, Any]] = []
         captured = self.captured
         if rules:
             for i, fs in enumerate(requests_with_new_token):
@@ -292,7 +282,7 @@ class RequestRules(ContinuousBatchingLogitsProcessor):
                 if rr is None:
                     continue
                 if rr.pick is not None:
-                    pick_rows.append((i, rr.pick, generated_count(fs.state)))
+                    pick_rows.append((i, rr.pick, fs.state))
                 early = rr.early(fs.state)
                 if rr.matcher is not None:
                     rr.catch_up(fs.state)
@@ -316,7 +306,7 @@ class RequestRules(ContinuousBatchingLogitsProcessor):
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
         picker = self.picker
         if picker.active:
-            picker.before(scores)  # log-probabilities of the model's own logits
+            picker.before(scores)  # log-probabilities of the model's own logits, then penalties
         if self.captured:
             n = scores.size(0)
             scores.scatter_add_(1, self._idx[:n], self._val[:n])

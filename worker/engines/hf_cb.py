@@ -147,6 +147,11 @@ class _Row:
         return self.pick.entries(self.base + start, self.base + len(toks))
 
 
+def _pick_of(rules: RowRules | None) -> RowPick | None:
+    """The engine's own picks among ``rules`` (a request's), if any."""
+    return rules.pick if rules is not None else None
+
+
 def _stream_new(row: _Row, toks: list[int], stream: Stream | None) -> None:
     """Hand ``stream`` the tokens ``row`` generated since the last call (the Result still
     carries all of them)."""
@@ -469,9 +474,8 @@ class HFCBEngine(HFEngine):
         if (kept is not None and resumes(kept, batch, r, stops, self._rules)
                 and self._control.resume(kept.tid, Allowance(len(ctx) + cap, keep))):
             p.reused_tokens += len(ctx) - 1
-            held = self._rules.get(kept.tid)
             return _Row(batch.batch_id, r, kept.tid, cap, len(ctx) - kept.added_len, kept.added_len,
-                        stops, keep, reused=len(ctx) - 1, pick=held.pick if held is not None else None)
+                        stops, keep, reused=len(ctx) - 1, pick=_pick_of(self._rules.get(kept.tid)))
         if kept is not None:
             self._control.drop(kept.tid)
         if rules is None:  # it was to resume, but was evicted meanwhile
@@ -484,8 +488,7 @@ class HFCBEngine(HFEngine):
                         eos_token_id=list(stops) if stops else -1,
                         **(sampling_kwargs(r, int(self.config.vocab_size)) if self.sampling else {}))
         p.prefill_tokens += len(ctx)
-        return _Row(batch.batch_id, r, tid, cap, 0, len(ctx), stops, keep,
-                    pick=rules.pick if rules is not None else None)
+        return _Row(batch.batch_id, r, tid, cap, 0, len(ctx), stops, keep, pick=_pick_of(rules))
 
     def _collect(self, mgr: Any, pending: dict[int, _Pending], owner: dict[str, _Row],
                  emit: Done) -> None:

@@ -112,8 +112,15 @@ def test_bad_input_gets_errors_and_hurts_no_one(daemon) -> None:
         await expect("bad_request")
         bad.send_obj({"type": "generate", "prompt_ids": [7] * 1025})
         await expect("prompt_too_long")
+        # Ids are the connection's own: the bystander's is free here, a live one of its own is not,
+        # and a cancel reaches its own request only.
+        bad.send(P.Generate(id="bystander", prompt_ids=[1], max_tokens=1000, ignore_eos=True, stream=False))
+        assert isinstance(await bad.recv(), P.Accepted)
         bad.send(P.Generate(id="bystander", prompt_ids=[1], max_tokens=1))
         await expect("duplicate_id")
+        bad.send(P.Cancel(id="bystander"))
+        done = await bad.recv()
+        assert isinstance(done, P.Done) and done.finish_reason == "cancelled", done
         bad.send(P.Cancel(id="nobody"))
         await expect("unknown_id")
         # Deeply nested garbage is rejected, not recursed into.

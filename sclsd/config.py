@@ -121,6 +121,8 @@ class SchedulerConfig:
     """OOM judgement: ``kv`` (eq. 8 with the workers' Δ and M_ava) or ``rules`` (a rule
     table, Algorithm 2: the profile's, else the paper's DeepSpeed table)."""
     max_failures: int = 3
+    max_worker_losses: int = 2
+    """A request on this many workers that died ends with an error (poison stops); 0: never."""
     work_conserving: bool = True
     """An idle worker gets work at once instead of waiting out the interval (docs/design.md §8)."""
     kv_reuse: bool = True
@@ -198,13 +200,8 @@ class Config:
         return defaults.auto_engine(self.scheduler.policy in GRANT_POLICIES, self.model.name)
 
 
-_SECTIONS: dict[str, type] = {
-    "daemon": DaemonConfig,
-    "model": ModelConfig,
-    "scheduler": SchedulerConfig,
-    "workers": WorkersConfig,
-    "http": HttpConfig,
-}
+_SECTIONS: dict[str, type] = {"daemon": DaemonConfig, "model": ModelConfig, "scheduler": SchedulerConfig,
+                               "workers": WorkersConfig, "http": HttpConfig}
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 #: ``scheduler.memory`` values: the KV-cache model or a profiled rule table.
 MEMORY_MODELS = ("kv", "rules")
@@ -298,10 +295,8 @@ def _check_daemon(d: DaemonConfig) -> None:
     if d.worker_endpoint.startswith("ipc://"):
         _socket_path("daemon.worker_endpoint", d.worker_endpoint.removeprefix("ipc://"))
     need(d.status_socket != d.socket, "daemon.status_socket", d.status_socket, "must differ from daemon.socket")
-    need(
-        d.worker_endpoint.startswith(("ipc://", "tcp://")),
-        "daemon.worker_endpoint", d.worker_endpoint, "must start with ipc:// or tcp://",
-    )
+    need(d.worker_endpoint.startswith(("ipc://", "tcp://")), "daemon.worker_endpoint", d.worker_endpoint,
+         "must start with ipc:// or tcp://")
     for key in _MODE_KEYS:
         mode = getattr(d, key)
         need(0 <= mode <= 0o777, f"daemon.{key}", oct(mode), "must be a file mode")
@@ -418,6 +413,7 @@ def _check_scheduler(s: SchedulerConfig) -> None:
     need(0 < s.lam <= 1, "scheduler.lam", s.lam, "must be in (0, 1]")
     need(0 < s.zeta <= 1, "scheduler.zeta", s.zeta, "must be in (0, 1]")
     need(s.max_failures >= 0, "scheduler.max_failures", s.max_failures, "must be >= 0")
+    need(s.max_worker_losses >= 0, "scheduler.max_worker_losses", s.max_worker_losses, "must be >= 0 (0: off)")
     need(0 <= s.max_slice_gap_s < float("inf"), "scheduler.max_slice_gap_s", s.max_slice_gap_s,
          "must be >= 0 (0: off)")
     need(s.memory in MEMORY_MODELS, "scheduler.memory", s.memory, f"must be one of {', '.join(MEMORY_MODELS)}")

@@ -305,12 +305,13 @@ def _settled(status_sock: str, timeout: float) -> P.StatusSnapshot:
 def sections(workers: int, decode_s: float, profile: Path, log_level: str = "warning") -> dict[str, Any]:
     """The daemon's config: fake workers restarted at once and never given up on (each kill
     is deliberate, not a crash loop), and no failure limit per request (a request may lose
-    any number of slices to kills and must still be served, so its tokens can be checked)."""
+    any number of slices to kills, none of them its fault, and must still be served, so its
+    tokens can be checked)."""
     return {
         "daemon": {"log_level": log_level, "heartbeat_interval_s": 0.25, "heartbeat_timeout_s": 5.0},
         "model": {"name": "fake"},
         "scheduler": {"policy": "scls", "slice_len": 8, "gamma_s": 0.02, "profile": str(profile),
-                      "max_failures": 1_000_000},
+                      "max_failures": 1_000_000, "max_worker_losses": 0},
         "workers": {"spawn": workers, "engine": "fake", "threads": 1, "restart_backoff_s": 0.2,
                     "quick_failure_s": 0.0, "options": {"decode_s": decode_s}},
     }

@@ -44,8 +44,9 @@ class SliceGrantScheduler(SchedulerMechanism[GrantStats]):
     """
 
     def __init__(self, policy: Policy, cost: GrantCost, *, max_failures: int = 3,
-                 history: int = 64) -> None:
-        super().__init__(policy, max_failures=max_failures, history=history, stats=GrantStats())
+                 history: int = 64, max_worker_losses: int = 0) -> None:
+        super().__init__(policy, max_failures=max_failures, history=history, stats=GrantStats(),
+                         max_worker_losses=max_worker_losses)
         self.cost = cost
         self.grants = GrantPolicy(cost.estimator, policy.slice_len, self.token_budget())
         #: KV to release that the policy did not decide (a failed grant's), by worker.

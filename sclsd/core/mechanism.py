@@ -37,9 +37,12 @@ class SchedulerMechanism(Generic[StatsT]):
     """
 
     def __init__(self, policy: Policy, *, max_failures: int, history: int,
-                 stats: StatsT) -> None:
+                 stats: StatsT, max_worker_losses: int = 0) -> None:
         self.policy = policy
         self.max_failures = max_failures
+        self.max_worker_losses = max_worker_losses
+        """A request in flight on this many workers that died ends with an error (it may be
+        what kills them: poison stops); 0: never."""
         self.pool: dict[str, Request] = {}
         """Requests waiting for a slice (or a grant)."""
         self.live: dict[str, Request] = {}
@@ -76,8 +79,11 @@ class SchedulerMechanism(Generic[StatsT]):
         self._changed = True
         self._on_active(wid, active)
 
-    def remove_worker(self, wid: str, now: float) -> list[Request]:
-        """A worker died: its batches' requests go back to the pool.
+    def remove_worker(self, wid: str, now: float, charged: bool = False) -> list[Request]:
+        """A worker is gone: its batches' requests go back to the pool. ``charged`` (the
+        worker died: exited, hung): the loss counts against each of them, and one that has
+        now been on ``max_worker_losses`` workers that died ends instead (state ``FAILED``,
+        returned too: the caller tells its client).
 
         Tokens of the unfinished slice never reached us, so each request
         continues from its last completed slice and output stays consistent.
@@ -87,16 +93,24 @@ class SchedulerMechanism(Generic[StatsT]):
             return []
         self._changed = True
         back: list[Request] = []
+        ended: list[Request] = []
         for bid in sorted(ws.batches):
             batch = self.batches.pop(bid, None)
             if batch is None:
                 continue
             for r in batch.requests:
-                if not r.state.terminal:
+                if r.state.terminal:
+                    continue
+                r.worker_losses += charged
+                if charged and 0 < self.max_worker_losses <= r.worker_losses:
+                    r.batch_id = None
+                    self._on_cancelled(r)  # the policy forgets it, as for a cancel
+                    ended.append(self._finish(r, now, "error", State.FAILED))
+                else:
                     self._requeue(r, now)
                     back.append(r)
         self._on_worker_removed(wid, back)
-        return back
+        return back + ended
 
     def active_workers(self) -> list[str]:
         return [w for w, s in self.workers.items() if s.active]

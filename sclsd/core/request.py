@@ -47,6 +47,8 @@ class Request:
     state: State = State.QUEUED
     slices: int = 0
     failures: int = 0
+    worker_losses: int = 0
+    """Workers that died while this request was in one of their batches."""
     first_dispatch: float | None = None
     first_token: float | None = None
     finished_at: float | None = None

@@ -70,8 +70,10 @@ class Scheduler(SchedulerMechanism[SchedulerStats]):
         *,
         max_failures: int = 3,
         history: int = 64,
+        max_worker_losses: int = 0,
     ) -> None:
-        super().__init__(policy, max_failures=max_failures, history=history, stats=SchedulerStats())
+        super().__init__(policy, max_failures=max_failures, history=history, stats=SchedulerStats(),
+                         max_worker_losses=max_worker_losses)
         self.cost = cost
         self.kv = KVLedger()
         #: Streaming requests in the pool by when their gap bound runs out:

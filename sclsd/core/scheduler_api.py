@@ -121,8 +121,9 @@ class SchedulerInterface(Protocol):
         """Take a worker out of rotation (drain) or back in; its batches keep running."""
         ...
 
-    def remove_worker(self, wid: str, now: float) -> list[Request]:
-        """A worker died: returns its batches' requests, back in the pool."""
+    def remove_worker(self, wid: str, now: float, charged: bool = False) -> list[Request]:
+        """A worker is gone: returns its batches' requests, back in the pool, or ended
+        (``FAILED``) when ``charged`` made one reach ``max_worker_losses``."""
         ...
 
     def active_workers(self) -> list[str]:

@@ -77,8 +77,9 @@ def make_scheduler(cfg: Config, cost: DaemonCost) -> SchedulerInterface:
                          work_conserving=s.work_conserving, kv_reuse=s.kv_reuse,
                          max_slice_gap_s=s.max_slice_gap_s)
     if s.policy in GRANT_POLICIES:
-        return SliceGrantScheduler(policy, cost, max_failures=s.max_failures)
-    return Scheduler(policy, cost, max_failures=s.max_failures)
+        return SliceGrantScheduler(policy, cost, max_failures=s.max_failures,
+                                   max_worker_losses=s.max_worker_losses)
+    return Scheduler(policy, cost, max_failures=s.max_failures, max_worker_losses=s.max_worker_losses)
 
 
 class Server:

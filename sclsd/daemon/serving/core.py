@@ -203,7 +203,13 @@ class ServingCore:
         return out
 
     def _lose(self, wid: str, why: str, reason: P.LossReason, now: float, out: Effects) -> None:
-        if self.members.leave(wid, why, reason, now, out):
+        ended = self.members.leave(wid, why, reason, now, out)
+        if ended is not None:
+            for r in ended:
+                e = self.table.get(r.rid)
+                if e is not None:
+                    self.replies.failed(e, f"it was on {r.worker_losses} workers that died while "
+                                        f"serving it (the last: {wid}, {why})", now, out)
             self.streaming.settle(None, now, out)
             self.dispatch.flush_released(out)
 

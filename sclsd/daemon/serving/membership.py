@@ -25,11 +25,16 @@ from typing import Protocol
 from ... import protocol as P
 from ...config import Config
 from ...core.policy import GRANT_POLICIES
+from ...core.request import Request
 from ...core.scheduler_api import SchedulerInterface
 from ...tokenizer import Tokenizer
 from .effects import Effects, Lost
 
 log = logging.getLogger("sclsd.workers")
+
+#: Drops that mean the worker died holding its batches (not a connection event): they count
+#: against the requests it held, since one of them may be what killed it.
+DIED: frozenset[P.LossReason] = frozenset({"exited", "silent", "stalled"})
 
 __all__ = ["LossRecord", "Membership", "WorkerCosts", "WorkerInfo"]
 
@@ -127,11 +132,14 @@ class Membership:
         log.info("worker=%s registered again on the same connection: welcomed again", wid)
         out.tell(wid, P.Welcome(heartbeat_interval_s=self.cfg.daemon.heartbeat_interval_s))
 
-    def leave(self, wid: str, why: str, reason: P.LossReason, now: float, out: Effects) -> bool:
+    def leave(self, wid: str, why: str, reason: P.LossReason, now: float,
+              out: Effects) -> list[Request] | None:
         """``wid`` is lost for ``reason``: its batches go back to the pool, the drop is
-        logged and counted. False if it was no member."""
+        logged and counted. Returns the requests that end instead (a worker that died counts
+        against those it held: ``scheduler.max_worker_losses``), for the caller to answer;
+        None if it was no member."""
         if self.workers.pop(wid, None) is None:
-            return False
+            return None
         rec = self.losses.setdefault(wid, LossRecord())
         rec.count += 1
         rec.by_reason[reason] = rec.by_reason.get(reason, 0) + 1
@@ -139,14 +147,20 @@ class Membership:
         lost = Lost(wid, why, reason)
         log.warning("worker=%s lost (%s): %s%s", wid, reason, why,
                     "; killing its process" if lost.kill else "")
-        back = self.sched.remove_worker(wid, now)
+        held = self.sched.remove_worker(wid, now, charged=reason in DIED)
+        back = [r for r in held if not r.state.terminal]
+        ended = [r for r in held if r.state.terminal]
         if back:
             log.warning("worker=%s lost with %d requests; re-queued: %s", wid, len(back),
                         ",".join(r.rid for r in back))
+        if ended:
+            log.warning("worker=%s lost with %d requests that were on %d workers that died: "
+                        "they end (scheduler.max_worker_losses): %s", wid, len(ended),
+                        self.cfg.scheduler.max_worker_losses, ",".join(r.rid for r in ended))
         self.cost.on_dead(wid)
         out.lost.append(lost)
         out.wake = True
-        return True
+        return ended
 
     def heard(self, wid: str, msg: P.WorkerMsg, now: float) -> None:
         """A member's message arrived (a heartbeat also says how busy it is)."""

@@ -91,7 +91,11 @@ class Server:
         self.clock = clock
         self.started = clock()
         self.tok = tokenizer
-        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sclsd-tok")
+        # Two pools: what streams tokens to clients (detokenizing) never waits behind what
+        # admits new requests (tokenizing prompts, checking grammars), however large or slow
+        # a client makes those.
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sclsd-detok")
+        self.admit_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sclsd-admit")
         if transport is None:
             from .transport.zmq_router import ZmqTransport  # zmq only for the real transport
 
@@ -251,7 +255,7 @@ class Server:
         cfg = self.cfg
         self.tok = tok
         core = ServingCore(cfg, self.sched, self.cost, tok)
-        self.admission = Admission(cfg, core, tok, self.pool, self.metrics, self.clock,
+        self.admission = Admission(cfg, core, tok, self.admit_pool, self.metrics, self.clock,
                                    is_draining=lambda: self.drain.draining, not_serving=self.not_serving)
         frontend = Frontend(cfg, self.admission, core, self.clock)
         self.shell = shell = Shell(cfg, core, frontend, self.fleet, self.supervisor, self.metrics,
@@ -360,6 +364,7 @@ class Server:
             # shutdown() waits for the server thread's poll: not on the loop.
             await asyncio.get_running_loop().run_in_executor(None, self._metrics_http.shutdown)
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.admit_pool.shutdown(wait=False, cancel_futures=True)
         shutil.rmtree(self.run_dir, ignore_errors=True)
         self.notifier.close()
         self.lock.release()

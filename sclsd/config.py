@@ -300,6 +300,8 @@ def _check_daemon(d: DaemonConfig) -> None:
     for key in _MODE_KEYS:
         mode = getattr(d, key)
         need(0 <= mode <= 0o777, f"daemon.{key}", oct(mode), "must be a file mode")
+    need(not d.worker_socket_mode & 0o007, "daemon.worker_socket_mode", oct(d.worker_socket_mode),
+         "must not open the worker endpoint to other users (it takes registrations): 0600 or 0660")
     if d.socket_group:
         try:
             grp.getgrnam(d.socket_group)
@@ -409,7 +411,7 @@ def _check_scheduler(s: SchedulerConfig) -> None:
     need(s.policy in names, "scheduler.policy", s.policy, f"must be one of {', '.join(names)}")
     need(s.slice_len >= 1, "scheduler.slice_len", s.slice_len, "must be >= 1")
     need(s.batch_size >= 1, "scheduler.batch_size", s.batch_size, "must be >= 1")
-    need(s.gamma_s is None or s.gamma_s > 0, "scheduler.gamma_s", s.gamma_s, "must be > 0")
+    need(s.gamma_s is None or 0 < s.gamma_s <= 60, "scheduler.gamma_s", s.gamma_s, "must be in (0, 60]")
     need(0 < s.lam <= 1, "scheduler.lam", s.lam, "must be in (0, 1]")
     need(0 < s.zeta <= 1, "scheduler.zeta", s.zeta, "must be in (0, 1]")
     need(s.max_failures >= 0, "scheduler.max_failures", s.max_failures, "must be >= 0")
@@ -464,6 +466,8 @@ def _check_workers(w: WorkersConfig, cfg: Config) -> None:
     bad = check_options(engine if w.spawn else None, w.options)
     if bad is not None:
         raise ConfigError(f"workers.options.{bad[0]}", bad[1], bad[2])
+    need(w.options.get("vocab", 256) >= 256, "workers.options.vocab", w.options.get("vocab"),
+         "must be >= 256: the fake model's tokenizer has 256 ids, a smaller worker is refused")
     need(w.mem_budget_bytes >= 1, "workers.mem_budget_bytes", w.mem_budget_bytes, "must be >= 1")
     need(w.restart_backoff_s >= 0, "workers.restart_backoff_s", w.restart_backoff_s, "must be >= 0")
     need(w.restart_backoff_max_s >= w.restart_backoff_s, "workers.restart_backoff_max_s",

@@ -21,6 +21,7 @@ planted at its name is refused rather than followed.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -118,13 +119,20 @@ class EndpointLocks:
 
 
 def check_run_dir(path: str) -> None:
-    """Make ``path`` (made 0755 if missing) and check that no other local user can replace
+    """Make ``path`` (0755, if missing and its parent exists) and check that no other local user can replace
     what the daemon creates in it: ``path`` owned by this user or root and writable by
     nobody else; each directory above it the same, or sticky; a symbolic link on the way
     owned by this user or root (and where it leads checked the same way). Raises
     :class:`StartupError` in one line saying which directory and why."""
-    os.makedirs(path, mode=0o755, exist_ok=True)
     given = os.path.normpath(os.path.abspath(path))
+    if not os.path.isdir(given):
+        # One level only: a config naming a path whose parent does not exist is a mistake,
+        # and a daemon run as root must not lay out directories wherever a typo points.
+        if not os.path.isdir(os.path.dirname(given)):
+            raise StartupError(f"the directory {given} of a socket or lock file does not exist, "
+                               f"nor does its parent {os.path.dirname(given)}")
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(given, 0o755)
     _check_chain(given, given)
     real = os.path.realpath(given)
     if real != given:

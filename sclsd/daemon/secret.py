@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
+import string
 from dataclasses import dataclass
 
 from ..config import Config
@@ -29,11 +31,7 @@ class WorkerSecret:
     def for_config(cls, cfg: Config, run_dir: str, curve: bool) -> WorkerSecret:
         d = cfg.daemon
         if d.worker_secret_file and os.path.exists(d.worker_secret_file):
-            with open(d.worker_secret_file) as f:
-                value = f.read().strip()
-            if not value:
-                raise StartupError(f"daemon.worker_secret_file {d.worker_secret_file} is empty")
-            return cls(value, d.worker_secret_file, new=False)
+            return cls(_read_existing(d.worker_secret_file), d.worker_secret_file, new=False)
         if curve and cfg.workers.spawn == 0:
             return cls(None, None, new=False)
         path = d.worker_secret_file or os.path.join(run_dir, "worker.secret")  # run_dir: mkdtemp, 0700
@@ -45,3 +43,28 @@ class WorkerSecret:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(self.value + "\n")
+
+
+def _read_existing(path: str) -> str:
+    """The secret in an existing ``daemon.worker_secret_file``: refused unless it is a
+    regular file private to its owner holding one hex string, what every worker demands of
+    it (``sclsd-worker --secret-file``). Any other file (a config typo naming
+    ``/etc/passwd``) would start a daemon whose workers all refuse to start."""
+    key = "daemon.worker_secret_file"
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise StartupError(f"{key} {path} is not a regular file")
+        if info.st_mode & 0o077:
+            raise StartupError(f"{key} {path} has mode {stat.S_IMODE(info.st_mode):04o}: it must be "
+                               "private to its owner (chmod 600)")
+        value = os.read(fd, 4096).decode("ascii", errors="replace").strip()
+    finally:
+        os.close(fd)
+    if not value:
+        raise StartupError(f"{key} {path} is empty")
+    if len(value) > 256 or not all(c in string.hexdigits for c in value):
+        raise StartupError(f"{key} {path} must hold one hex string of at most 256 characters "
+                           "(sclsctl keygen writes one; or remove it and the daemon writes one)")
+    return value

@@ -104,3 +104,29 @@ def test_a_link_to_the_run_directory_owned_by_another_user_is_refused(tmp_path: 
         check_run_dir(str(link))
     os.lchown(link, os.geteuid(), os.getegid())
     check_run_dir(str(link))
+
+
+def test_a_run_directory_is_made_one_level_deep_at_most(tmp_path: Path) -> None:
+    check_run_dir(str(tmp_path / "run"))  # its parent exists: made
+    assert (tmp_path / "run").is_dir()
+    with pytest.raises(StartupError) as ei:
+        check_run_dir(str(tmp_path / "no" / "such" / "dir"))
+    assert "does not exist" in str(ei.value) and not (tmp_path / "no").exists()
+
+
+def test_an_existing_worker_secret_file_must_be_a_private_hex_secret(tmp_path: Path) -> None:
+    from sclsd.daemon.secret import WorkerSecret
+
+    from .conftest import make_config
+
+    secret = tmp_path / "worker.secret"
+    secret.write_text("root:x:0:0:root:/root:/bin/bash\n")  # a config naming /etc/passwd
+    secret.chmod(0o644)
+    cfg = make_config(tmp_path, daemon={"worker_secret_file": str(secret)})
+    with pytest.raises(StartupError, match="chmod 600"):
+        WorkerSecret.for_config(cfg, str(tmp_path), curve=False)
+    secret.chmod(0o600)
+    with pytest.raises(StartupError, match="one hex string"):
+        WorkerSecret.for_config(cfg, str(tmp_path), curve=False)
+    secret.write_text("00c0ffee\n")
+    assert WorkerSecret.for_config(cfg, str(tmp_path), curve=False).value == "00c0ffee"

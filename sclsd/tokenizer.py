@@ -180,43 +180,81 @@ def load(spec: str, cache_dir: str | os.PathLike[str] | None = None) -> Tokenize
 
 @dataclass
 class Detokenizer:
-    """Incremental detokenization of one request's output.
+    """Incremental detokenization of one request's output, at a cost per call that does not
+    grow with the output (as vLLM's and SGLang's detokenizers do it).
 
-    Decodes the whole output each time and emits only the new suffix, holding
-    back a trailing replacement character (an incomplete multi-byte sequence)
-    until the next tokens complete it. Stop strings end the text where they start.
+    Each call decodes a window of the output, not all of it: the tokens since the last
+    committed read offset ``r``, after a few tokens of left context from ``p`` (the read
+    offset before that). Decoding ``ids[p:]`` and ``ids[p:r]`` with the same left context
+    and taking the difference gives the text of ``ids[r:]`` as the whole output would
+    decode it (a SentencePiece word's leading space, a UTF-8 character split over tokens).
+    :meth:`window` says what to decode; :meth:`apply_window` takes the two texts. The text
+    of ``ids[:r]`` is ``text[:t_r]``: offsets advance only when everything decoded was
+    emitted. A trailing replacement character (an incomplete multi-byte sequence) is held
+    back until the next tokens complete it, and so is a tail that may begin a stop string;
+    stop strings end the text where they start.
     """
 
     stop: list[str] = field(default_factory=list)
     text: str = ""
     stopped: bool = False
+    p: int = 0
+    """Left context of the next window: tokens from here on are decoded."""
+    r: int = 0
+    """Read offset: the text of the tokens before it is ``text[:t_r]``."""
+    t_r: int = 0
+
+    def window(self, ids: list[int]) -> tuple[list[int], list[int], tuple[int, int, int, int]]:
+        """What to decode for the output ``ids``: the window, its left context alone, and the
+        offsets to hand back to :meth:`apply_window` with their texts."""
+        return ids[self.p:], ids[self.p:self.r], (self.p, self.r, self.t_r, len(ids))
+
+    def apply_window(self, snap: tuple[int, int, int, int], full: str, prefix: str,
+                     final: bool = False) -> str:
+        """The texts of a :meth:`window` (``full`` of the window, ``prefix`` of its left
+        context alone); returns what is new. Windows must come back in the order made."""
+        p, r, t_r, n = snap
+        if not full.startswith(prefix):
+            # The tokenizer joined the context with what follows it differently: decode from
+            # the start next time (the old way), which always agrees with itself.
+            self.p = 0
+            return ""
+        tail = full[len(prefix):]
+        new = self.apply_tail(t_r, tail, final)
+        if len(self.text) == t_r + len(tail) and n > self.r:
+            self.p, self.r, self.t_r = r, n, len(self.text)  # all of it out: move on
+        return new
 
     def apply(self, full: str, final: bool = False) -> str:
-        """Take the decoded text of the whole output so far; return what is new.
+        """Take the decoded text of the whole output so far; return what is new."""
+        return self.apply_tail(0, full, final)
 
-        Sets ``stopped`` when a stop string appeared (the text ends before it).
-        """
+    def apply_tail(self, base: int, tail: str, final: bool = False) -> str:
+        """Take the text after ``text[:base]`` (the whole output's text is ``text[:base] +
+        tail``); return what is new. Sets ``stopped`` when a stop string appeared (the
+        text ends before it)."""
         if self.stopped:
             return ""
-        if not final and full.endswith("\ufffd"):
-            full = full.rstrip("\ufffd")
-        if self.stop:
-            # Search from a little before the emitted end so a stop string spanning slices is seen.
-            start = max(0, len(self.text) - max(len(s) for s in self.stop))
-            cut = min((i for s in self.stop if (i := full.find(s, start)) >= 0), default=-1)
-            if cut >= 0:
-                full = full[:cut]
-                self.stopped = True
-            elif not final:
-                # Hold back a tail that may be the start of a stop string: once sent, text
-                # cannot be taken back.
-                hold = max((k for s in self.stop for k in range(1, len(s)) if full.endswith(s[:k])),
-                           default=0)
-                full = full[: len(full) - hold]
-        if not full.startswith(self.text):
+        if base > len(self.text) or not tail.startswith(self.text[base:]):
             # A tokenizer may rewrite earlier text (space clean-up): emit nothing rather
             # than a wrong diff; the next consistent decode catches up.
             return ""
-        new = full[len(self.text) :]
-        self.text = full
+        new = tail[len(self.text) - base:]
+        if not final and new.endswith("\ufffd"):
+            new = new.rstrip("\ufffd")
+        if self.stop:
+            # Search from a little before the emitted end so a stop string spanning calls is seen.
+            start = max(0, len(self.text) - max(len(s) for s in self.stop))
+            seen = self.text[start:] + new
+            cut = min((i for s in self.stop if (i := seen.find(s)) >= 0), default=-1)
+            if cut >= 0:
+                self.stopped = True
+                new = seen[:cut][len(self.text) - start:]
+            elif not final:
+                # Hold back a tail that may be the start of a stop string: once sent, text
+                # cannot be taken back.
+                hold = max((k for s in self.stop for k in range(1, len(s)) if seen.endswith(s[:k])),
+                           default=0)
+                new = new[: max(0, len(new) - hold)]
+        self.text += new
         return new

@@ -45,12 +45,15 @@ class Row:
 
 @dataclass(eq=False, slots=True)
 class ResultJob:
-    """A result's rows to detokenize: ``seqs[i]`` is row ``i``'s whole output with the slice."""
+    """A result's rows to detokenize: for ``k`` rows, ``seqs[i]`` is the window of row
+    ``i``'s output with the slice and ``seqs[k + i]`` its left context alone
+    (:meth:`~sclsd.tokenizer.Detokenizer.window`, offsets in ``snaps[i]``)."""
 
     result: P.Result
     rows: list[Row]
     seqs: list[list[int]]
     keep_special: list[bool]
+    snaps: list[tuple[int, int, int, int]]
 
 
 def is_out_of_memory(error: str) -> bool:
@@ -125,8 +128,11 @@ class Results:
                             "the streamed ones stand", res.worker_id, res.batch_id, o.rid, k)
             rows.append(Row(e, o, k))
         self.dispatch.release(res.worker_id, stray, out)
-        seqs = [r.entry.out.context() + list(r.output.token_ids[r.streamed:]) for r in rows]
-        out.decode.append(ResultJob(res, rows, seqs, [not r.entry.gen.skip_special_tokens for r in rows]))
+        wins = [r.entry.out.detok.window(r.entry.out.context() + list(r.output.token_ids[r.streamed:]))
+                for r in rows]
+        keep = [not r.entry.gen.skip_special_tokens for r in rows]
+        out.decode.append(ResultJob(res, rows, [w[0] for w in wins] + [w[1] for w in wins], keep + keep,
+                                    [w[2] for w in wins]))
 
     def _batch(self, wid: str, bid: int) -> Batch | None:
         batch = self.sched.batches.get(bid)
@@ -154,7 +160,9 @@ class Results:
         if res.batch_id not in self.sched.batches:
             return  # its worker was declared dead meanwhile: requests already re-queued
         try:
-            self._apply_rows(res, job.rows, texts, now, out)
+            k = len(job.rows)
+            pairs = [(snap, texts[i], texts[k + i]) for i, snap in enumerate(job.snaps)]
+            self._apply_rows(res, job.rows, pairs, now, out)
         except Exception:
             # A bug here must not leave requests hanging: log it with the ids, fail the
             # batch (its requests are re-queued, up to scheduler.max_failures).
@@ -185,7 +193,8 @@ class Results:
             self.sched.kv_evicted(res.worker_id, res.kv_evicted)
             self.engines.kv_evicted += len(res.kv_evicted)
 
-    def _apply_rows(self, res: P.Result, rows: list[Row], texts: list[str], now: float,
+    def _apply_rows(self, res: P.Result, rows: list[Row],
+                    texts: list[tuple[tuple[int, int, int, int], str, str]], now: float,
                     out: Effects) -> None:
         outcomes: list[RowOutcome] = []
         deltas: list[tuple[Entry, list[int], str]] = []
@@ -199,7 +208,7 @@ class Results:
             _started(e, res.stats.queue_wait_s, now)
             tail = e.out.apply_slice(k, o)
             final = o.finish_reason is not None
-            new_text = e.out.detok.apply(full, final=final)
+            new_text = e.out.detok.apply_window(*full, final=final)
             reason = "stop" if e.out.detok.stopped else o.finish_reason
             kv = o.kv_tokens
             if kv and reason is not None:

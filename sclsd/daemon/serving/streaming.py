@@ -35,11 +35,15 @@ __all__ = ["Streaming", "TokensJob"]
 
 @dataclass(eq=False, slots=True)
 class TokensJob:
-    """Streamed chunks to detokenize: ``seqs[i]`` is ``chunks[i]``'s request's output so far."""
+    """Streamed chunks to detokenize: for ``k`` chunks, ``seqs[i]`` is the window of
+    ``chunks[i]``'s request's output to decode and ``seqs[k + i]`` its left context alone
+    (:meth:`~sclsd.tokenizer.Detokenizer.window`, offsets in ``snaps[i]``): the cost of a
+    message does not grow with the output."""
 
     chunks: list[tuple[Entry, Chunk]]
     seqs: list[list[int]]
     keep_special: list[bool]
+    snaps: list[tuple[int, int, int, int]]
 
 
 class Streaming:
@@ -78,17 +82,20 @@ class Streaming:
                 continue  # its client hears the whole output at the end: the result brings it
             chunks.append((e, e.out.stream(list(ids), row.logprobs, row.finish_reason)))
         if chunks:
-            out.decode.append(TokensJob(chunks, [e.out.context() for e, _ in chunks],
-                                        [not e.gen.skip_special_tokens for e, _ in chunks]))
+            wins = [e.out.detok.window(e.out.context()) for e, _ in chunks]
+            keep = [not e.gen.skip_special_tokens for e, _ in chunks]
+            out.decode.append(TokensJob(chunks, [w[0] for w in wins] + [w[1] for w in wins], keep + keep,
+                                        [w[2] for w in wins]))
 
     def apply(self, job: TokensJob, texts: list[str] | None, out: Effects) -> None:
         """The chunks were detokenized (``texts`` None: that failed; their text follows with
         the next): each lands in its output and goes to its client."""
+        k = len(job.chunks)
         for i, (e, chunk) in enumerate(job.chunks):
             if not self.table.holds(e):
                 continue
             e.out.land(chunk)
-            text = e.out.detok.apply(texts[i]) if texts is not None else ""
+            text = e.out.detok.apply_window(job.snaps[i], texts[i], texts[k + i]) if texts is not None else ""
             self.replies.delta(e, chunk.ids, text, out)
 
     def settle(self, rids: Iterable[str] | None, now: float, out: Effects) -> None:

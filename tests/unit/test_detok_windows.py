@@ -1,0 +1,70 @@
+"""Incremental detokenizing by windows: the text comes out as the whole output decodes, at
+a cost per call that does not grow with the output (each call decodes a few tokens)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sclsd.tokenizer import Detokenizer, load
+
+TEXT = ("Le café coûtait 3,50 € — très cher! 東京は大きい都市です。 Emoji 👍🏽 and ✓ done.\n"
+        "  Indented   spaces, tabs\tand a URL https://example.org/a?b=c.\n") * 6
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m-instruct", "tiny-random"])
+def tok(request):  # noqa: ANN001, ANN201 - a fixture
+    return load(request.param)
+
+
+def _feed(d: Detokenizer, tok, ids: list[int], sizes: list[int]) -> tuple[list[str], int]:  # noqa: ANN001
+    """Feed ``ids`` in chunks of ``sizes`` as the daemon does; the texts and the longest window."""
+    out, i, longest = [], 0, 0
+    for n in sizes:
+        i = min(len(ids), i + n)
+        win, pre, snap = d.window(ids[:i])
+        longest = max(longest, len(win))
+        out.append(d.apply_window(snap, tok.decode(win), tok.decode(pre), final=i == len(ids)))
+        if i == len(ids):
+            break
+    return out, longest
+
+
+def test_windows_give_the_whole_outputs_text(tok) -> None:  # noqa: ANN001
+    ids = tok.encode(TEXT)
+    rng = random.Random(3)
+    for _ in range(5):
+        sizes = [rng.choice((1, 1, 2, 3, 7)) for _ in range(len(ids))]
+        d = Detokenizer()
+        parts, longest = _feed(d, tok, ids, sizes)
+        assert "".join(parts) == d.text == tok.decode(ids)
+        assert all("\ufffd" not in p for p in parts)
+        assert longest <= 32  # a window is a few chunks, never the output so far
+
+
+def test_a_long_output_costs_the_same_per_call(tok) -> None:  # noqa: ANN001
+    ids = tok.encode(TEXT * 5)  # thousands of tokens
+    d = Detokenizer()
+    parts, longest = _feed(d, tok, ids, [2] * len(ids))
+    assert "".join(parts) == tok.decode(ids)
+    assert len(ids) > 2000 and longest <= 32
+
+
+def test_stop_strings_across_windows(tok) -> None:  # noqa: ANN001
+    ids = tok.encode("answer: 42 is it.\n\nmore text after the stop")
+    for size in (1, 2, 5):
+        d = Detokenizer(stop=["\n\n"])
+        parts, _ = _feed(d, tok, ids, [size] * len(ids))
+        assert d.stopped and d.text == "answer: 42 is it." == "".join(parts)
+
+
+def test_windows_in_flight_together_come_out_once(tok) -> None:  # noqa: ANN001
+    # Two windows made before either is applied (two messages on their way to the pool).
+    ids = tok.encode("first part, then the second part, then a third.")
+    d = Detokenizer()
+    a = d.window(ids[:5])
+    b = d.window(ids[:11])
+    c = d.window(ids)
+    texts = [d.apply_window(s, tok.decode(w), tok.decode(p), final=s is c[2]) for w, p, s in (a, b, c)]
+    assert "".join(texts) == tok.decode(ids) == d.text

@@ -94,6 +94,18 @@ class SnapshotGauges:
                 "recent batches", err.mean_abs_error_s or 0.0)
         yield g("sclsd:estimator_error_seconds", "Mean (measured - estimated) batch time over "
                 "recent batches", err.mean_error_s or 0.0)
+        c = st.counters
+        # vLLM's names for what operators alert on: preemptions and prefix-cache hits (here:
+        # prompt and context tokens taken from KV a worker kept, instead of prefilled).
+        for name, doc, value in (
+                ("sclsd:num_preemptions", "Requests the engines preempted to make room", c.get("preemptions", 0)),
+                ("sclsd:prefix_cache_queries", "Context tokens of slices started (prefilled or taken "
+                 "from kept KV)", c.get("prefill_tokens", 0) + c.get("reused_tokens", 0)),
+                ("sclsd:prefix_cache_hits", "Context tokens taken from KV a worker kept",
+                 c.get("reused_tokens", 0))):
+            fam = self.f.counter(name, doc)
+            self.f.add(fam, [], value)
+            yield fam
         events = self.f.counter("sclsd:scheduler_events", "Scheduler counters (status counters)",
                                 ["event"])
         for k, v in sorted(st.counters.items()):

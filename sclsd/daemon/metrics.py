@@ -33,7 +33,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, get_args
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
@@ -78,10 +78,11 @@ class _Hist:
         self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
+    def observe(self, value: float, count: int = 1) -> None:
+        """``count`` observations of ``value``."""
         # Prometheus buckets are "less than or equal": the first bound >= value.
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
+        self.counts[bisect_left(self.bounds, value)] += count
+        self.sum += value * count
 
     def family(self, model: str) -> HistogramMetricFamily:
         cum = 0
@@ -187,6 +188,7 @@ class Metrics:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, RSS, open fds
         self.refused_total = 0
         self.success = _Counter("sclsd:request_success", "Completed requests by finish reason (stop, "
                                 "length)", "finished_reason", preset=_COMPLETED)
@@ -211,6 +213,13 @@ class Metrics:
         self.gap = _Hist("sclsd:request_max_inter_token_gap_seconds", "Longest wait between two "
                          "consecutive deltas of a completed request (a stream's longest freeze)",
                          _GAP_BUCKETS)
+        self.itl = _Hist("sclsd:inter_token_latency_seconds", "Time between two consecutive output "
+                         "tokens reaching the daemon, per token (tokens that arrive together share "
+                         "their wait)", _TPOT_BUCKETS)
+        self.prefill_time = _Hist("sclsd:request_prefill_time_seconds", "Start of the first slice on a "
+                                  "worker to the first token, per completed request", _LATENCY_BUCKETS)
+        self.decode_time = _Hist("sclsd:request_decode_time_seconds", "First token to the last, per "
+                                 "completed request", _LATENCY_BUCKETS)
         self.e2e = _Hist("sclsd:e2e_request_latency_seconds", "Acceptance to the end, per completed "
                          "request", _LATENCY_BUCKETS)
         self.queue = _Hist("sclsd:request_queue_time_seconds", "Acceptance to the start of the first "
@@ -227,7 +236,8 @@ class Metrics:
                                 _LATENCY_BUCKETS)
         self.registry.register(_Events([
             self.success, self.cancelled, self.failed, self.refusals, self.prompt_tokens,
-            self.gen_tokens, self.batches, self.worker_losses, self.ttft, self.tpot, self.gap, self.e2e, self.queue, self.req_prompt,
+            self.gen_tokens, self.batches, self.worker_losses, self.ttft, self.tpot, self.itl, self.gap,
+            self.prefill_time, self.decode_time, self.e2e, self.queue, self.req_prompt,
             self.req_gen, self.slices, self.batch_size, self.batch_time], model_name))
 
     def watch(self, snapshot: Callable[[], StatusSnapshot]) -> None:
@@ -259,6 +269,8 @@ class Metrics:
             self.queue.observe(t.queued_s)
         if t.ttft_s is not None:
             self.ttft.observe(t.ttft_s)
+        for gap, n in e.token_gaps:
+            self.itl.observe(gap / max(1, n), max(1, n))
         if e.reason in _CANCELLED:
             self.cancelled.inc(1, e.reason)
             return
@@ -270,6 +282,9 @@ class Metrics:
         self.req_gen.observe(e.completion_tokens)
         self.e2e.observe(t.e2e_s)
         self.slices.observe(t.slices)
+        if t.ttft_s is not None:
+            self.prefill_time.observe(max(0.0, t.ttft_s - t.queued_s) if e.started else t.ttft_s)
+            self.decode_time.observe(max(0.0, t.e2e_s - t.ttft_s))
         if t.ttft_s is not None and e.completion_tokens > 1:
             self.tpot.observe((t.e2e_s - t.ttft_s) / (e.completion_tokens - 1))
         if t.max_gap_s is not None:

@@ -38,6 +38,9 @@ class Ended:
     """A worker started it (``timings.queued_s`` is its time until then)."""
     code: str | None = None
     """The error code, when it ended with ``error`` (shutdown, no_workers, internal, ...)."""
+    token_gaps: tuple[tuple[float, int], ...] = ()
+    """(seconds since the previous arrival of its tokens, tokens that arrived), each arrival
+    after the first: the inter-token latencies."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,4 +108,5 @@ class Replies:
              code: str | None = None) -> None:
         self.table.remove(e)
         out.ended.append(Ended(e.rid, reason, len(e.prompt_ids), len(e.out.ids), t,
-                               started=e.started_at is not None, code=code))
+                               started=e.started_at is not None, code=code,
+                               token_gaps=tuple(e.token_gaps)))

@@ -216,7 +216,7 @@ class Results:
                 kv = 0
             outcomes.append(RowOutcome(o.rid, k + len(tail), reason, kv_tokens=kv))
             if tail:
-                e.tokens_at(now)  # what the worker did not stream reaches the client now
+                e.tokens_at(now, len(tail))  # what the worker did not stream reaches the client now
             deltas.append((e, tail, new_text))
         stats = res.stats
         self.dispatch.settled(res.batch_id)

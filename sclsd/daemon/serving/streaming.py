@@ -77,7 +77,7 @@ class Streaming:
                 continue
             if req.first_token is None:
                 req.first_token = now
-            e.tokens_at(now)
+            e.tokens_at(now, len(ids))
             if not e.streams:
                 continue  # its client hears the whole output at the end: the result brings it
             chunks.append((e, e.out.stream(list(ids), row.logprobs, row.finish_reason)))

@@ -17,7 +17,7 @@ same ``Request`` objects). The table also keeps the sums admission bounds
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ... import protocol as P
 from ...core.request import Request
@@ -51,13 +51,17 @@ class Entry:
     max_gap_s: float | None = None
     """Longest wait between two such arrivals, first token to last (None: fewer than two):
     what a streaming client sees between two deltas, a slice boundary's stall included."""
+    token_gaps: list[tuple[float, int]] = field(default_factory=list)
+    """Each arrival after the first: (seconds since the previous one, tokens it brought),
+    for the inter-token latency histogram."""
 
-    def tokens_at(self, now: float) -> None:
-        """New tokens for this request reached the daemon at ``now``."""
+    def tokens_at(self, now: float, n: int = 1) -> None:
+        """``n`` new tokens for this request reached the daemon at ``now``."""
         if self.last_token_at is not None:
             gap = now - self.last_token_at
             if self.max_gap_s is None or gap > self.max_gap_s:
                 self.max_gap_s = gap
+            self.token_gaps.append((gap, n))
         self.last_token_at = now
 
     @property

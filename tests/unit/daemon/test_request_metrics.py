@@ -30,14 +30,17 @@ def test_every_series_carries_the_served_model_name(daemon) -> None:
         names = {n for n, _ in samples}
         assert {"sclsd:request_success_total", "sclsd:e2e_request_latency_seconds_bucket",
                 "sclsd:num_requests_waiting", "sclsd:worker_load_seconds"} <= names
-        assert {dict(ls).get("model_name") for _, ls in samples} == {"served-name"}
+        # Every series but the process's own (process_*: CPU, memory, descriptors).
+        assert {dict(ls).get("model_name") for n, ls in samples if not n.startswith("process_")} == {
+            "served-name"}
 
     daemon(body, http={"model_name": "served-name"})
 
 
 def test_the_model_name_defaults_to_the_daemons_model(daemon) -> None:
     async def body(h: Harness) -> None:
-        assert {dict(ls).get("model_name") for _, ls in scrape(h.server)} == {"fake"}
+        assert {dict(ls).get("model_name") for n, ls in scrape(h.server)
+                if not n.startswith("process_")} == {"fake"}
 
     daemon(body)
 
@@ -182,5 +185,28 @@ def test_a_single_token_has_no_gap(daemon) -> None:
         (done,) = conn.terminal("one")
         assert done.timings.max_gap_s is None
         assert value(scrape(h.server), "sclsd:request_max_inter_token_gap_seconds_count") == 0
+
+    daemon(body)
+
+
+def test_the_series_an_operator_of_vllm_expects(daemon) -> None:
+    async def body(h: Harness) -> None:
+        h.worker("w0")
+        await h.registered("w0")
+        conn = RecConn()
+        await h.submit(conn, id="s", prompt_ids=[5, 6, 7], max_tokens=20, stream=True, ignore_eos=True)
+        await h.finished(conn, "s")
+        h.lose("w0", "test", "stalled")
+        s = scrape(h.server)
+        done = conn.terminal("s")[0]
+        # One observation per token after the first, however the tokens were grouped.
+        assert value(s, "sclsd:inter_token_latency_seconds_count") == done.usage.completion_tokens - 1
+        assert value(s, "sclsd:request_prefill_time_seconds_count") == 1
+        assert value(s, "sclsd:request_decode_time_seconds_count") == 1
+        assert value(s, "sclsd:worker_restarts_total", reason="stalled") == 1
+        assert value(s, "sclsd:worker_restarts_total", reason="exited") == 0  # preset at 0
+        assert ("sclsd:num_preemptions_total", frozenset({("model_name", "fake")})) in s
+        assert value(s, "sclsd:prefix_cache_queries_total") >= 3  # the prompt's context tokens
+        assert any(n == "process_cpu_seconds_total" for n, _ in s)
 
     daemon(body)

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
 
+from sclsd.bench.streams import saturated
 from sclsd.client import AsyncClient
 
 from .harness import start_daemon
@@ -28,16 +27,9 @@ PROMPTS = ["The capital of France is", "One, two, three,", "Hello", "Once upon a
 
 @pytest.fixture
 def busy_cores() -> Iterator[None]:
-    """Two spinning processes per core for the test's length (each ends by itself within
-    10 minutes should the test die without its teardown)."""
-    spin = "import time\nend = time.monotonic() + 600\nwhile time.monotonic() < end: pass\n"
-    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2 * (os.cpu_count() or 2))]
-    try:
+    """Two spinning processes per core for the test's length."""
+    with saturated(2 * (os.cpu_count() or 2)):
         yield
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
 
 
 def test_no_worker_is_killed_on_a_saturated_machine_with_a_slow_first_register(tmp_path, busy_cores) -> None:

@@ -218,6 +218,9 @@ def render(rows_in: Iterable[dict[str, Any]]) -> str:
         out.append(f"Model `{plan.get('model')}` in {plan.get('dtype')} on {plan.get('device')}; trace "
                    f"{plan.get('trace_kind')} ({plan.get('trace')}); deadline {plan.get('deadline_s')} s; "
                    f"stages {', '.join(plan.get('stages', []))}.")
+    if plan and not plan.get("smoke") and "llama2-7b" not in str(plan.get("model")):
+        out.append(f"The targets are set for the 7B architecture (`random:llama2-7b`); this run served "
+                   f"`{plan.get('model')}` (give `--model random:llama2-7b` to judge them).")
     out += ["", "| target | measured | verdict |", "|---|---|---|"]
     for v in verdicts(rows):
         out.append(f"| {v.target} | {v.measured} | {v.verdict} |")

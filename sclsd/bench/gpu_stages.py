@@ -129,7 +129,8 @@ def cmd_setup(args: argparse.Namespace) -> int:
                 else:
                     failed.append(found[0].name)
         row.update(wheels=len(wheels), extra=extra, failed=failed)
-        paths.append(str(site.resolve()))
+        if site.is_dir():
+            paths.append(str(site.resolve()))
     if importlib.util.find_spec("scipy") is None:
         shim = work / "shim" / "scipy"
         shim.mkdir(parents=True, exist_ok=True)

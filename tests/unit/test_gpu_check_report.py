@@ -131,5 +131,6 @@ def test_summary_lists_every_target_and_the_stages() -> None:
     assert sum(1 for k in verdicts if k.startswith("profile RMSE")) == 3
     assert "NVIDIA H100 80GB HBM3" in text and "`random:llama2-7b` in float16" in text
     assert "| live-ils | timed out |" in text and "| generate | skipped |" in text and "needs 70 s" in text
-    assert "Smoke run" not in text
+    assert "Smoke run" not in text and "targets are set for the 7B" not in text
+    assert "targets are set for the 7B" in R.render([{"stage": "plan", "model": "random:llama2-13b"}])
     assert "Smoke run" in R.render([{"stage": "plan", "smoke": True}])

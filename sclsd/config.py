@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from . import defaults
+from . import defaults, grammar_config
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -138,7 +138,6 @@ class SchedulerConfig:
         if profile_gamma_s is not None:
             return profile_gamma_s
         from .core.policy import DEFAULT_GAMMA
-
         return DEFAULT_GAMMA
 
 
@@ -189,6 +188,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    grammar: grammar_config.GrammarConfig = field(default_factory=grammar_config.GrammarConfig)
     source: str = "<defaults>"
 
     @property
@@ -201,7 +201,7 @@ class Config:
 
 
 _SECTIONS: dict[str, type] = {"daemon": DaemonConfig, "model": ModelConfig, "scheduler": SchedulerConfig,
-                               "workers": WorkersConfig, "http": HttpConfig}
+                               "workers": WorkersConfig, "http": HttpConfig, "grammar": grammar_config.GrammarConfig}
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 #: ``scheduler.memory`` values: the KV-cache model or a profiled rule table.
 MEMORY_MODELS = ("kv", "rules")
@@ -461,7 +461,6 @@ def _check_workers(w: WorkersConfig, cfg: Config) -> None:
         need(engine == "hf-cb", "workers.options.sampling", v,
              f"only the hf-cb engine takes it (the workers run {engine})")
     from .engine_options import check_options
-
     # Which engine takes an option matters only for the workers the daemon spawns.
     bad = check_options(engine if w.spawn else None, w.options)
     if bad is not None:
@@ -525,6 +524,7 @@ def _check(cfg: Config) -> None:
     _check_model(cfg.model)
     _check_scheduler(cfg.scheduler)
     _check_workers(cfg.workers, cfg)
+    grammar_config.check(cfg.grammar, _need)
 
 
 def parse_host_port(text: str) -> tuple[str, int]:

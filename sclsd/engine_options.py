@@ -48,6 +48,7 @@ OPTIONS: dict[str, Option] = {
     "max_natural": Option(("fake",), "int", lo=1, help="longest natural output before EOS"),
     "kv_bytes_per_token": Option(("fake",), "int", lo=1, help="Δ it reports"),
     "batching": Option(("fake",), "choice", choices=("static", "continuous"), help="the batching it reports"),
+    "grammar": Option(("fake",), "bool", help="enforce structured-output grammars (needs llguidance)"),
     # KV kept across slices
     "kv_reuse": Option(("hf", "deepspeed", "fake"), "bool", help="keep unfinished requests' KV across slices"),
     "kv_retain_bytes": Option(("hf", "deepspeed", "fake"), "int", lo=0, help="most bytes of kept KV"),

@@ -2,6 +2,11 @@
 turned into llguidance's grammar text (what batch rows carry to the workers, which enforce
 it as a token mask: :mod:`worker.engines.grammar`), and checked at admission.
 
+This runs in the grammar children only (:mod:`sclsd.daemon.grammar` starts them with
+:func:`child_main`), never in the daemon's own process: a hostile grammar can crash
+llguidance (a ``$ref`` chain a thousand deep overflows its stack) or make it allocate
+without bound (an ``allOf`` of patterns), and there that costs the request, not the daemon.
+
 JSON comes out compact (no free whitespace between tokens, ``", "`` and ``": "`` as
 separators): a model left free to add whitespace may spend its whole budget on it.
 """
@@ -10,14 +15,23 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import resource
+import signal
+from collections.abc import Mapping
+from multiprocessing.connection import Connection
 from typing import Any
+
+import msgspec
 
 from .protocol import Structured
 
-__all__ = ["check", "grammar_text"]
+__all__ = ["CHILD_MAX_REPLY", "check", "child_main", "compile_grammar", "grammar_text"]
 
 #: llguidance's JSON layout settings added to every JSON schema (unless it sets its own).
 COMPACT = {"whitespace_flexible": False}
+#: Largest reply a grammar child sends (a grammar text); the daemon reads no more.
+CHILD_MAX_REPLY = 64 * 1024**2
 
 
 def _schema(s: Structured) -> dict[str, Any] | bool:
@@ -47,14 +61,79 @@ def grammar_text(s: Structured) -> str:
     return _grammar(s.kind, s.value)
 
 
-def check(s: Structured) -> str | None:
-    """Why ``s`` cannot be enforced (a schema that is not JSON, a regex or grammar that does
-    not parse, a construct llguidance does not support), or None."""
+def compile_grammar(s: Structured, limits: Mapping[str, int] | None = None) -> tuple[str | None, str | None]:
+    """(grammar text, None) for ``s``, or (None, why it cannot be enforced: a schema that is
+    not JSON, a regex or grammar that does not parse, a construct llguidance does not
+    support, a limit of ``limits`` (``LLParserLimits`` keywords) passed)."""
     import llguidance
 
     try:
         text = grammar_text(s)
-    except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
-        return f"{s.kind}: {exc}"
-    err = llguidance.LLMatcher.validate_grammar(text, None)
-    return f"{s.kind}: {err.strip().splitlines()[0] if err.strip() else 'invalid'}" if err else None
+    except (ValueError, TypeError, RecursionError) as exc:  # json.JSONDecodeError is a ValueError
+        return None, f"{s.kind}: {exc}"
+    lim = llguidance.LLParserLimits(**limits) if limits else None  # type: ignore[arg-type]  # all ints
+    err = llguidance.LLMatcher.validate_grammar(text, None, limits=lim)
+    if err:
+        return None, f"{s.kind}: {err.strip().splitlines()[0] if err.strip() else 'invalid'}"
+    return text, None
+
+
+def check(s: Structured, limits: Mapping[str, int] | None = None) -> str | None:
+    """Why ``s`` cannot be enforced (:func:`compile_grammar`), or None."""
+    return compile_grammar(s, limits)[1]
+
+
+# ---------------------------------------------------------------------- the grammar child
+
+_JOB = msgspec.msgpack.Decoder(tuple[str, str])
+_ENC = msgspec.msgpack.Encoder()
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when the daemon's thread that started it ends (Linux)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # elsewhere: the closed socket ends it once it is idle
+
+
+def _vm_size() -> int:
+    """This process's address space in bytes (0 if unknown)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def child_main(fd: int, memory_bytes: int, limits: Mapping[str, int]) -> None:
+    """A grammar child: answers jobs ``(kind, value)`` from the daemon on the socket ``fd``
+    with ``("ok", grammar text)`` or ``("refused", why)``, one at a time, until the daemon
+    closes it. Its address space may grow by ``memory_bytes`` beyond what it holds once
+    llguidance is loaded (``RLIMIT_AS``): past that an allocation fails and llguidance
+    aborts the child, which the daemon reports as that limit."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is for the daemon
+    import llguidance  # noqa: F401 - loaded before the cap, which is on the work beyond it
+
+    conn = Connection(fd)
+    cap = _vm_size() + memory_bytes
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    conn.send_bytes(_ENC.encode(("ready", "")))
+    while True:
+        try:
+            kind, value = _JOB.decode(conn.recv_bytes())
+        except (EOFError, OSError):
+            return
+        try:
+            text, why = compile_grammar(Structured(kind=kind, value=value), limits)  # type: ignore[arg-type]
+            reply = ("ok", text) if text is not None else ("refused", why or "invalid")
+        except MemoryError:
+            reply = ("refused", f"the grammar did not compile within grammar.memory_bytes = {memory_bytes}")
+        except Exception as exc:  # noqa: BLE001 - anything else is this grammar's fault
+            reply = ("refused", f"{kind}: {type(exc).__name__}: {exc}")
+        conn.send_bytes(_ENC.encode(reply))
+

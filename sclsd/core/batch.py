@@ -48,6 +48,9 @@ class RowOutcome:
     """``stop`` or ``length`` when the request is done; None when the slice ended first."""
     kv_tokens: int = 0
     """Tokens of this row's context whose KV the worker keeps after the slice (0: none)."""
+    failed: bool = False
+    """The engine could not serve this row (its grammar could not be built): the request
+    ends as failed, never retried, and the worker is not at fault."""
 
 
 @dataclass(slots=True)

@@ -235,9 +235,14 @@ class SchedulerMechanism(Generic[StatsT]):
 
     def _apply_row(self, r: Request, row: RowOutcome, batch: Batch, ws: WorkerState | None,
                    now: float, done: list[Request]) -> bool:
-        """One row of a served batch; True when it finished the request."""
+        """One row of a served batch; True when it finished the request (or failed it: the
+        engine could not serve the row, which no other worker would do better)."""
         r.slices += 1
         self._stats.slices += 1
+        if row.failed:
+            r.kv_worker, r.kv_tokens = None, 0
+            done.append(self._finish(r, now, "error", State.FAILED))
+            return True
         if row.new_tokens:
             r.num_generated += row.new_tokens
             if r.first_token is None:

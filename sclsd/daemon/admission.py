@@ -36,8 +36,8 @@ from .. import protocol as P
 from ..config import Config
 from ..defaults import ENGINE_FEATURES
 from ..engine_options import OPTIONS
-from ..structured import check as check_structured
 from ..tokenizer import Tokenizer
+from .grammar import GrammarChecks, GrammarUnavailable
 from .metrics import Metrics
 from .serving.core import ServingCore
 from .serving.effects import Effects
@@ -92,6 +92,8 @@ class Admission:
         #: Requests between frame and admission: counted against the bounds so a flood
         #: of text prompts cannot queue unbounded tokenizer work.
         self.admitting = 0
+        #: Grammars are compiled in child processes, never here (:mod:`.grammar`).
+        self.grammars = GrammarChecks(cfg.grammar)
 
     def refuse(self, conn: Conn, code: P.ErrorCode, message: str, rid: str | None,
                reason: str | None = None) -> Effects:
@@ -210,11 +212,17 @@ class Admission:
             return self.refuse(conn, "bad_request", why, g.id, "sampling")
         if (feature := self._feature_refusal(g)) is not None:
             return self.refuse(conn, "bad_request", feature[1], g.id, feature[0])
+        grammar: str | None = None
         if g.structured is not None:
-            # Compiling a grammar is blocking work (milliseconds; more for a hostile schema).
-            why = await asyncio.get_running_loop().run_in_executor(self.pool, check_structured, g.structured)
+            # In a child process, within [grammar]'s limits: a hostile grammar costs only this request.
+            try:
+                grammar, why = await self.grammars.compile(g.structured)
+            except GrammarUnavailable as exc:
+                return self.refuse(conn, "internal", f"structured output: {exc}", g.id, "structured")
             if why is not None:
                 return self.refuse(conn, "bad_request", f"structured output: {why}", g.id, "structured")
+            if conn.closed:
+                return Effects()
         if g.messages is not None and not has_chat_template(self.tok):
             return self.refuse(conn, "bad_request", "messages: the model's tokenizer has no chat "
                                "template; send a prompt instead", g.id, "chat_template")
@@ -253,7 +261,13 @@ class Admission:
             return Effects()  # the client went away while we checked: nobody to serve
         if g.id is None:  # the id it hears in every event of the request (refusals say None)
             g = msgspec.structs.replace(g, id=client_id)
-        return self.core.submit(conn, uid, g, daemon_id(conn, client_id), list(ids), self.clock())
+        rid = daemon_id(conn, client_id)
+        out = self.core.submit(conn, uid, g, rid, list(ids), self.clock())
+        entry = self.live.get(rid)
+        if entry is not None and entry.gen is g:
+            # Before anything can dispatch it (no await since submit): its batches carry this.
+            entry.grammar = grammar
+        return out
 
     async def _tokenize(self, g: P.Generate) -> list[int]:
         """Blocking work: in the thread pool, at most ``daemon.max_tokenizing`` at once."""

@@ -98,6 +98,18 @@ class Heartbeat(_Msg, tag="heartbeat"):
     batch) while the worker held a batch; 0 when it holds none."""
 
 
+class GrammarLimits(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """llguidance's limits for building a row's grammar matcher (the daemon's ``[grammar]``
+    keys of the same names; llguidance's own defaults here)."""
+
+    max_grammar_size: PosInt = 500_000
+    max_items_in_row: PosInt = 2000
+    initial_lexer_fuel: PosInt = 1_000_000
+    step_lexer_fuel: PosInt = 200_000
+    step_max_items: PosInt = 50_000
+    max_lexer_states: PosInt = 250_000
+
+
 class BatchRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """One request inside a batch: its whole context so far, by token ids."""
 
@@ -133,6 +145,8 @@ class BatchRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     grammar: str | None = None
     """llguidance grammar text the row's tokens must follow (structured output); the engine
     replays the row's ``generated`` tail through it at the start of each slice."""
+    grammar_limits: GrammarLimits | None = None
+    """With ``grammar``: the limits its matcher is built within (None: llguidance's defaults)."""
 
 
 class BatchMsg(_Msg, tag="batch"):
@@ -160,6 +174,10 @@ class RequestOutput(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     reused_tokens: NonNegInt = 0
     """In a :class:`Result`: tokens of this row's context whose KV the engine took from what
     it kept, instead of computing them (the daemon's ``usage.cached_tokens``)."""
+    error: str | None = None
+    """The engine could not serve this row (its grammar could not be built within its
+    limits, or failed): the request ends with this error and is never retried; the rest of
+    the batch is served. ``token_ids`` is then empty."""
 
 
 class BatchStats(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

@@ -17,6 +17,11 @@ from a ``take`` function and each one's outcome goes to ``done``. A static engin
 them one at a time (the default :meth:`Engine.run`, over :meth:`Engine.serve`); a
 continuous engine (``caps.batching == "continuous"``) overrides :meth:`Engine.run` to
 admit new batches while earlier ones still generate.
+
+A row the engine cannot serve fails alone: its grammar matcher cannot be built
+(:class:`~worker.engines.grammar.GrammarError`) and the row's output carries the error
+(``RequestOutput.error``) while the others are served; the daemon ends that request and
+retries it nowhere (:meth:`Engine.serve_rows` for static engines).
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from sclsd.protocol import BatchMsg, BatchStats, EngineCaps, RequestOutput
+from worker.engines.grammar import GrammarError, row_error
 
 log = logging.getLogger("worker")
 
@@ -123,12 +131,29 @@ class Engine(ABC):
                 def emit(outputs: list[RequestOutput], bid: int = batch.batch_id) -> None:
                     stream(bid, outputs)
             try:
-                outputs, stats = self.serve(batch, emit)
+                outputs, stats = self.serve_rows(batch, emit)
             except Exception as exc:  # the worker outlives a failing batch
                 log.exception("batch=%d failed", batch.batch_id)
                 done(batch, None, None, f"{type(exc).__name__}: {exc}")
                 continue
             done(batch, outputs, stats, None)
+
+    def serve_rows(self, batch: BatchMsg, emit: Emit | None = None) -> tuple[list[RequestOutput], BatchStats]:
+        """:meth:`serve`, failing rows alone: a row whose grammar cannot be built
+        (:class:`~worker.engines.grammar.GrammarError`, raised before any token) is left out
+        and answered with its error (``RequestOutput.error``), and the rest is served."""
+        failed: list[RequestOutput] = []
+        while True:
+            try:
+                outputs, stats = self.serve(batch, emit)
+            except GrammarError as exc:
+                if not any(r.rid == exc.rid for r in batch.requests):
+                    raise
+                log.warning("batch=%d: %s; the rest of the batch is served", batch.batch_id, exc)
+                failed.append(row_error(exc))
+                batch = msgspec.structs.replace(batch, requests=[r for r in batch.requests if r.rid != exc.rid])
+                continue
+            return outputs + failed, stats
 
     def profile(self) -> dict[str, Any] | None:
         """An estimator profile (``sclsd.core.profiles.Profile.to_dict()``) this engine knows

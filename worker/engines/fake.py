@@ -10,7 +10,11 @@ prefill and ``decode_s`` per iteration, and reports the KV memory the batch
 would take, ``(L + iterations) · N · Δ``, as its peak memory. Rows that ask for
 log-probabilities get made-up, stable ones; penalties and min-p do not change its tokens.
 ``min_tokens`` holds EOS and the stop tokens back until that many tokens; of ``logit_bias``
-only the extremes act (+100 forces a token, -100 bans it).
+only the extremes act (+100 forces a token, -100 bans it). With ``grammar`` (an engine
+option; it needs llguidance) it enforces rows' grammars as the torch engines do: each
+token is the first the row's matcher allows from the one it would have taken (token
+``i`` stands for the byte ``i % 256``, as the fake model's tokenizer reads it), and a
+row whose grammar cannot be built fails alone (:mod:`worker.engines.grammar`).
 
 Like ``hf`` it hands each iteration's tokens to ``emit`` as they come (after that
 iteration's sleep, so time to first token is measurable) and, with ``kv_reuse``
@@ -28,8 +32,10 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from sclsd.protocol import BatchMsg, BatchStats, EngineCaps, RequestOutput
+from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, EngineCaps, RequestOutput
 from worker.engines.base import Emit, Engine, EngineInfo, TokenCursor
+from worker.engines.grammar import byte_grammar_tokenizer, row_matcher
+from worker.engines.grammar import supported as grammar_supported
 from worker.engines.kvstore import KVReuse, KVStore, Retained
 from worker.engines.sampling import mix_seed, random_seed, synthetic_logprobs
 
@@ -83,6 +89,7 @@ class FakeEngine(Engine):
         kv_reuse: bool = True,
         kv_retain_bytes: int | None = None,
         batching: str = "static",
+        grammar: bool = False,
     ) -> None:
         if vocab <= FIRST_ORDINARY_ID:
             raise ValueError(f"vocab must exceed {FIRST_ORDINARY_ID}, got {vocab}")
@@ -99,6 +106,9 @@ class FakeEngine(Engine):
         #: What it tells the daemon: ``continuous`` lets it take slice grants (scls-cb), which
         #: it serves one batch at a time all the same.
         self.batching = batching
+        self.grammar = bool(grammar)
+        if self.grammar and not grammar_supported():
+            raise ValueError("grammar = true needs llguidance (pip install 'sclsd[worker]')")
         del threads  # accepted for CLI symmetry with the torch engines
         budget = self.mem_budget if kv_retain_bytes is None else int(kv_retain_bytes)
         self.kv = KVReuse(KVStore(budget), self.kv_bytes, self.mem_budget) if kv_reuse else None
@@ -113,7 +123,7 @@ class FakeEngine(Engine):
             mem_available=self.mem_budget,
             eos_token_ids=[EOS_ID],
             vocab_size=self.vocab,
-            caps=EngineCaps(batching=self.batching),  # type: ignore[arg-type]
+            caps=EngineCaps(batching=self.batching, grammar=self.grammar),  # type: ignore[arg-type]
         )
 
     def profile(self) -> dict[str, Any]:
@@ -145,15 +155,39 @@ class FakeEngine(Engine):
                 raise ValueError(f"request {r.rid!r}: generated exceeds its context")
 
         n = len(reqs)
+        # Before any KV is taken: a GrammarError fails that row alone (Engine.serve_rows).
+        matchers = self._matchers(reqs)
         used = self.kv.take(batch)[1] if self.kv is not None else [0] * n
         try:
-            return self._serve(batch, emit, used)
+            return self._serve(batch, emit, used, matchers)
         finally:
             if self.kv is not None:
                 self.kv.store.done(r.rid for r in reqs)
 
+    def _matchers(self, reqs: list[BatchRequest]) -> dict[int, Any]:
+        """Row index -> its grammar's matcher, for the rows with a grammar (none unless the
+        engine enforces grammars); GrammarError for a row whose grammar cannot be built."""
+        if not self.grammar:
+            return {}
+        tok = byte_grammar_tokenizer(self.vocab, EOS_ID, FIRST_ORDINARY_ID)
+        return {i: row_matcher(r, tok) for i, r in enumerate(reqs) if r.grammar}
+
+    def _allowed(self, m: Any, tok: int) -> int:
+        """``tok`` if the matcher ``m`` allows it, else the next ordinary id it allows, else EOS."""
+        if m.is_stopped():
+            return EOS_ID
+        bits = int.from_bytes(m.compute_bitmask(), "little")
+        if bits >> tok & 1:
+            return tok
+        span = self.vocab - FIRST_ORDINARY_ID
+        for k in range(1, span):
+            cand = FIRST_ORDINARY_ID + (tok - FIRST_ORDINARY_ID + k) % span
+            if bits >> cand & 1:
+                return cand
+        return EOS_ID
+
     def _serve(
-        self, batch: BatchMsg, emit: Emit | None, used: list[int]
+        self, batch: BatchMsg, emit: Emit | None, used: list[int], matchers: dict[int, Any]
     ) -> tuple[list[RequestOutput], BatchStats]:
         reqs = batch.requests
         n = len(reqs)
@@ -197,6 +231,10 @@ class FakeEngine(Engine):
                     tok = biased(tok, r.logit_bias, FIRST_ORDINARY_ID, self.vocab)
                     if g < r.min_tokens and tok in r.stop_token_ids:
                         tok = FIRST_ORDINARY_ID + (tok + 1 - FIRST_ORDINARY_ID) % span
+                m = matchers.get(i)
+                if m is not None:  # the grammar wins over the rest
+                    tok = self._allowed(m, tok)
+                    m.consume_token(tok)
                 outs[i].append(tok)
                 if r.logprobs or r.top_logprobs:  # made up, but stable: see synthetic_logprobs
                     lps[i].append(synthetic_logprobs(tok, r.top_logprobs, mix_seed(states[i] ^ 0x5EED, g),

@@ -15,6 +15,11 @@ llguidance (Rust, no other dependency) compiles a schema in milliseconds and com
 mask in microseconds per row; the host must know a row's last token before it can mask
 the next one, so batches with grammar rows read each step's tokens before queuing the
 next step.
+
+A row's matcher is built within the limits its row carries (``BatchRequest.grammar_limits``,
+the daemon's ``[grammar]``). A grammar that cannot be built (invalid, past a limit, or one
+that makes llguidance panic) raises :class:`GrammarError` naming the row: the engine fails
+that row alone (``RequestOutput.error``) and serves the rest of its batch.
 """
 
 from __future__ import annotations
@@ -24,11 +29,27 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from sclsd.protocol import BatchRequest
+import msgspec
+
+from sclsd.protocol import BatchRequest, RequestOutput
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BatchGrammar", "batch_grammar", "grammar_for", "grammar_tokenizer", "row_matcher", "supported"]
+__all__ = ["BatchGrammar", "GrammarError", "batch_grammar", "byte_grammar_tokenizer", "grammar_for",
+           "grammar_tokenizer", "row_error", "row_matcher", "supported"]
+
+
+class GrammarError(ValueError):
+    """Row ``rid``'s grammar matcher could not be built; the request fails, not the batch."""
+
+    def __init__(self, rid: str, message: str) -> None:
+        super().__init__(message)
+        self.rid = rid
+
+
+def row_error(exc: GrammarError) -> RequestOutput:
+    """The output that ends the row ``exc`` names with its error (no tokens)."""
+    return RequestOutput(rid=exc.rid, token_ids=[], error=str(exc))
 
 
 @functools.cache
@@ -71,19 +92,55 @@ def grammar_for(spec: Any, vocab: int, eos: Sequence[int]) -> Any:
 
 def row_matcher(r: BatchRequest, tokenizer: Any) -> Any:
     """A matcher for ``r``'s grammar in the state after the tokens ``r`` generated in earlier
-    slices (the ``generated`` tail of its context, replayed); ValueError if the grammar is
-    not valid or those tokens do not follow it."""
+    slices (the ``generated`` tail of its context, replayed), built within ``r``'s limits;
+    :class:`GrammarError` if the grammar is not valid, passes a limit, makes llguidance fail
+    in any way (a Rust panic included), or those tokens do not follow it."""
     import llguidance
 
     assert r.grammar is not None
-    m = llguidance.LLMatcher(tokenizer, r.grammar)
-    if m.is_error():
-        raise ValueError(f"request {r.rid!r}: its grammar is not valid: {m.get_error()}")
+    try:
+        lim = r.grammar_limits
+        limits = None if lim is None else llguidance.LLParserLimits(**msgspec.structs.asdict(lim))
+        m = llguidance.LLMatcher(tokenizer, r.grammar, limits=limits)
+        error = m.get_error() if m.is_error() else None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - pyo3's PanicException is a BaseException
+        error = f"{type(exc).__name__}: {exc}"
+    if error is not None:
+        raise GrammarError(r.rid, f"request {r.rid!r}: its grammar could not be built: {_first_line(error)}")
     tail = r.token_ids[len(r.token_ids) - r.generated:] if r.generated else []
     if tail and not m.consume_tokens(tail):
-        raise ValueError(f"request {r.rid!r}: its earlier tokens do not follow its grammar "
-                         f"({m.get_error()})")
+        raise GrammarError(r.rid, f"request {r.rid!r}: its earlier tokens do not follow its grammar "
+                                  f"({_first_line(m.get_error())})")
     return m
+
+
+def _first_line(text: str) -> str:
+    """An llguidance error's first line (a panic's backtrace follows it), at most 500 characters."""
+    return (text.strip().splitlines() or ["unknown error"])[0][:500]
+
+
+class _ByteVocab:
+    """The ``fake`` model's vocabulary for llguidance: id ``i`` is the byte ``i % 256``, ids
+    below ``first`` are special (EOS among them)."""
+
+    def __init__(self, vocab: int, eos: int, first: int) -> None:
+        self.eos_token_id = eos
+        self.bos_token_id = None
+        self.tokens = [b"<|special %d|>" % i if i < first else bytes([i % 256]) for i in range(vocab)]
+        self.special_token_ids = list(range(first))
+
+    def __call__(self, s: bytes | str) -> list[int]:
+        return list(s if isinstance(s, bytes) else s.encode())
+
+
+@functools.cache
+def byte_grammar_tokenizer(vocab: int, eos: int, first: int) -> Any:
+    """llguidance's tokenizer for the ``fake`` model's byte vocabulary (:class:`_ByteVocab`)."""
+    import llguidance
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocab(vocab, eos, first)), n_vocab=vocab)
 
 
 class BatchGrammar:

@@ -394,11 +394,13 @@ class HFEngine(Engine):
         lens = [len(r.token_ids) for r in reqs]
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
+        vocab = int(self.config.vocab_size)
+        # Before any KV is taken: a row whose grammar cannot be built (GrammarError) fails
+        # alone, and the batch is served again without it (Engine.serve_rows).
+        grammar = batch_grammar(reqs, self.spec, vocab, self.eos, dev)
         taken, used = self._take_kv(batch)
         try:
             run, taken, used = self._run_for(batch, taken, used)
-            vocab = int(self.config.vocab_size)
-            grammar = batch_grammar(reqs, self.spec, vocab, self.eos, dev)
             sampler = BatchSampler(reqs, [r.seed for r in rows], vocab, dev, steps=batch.slice_len,
                                    eos=self.eos, grammar=grammar)
             cursor = TokenCursor([r.rid for r in reqs], emit)

@@ -33,7 +33,6 @@ from ... import protocol as P
 from ...config import Config
 from ...core.batch import Batch
 from ...core.scheduler_api import SchedulerInterface
-from ...structured import grammar_text
 from .effects import Effects
 from .table import RequestTable
 
@@ -57,9 +56,12 @@ class DispatchBook:
         self.unacked: dict[int, tuple[str, float]] = {}
         #: batch id -> (worker, the latest time the worker showed progress on it)
         self.moved: dict[int, tuple[str, float]] = {}
+        #: What a grammar row's matcher is built within on the worker ([grammar]).
+        self.grammar_limits = P.GrammarLimits(**cfg.grammar.limits())
 
     def message(self, batch: Batch) -> P.BatchMsg:
-        """The wire form of a batch: each request's whole context by token ids."""
+        """The wire form of a batch: each request's whole context by token ids, and its grammar
+        as admission compiled it (``Entry.grammar``: never compiled here, in the daemon)."""
         rows = []
         for r in batch.requests:
             e = self.table.get(r.rid)
@@ -72,7 +74,7 @@ class DispatchBook:
                 min_p=g.min_p, presence_penalty=g.presence_penalty, frequency_penalty=g.frequency_penalty,
                 repetition_penalty=g.repetition_penalty, logprobs=e.wants_logprobs,
                 top_logprobs=g.top_logprobs, min_tokens=g.min_tokens, logit_bias=dict(g.logit_bias),
-                grammar=None if g.structured is None else grammar_text(g.structured),
+                grammar=e.grammar, grammar_limits=None if e.grammar is None else self.grammar_limits,
             ))
         return P.BatchMsg(batch_id=batch.bid, slice_len=batch.slice_len, requests=rows,
                           kv_reuse=self.sched.policy.kv_reuse)

@@ -71,14 +71,17 @@ class Replies:
         self._end(e, "error", self.events.timings(e, now), out, code)
         log.info("error id=%s code=%s", rid, code)
 
-    def failed(self, e: Entry, message: str, now: float, out: Effects) -> None:
-        """End ``e`` with ``error`` (``engine_error``): the scheduler gave it up after its
-        batches failed ``scheduler.max_failures`` + 1 times."""
+    def failed(self, e: Entry, message: str, now: float, out: Effects,
+               code: P.ErrorCode = "engine_error") -> None:
+        """End ``e`` with ``error`` ``code``, the scheduler having let go of it: ``engine_error``
+        when its batches failed ``scheduler.max_failures`` + 1 times; ``bad_request`` when an
+        engine could not serve its row (its grammar), which no retry would change."""
         if not self.table.holds(e):
             return
-        out.send(e.client, P.Error(code="engine_error", message=message, id=e.client_id))
-        self._end(e, "error", self.events.timings(e, now), out)
-        log.info("error id=%s code=engine_error: %s", e.rid, message)
+        out.send(e.client, P.Error(code=code, message=message, id=e.client_id))
+        # The metrics count engine_error as "error" (its batches failed), the rest by code.
+        self._end(e, "error", self.events.timings(e, now), out, None if code == "engine_error" else code)
+        log.info("error id=%s code=%s: %s", e.rid, code, message)
 
     def cancel(self, rid: str, reason: FinishReason, now: float, out: Effects,
                notify: bool = True) -> bool:

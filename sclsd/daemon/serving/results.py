@@ -9,7 +9,9 @@ never past the request's budget. Its rows are detokenized off the loop (a
 batch's outcome (finished requests, the rest back in the pool, the KV the
 worker keeps), clients get their deltas and terminal events. A result with an
 error fails the batch: its requests go back to the pool, or end after
-``scheduler.max_failures`` failures.
+``scheduler.max_failures`` failures. A row with an error (``RequestOutput.error``:
+the engine could not serve that row, its grammar) ends its request alone with
+``bad_request`` and the worker's message: never retried, the worker not at fault.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from .streaming import Streaming
 from .table import Entry, RequestTable
 
 log = logging.getLogger("sclsd")
+
+#: Most characters of a worker's row error its client hears.
+MAX_ROW_ERROR = 2000
 
 __all__ = ["ResultJob", "Results", "Row"]
 
@@ -199,12 +204,17 @@ class Results:
         outcomes: list[RowOutcome] = []
         deltas: list[tuple[Entry, list[int], str]] = []
         stray: list[str] = []
+        errors: dict[str, str] = {}
         for row, full in zip(rows, texts, strict=True):
             e, o, k = row.entry, row.output, row.streamed
             if not self.table.holds(e):
                 if o.kv_tokens:
                     stray.append(e.rid)
                 continue  # cancelled or timed out while we decoded: its row is ignored
+            if o.error is not None:
+                errors[e.rid] = o.error[:MAX_ROW_ERROR]
+                outcomes.append(RowOutcome(o.rid, 0, "error", failed=True))
+                continue
             _started(e, res.stats.queue_wait_s, now)
             tail = e.out.apply_slice(k, o)
             final = o.finish_reason is not None
@@ -231,7 +241,13 @@ class Results:
             self.replies.delta(e, ids, text, out)
         for r in done:
             ended = self.table.get(r.rid)
-            if ended is not None:
+            if ended is None:
+                continue
+            if r.rid in errors:
+                log.warning("worker=%s batch=%d id=%s: the engine could not serve it: %s", res.worker_id,
+                            res.batch_id, r.rid, errors[r.rid])
+                self.replies.failed(ended, errors[r.rid], now, out, code="bad_request")
+            else:
                 self.replies.finish(ended, r.finish_reason or "error", now, out)
         out.wake = True
 

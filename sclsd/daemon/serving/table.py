@@ -54,6 +54,9 @@ class Entry:
     token_gaps: list[tuple[float, int]] = field(default_factory=list)
     """Each arrival after the first: (seconds since the previous one, tokens it brought),
     for the inter-token latency histogram."""
+    grammar: str | None = None
+    """llguidance's grammar text for its ``structured`` output, compiled at admission (in a
+    grammar process: :mod:`sclsd.daemon.grammar`); its batch rows carry it."""
 
     def tokens_at(self, now: float, n: int = 1) -> None:
         """``n`` new tokens for this request reached the daemon at ``now``."""

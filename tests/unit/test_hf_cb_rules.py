@@ -173,11 +173,16 @@ def test_the_grammar_state_travels_across_grants(engines) -> None:
         assert (reused == 0) if moves else (reused >= 2)  # kept and resumed: its matcher kept
 
 
-def test_a_bad_grammar_fails_the_batch_with_the_reason(engines) -> None:
+def test_a_bad_grammar_fails_its_row_alone_with_the_reason(engines) -> None:
     cb = engines[0]
     bad = row("b", [5], 4, grammar='{"grammars": [{"json_schema": 7}]}')
-    with pytest.raises(RuntimeError, match="grammar"):
-        serve(cb, bad, row("ok", [5], 4))
+    limited = row("lim", [5], 4, grammar=grammar(), grammar_limits=P.GrammarLimits(max_grammar_size=5))
+    by = {o.rid: o for o in serve(cb, bad, row("ok", [5], 4, ignore_eos=True), limited)}
+    assert by["b"].token_ids == [] and "could not be built" in (by["b"].error or "")
+    assert by["lim"].token_ids == [] and "grammar size" in (by["lim"].error or "")
+    assert len(by["ok"].token_ids) == 4 and by["ok"].error is None  # the batch did not fail
+    (out,) = serve(cb, bad)  # a batch of one failed row ends at once
+    assert out.error
     (out,) = serve(cb, row("ok", [5], 4, ignore_eos=True))  # the engine goes on
     assert len(out.token_ids) == 4
 

@@ -427,29 +427,44 @@ class HFCBEngine(HFEngine):
 
     def _admit(self, mgr: Any, batch: BatchMsg, pending: dict[int, _Pending],
                owner: dict[str, _Row], emit: Done) -> None:
+        from worker.engines.grammar import GrammarError, row_error
+
         if why := sampling_refusal(batch, self.sampling):
             emit(batch, None, None, why)
             return
+        p = _Pending(batch, time.perf_counter())
+        rules: list[RowRules | None] = []
         try:
             self.check_batch(batch, self.vocab_size or None)
             # Rules (grammars compiled, replayed) for the rows that will not resume a kept request.
-            rules = [None if self._resumable(batch, r) else self._row_rules(r) for r in batch.requests]
+            for r in batch.requests:
+                try:
+                    rules.append(None if self._resumable(batch, r) else self._row_rules(r))
+                except GrammarError as exc:  # that row fails alone, with its error; it keeps nothing
+                    log.warning("batch=%d: %s; the rest of the batch is served", batch.batch_id, exc)
+                    p.outputs[r.rid] = row_error(exc)
+                    rules.append(None)
+                    self.release([r.rid])
         except ValueError as exc:
             emit(batch, None, None, str(exc))
             return
-        p = _Pending(batch, time.perf_counter())
-        if not batch.requests:
-            self._emit_done(p, emit)
-            return
         started: list[_Row] = []
         for r, rr in zip(batch.requests, rules, strict=True):
+            if r.rid in p.outputs:
+                continue
             try:
                 started.append(self._start_row(mgr, batch, r, p, rr))
+            except GrammarError as exc:  # a kept request evicted just now, whose grammar then fails
+                self._paused.end_unstarted(r.rid)
+                p.outputs[r.rid] = row_error(exc)
             except ValueError as exc:  # only a kept request evicted just now, whose rules then fail
                 self._paused.end_unstarted(r.rid)
                 for row in started:
                     self._paused.end(row, None, self._control)
                 return emit(batch, None, None, str(exc))
+        if not started:  # no rows, or every row failed
+            self._emit_done(p, emit)
+            return
         pending[batch.batch_id] = p
         for row in started:
             owner[row.tid] = row

@@ -72,6 +72,7 @@ from worker.engines.cb_setup import (  # noqa: F401 - GPU_GRAPHS_MEMORY_SHARE: p
     manager_options,
     warm_graphs,
 )
+from worker.engines.grammar import GrammarError, row_error
 from worker.engines.grammar import supported as grammar_supported
 from worker.engines.hf import HFEngine, peak_memory
 
@@ -261,6 +262,23 @@ class PausedRequests:
             self.release_at_end.clear()
 
 
+def _rules_or_errors(engine: HFCBEngine, batch: BatchMsg,
+                     p: _Pending) -> list[tuple[BatchRequest, RowRules | None]]:
+    """``batch``'s rows to start, each with its rules (grammars compiled, replayed; None for a
+    row that will resume its kept request). A row whose grammar cannot be built fails alone:
+    its error output goes in ``p.outputs`` and whatever the engine kept for it is dropped.
+    ValueError: other rules that cannot be built (the batch fails)."""
+    todo: list[tuple[BatchRequest, RowRules | None]] = []
+    for r in batch.requests:
+        try:
+            todo.append((r, None if engine._resumable(batch, r) else engine._row_rules(r)))
+        except GrammarError as exc:
+            log.warning("batch=%d: %s; the rest of the batch is served", batch.batch_id, exc)
+            p.outputs[r.rid] = row_error(exc)
+            engine.release([r.rid])
+    return todo
+
+
 class HFCBEngine(HFEngine):
     """Continuous-batching engine over transformers' ``init_continuous_batching``."""
 
@@ -427,36 +445,21 @@ class HFCBEngine(HFEngine):
 
     def _admit(self, mgr: Any, batch: BatchMsg, pending: dict[int, _Pending],
                owner: dict[str, _Row], emit: Done) -> None:
-        from worker.engines.grammar import GrammarError, row_error
-
         if why := sampling_refusal(batch, self.sampling):
             emit(batch, None, None, why)
             return
         p = _Pending(batch, time.perf_counter())
-        rules: list[RowRules | None] = []
         try:
             self.check_batch(batch, self.vocab_size or None)
-            # Rules (grammars compiled, replayed) for the rows that will not resume a kept request.
-            for r in batch.requests:
-                try:
-                    rules.append(None if self._resumable(batch, r) else self._row_rules(r))
-                except GrammarError as exc:  # that row fails alone, with its error; it keeps nothing
-                    log.warning("batch=%d: %s; the rest of the batch is served", batch.batch_id, exc)
-                    p.outputs[r.rid] = row_error(exc)
-                    rules.append(None)
-                    self.release([r.rid])
+            # Rules for the rows to start; a row whose grammar cannot be built fails alone.
+            todo = _rules_or_errors(self, batch, p)
         except ValueError as exc:
             emit(batch, None, None, str(exc))
             return
         started: list[_Row] = []
-        for r, rr in zip(batch.requests, rules, strict=True):
-            if r.rid in p.outputs:
-                continue
+        for r, rr in todo:
             try:
                 started.append(self._start_row(mgr, batch, r, p, rr))
-            except GrammarError as exc:  # a kept request evicted just now, whose grammar then fails
-                self._paused.end_unstarted(r.rid)
-                p.outputs[r.rid] = row_error(exc)
             except ValueError as exc:  # only a kept request evicted just now, whose rules then fail
                 self._paused.end_unstarted(r.rid)
                 for row in started:

@@ -58,3 +58,16 @@ def test_the_ended_request_counts_as_failed_with_its_code(drv: Driver) -> None:
     eff = drv.core.decoded(job, [drv.tok.decode(s) for s in job.seqs], drv.now)
     (ended,) = eff.ended
     assert ended.rid == "bad" and ended.reason == "error" and ended.code == "bad_request"
+
+
+def test_a_row_carries_the_grammar_admission_compiled_with_the_configured_limits(tmp_path: Path) -> None:
+    drv = Driver(tmp_path, grammar={"max_grammar_size": 1234})
+    drv.join("w0")
+    drv.submit("c", "g", structured=P.Structured(kind="json_object"))
+    drv.submit("c", "plain")
+    drv.core.table.get("g").grammar = "GRAMMAR TEXT"  # what admission's grammar child returned
+    drv.step()
+    (batch,) = drv.batches("w0")
+    rows = {r.rid: r for r in batch.requests}
+    assert rows["g"].grammar == "GRAMMAR TEXT" and rows["g"].grammar_limits == P.GrammarLimits(max_grammar_size=1234)
+    assert rows["plain"].grammar is None and rows["plain"].grammar_limits is None

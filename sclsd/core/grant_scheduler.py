@@ -117,7 +117,7 @@ class SliceGrantScheduler(SchedulerMechanism[GrantStats]):
             self.grants.arrive(r.rid, r.input_len, r.remaining, first=True)
 
     def _on_added(self, req: Request) -> None:
-        self.grants.arrive(req.rid, req.input_len, req.remaining)
+        self.grants.arrive(req.rid, req.input_len, req.remaining, group=req.group)
 
     def _on_cancelled(self, req: Request) -> None:
         """Outside a grant the policy forgets it at once; a grant still running holds its

@@ -136,8 +136,10 @@ class GrantPolicy(GrantBooks):
 
     # ------------------------------------------------------------------ events
 
-    def arrive(self, rid: str, context: int, remaining: int, *, first: bool = False) -> None:
-        """A new request: ``context`` prompt tokens, at most ``remaining`` to generate.
+    def arrive(self, rid: str, context: int, remaining: int, *, first: bool = False,
+               group: str = "") -> None:
+        """A new request: ``context`` prompt tokens, at most ``remaining`` to generate, of
+        ``group`` (its turn in line is fair between groups: :class:`~.grant_queue.GrantQueue`).
 
         ``first``: queue it ahead of the waiting ones (a request whose worker was lost).
         """
@@ -146,7 +148,7 @@ class GrantPolicy(GrantBooks):
             if first:
                 self._q.waiting.appendleft(p)
             else:
-                self._q.waiting.append(p)
+                self._q.join(p, group)
             self._dirty = True
 
     def end(self, rid: str, context: int, remaining: int, *, kept: bool = True) -> Grant:
@@ -251,8 +253,8 @@ class GrantPolicy(GrantBooks):
         while waiting:
             g = self._place(waiting[0])
             if g is None:
-                break  # head-of-line: FCFS
-            waiting.popleft()
+                break  # head-of-line: in turn
+            self._q.take()
             out.append(g)
         # A grant or a drop can free room for a request that was already passed over.
         self._dirty = bool(out) or dropped

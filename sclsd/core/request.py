@@ -46,6 +46,9 @@ class Request:
     num_generated: int = 0
     state: State = State.QUEUED
     slices: int = 0
+    group: str = ""
+    """Whose request it is, for fair turns in line (a connection and user, or the client's
+    ``generate.group``)."""
     failures: int = 0
     worker_losses: int = 0
     """Workers that died while this request was in one of their batches."""

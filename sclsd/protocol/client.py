@@ -101,6 +101,10 @@ class Generate(_Msg, tag="generate"):
     """Also return this many most likely tokens at each position (implies ``logprobs``)."""
     user: Annotated[str, Meta(max_length=256)] | None = None
     """An end-user id, logged with the request (OpenAI's ``user``)."""
+    group: Annotated[str, Meta(max_length=256)] | None = None
+    """Whose request this is, within the connection, for fair turns in line (default: the
+    connection and ``user``): requests of one group take turns with other groups' instead
+    of all going first. sclsd-http gives each HTTP request (and its ``n`` choices) one."""
     stream: bool = True
     """Send :class:`Delta` events as tokens are generated (coalesced to about 20 ms)."""
     priority: int = 0

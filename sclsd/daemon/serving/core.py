@@ -86,6 +86,8 @@ class ServingCore:
             arrival=now,
             priority=gen.priority,
             deadline=None if gen.timeout is None else now + gen.timeout,
+            # Scoped to the connection: no client can take another's turns.
+            group=f"{hash(client)}/{gen.group if gen.group is not None else gen.user or ''}",
         )
         output = Output(Detokenizer(stop=list(gen.stop)), self.tok)
         self.replies.accept(Entry(req, client, uid, gen, list(prompt_ids), output), out)

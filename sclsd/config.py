@@ -465,8 +465,6 @@ def _check_workers(w: WorkersConfig, cfg: Config) -> None:
     bad = check_options(engine if w.spawn else None, w.options)
     if bad is not None:
         raise ConfigError(f"workers.options.{bad[0]}", bad[1], bad[2])
-    need(w.options.get("vocab", 256) >= 256, "workers.options.vocab", w.options.get("vocab"),
-         "must be >= 256: the fake model's tokenizer has 256 ids, a smaller worker is refused")
     need(w.mem_budget_bytes >= 1, "workers.mem_budget_bytes", w.mem_budget_bytes, "must be >= 1")
     need(w.restart_backoff_s >= 0, "workers.restart_backoff_s", w.restart_backoff_s, "must be >= 0")
     need(w.restart_backoff_max_s >= w.restart_backoff_s, "workers.restart_backoff_max_s",

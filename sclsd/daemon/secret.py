@@ -56,14 +56,14 @@ def _read_existing(path: str) -> str:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise StartupError(f"{key} {path} is not a regular file")
+        value = os.read(fd, 4096).decode("ascii", errors="replace").strip()
+        if not value:
+            raise StartupError(f"{key} {path} is empty")
         if info.st_mode & 0o077:
             raise StartupError(f"{key} {path} has mode {stat.S_IMODE(info.st_mode):04o}: it must be "
                                "private to its owner (chmod 600)")
-        value = os.read(fd, 4096).decode("ascii", errors="replace").strip()
     finally:
         os.close(fd)
-    if not value:
-        raise StartupError(f"{key} {path} is empty")
     if len(value) > 256 or not all(c in string.hexdigits for c in value):
         raise StartupError(f"{key} {path} must hold one hex string of at most 256 characters "
                            "(sclsctl keygen writes one; or remove it and the daemon writes one)")

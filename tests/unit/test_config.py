@@ -63,8 +63,6 @@ def test_shipped_config_documents_every_key() -> None:
         # Accepted once, and then nothing could be served or every worker refused.
         ("[scheduler]\ngamma_s = 1e300\nwork_conserving = false", "scheduler.gamma_s"),
         ("[daemon]\nworker_socket_mode = '0666'", "daemon.worker_socket_mode"),
-        ("[model]\nname = 'fake'\n[workers]\nengine = 'fake'\n[workers.options]\nvocab = 10",
-         "workers.options.vocab"),
         ("[scheduler]\nmax_slice_gap_s = -1", "scheduler.max_slice_gap_s"),
         ("[scheduler]\nmax_slice_gap_s = inf", "scheduler.max_slice_gap_s"),
         ("[daemon]\nallowed_uids = [0, -1]", "daemon.allowed_uids"),

@@ -350,27 +350,3 @@ def test_shipped_llama2_architectures():
 
 
 # --------------------------------------------------------------------------- gpu-check planning
-
-
-def test_gpu_check_sizes_the_model_to_the_card(monkeypatch):
-    """On an 80 GB card the 13B (26 GB of fp16 weights) fits 45%; on 40 GB the 7B; below, tiny."""
-    import argparse
-
-    from sclsd.bench import gpu_check as G
-
-    gib = 2**30
-    assert G.choose_model(80 * gib) == "random:llama2-13b"
-    assert G.choose_model(40 * gib) == "random:llama2-7b"
-    assert G.choose_model(16 * gib) == "tiny-random"
-    facts = {"device": "cuda", "cuda_available": True, "gpus": 2, "mem_total": 80 * gib,
-             "gpu": "H100", "capability": "9.0"}  # fmt: skip
-    monkeypatch.setattr(G, "device_facts", lambda device: dict(facts))
-    parser = argparse.ArgumentParser()
-    G.add_arguments(parser)
-    plan = G.make_plan(parser.parse_args(["--out", "x"]))
-    assert (plan.device, plan.model, plan.dtype, plan.workers) == ("cuda", "random:llama2-13b", "float16", 2)
-    assert (plan.slice_len, plan.profile_budget_s, plan.max_input, plan.max_gen) == (128, 180.0, 1024, 1024)
-    assert plan.engines == ["hf", "deepspeed"]
-    sections = G.live_sections(plan, "scls", None)
-    assert sections["workers"]["device"] == "cuda" and sections["workers"]["options"] == {"dtype": "float16"}
-    assert G.live_sections(plan, "scls-cb", None)["workers"]["engine"] == "hf-cb"

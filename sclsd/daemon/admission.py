@@ -145,12 +145,12 @@ class Admission:
             w = self.cfg.workers
             continuous = self.cfg.engine == "hf-cb"
             sampling = not continuous or bool(w.options.get("sampling", OPTIONS["sampling"].default))
-            seeded = not continuous
+            seeded = True  # every engine seeds per request (hf-cb too: worker/engines/cb_select.py)
         if not sampling:
             return ("temperature > 0: these workers serve greedy decoding only (hf-cb started with "
                     "[workers.options] sampling = false)")
         if g.seed is not None and not seeded:
-            return "seed: these workers cannot seed a request (hf-cb seeds per manager, not per request)"
+            return "seed: these workers cannot seed a request (their engine says so in its caps)"
         return None
 
     def _feature_refusal(self, g: P.Generate) -> tuple[str, str] | None:

@@ -107,6 +107,9 @@ class Parsed:
                 index = p * self.per_prompt + i
                 g = dict(self.params, **form)
                 g["id"] = rid if self.choices == 1 else f"{rid}-{index}"
+                # Fair turns in the daemon's line: a user's requests, else this HTTP request's
+                # choices, are one group (sclsd-http's clients share its connections).
+                g["group"] = g.get("user") or rid
                 if seed is not None:
                     g["seed"] = seed + i
                 out.append(_convert(g))

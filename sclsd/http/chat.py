@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import bad, unsupported
+from .calls import Mode
+from .errors import bad
 
 #: Most messages in one chat request, and most tools offered.
 MAX_MESSAGES = 4096
@@ -38,20 +39,36 @@ class Chat:
     ``tool_calls`` (arguments decoded to objects, as templates expect) / ``tool_call_id``."""
     tools: list[dict[str, Any]] | None
     """The tools to render into the prompt (None: none, or ``tool_choice`` = ``none``)."""
-    parse_tools: bool
-    """Parse tool calls out of the output (``tools`` given and ``tool_choice`` = ``auto``)."""
-    parallel: bool
-    """``parallel_tool_calls``: False keeps only the first call."""
+    mode: Mode | None = None
+    """How tool calls come out of the answer (None: they do not; ``tool_choice`` none)."""
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """``chat_template_kwargs``: more variables for the chat template (rendered here)."""
+
+    @property
+    def parse_tools(self) -> bool:
+        """Tool calls are read out of the answer."""
+        return self.mode is not None
+
+    @property
+    def parallel(self) -> bool:
+        """``parallel_tool_calls`` (False: one call at most)."""
+        return self.mode is None or self.mode.parallel
 
     @property
     def plain(self) -> bool:
-        """Text turns only and no tools: the daemon can render it itself."""
-        return self.tools is None and all(set(m) == {"role", "content"} and m["role"] != "tool"
-                                          for m in self.messages)
+        """Text turns only, no tools, no template variables: the daemon can render it."""
+        return self.tools is None and not self.template_kwargs and all(
+            set(m) == {"role", "content"} and m["role"] != "tool" for m in self.messages)
 
     def daemon_messages(self) -> list[dict[str, str]]:
         """The ``generate`` ``messages`` (text turns; only for a :attr:`plain` chat)."""
         return [{"role": m["role"], "content": m["content"]} for m in self.messages]
+
+    def structured(self) -> dict[str, str] | None:
+        """The daemon's ``structured`` that forces a tool call (``required`` or named)."""
+        if self.mode is None or self.tools is None:
+            return None
+        return self.mode.structured(self.tools)
 
 
 def _text(c: Any, where: str, role: str) -> str:
@@ -142,23 +159,58 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     return tools
 
 
-def chat(body: dict[str, Any]) -> Chat:
-    """``messages``, ``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat body."""
-    msgs = messages(body)
-    tools = _tools(body)
+#: Variables of the template this server sets itself; ``chat_template_kwargs`` may not.
+_OWN_VARS = frozenset({"messages", "tools", "add_generation_prompt", "tokenize"})
+MAX_TEMPLATE_KWARGS = 64
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``chat_template_kwargs``: extra variables for the chat template
+    (``enable_thinking`` for Qwen 3, ...)."""
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        return {}
+    if not isinstance(kw, dict) or len(kw) > MAX_TEMPLATE_KWARGS or not all(
+            isinstance(k, str) and k.isidentifier() for k in kw):
+        raise bad("chat_template_kwargs", "chat_template_kwargs: must be an object of at most "
+                  f"{MAX_TEMPLATE_KWARGS} template variables")
+    own = sorted(set(kw) & _OWN_VARS)
+    if own:
+        raise bad("chat_template_kwargs", f"chat_template_kwargs: {own[0]} is set by the "
+                  "request itself")
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+def _mode(body: dict[str, Any], tools: list[dict[str, Any]] | None, parallel: bool) -> Mode | None:
+    """``tool_choice`` -> how calls come out of the answer (None: ``none``)."""
     choice = body.get("tool_choice")
     if choice is None:
         choice = "auto" if tools else "none"
-    if choice not in ("auto", "none"):
-        if isinstance(choice, str) and choice != "required":
+    if choice == "none" or (choice == "auto" and tools is None):
+        return None
+    if choice not in ("auto", "required"):
+        f = choice.get("function") if isinstance(choice, dict) else None
+        name = f.get("name") if isinstance(f, dict) else None
+        if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str)):
             raise bad("tool_choice", "tool_choice: must be none, auto, required or "
                       '{"type": "function", "function": {"name": ...}}')
-        if tools is None:
-            raise bad("tool_choice", "tool_choice: needs tools")
-        raise unsupported("tool_choice", "required and named tool choices force a call with "
-                          "structured output, which this server does not serve yet; use auto")
+    if tools is None:
+        raise bad("tool_choice", "tool_choice: needs tools")
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        if name not in {t["function"]["name"] for t in tools}:
+            raise bad("tool_choice", f"tool_choice: {name!r} is not one of the tools")
+        return Mode("named", parallel, name)
+    return Mode("required" if choice == "required" else "auto", parallel)
+
+
+def chat(body: dict[str, Any]) -> Chat:
+    """``messages``, ``tools``, ``tool_choice``, ``parallel_tool_calls`` and
+    ``chat_template_kwargs`` of a chat body."""
+    msgs = messages(body)
+    tools = _tools(body)
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise bad("parallel_tool_calls", "parallel_tool_calls: must be true or false")
-    offered = tools if choice == "auto" else None
-    return Chat(msgs, offered, parse_tools=offered is not None, parallel=parallel)
+    mode = _mode(body, tools, parallel)
+    return Chat(msgs, tools if mode is not None else None, mode, _template_kwargs(body))

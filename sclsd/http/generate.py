@@ -14,6 +14,7 @@ choice not yet done.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -95,6 +96,9 @@ async def prepare(host: Host, parsed: Parsed) -> None:
         await asyncio.to_thread(tokens.resolve, parsed, view)
     else:
         tokens.resolve(parsed, None)
+    if parsed.include_stop:
+        parsed.stop_suffix = functools.partial(tokens.matched_stop, await host.tokens.view(),
+                                               parsed.include_stop)
     await host.link.client()  # connected, so ``features`` is this daemon's
     missing = sorted(parsed.features - host.link.features)
     if missing:
@@ -142,7 +146,7 @@ async def _complete(host: Host, parsed: Parsed, msgs: list[P.Generate],
     shown = render.best(ordered, parsed.best_of, parsed.n) if parsed.best_of else ordered
     return render.response(parsed.kind, head, ordered, shown, parsed.per_prompt,
                            parsed.top_logprobs is not None, parsed.echo_texts or None,
-                           parsed.chat.parallel if parsed.parse_tools and parsed.chat else None)
+                           parsed.chat.mode if parsed.chat else None, parsed.stop_suffix)
 
 
 async def _stream(host: Host, parsed: Parsed, msgs: list[P.Generate], events: AsyncIterator[Any],
@@ -151,7 +155,8 @@ async def _stream(host: Host, parsed: Parsed, msgs: list[P.Generate], events: As
     chunks = Chunks(parsed.kind, head, len(msgs), parsed.per_prompt,
                     include_usage=parsed.include_usage, continuous=parsed.continuous_usage,
                     logprobs=parsed.top_logprobs is not None, echo=parsed.echo_texts or None,
-                    tool_parse=parsed.chat.parallel if parsed.parse_tools and parsed.chat else None)
+                    tool_mode=parsed.chat.mode if parsed.chat else None,
+                    stop_suffix=parsed.stop_suffix)
     it = events.__aiter__()
     early: list[Any] = []
     accepted = 0
@@ -196,5 +201,5 @@ def _chunk(chunks: Chunks, index: dict[str | None, int], ev: Any) -> bytes:
     if isinstance(ev, P.Accepted):
         return chunks.start(i, ev)
     if isinstance(ev, P.Delta):
-        return chunks.delta(i, ev.text, ev.logprobs, len(ev.token_ids))
+        return chunks.delta(i, ev.text, ev.logprobs, ev.token_ids)
     return chunks.done(i, ev)

@@ -46,7 +46,8 @@ PARAMS: dict[str, tuple[dict[str, Any], str]] = {
     "echo": (_BOOL, "put the prompt (chat: a final assistant turn) before the answer"),
     "suffix": (_STR, "completions: text after the gap (fill-in-the-middle models)"),
     "tools": ({"type": "array", "items": _OBJ}, "chat: functions the model may call"),
-    "tool_choice": ({"anyOf": [_STR, _OBJ]}, "chat: auto or none"),
+    "tool_choice": ({"anyOf": [_STR, _OBJ]}, "chat: auto, none, required, or "
+                    '{"type": "function", "function": {"name"}}: required and named force a call'),
     "parallel_tool_calls": (_BOOL, "chat: false keeps the first call only"),
     "response_format": (_OBJ, '{"type": "text" | "json_object" | "json_schema", "json_schema": '
                                '{"name", "schema"}}: the output follows the JSON schema'),
@@ -59,6 +60,14 @@ PARAMS: dict[str, tuple[dict[str, Any], str]] = {
     "stream": (_BOOL, "server-sent events"),
     "stream_options": (_OBJ, "include_usage, continuous_usage_stats"),
     "user": (_STR, "logged by the daemon"),
+    "include_stop_str_in_output": (_BOOL, "vLLM's: the stop string that ended the text stays in it"),
+    "chat_template_kwargs": (_OBJ, "chat: more variables for the chat template (vLLM's)"),
+    "modalities": ({"type": "array", "items": _STR}, 'only ["text"]'),
+    "use_beam_search": (_BOOL, "vLLM's: only false"),
+    **{name: ({}, "accepted and ignored (no meaning here)") for name in (
+        "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+        "safety_identifier", "reasoning_effort", "verbosity", "prediction", "request_id",
+        "cache_salt", "spaces_between_special_tokens")},
 }
 _TOKENIZE = {
     "model": _STR, "prompt": _STR, "messages": {"type": "array", "items": _OBJ},

@@ -34,18 +34,33 @@ from .errors import ApiError, bad, unsupported
 Kind = Literal["chat", "completion"]
 
 #: Parameters both endpoints take (vLLM's extras included: top_k, min_p,
-#: repetition_penalty, stop_token_ids, ignore_eos, min_tokens, skip_special_tokens).
+#: repetition_penalty, stop_token_ids, ignore_eos, min_tokens, skip_special_tokens,
+#: include_stop_str_in_output).
 _COMMON = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
     "stop_token_ids", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "ignore_eos", "user", "stream", "stream_options", "logprobs", "min_tokens", "logit_bias",
     "skip_special_tokens", "echo", "response_format", "structured_outputs", "guided_json",
-    "guided_regex", "guided_choice", "guided_grammar",
+    "guided_regex", "guided_choice", "guided_grammar", "include_stop_str_in_output",
 })
+#: Accepted and ignored: fields OpenAI's SDKs and agent frameworks send, which vLLM accepts
+#: too, and which mean nothing to this server (storage and billing on OpenAI's side, cache
+#: routing hints, request ids, a reasoning model's effort).
+IGNORED = frozenset({
+    "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+    "safety_identifier", "reasoning_effort", "verbosity", "prediction", "request_id",
+    "cache_salt", "spaces_between_special_tokens",
+})
+#: Accepted with one value only (what this server does anyway); any other: 400 saying why.
+_ONLY: dict[str, tuple[Any, str]] = {
+    "modalities": (["text"], "only text output"),
+    "use_beam_search": (False, "beam search is not served"),
+}
 ALLOWED: dict[Kind, frozenset[str]] = {
-    "completion": _COMMON | {"prompt", "suffix", "best_of"},
-    "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                       "parallel_tool_calls"},
+    "completion": _COMMON | IGNORED | set(_ONLY) | {"prompt", "suffix", "best_of"},
+    "chat": _COMMON | IGNORED | set(_ONLY) | {
+        "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+        "parallel_tool_calls", "chat_template_kwargs"},
 }
 #: Protocol field -> the HTTP parameter to name when the daemon's schema refuses it.
 _PARAM_OF = {"prompt_ids": "prompt", "top_logprobs": "top_logprobs", "max_tokens": "max_tokens"}
@@ -83,6 +98,12 @@ class Parsed:
     chat: Chat | None = None
     features: frozenset[str] = frozenset()
     """The optional daemon features (``Pong.features``) this request needs."""
+    include_stop: list[str] = field(default_factory=list)
+    """``include_stop_str_in_output`` with ``stop``: the strings to put back at the end of
+    a choice that one of them ended (found by :mod:`.tokens`)."""
+    stop_suffix: Any = None
+    """With :attr:`include_stop`, filled by :mod:`.generate`: ``(text, token_ids) -> the stop
+    string that ended the choice, or ""``."""
 
     @property
     def per_prompt(self) -> int:
@@ -350,6 +371,9 @@ def parse(kind: Kind, body: Any, max_choices: int) -> Parsed:
     unknown = sorted(k for k in body if k not in ALLOWED[kind])
     if unknown:
         raise bad(unknown[0], f"unsupported parameter(s): {', '.join(unknown)}", "unsupported_parameter")
+    for name, (only, why) in _ONLY.items():
+        if name in body and body[name] != only:
+            raise unsupported(name, f"{why} (only {json.dumps(only)})")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", "model: must be a string")
@@ -358,6 +382,13 @@ def parse(kind: Kind, body: Any, max_choices: int) -> Parsed:
     structured = _structured(body)
     n = _int(body, "n", 1, max_choices) or 1
     the_chat = chat(body) if kind == "chat" else None
+    forced = the_chat.structured() if the_chat is not None else None
+    if forced is not None:
+        if structured is not None:
+            raise bad("tool_choice", "tool_choice: a forced tool call (required or a named "
+                      "function) is structured output itself: not with response_format or "
+                      "structured_outputs")
+        structured = forced
     if the_chat is not None:
         prompts = [{"messages": the_chat.daemon_messages()} if the_chat.plain else {"render": the_chat}]
     else:
@@ -404,6 +435,8 @@ def parse(kind: Kind, body: Any, max_choices: int) -> Parsed:
                                                ("structured", structured is not None)) if on)
     parsed = Parsed(kind, model, stream, include_usage, n, prompts, params, top,
                     continuous_usage=continuous, echo=echo, chat=the_chat, features=features)
+    if _bool(body, "include_stop_str_in_output", False):
+        parsed.include_stop = params["stop"]
     if kind == "completion":
         _completion_extras(body, parsed, max_choices)
     if parsed.best_of:

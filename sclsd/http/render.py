@@ -10,12 +10,13 @@ Stream chunks are :mod:`.stream`'s.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from .. import protocol as P
-from . import tools
+from .calls import Mode
 from .errors import ApiError, bad
 from .params import Kind
 
@@ -138,10 +139,12 @@ def best(dones: list[P.Done], best_of: int, n: int) -> list[P.Done]:
 
 def response(kind: Kind, head: dict[str, Any], dones: list[P.Done], shown: list[P.Done],
              per_prompt: int, logprobs: bool, echo: list[str] | None = None,
-             tool_parse: bool | None = None) -> bytes:
+             tool_mode: Mode | None = None,
+             stop_suffix: Callable[[str, list[int]], str] | None = None) -> bytes:
     """A non-streaming completion: one choice per ``shown`` ``Done``, in order; usage over
     all of ``dones``. ``echo``: text before each prompt's choices (indexed by prompt);
-    ``tool_parse``: parse tool calls (chat), keeping all (True) or the first (False)."""
+    ``tool_mode``: how tool calls come out of a chat's answer (:mod:`.calls`);
+    ``stop_suffix``: the stop string to put back (``include_stop_str_in_output``)."""
     choices = []
     per_shown = len(shown) // max(1, len(echo)) if echo else 1
     for i, d in enumerate(shown):
@@ -150,15 +153,17 @@ def response(kind: Kind, head: dict[str, Any], dones: list[P.Done], shown: list[
             lps = d.logprobs or []
             lp = chat_logprobs(lps) if kind == "chat" else completion_logprobs(lps)
         reason = finish_reason(d)
-        text = (echo[i // per_shown] if echo else "") + (d.text or "")
+        out = d.text or ""
+        if stop_suffix is not None and reason == "stop":
+            out += stop_suffix(out, d.token_ids or [])
+        text = (echo[i // per_shown] if echo else "") + out
         if kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": text}
-            if tool_parse is not None:
-                content, calls = tools.parse(text, tool_parse)
+            if tool_mode is not None:
+                content, calls = tool_mode.parse(text)
                 if calls:
-                    message = {"role": "assistant", "content": content,
-                               "tool_calls": tools.as_openai(calls)}
-                    reason = "tool_calls"
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    reason = "tool_calls" if reason == "stop" or tool_mode.choice == "auto" else reason
             choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
         else:
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})

@@ -12,10 +12,12 @@ is complete (:class:`.tools.ToolStream`), and the choice ends with ``tool_calls`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .. import protocol as P
-from . import render, tools
+from . import render
+from .calls import CallStream, HermesStream, Mode
 from .params import Kind
 
 
@@ -24,7 +26,8 @@ class Chunks:
 
     def __init__(self, kind: Kind, head: dict[str, Any], choices: int, per_prompt: int, *,
                  include_usage: bool = False, continuous: bool = False, logprobs: bool = False,
-                 echo: list[str] | None = None, tool_parse: bool | None = None) -> None:
+                 echo: list[str] | None = None, tool_mode: Mode | None = None,
+                 stop_suffix: Callable[[str, list[int]], str] | None = None) -> None:
         self.kind = kind
         self.head = dict(head, object="chat.completion.chunk" if kind == "chat" else "text_completion")
         self.per_prompt = per_prompt
@@ -36,8 +39,12 @@ class Chunks:
         self.prompt_tokens = [0] * choices
         self.completion_tokens = [0] * choices
         self.dones: list[P.Done | None] = [None] * choices
-        self.tool_streams = ([tools.ToolStream(parallel=tool_parse) for _ in range(choices)]
-                             if tool_parse is not None else None)
+        self.tool_streams: list[CallStream] | None = (
+            [tool_mode.stream() for _ in range(choices)] if tool_mode is not None else None)
+        self.stop_suffix = stop_suffix
+        # With ``stop_suffix``: each choice's text and token ids so far.
+        self.texts = [""] * choices
+        self.ids: list[list[int]] = [[] for _ in range(choices)]
 
     def _event(self, index: int, choice: dict[str, Any]) -> bytes:
         obj: dict[str, Any] = dict(self.head, choices=[choice])
@@ -54,8 +61,7 @@ class Chunks:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if role else (
             {"content": text} if text else {})
         if calls:
-            base = len(self.tool_streams[index].calls) - len(calls) if self.tool_streams else 0
-            delta["tool_calls"] = [dict(c, index=base + k) for k, c in enumerate(tools.as_openai(calls))]
+            delta["tool_calls"] = calls
         return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
 
     def start(self, index: int, accepted: P.Accepted) -> bytes:
@@ -68,9 +74,12 @@ class Chunks:
         return self._event(index, self._choice(index, echo, None, None)) if echo else b""
 
     def delta(self, index: int, text: str, lps: list[P.TokenLogprobs] | None,
-              tokens: int = 0) -> bytes:
-        """New text of a choice (``tokens`` of them)."""
-        self.completion_tokens[index] += tokens
+              token_ids: list[int] | None = None) -> bytes:
+        """New text of a choice (from ``token_ids``)."""
+        self.completion_tokens[index] += len(token_ids or ())
+        if self.stop_suffix is not None:
+            self.texts[index] += text
+            self.ids[index] += token_ids or []
         calls: list[dict[str, Any]] = []
         if self.tool_streams is not None:
             text, calls = self.tool_streams[index].feed(text)
@@ -94,11 +103,15 @@ class Chunks:
         self.dones[index] = d
         self.completion_tokens[index] = d.usage.completion_tokens
         text: str = ""
+        if self.stop_suffix is not None and reason == "stop":
+            text = self.stop_suffix(self.texts[index], self.ids[index])
         calls: list[dict[str, Any]] = []
         if self.tool_streams is not None:
             ts = self.tool_streams[index]
-            text, calls = ts.finish()
-            if ts.calls:
+            more, calls = ts.feed(text) if text else ("", [])
+            rest, last = ts.finish()
+            text, calls = more + rest, calls + last
+            if ts.called and (reason == "stop" or isinstance(ts, HermesStream)):
                 reason = "tool_calls"
         return self._piece(index, text, None, reason, calls)
 

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .. import tokenizer as sclsd_tokenizer
+from . import fallback
 from .chat import Chat
 from .errors import ApiError, bad, unsupported
 from .params import Parsed
@@ -83,17 +84,29 @@ class View:
     # -------------------------------------------------------------------- beyond it
 
     def render(self, chat: Chat) -> list[int]:
-        """A chat with tools or tool turns, through the template, with the generation prompt."""
-        if chat.tools is not None and not self.has_tools:
-            raise unsupported("tools", "the model's chat template has no tools")
-        if self.hf is None or not self.template:
-            raise bad("messages", "messages: the model has no chat template for tool turns")
-        if chat.parse_tools and not self.hermes:
+        """A chat with tools, tool turns or template variables, through the template, with
+        the generation prompt. A template without ``tools`` gets them the Hermes way
+        (:mod:`.fallback`), inside its own turns."""
+        native = self.has_tools or (chat.tools is None and not any(
+            m["role"] == "tool" or m.get("tool_calls") for m in chat.messages))
+        if native and chat.mode is not None and chat.mode.choice == "auto" and not self.hermes:
             raise unsupported("tools", "the model's chat template formats tool calls in a way this "
                               "server does not parse (only Hermes-style <tool_call> blocks)")
         try:
+            if not native:
+                turns = fallback.text_turns(chat.messages, chat.tools)
+                if self.hf is None or not self.template:
+                    return [int(i) for i in self.t.encode_chat(turns)]
+                return [int(i) for i in self.t.render_chat(turns, **chat.template_kwargs)]
+            if self.hf is None or not self.template:
+                raise bad("chat_template_kwargs", "chat_template_kwargs: the model has no chat template")
+            extra = dict(chat.template_kwargs)
+            if chat.tools is not None:
+                extra["tools"] = chat.tools
             # As the daemon renders plain chats: only the template's markers are special.
-            return [int(i) for i in self.t.render_chat(chat.messages, tools=chat.tools)]
+            return [int(i) for i in self.t.render_chat(chat.messages, **extra)]
+        except ApiError:
+            raise
         except Exception as exc:  # noqa: BLE001 - the template's own refusal (raise_exception)
             raise bad("messages", f"messages: the chat template refused them: {exc}") from None
 
@@ -114,6 +127,16 @@ class View:
             if all(n in added for n in names):
                 return added[names[0]], added[names[1]], added[names[2]]
         return None
+
+
+def matched_stop(view: View, stops: list[str], text: str, ids: list[int]) -> str:
+    """The stop string that ended a choice whose kept text is ``text`` and whose tokens are
+    ``ids`` (they run through the token that completed the stop string), or ""."""
+    if not stops or not ids:
+        return ""
+    full = view.decode(ids)
+    rest = full[len(text):] if full.startswith(text) else full[len(text.rstrip()):].lstrip()
+    return next((s for s in stops if rest.startswith(s)), "")
 
 
 def needs_view(parsed: Parsed) -> bool:

@@ -79,7 +79,7 @@ def test_unknown_parameters_are_named_and_unservable_ones_say_why() -> None:
         assert e.code == "unsupported_parameter"
     assert "top_logprobs" not in ALLOWED["completion"] and "prompt" not in ALLOWED["chat"]
     for body, param, why in (
-        ({"tool_choice": "required", "tools": [TOOL]}, "tool_choice", "structured output"),
+        ({"modalities": ["text", "audio"]}, "modalities", "only text"),
         ({"echo": True, "logprobs": True}, "echo", "prompt's log-probabilities"),
     ):
         e = err("chat", {"messages": USER, **body})

@@ -61,7 +61,8 @@ class ScriptEngine(FakeEngine):
         super().__init__(vocab=vocab)
         self.script = [*script, EOS]
 
-    def _serve(self, batch: BatchMsg, emit: Any, used: list[int]) -> tuple[list[RequestOutput], BatchStats]:
+    def _serve(self, batch: BatchMsg, emit: Any, used: list[int],
+               matchers: Any = None) -> tuple[list[RequestOutput], BatchStats]:
         reqs = batch.requests
         outs: list[list[int]] = [[] for _ in reqs]
         reasons: list[str | None] = [None] * len(reqs)
@@ -178,27 +179,40 @@ def test_tool_calls_streamed(hermes_tokenizer) -> None:
     run(hermes_tokenizer, body)
 
 
-def test_a_template_without_tools_is_a_400(front) -> None:
-    """The fake model's byte tokenizer has no chat template, so no tools."""
+def test_a_model_without_a_chat_template_takes_tools(front) -> None:
+    """The fake model's byte tokenizer has no chat template: the tools go into a system turn
+    the Hermes way (:mod:`sclsd.http.fallback`) rather than a 400."""
     async def body(f: Any) -> None:
-        r = await f.http.post("/v1/chat/completions", json={"messages": MSGS, "tools": TOOLS})
-        err = r.json()["error"]
-        assert (r.status_code, err["param"]) == (400, "tools"), err
-        assert "template has no tools" in err["message"]
-        ok = await f.http.post("/v1/chat/completions", json={"messages": MSGS, "tools": None, "max_tokens": 2})
-        assert ok.status_code == 200
+        r = await f.http.post("/v1/chat/completions", json={"messages": MSGS, "tools": TOOLS, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        plain = await f.http.post("/v1/chat/completions", json={"messages": MSGS, "tools": None, "max_tokens": 2})
+        assert plain.status_code == 200
+        assert r.json()["usage"]["prompt_tokens"] > plain.json()["usage"]["prompt_tokens"] + len(
+            json.dumps(TOOLS))
 
     front(body)
 
 
-def test_smollm2_template_has_no_tools() -> None:
+def test_smollm2_template_gets_tools_the_hermes_way() -> None:
+    """SmolLM2's template (the built-in model's) has no ``tools``: they are written into its
+    own system turn, earlier calls as <tool_call> blocks, results as <tool_response> blocks."""
+    from sclsd.http.calls import Mode
     from sclsd.http.chat import Chat
-    from sclsd.http.errors import ApiError
     from sclsd.http.tokens import View
     from sclsd.tokenizer import load
 
     view = View(load("tiny-random"))
     assert view.template and not view.has_tools
-    with pytest.raises(ApiError) as e:
-        view.render(Chat(MSGS, TOOLS, parse_tools=True, parallel=True))
-    assert e.value.param == "tools" and "template has no tools" in e.value.message
+    turns = [*MSGS, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "18 C", "tool_call_id": "c1"}]
+    text = view.decode(view.render(Chat(turns, TOOLS, Mode("auto"))), skip_special_tokens=False)
+    assert text.startswith("<|im_start|>system\nYou are a function calling AI model.")
+    assert json.dumps(TOOLS[0]) in text and "<tool_call>" in text
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+            '\n</tool_call><|im_end|>') in text
+    assert "<|im_start|>user\n<tool_response>\n18 C\n</tool_response><|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    # Without tools the same chat renders as the daemon renders it: the model's own template.
+    plain = Chat(MSGS, None, None)
+    assert view.render(plain) == view.encode_chat(MSGS)

@@ -1,6 +1,8 @@
 """The routes of ``sclsd-http`` (FastAPI).
 
-* ``POST /v1/completions``, ``POST /v1/chat/completions`` (:mod:`.generate`);
+* ``POST /v1/completions``, ``POST /v1/chat/completions`` (:mod:`.generate`),
+  ``POST /v1/responses`` (over the chat path, :mod:`.responses`); any other route: 404
+  naming it;
 * ``GET /v1/models``, ``GET /v1/models/{model}``; ``POST /tokenize``,
   ``POST /detokenize`` (vLLM's shapes; the model's tokenizer, :mod:`.tokens`);
 * ``GET /health`` (200 while the daemon answers a ping, else 503), ``GET /ready``
@@ -18,6 +20,7 @@ import asyncio
 import hashlib
 import hmac
 import inspect
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -30,7 +33,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from . import generate, openapi, render
+from . import generate, openapi, render, responses
 from .body import read_json
 from .door import Door
 from .errors import ApiError, bad
@@ -43,6 +46,9 @@ from .tokens import Tokens, tokenize_ids
 log = logging.getLogger("sclsd.http")
 
 _JSON = "application/json"
+#: The API routes, named in the 404 of any other.
+SERVED = ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses",
+          "GET /v1/models", "POST /tokenize", "POST /detokenize")
 
 
 class Api:
@@ -104,6 +110,35 @@ class Api:
         head = {"id": rid, "created": created, "model": name or parsed.model or "unknown",
                 "system_fingerprint": fingerprint}
         return await generate.answer(self, request, parsed, head)
+
+    async def responses(self, request: Request) -> Response:
+        """``POST /v1/responses`` over the chat path (:mod:`.responses`)."""
+        self.check_key(request)
+        body = await self._json(request)
+        try:
+            parsed = parse("chat", responses.chat_body(body), self.settings.max_choices)
+        except ApiError as exc:
+            raise responses.rename(exc) from None
+        name, fingerprint = await self.daemon()
+        if parsed.model is not None and name is not None and parsed.model != name:
+            raise render.not_found(parsed.model)
+        rid = f"resp_{request.state.request_id}"
+        request.state.response_id = rid
+        try:
+            await generate.prepare(self, parsed)
+        except ApiError as exc:
+            raise responses.rename(exc) from None
+        model = name or parsed.model or "unknown"
+        head = {"id": rid, "created": int(time.time()), "model": model, "system_fingerprint": fingerprint}
+        answer = await generate.answer(self, request, parsed, head)
+        shell = responses.Shell(rid, {k: v for k, v in body.items() if v is not None}, model)
+        if isinstance(answer, generate.EventStream):
+            chunks: Any = answer.body_iterator  # the chat stream's events, as bytes
+            return generate.EventStream(responses.Events(shell).convert(chunks),
+                                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        if answer.status_code != 200:
+            return answer
+        return Response(render.encode(shell.whole(json.loads(bytes(answer.body)))), media_type=_JSON)
 
     # ------------------------------------------------------------------ tokenizer
 
@@ -237,6 +272,10 @@ def create_app(settings: Settings) -> FastAPI:
         assert isinstance(exc, StarletteHTTPException)
         err = ApiError(exc.status_code, str(exc.detail), None,
                        "not_found" if exc.status_code == 404 else None)
+        if exc.status_code == 404:
+            # As OpenAI answers an unknown route, naming it, and saying what is served.
+            err.message = (f"Invalid URL ({request.method} {request.url.path}): sclsd-http serves "
+                           f"{', '.join(SERVED)}")
         metrics.refuse(err.code or str(exc.status_code))
         return Response(render.error_body(err), status_code=exc.status_code, media_type=_JSON,
                         headers=exc.headers)
@@ -255,6 +294,7 @@ def create_app(settings: Settings) -> FastAPI:
     # documented in the OpenAPI schema by .openapi.
     app.add_route("/v1/completions", completions, methods=["POST"])
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_route("/v1/responses", api.responses, methods=["POST"])
     app.add_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_route("/detokenize", api.detokenize, methods=["POST"])
 

@@ -11,8 +11,8 @@
 
 A forced answer cannot be anything but a call, so it is parsed as JSON, never guessed
 at. An answer cut short by ``max_tokens`` ends with ``length``: a named call keeps the
-arguments as far as they went (as OpenAI does), an unfinished ``required`` array is
-left as text content. :class:`Mode` holds the choice; its :meth:`Mode.parse` reads a
+arguments as far as they went (as OpenAI does), a ``required`` array its items that
+closed (none closed: the text is the content). :class:`Mode` holds the choice; its :meth:`Mode.parse` reads a
 whole answer, its :meth:`Mode.stream` a streamed one, both in OpenAI's shapes.
 """
 
@@ -102,7 +102,10 @@ class Mode:
             return None, tools.as_openai([{"name": self.name, "arguments": text}])
         found = _array_calls(text)
         if found is None:
-            return text, []
+            # Cut short: the items that closed are calls, as a stream would have sent them.
+            scan = ArrayStream(self.parallel)
+            _, items = scan.feed(text)
+            return (None, items) if items else (text, [])
         return None, tools.as_openai(found if self.parallel else found[:1])
 
     def stream(self) -> CallStream:

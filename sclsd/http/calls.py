@@ -19,6 +19,7 @@ whole answer, its :meth:`Mode.stream` a streamed one, both in OpenAI's shapes.
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -137,18 +138,20 @@ def _array_calls(text: str) -> list[dict[str, Any]] | None:
     return None if any(c is None for c in calls) else [c for c in calls if c is not None]
 
 
-class CallStream:
+class CallStream(ABC):
     """Tool calls of one streamed choice: :meth:`feed` new text, :meth:`finish` at its end;
     both answer (content to send, ``delta.tool_calls`` entries in OpenAI's shape)."""
 
     called: bool = False
     """A call was sent: the choice ends with ``tool_calls``."""
 
+    @abstractmethod
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        raise NotImplementedError
+        """Take the choice's new text."""
 
+    @abstractmethod
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        raise NotImplementedError
+        """The choice ended: what is left to send."""
 
 
 def _whole(calls: list[dict[str, Any]], first: int) -> list[dict[str, Any]]:

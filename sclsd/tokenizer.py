@@ -77,16 +77,33 @@ class HFTokenizer:
         # No template: the whole text is the messages' (no marker of ours is special).
         return self.encode_text("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: ")
 
-    def render_chat(self, messages: list[dict[str, Any]], **template: Any) -> list[int]:
+    def special_text(self, value: Any) -> str | None:
+        """The first special token's text found in a string of ``value`` (a JSON-like value),
+        None if there is none."""
+        if isinstance(value, str):
+            m = self._added_re.search(value) if self._added_re is not None else None
+            return m.group() if m is not None else None
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        for v in items:
+            found = self.special_text(v)
+            if found is not None:
+                return found
+        return None
+
+    def render_chat(self, messages: list[dict[str, Any]], settings: dict[str, Any] | None = None,
+                    **template: Any) -> list[int]:
         """``messages`` through the chat template with the generation prompt (``template``:
         its other variables, e.g. ``tools``); every string the messages and variables carry
-        is tokenized as text (:func:`chat_pieces`)."""
+        is tokenized as text (:func:`chat_pieces`). ``settings`` are variables the template
+        branches on (``chat_template_kwargs``: ``enable_thinking``, a mode's name): they
+        reach the template as they are, and text they make it write is the template's (the
+        caller keeps special-token text out of them, :meth:`special_text`)."""
         # Tokenized in one pass between the template's own added tokens (as the tokenizer
         # itself splits there), so text on either side of a message's edge merges as it
         # would in the whole rendering: a chat without special text gets the same ids.
         out: list[int] = []
         text: list[str] = []
-        for piece in chat_pieces(self.tok, messages, template):
+        for piece in chat_pieces(self.tok, messages, template, settings or {}):
             if not isinstance(piece, Verbatim):
                 text.append(piece)
                 continue
@@ -110,7 +127,8 @@ class Verbatim:
     text: str
 
 
-def chat_pieces(tok: Any, messages: list[dict[str, Any]], template: dict[str, Any]) -> list[Verbatim | str]:
+def chat_pieces(tok: Any, messages: list[dict[str, Any]], template: dict[str, Any],
+                settings: dict[str, Any] | None = None) -> list[Verbatim | str]:
     """The rendered chat as the template's own text (:class:`Verbatim`) and the text the
     caller gave (plain ``str``), in order.
 
@@ -118,7 +136,9 @@ def chat_pieces(tok: Any, messages: list[dict[str, Any]], template: dict[str, An
     replaced by a placeholder no one can guess, the template rendered, and the rendering
     cut at the placeholders. Each placeholder stands for what the template made of its
     string: as given, JSON-escaped (``tojson``) or trimmed, as the real rendering shows;
-    where that cannot be told, the string as given (never template text)."""
+    where that cannot be told, the string as given (never template text). ``settings``
+    go to the template unhidden in both renderings: it compares them (``mode == "low"``),
+    and a placeholder would take another branch."""
     tag = secrets.token_hex(8)
     values: list[str] = []
 
@@ -132,9 +152,10 @@ def chat_pieces(tok: Any, messages: list[dict[str, Any]], template: dict[str, An
             return [hide(v) for v in x]
         return x
 
+    settings = settings or {}
     hidden = hide({"messages": messages, **template})
-    marked = _render(tok, hidden.pop("messages"), hidden)
-    real = _render(tok, messages, template)
+    marked = _render(tok, hidden.pop("messages"), {**settings, **hidden})
+    real = _render(tok, messages, {**settings, **template})
     parts = re.split(f"SCLSD{tag}P(\\d+)E", marked)
     texts, slots = parts[0::2], [values[int(i)] for i in parts[1::2]]
     shown = _as_rendered(real, texts, slots)

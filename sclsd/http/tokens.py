@@ -92,19 +92,22 @@ class View:
         if native and chat.mode is not None and chat.mode.choice == "auto" and not self.hermes:
             raise unsupported("tools", "the model's chat template formats tool calls in a way this "
                               "server does not parse (only Hermes-style <tool_call> blocks)")
+        settings = chat.template_kwargs
+        special = self.t.special_text(settings) if settings and self.hf is not None else None
+        if special is not None:
+            raise bad("chat_template_kwargs", f"chat_template_kwargs: {special!r} is a special "
+                      "token of the model; template variables may not carry one")
         try:
             if not native:
                 turns = fallback.text_turns(chat.messages, chat.tools)
                 if self.hf is None or not self.template:
                     return [int(i) for i in self.t.encode_chat(turns)]
-                return [int(i) for i in self.t.render_chat(turns, **chat.template_kwargs)]
+                return [int(i) for i in self.t.render_chat(turns, settings)]
             if self.hf is None or not self.template:
                 raise bad("chat_template_kwargs", "chat_template_kwargs: the model has no chat template")
-            extra = dict(chat.template_kwargs)
-            if chat.tools is not None:
-                extra["tools"] = chat.tools
+            extra = {"tools": chat.tools} if chat.tools is not None else {}
             # As the daemon renders plain chats: only the template's markers are special.
-            return [int(i) for i in self.t.render_chat(chat.messages, **extra)]
+            return [int(i) for i in self.t.render_chat(chat.messages, settings, **extra)]
         except ApiError:
             raise
         except Exception as exc:  # noqa: BLE001 - the template's own refusal (raise_exception)

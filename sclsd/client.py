@@ -51,6 +51,17 @@ DEFAULT_SOCKET = os.environ.get("SCLSD_SOCKET", defaults.SOCKET)
 DEFAULT_STATUS_SOCKET = os.environ.get("SCLSD_STATUS_SOCKET", defaults.STATUS_SOCKET)
 
 
+def unreachable(exc: OSError, path: str, what: str = "client socket") -> OSError:
+    """``exc`` (from connecting to ``path``) again, of the same class, its message naming the
+    socket and how to point at another: Python's own says only "No such file or directory"."""
+    why = exc.strerror or str(exc)
+    out = type(exc)(exc.errno, f"cannot reach sclsd's {what} at {path}: {why} (is the daemon "
+                    f"running, and listening there? pass the path it uses, or set $SCLSD_"
+                    f"{'STATUS_' if what == 'status socket' else ''}SOCKET)")
+    out.__cause__ = exc
+    return out
+
+
 class RequestError(Exception):
     """The daemon answered ``error``: refused, or failed after acceptance."""
 
@@ -117,7 +128,11 @@ class Client:
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
-        self.sock.connect(path)
+        try:
+            self.sock.connect(path)
+        except OSError as exc:
+            self.sock.close()
+            raise unreachable(exc, path) from exc
 
     def __enter__(self) -> Client:
         return self
@@ -240,7 +255,10 @@ class AsyncClient:
         return self._task is not None and not self._task.done()
 
     async def connect(self) -> AsyncClient:
-        self._reader, self._writer = await asyncio.open_unix_connection(self.path, limit=1 << 20)
+        try:
+            self._reader, self._writer = await asyncio.open_unix_connection(self.path, limit=1 << 20)
+        except OSError as exc:
+            raise unreachable(exc, self.path) from exc
         self._task = asyncio.create_task(self._read_loop())
         return self
 
@@ -414,7 +432,10 @@ def status(path: str = DEFAULT_STATUS_SOCKET, metrics: bool = False,
     """
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
-        s.connect(path)
+        try:
+            s.connect(path)
+        except OSError as exc:
+            raise unreachable(exc, path, "status socket") from exc
         s.sendall(P.frame(P.MetricsRequest() if metrics else P.StatusRequest()))
         (n,) = P.FRAME_HEADER.unpack(_recv_exact(s, P.FRAME_HEADER.size))
         reply = P.status_reply_decoder.decode(_recv_exact(s, n))

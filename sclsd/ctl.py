@@ -7,6 +7,7 @@
     sclsctl wait-ready [--timeout S]       exit 0 once the daemon serves with a worker registered
     sclsctl top [--interval S]             live view of the same, with rates
     sclsctl metrics                        Prometheus text exposition
+    sclsctl tokenizer                      the model's tokenizer directory (for load generators)
     sclsctl drain WORKER [--resume|--wait] take a worker out of rotation (admin)
     sclsctl cancel ID                      cancel any client's request (admin)
     sclsctl keygen DIR --worker NAME ...   CURVE key pairs for workers on tcp://
@@ -37,10 +38,6 @@ from . import defaults
 from .client import Client, Delta, Done, RequestError, status
 from .protocol import StatusSnapshot
 
-#: The file names the daemon's sockets have in its run directory (``/run/sclsd``).
-SOCKET_NAME = os.path.basename(defaults.SOCKET)
-STATUS_SOCKET_NAME = os.path.basename(defaults.STATUS_SOCKET)
-
 
 def resolve_sockets(args: argparse.Namespace, env: dict[str, str] | None = None) -> None:
     """Set ``args.socket`` / ``args.status_socket`` by the rule of the module docstring, and
@@ -48,9 +45,8 @@ def resolve_sockets(args: argparse.Namespace, env: dict[str, str] | None = None)
     for a config file that cannot be read."""
     env = dict(os.environ) if env is None else env
     if args.run_dir:
-        base: tuple[str, str, str] = (os.path.join(args.run_dir, SOCKET_NAME),
-                                      os.path.join(args.run_dir, STATUS_SOCKET_NAME),
-                                      f"--run-dir {args.run_dir}")
+        sock, status_sock, _ = defaults.in_run_dir(args.run_dir)
+        base: tuple[str, str, str] = (sock, status_sock, f"--run-dir {args.run_dir}")
     elif args.config:
         from .config import ConfigError, load
 
@@ -78,13 +74,20 @@ def _where(args: argparse.Namespace, which: str) -> str:
     return getattr(args, "sockets_from", "the default")
 
 
+def _why(exc: Exception) -> str:
+    """The cause of an unreachable socket, without the client library's advice: sclsctl names
+    the path and where it came from itself."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+    return (cause.strerror if isinstance(cause, OSError) else None) or str(cause)
+
+
 def _client_error(args: argparse.Namespace, exc: Exception) -> int:
     """Report a refusal or an unreachable client socket; the exit code is 1 either way."""
     if isinstance(exc, RequestError):
         print(f"sclsctl: {exc}", file=sys.stderr)
     else:
         print(f"sclsctl: cannot reach sclsd at {args.socket} (from {_where(args, 'socket')}): "
-              f"{exc}", file=sys.stderr)
+              f"{_why(exc)}", file=sys.stderr)
     return 1
 
 
@@ -94,7 +97,7 @@ def _status_error(args: argparse.Namespace, exc: Exception) -> int:
         print(f"sclsctl: {exc}", file=sys.stderr)
     else:
         print(f"sclsctl: cannot reach sclsd status at {args.status_socket} "
-              f"(from {_where(args, 'status_socket')}): {exc}", file=sys.stderr)
+              f"(from {_where(args, 'status_socket')}): {_why(exc)}", file=sys.stderr)
     return 1
 
 
@@ -173,6 +176,8 @@ def format_status(st: StatusSnapshot, rates: dict[str, float] | None = None) -> 
         f"pool={st.pool_size}  running={st.running_requests}  live={st.live_requests}  "
         f"admitting={st.admitting}  queued_tokens={st.queued_tokens}  connections={st.connections}",
     ]
+    if st.tokenizer is not None and rates is None:
+        lines.append(f"tokenizer={st.tokenizer}")
     if st.starting:
         lines.append(f"STARTING: {st.why or 'not serving yet'}")
     elif not st.serving:
@@ -260,7 +265,7 @@ def _wait_ready(args: argparse.Namespace) -> int:
             return _status_error(args, exc)
         except OSError as exc:  # not listening yet (or any more): a starting daemon, maybe
             ready, last = False, (f"cannot reach sclsd status at {args.status_socket} "
-                                  f"(from {_where(args, 'status_socket')}): {exc}")
+                                  f"(from {_where(args, 'status_socket')}): {_why(exc)}")
         if ready:
             if not args.quiet:
                 print(f"ready: {last}")
@@ -386,6 +391,21 @@ worker NAME (copy its key pair and daemon.public to its host):
     return 0
 
 
+def _tokenizer(args: argparse.Namespace) -> int:
+    """Print the directory of the model's tokenizer (for load generators' ``--tokenizer``)."""
+    try:
+        st = status(args.status_socket)
+    except (RequestError, OSError) as exc:
+        return _status_error(args, exc)
+    if st.tokenizer is None:
+        why = "the daemon is still starting" if st.starting else (
+            f"model {st.model} has no tokenizer files on disk (the fake model's is bytes)")
+        print(f"sclsctl: no tokenizer directory: {why}", file=sys.stderr)
+        return 1
+    print(st.tokenizer)
+    return 0
+
+
 def _metrics(args: argparse.Namespace) -> int:
     try:
         print(status(args.status_socket, metrics=True), end="")
@@ -454,6 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
     wr.set_defaults(func=_wait_ready)
     m = command("metrics", "Prometheus text exposition", "the status socket")
     m.set_defaults(func=_metrics)
+    tk = command("tokenizer", "print the directory of the model's tokenizer files (what load generators "
+                 "such as guidellm and aiperf take as --processor / --tokenizer)", "the status socket")
+    tk.set_defaults(func=_tokenizer)
     t = command("top", "live view of status, with request and token rates", "the status socket")
     t.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
     t.add_argument("--iterations", type=int, default=None, help="stop after this many frames")

@@ -38,6 +38,15 @@ STATUS_SOCKET = "/run/sclsd/status.sock"
 #: ZeroMQ endpoint the daemon binds for its workers (``daemon.worker_endpoint``).
 WORKER_ENDPOINT = "ipc:///run/sclsd/workers.ipc"
 
+
+def in_run_dir(run_dir: str) -> tuple[str, str, str]:
+    """The client socket, the status socket and the worker endpoint a daemon run with
+    ``--run-dir DIR`` uses: the names of the system install's ``/run/sclsd`` inside ``DIR``
+    (``sclsd``, ``sclsctl`` and ``sclsd-http`` all take ``--run-dir``)."""
+    name = os.path.basename
+    return (os.path.join(run_dir, name(SOCKET)), os.path.join(run_dir, name(STATUS_SOCKET)),
+            "ipc://" + os.path.join(os.path.abspath(run_dir), name(WORKER_ENDPOINT)))
+
 #: Largest client or status frame, bytes (``daemon.max_frame_bytes``); equals
 #: ``sclsd.protocol.DEFAULT_MAX_FRAME``.
 MAX_FRAME_BYTES = 4 * 1024 * 1024

@@ -64,6 +64,16 @@ class HFTokenizer:
         self._added_re = re.compile("|".join(re.escape(t) for t in sorted(added, key=len, reverse=True))
                                     ) if added else None
 
+    @property
+    def directory(self) -> str | None:
+        """The directory ``transformers.AutoTokenizer.from_pretrained`` loads this tokenizer
+        from (a GGUF's: its converted copy in the model cache), for tools that count tokens
+        themselves (load generators' ``--tokenizer``); None when it was built in memory."""
+        path = str(getattr(self.tok, "name_or_path", "") or "")
+        if path and any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+            return os.path.abspath(path)
+        return None
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
 

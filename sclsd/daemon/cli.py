@@ -15,7 +15,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from ..config import ConfigError, load
-from ..defaults import AUTO_ENGINE, ENGINES, force_offline
+from ..defaults import AUTO_ENGINE, ENGINES, force_offline, in_run_dir
 from ..preflight import check_binds, check_model
 from .errors import StartupError
 from .logs import setup_logging
@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--socket", help="client API Unix socket path")
     p.add_argument("--status-socket", help="status Unix socket path")
     p.add_argument("--worker-endpoint", help="ZeroMQ endpoint for workers (ipc:// or tcp://)")
+    p.add_argument("--run-dir", metavar="DIR",
+                   help="put the sockets in DIR, named as in /run/sclsd: DIR/sclsd.sock, DIR/status.sock "
+                   "and ipc://DIR/workers.ipc (sclsctl and sclsd-http take the same --run-dir); "
+                   "--socket, --status-socket and --worker-endpoint still win")
     p.add_argument("--engine", choices=[AUTO_ENGINE, *ENGINES],
                    help="engine of spawned workers (auto, the default: the one the policy needs, "
                    "hf-cb for scls-cb, hf for the static policies)")
@@ -68,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point of ``sclsd``."""
     args = build_parser().parse_args(argv)
+    if args.run_dir:
+        sock, status_sock, endpoint = in_run_dir(args.run_dir)
+        args.socket = args.socket or sock
+        args.status_socket = args.status_socket or status_sock
+        args.worker_endpoint = args.worker_endpoint or endpoint
     try:
         # The command line's changes go into the file's values before the one validation:
         # --policy scls mends a file whose engine only a static policy takes.

@@ -221,7 +221,8 @@ class Server:
             loading=loading, admitting=self.admission.admitting if self.admission is not None else 0,
             counters={"refused": self.metrics.refused_total, "bad_worker_messages": self.transport.bad_messages,
                       "workers_refused": self.fleet.refused, "worker_restarts": self.supervisor.restarts,
-                      "partial_frame_closed": self.frame_budget.closed})
+                      "partial_frame_closed": self.frame_budget.closed},
+            tokenizer=getattr(self.tok, "directory", None))
         return self.view.snapshot(self.core, state)
 
     # ------------------------------------------------------------------ lifecycle

@@ -37,6 +37,8 @@ class DaemonState:
     admitting: int = 0
     counters: dict[str, int] = field(default_factory=dict)
     """Refusals, bad worker messages, refused registrations, restarts."""
+    tokenizer: str | None = None
+    """Where the model's tokenizer files are (``StatusSnapshot.tokenizer``)."""
 
 
 class StatusView:
@@ -112,6 +114,7 @@ class StatusView:
             kv_cache_usage=occ.kv_usage_total,
             partial_frame_bytes=self.api.budget.held,
             expected_workers=self.cfg.workers.spawn,
+            tokenizer=state.tokenizer,
             worker_losses=[] if core is None else [
                 P.WorkerLosses(id=wid, count=r.count, by_reason=dict(r.by_reason), last_reason=r.last_reason,
                                last_why=r.last_why, last_age_s=round(now - r.last_at, 1))

@@ -3,10 +3,12 @@
 ::
 
     sclsd-http --config /etc/sclsd/sclsd.toml            # sockets from [daemon], the rest from [http]
-    sclsd-http --socket /tmp/sclsd.sock --status-socket /tmp/status.sock --listen 127.0.0.1:8000
+    sclsd-http --run-dir /tmp/sclsd --listen 127.0.0.1:8000  # /tmp/sclsd/sclsd.sock and status.sock
 
-Flags override the config file; without ``--config`` the sockets are
-``$SCLSD_SOCKET`` / ``$SCLSD_STATUS_SOCKET`` or the system install's. The API key
+The daemon's sockets are found as ``sclsctl`` finds them: ``--socket`` /
+``--status-socket``, else ``--run-dir DIR``, else ``--config``'s ``[daemon]``, else
+``$SCLSD_SOCKET`` / ``$SCLSD_STATUS_SOCKET``, else the system install's. Other flags
+override the config file. The API key
 comes from ``--api-key``, else ``$SCLSD_API_KEY``, else ``[http] api_key_file``
 (the environment and the file keep it out of the process list). Once it listens
 it prints ``sclsd-http listening on http://HOST:PORT`` (``--listen HOST:0`` picks a
@@ -29,8 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..client import DEFAULT_SOCKET, DEFAULT_STATUS_SOCKET
 from ..config import Config, ConfigError, load, override, parse_host_port
+from ..ctl import resolve_sockets
 from ..sdnotify import Notifier
 from .app import create_app
 from .server import effective_limits, guarded_protocol
@@ -42,9 +44,10 @@ log = logging.getLogger("sclsd.http")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sclsd-http", description="OpenAI-compatible HTTP front end to sclsd")
     p.add_argument("--config", help="sclsd's TOML config: [daemon] sockets and the [http] section")
-    p.add_argument("--socket", help=f"the daemon's client socket (default: [daemon] socket, else {DEFAULT_SOCKET})")
-    p.add_argument("--status-socket",
-                   help=f"the daemon's status socket (default: [daemon] status_socket, else {DEFAULT_STATUS_SOCKET})")
+    p.add_argument("--socket", help="the daemon's client socket")
+    p.add_argument("--status-socket", help="the daemon's status socket")
+    p.add_argument("--run-dir", metavar="DIR", help="the daemon's run directory (sclsd --run-dir): "
+                   "DIR/sclsd.sock and DIR/status.sock")
     p.add_argument("--listen", help="HOST:PORT to serve HTTP on (default: [http] listen, 127.0.0.1:8000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (visible in ps: "
                    "prefer $SCLSD_API_KEY or [http] api_key_file)")
@@ -78,8 +81,13 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, str, str]:
     cfg = override(cfg, http__listen=args.listen, http__model_name=args.model_name,
                    http__connections=args.connections, http__log_level=args.log_level,
                    http__access_log=False if args.no_access_log else None)
-    sock = args.socket or (cfg.daemon.socket if args.config else DEFAULT_SOCKET)
-    status_sock = args.status_socket or (cfg.daemon.status_socket if args.config else DEFAULT_STATUS_SOCKET)
+    where = argparse.Namespace(run_dir=args.run_dir, config=args.config, socket=args.socket,
+                               status_socket=args.status_socket)
+    try:
+        resolve_sockets(where)
+    except ValueError as exc:
+        raise ConfigError("--config", args.config, str(exc)) from None
+    sock, status_sock = where.socket, where.status_socket
     h = cfg.http
     limits = Limits(max_body_bytes=h.max_body_bytes, body_timeout_s=h.body_timeout_s,
                     max_header_bytes=h.max_header_bytes, header_timeout_s=h.header_timeout_s,

@@ -156,6 +156,11 @@ class StatusSnapshot(msgspec.Struct, forbid_unknown_fields=True):
     0: the workers are started elsewhere."""
     worker_losses: list[WorkerLosses] = []
     """Every worker dropped since the daemon started, with why (``sclsctl status``)."""
+    tokenizer: str | None = None
+    """The directory of the model's tokenizer files, as ``AutoTokenizer.from_pretrained``
+    takes it: what load generators need as ``--tokenizer`` / ``--processor`` to count
+    tokens as the daemon does (``sclsctl tokenizer``). None for the ``fake`` model, while
+    the daemon starts, or for a tokenizer built in memory."""
 
 
 class StatusReply(_Msg, tag="status_reply"):

@@ -128,3 +128,69 @@ def test_hub_hint_is_hf_download_and_only_for_org_name(tmp_path: Path, monkeypat
     with pytest.raises(models.ModelNotCached) as e:
         models.resolve("smollm3")
     assert "hf download" not in str(e.value) and "ORG/NAME" in str(e.value)
+
+
+def test_one_run_dir_places_the_daemon_sclsctl_and_sclsd_http_alike(tmp_path: Path, monkeypatch) -> None:
+    """``--run-dir DIR`` means the same sockets to all three commands."""
+    import sclsd.daemon.cli as daemon_cli
+    from sclsd.http import cli as http_cli
+
+    seen: dict[str, Any] = {}
+
+    def fake_load(path: Any = None, **overrides: Any) -> Any:
+        seen.update(overrides)
+        raise ctl_config_error()
+
+    def ctl_config_error() -> Exception:
+        from sclsd.config import ConfigError
+
+        return ConfigError("stop", "here", "the test has what it needs")
+
+    monkeypatch.setattr(daemon_cli, "load", fake_load)
+    assert daemon_cli.main(["--run-dir", str(tmp_path)]) == 2
+    assert (seen["daemon__socket"], seen["daemon__status_socket"], seen["daemon__worker_endpoint"]) == (
+        f"{tmp_path}/sclsd.sock", f"{tmp_path}/status.sock", f"ipc://{tmp_path}/workers.ipc")
+    # An explicit path still wins over the directory.
+    assert daemon_cli.main(["--run-dir", str(tmp_path), "--socket", "/x.sock"]) == 2
+    assert seen["daemon__socket"] == "/x.sock" and seen["daemon__status_socket"] == f"{tmp_path}/status.sock"
+    settings, _, _ = http_cli.settings_from(http_cli.build_parser().parse_args(["--run-dir", str(tmp_path)]))
+    assert (settings.socket, settings.status_socket) == (f"{tmp_path}/sclsd.sock", f"{tmp_path}/status.sock")
+    assert sockets(["--run-dir", str(tmp_path)])[:2] == (settings.socket, settings.status_socket)
+
+
+def test_the_client_library_names_the_socket_it_cannot_reach(tmp_path: Path) -> None:
+    import asyncio
+
+    from sclsd.client import AsyncClient, Client, status
+
+    path = str(tmp_path / "sclsd.sock")
+    with pytest.raises(FileNotFoundError, match=f"client socket at {path}: No such file"):
+        Client(path)
+    with pytest.raises(FileNotFoundError, match=f"status socket at {tmp_path}/s.sock"):
+        status(str(tmp_path / "s.sock"))
+
+    async def connect() -> None:
+        await AsyncClient(path).connect()
+
+    with pytest.raises(OSError, match=f"client socket at {path}"):
+        asyncio.run(connect())
+
+
+def test_tokenizer_prints_the_directory_load_generators_take(monkeypatch, capsys, tmp_path: Path) -> None:
+    import msgspec
+
+    from sclsd.tokenizer import load
+
+    directory = load("tiny-random").directory  # type: ignore[attr-defined]
+    assert directory is not None and Path(directory, "tokenizer.json").is_file()
+    from transformers import AutoTokenizer
+
+    assert len(AutoTokenizer.from_pretrained(directory)) == len(load("tiny-random").tok)  # type: ignore[attr-defined]
+    st = msgspec.structs.replace(snapshot(1, 0), tokenizer=directory)
+    monkeypatch.setattr(ctl, "status", lambda path, **kw: st)
+    assert ctl.main(["--run-dir", str(tmp_path), "tokenizer"]) == 0
+    assert capsys.readouterr().out.strip() == directory
+    assert f"tokenizer={directory}" in ctl.format_status(st)
+    monkeypatch.setattr(ctl, "status", lambda path, **kw: snapshot(1, 0))
+    assert ctl.main(["--run-dir", str(tmp_path), "tokenizer"]) == 1
+    assert "no tokenizer directory" in capsys.readouterr().err

@@ -223,10 +223,12 @@ class Detokenizer:
     of ``ids[:r]`` is ``text[:t_r]``: offsets advance only when everything decoded was
     emitted. A trailing replacement character (an incomplete multi-byte sequence) is held
     back until the next tokens complete it, and so is a tail that may begin a stop string;
-    stop strings end the text where they start.
+    stop strings end the text where they start (where they end, with ``keep_stop``).
     """
 
     stop: list[str] = field(default_factory=list)
+    keep_stop: bool = False
+    """The stop string that ends the text stays in it (at its end)."""
     text: str = ""
     stopped: bool = False
     p: int = 0
@@ -277,10 +279,10 @@ class Detokenizer:
             # Search from a little before the emitted end so a stop string spanning calls is seen.
             start = max(0, len(self.text) - max(len(s) for s in self.stop))
             seen = self.text[start:] + new
-            cut = min((i for s in self.stop if (i := seen.find(s)) >= 0), default=-1)
+            cut, found = min(((i, s) for s in self.stop if (i := seen.find(s)) >= 0), default=(-1, ""))
             if cut >= 0:
                 self.stopped = True
-                new = seen[:cut][len(self.text) - start:]
+                new = seen[:cut + (len(found) if self.keep_stop else 0)][len(self.text) - start:]
             elif not final:
                 # Hold back a tail that may be the start of a stop string: once sent, text
                 # cannot be taken back.

@@ -14,7 +14,6 @@ choice not yet done.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -96,14 +95,12 @@ async def prepare(host: Host, parsed: Parsed) -> None:
         await asyncio.to_thread(tokens.resolve, parsed, view)
     else:
         tokens.resolve(parsed, None)
-    if parsed.include_stop:
-        parsed.stop_suffix = functools.partial(tokens.matched_stop, await host.tokens.view(),
-                                               parsed.include_stop)
     await host.link.client()  # connected, so ``features`` is this daemon's
     missing = sorted(parsed.features - host.link.features)
     if missing:
         # The OpenAI parameter behind each daemon feature.
-        param = {"structured": "response_format"}.get(missing[0], missing[0])
+        param = {"structured": "response_format",
+                 "include_stop_str": "include_stop_str_in_output"}.get(missing[0], missing[0])
         raise unsupported(param, "this daemon's engines do not apply it yet (the daemon "
                           "lists what it applies; docs/operations.md, sclsd-http)")
 
@@ -146,7 +143,7 @@ async def _complete(host: Host, parsed: Parsed, msgs: list[P.Generate],
     shown = render.best(ordered, parsed.best_of, parsed.n) if parsed.best_of else ordered
     return render.response(parsed.kind, head, ordered, shown, parsed.per_prompt,
                            parsed.top_logprobs is not None, parsed.echo_texts or None,
-                           parsed.chat.mode if parsed.chat else None, parsed.stop_suffix)
+                           parsed.chat.mode if parsed.chat else None)
 
 
 async def _stream(host: Host, parsed: Parsed, msgs: list[P.Generate], events: AsyncIterator[Any],
@@ -155,8 +152,7 @@ async def _stream(host: Host, parsed: Parsed, msgs: list[P.Generate], events: As
     chunks = Chunks(parsed.kind, head, len(msgs), parsed.per_prompt,
                     include_usage=parsed.include_usage, continuous=parsed.continuous_usage,
                     logprobs=parsed.top_logprobs is not None, echo=parsed.echo_texts or None,
-                    tool_mode=parsed.chat.mode if parsed.chat else None,
-                    stop_suffix=parsed.stop_suffix)
+                    tool_mode=parsed.chat.mode if parsed.chat else None)
     it = events.__aiter__()
     early: list[Any] = []
     accepted = 0

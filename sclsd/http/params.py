@@ -98,12 +98,6 @@ class Parsed:
     chat: Chat | None = None
     features: frozenset[str] = frozenset()
     """The optional daemon features (``Pong.features``) this request needs."""
-    include_stop: list[str] = field(default_factory=list)
-    """``include_stop_str_in_output`` with ``stop``: the strings to put back at the end of
-    a choice that one of them ended (found by :mod:`.tokens`)."""
-    stop_suffix: Any = None
-    """With :attr:`include_stop`, filled by :mod:`.generate`: ``(text, token_ids) -> the stop
-    string that ended the choice, or ""``."""
 
     @property
     def per_prompt(self) -> int:
@@ -418,6 +412,9 @@ def parse(kind: Kind, body: Any, max_choices: int) -> Parsed:
         "seed": seed, "user": user, "logprobs": top is not None, "top_logprobs": top or 0,
         "min_tokens": min_tokens, "logit_bias": logit_bias, "skip_special_tokens": skip_special,
     }
+    include_stop = _bool(body, "include_stop_str_in_output", False) and bool(params["stop"])
+    if include_stop:
+        params["include_stop_str"] = True  # the daemon keeps the stop string that ended the text
     if structured is not None:
         params["structured"] = structured
     stop_ids = _token_ids(body, "stop_token_ids")
@@ -432,11 +429,10 @@ def parse(kind: Kind, body: Any, max_choices: int) -> Parsed:
     features = frozenset(name for name, on in (("min_tokens", min_tokens > 0),
                                                ("logit_bias", bool(logit_bias)),
                                                ("skip_special_tokens", not skip_special),
-                                               ("structured", structured is not None)) if on)
+                                               ("structured", structured is not None),
+                                               ("include_stop_str", include_stop)) if on)
     parsed = Parsed(kind, model, stream, include_usage, n, prompts, params, top,
                     continuous_usage=continuous, echo=echo, chat=the_chat, features=features)
-    if _bool(body, "include_stop_str_in_output", False):
-        parsed.include_stop = params["stop"]
     if kind == "completion":
         _completion_extras(body, parsed, max_choices)
     if parsed.best_of:

@@ -10,7 +10,6 @@ Stream chunks are :mod:`.stream`'s.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -139,12 +138,10 @@ def best(dones: list[P.Done], best_of: int, n: int) -> list[P.Done]:
 
 def response(kind: Kind, head: dict[str, Any], dones: list[P.Done], shown: list[P.Done],
              per_prompt: int, logprobs: bool, echo: list[str] | None = None,
-             tool_mode: Mode | None = None,
-             stop_suffix: Callable[[str, list[int]], str] | None = None) -> bytes:
+             tool_mode: Mode | None = None) -> bytes:
     """A non-streaming completion: one choice per ``shown`` ``Done``, in order; usage over
     all of ``dones``. ``echo``: text before each prompt's choices (indexed by prompt);
-    ``tool_mode``: how tool calls come out of a chat's answer (:mod:`.calls`);
-    ``stop_suffix``: the stop string to put back (``include_stop_str_in_output``)."""
+    ``tool_mode``: how tool calls come out of a chat's answer (:mod:`.calls`)."""
     choices = []
     per_shown = len(shown) // max(1, len(echo)) if echo else 1
     for i, d in enumerate(shown):
@@ -153,10 +150,7 @@ def response(kind: Kind, head: dict[str, Any], dones: list[P.Done], shown: list[
             lps = d.logprobs or []
             lp = chat_logprobs(lps) if kind == "chat" else completion_logprobs(lps)
         reason = finish_reason(d)
-        out = d.text or ""
-        if stop_suffix is not None and reason == "stop":
-            out += stop_suffix(out, d.token_ids or [])
-        text = (echo[i // per_shown] if echo else "") + out
+        text = (echo[i // per_shown] if echo else "") + (d.text or "")
         if kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if tool_mode is not None:

@@ -12,7 +12,6 @@ is complete (:class:`.tools.ToolStream`), and the choice ends with ``tool_calls`
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from .. import protocol as P
@@ -26,8 +25,7 @@ class Chunks:
 
     def __init__(self, kind: Kind, head: dict[str, Any], choices: int, per_prompt: int, *,
                  include_usage: bool = False, continuous: bool = False, logprobs: bool = False,
-                 echo: list[str] | None = None, tool_mode: Mode | None = None,
-                 stop_suffix: Callable[[str, list[int]], str] | None = None) -> None:
+                 echo: list[str] | None = None, tool_mode: Mode | None = None) -> None:
         self.kind = kind
         self.head = dict(head, object="chat.completion.chunk" if kind == "chat" else "text_completion")
         self.per_prompt = per_prompt
@@ -41,10 +39,6 @@ class Chunks:
         self.dones: list[P.Done | None] = [None] * choices
         self.tool_streams: list[CallStream] | None = (
             [tool_mode.stream() for _ in range(choices)] if tool_mode is not None else None)
-        self.stop_suffix = stop_suffix
-        # With ``stop_suffix``: each choice's text and token ids so far.
-        self.texts = [""] * choices
-        self.ids: list[list[int]] = [[] for _ in range(choices)]
 
     def _event(self, index: int, choice: dict[str, Any]) -> bytes:
         obj: dict[str, Any] = dict(self.head, choices=[choice])
@@ -77,9 +71,6 @@ class Chunks:
               token_ids: list[int] | None = None) -> bytes:
         """New text of a choice (from ``token_ids``)."""
         self.completion_tokens[index] += len(token_ids or ())
-        if self.stop_suffix is not None:
-            self.texts[index] += text
-            self.ids[index] += token_ids or []
         calls: list[dict[str, Any]] = []
         if self.tool_streams is not None:
             text, calls = self.tool_streams[index].feed(text)
@@ -103,14 +94,10 @@ class Chunks:
         self.dones[index] = d
         self.completion_tokens[index] = d.usage.completion_tokens
         text: str = ""
-        if self.stop_suffix is not None and reason == "stop":
-            text = self.stop_suffix(self.texts[index], self.ids[index])
         calls: list[dict[str, Any]] = []
         if self.tool_streams is not None:
             ts = self.tool_streams[index]
-            more, calls = ts.feed(text) if text else ("", [])
-            rest, last = ts.finish()
-            text, calls = more + rest, calls + last
+            text, calls = ts.finish()
             if ts.called and (reason == "stop" or isinstance(ts, HermesStream)):
                 reason = "tool_calls"
         return self._piece(index, text, None, reason, calls)

@@ -132,16 +132,6 @@ class View:
         return None
 
 
-def matched_stop(view: View, stops: list[str], text: str, ids: list[int]) -> str:
-    """The stop string that ended a choice whose kept text is ``text`` and whose tokens are
-    ``ids`` (they run through the token that completed the stop string), or ""."""
-    if not stops or not ids:
-        return ""
-    full = view.decode(ids)
-    rest = full[len(text):] if full.startswith(text) else full[len(text.rstrip()):].lstrip()
-    return next((s for s in stops if rest.startswith(s)), "")
-
-
 def needs_view(parsed: Parsed) -> bool:
     """Whether :func:`resolve` needs the tokenizer for this request."""
     return any("render" in f or "fim" in f for f in parsed.prompts) or (

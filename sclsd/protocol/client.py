@@ -92,6 +92,9 @@ class Generate(_Msg, tag="generate"):
     skip_special_tokens: bool = True
     """Leave special tokens out of the output text (False: keep them; needs the feature
     ``skip_special_tokens`` in :attr:`Pong.features`)."""
+    include_stop_str: bool = False
+    """A stop string that ends the output stays at the end of its text (vLLM's
+    ``include_stop_str_in_output``; needs the feature ``include_stop_str``)."""
     structured: Structured | None = None
     """The output must follow this (JSON schema, regex, grammar): checked at admission,
     enforced by the workers as a token mask (needs the feature ``structured``)."""
@@ -222,8 +225,9 @@ class Pong(_Msg, tag="pong"):
 
 
 #: Optional ``generate`` fields a daemon applies only once it says so in ``Pong.features``:
-#: ``min_tokens`` > 0, a non-empty ``logit_bias``, ``skip_special_tokens = false``, ``structured``.
-GENERATE_FEATURES = ("min_tokens", "logit_bias", "skip_special_tokens", "structured")
+#: ``min_tokens`` > 0, a non-empty ``logit_bias``, ``skip_special_tokens = false``, ``structured``,
+#: ``include_stop_str = true``.
+GENERATE_FEATURES = ("min_tokens", "logit_bias", "skip_special_tokens", "structured", "include_stop_str")
 
 
 class WorkerStateReply(_Msg, tag="worker_state"):

@@ -68,3 +68,13 @@ def test_windows_in_flight_together_come_out_once(tok) -> None:  # noqa: ANN001
     c = d.window(ids)
     texts = [d.apply_window(s, tok.decode(w), tok.decode(p), final=s is c[2]) for w, p, s in (a, b, c)]
     assert "".join(texts) == tok.decode(ids) == d.text
+
+
+def test_keep_stop_ends_the_text_after_the_stop_string_even_split_over_calls() -> None:
+    for keep, want in ((False, "Hello wor"), (True, "Hello world")):
+        d = Detokenizer(stop=["ld", "o w"][:1], keep_stop=keep)
+        out = d.apply("Hello wor") + d.apply("Hello worl") + d.apply("Hello world and more")
+        assert d.stopped and out == want == d.text
+    # The earliest stop string wins, and only its own text is kept.
+    d = Detokenizer(stop=["more", "and"], keep_stop=True)
+    assert d.apply("Hello world and more", final=True) == "Hello world and"

@@ -89,7 +89,7 @@ class ServingCore:
             # Scoped to the connection: no client can take another's turns.
             group=f"{hash(client)}/{gen.group if gen.group is not None else gen.user or ''}",
         )
-        output = Output(Detokenizer(stop=list(gen.stop)), self.tok)
+        output = Output(Detokenizer(stop=list(gen.stop), keep_stop=gen.include_stop_str), self.tok)
         self.replies.accept(Entry(req, client, uid, gen, list(prompt_ids), output), out)
         log.debug("accepted id=%s prompt_tokens=%d max_tokens=%d timeout=%s user=%s", rid,
                   len(prompt_ids), req.max_tokens, gen.timeout, gen.user)

@@ -60,6 +60,8 @@ def test_include_stop_str_in_output_keeps_the_stop_string(front) -> None:
         r = (await f.http.post("/v1/completions", json={**req, "stop": ["\x00never"],
                                                         "include_stop_str_in_output": True})).json()
         assert r["choices"][0]["text"] == whole
+        # The daemon keeps the stop string: this process never needed the tokenizer.
+        assert f.app.state.api.tokens._view is None
 
     front(body)
 

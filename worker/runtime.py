@@ -21,6 +21,12 @@ at once (from the receive thread), every new registration drops all of it (the
 daemon has forgotten what this worker held), and each Result lists what the
 engine evicted.
 
+Requests are sent whole once: the serve thread turns each batch's continued rows
+(deltas) back into whole rows from the worker's records (:class:`~worker.rows.RowBook`)
+before the engine takes it, and grows each record by the tokens its row generated; a
+batch that continues a request with no record here is answered at once with
+``Result.unknown`` (the daemon then sends it whole).
+
 The receive thread acknowledges every batch it queues (:class:`~sclsd.protocol.BatchAck`),
 so the daemon knows which batches reached the worker, and every heartbeat names the
 batches the worker holds with the seconds since the engine last made progress (took a
@@ -48,6 +54,7 @@ import zmq
 from sclsd import protocol as P
 from worker.engines.base import EMPTY, Engine
 from worker.link import DaemonLink, RuntimeOptions
+from worker.rows import RowBook, UnknownRows
 
 __all__ = ["MAX_ERROR_CHARS", "STREAM_INTERVAL_S", "RuntimeOptions", "TokenStream", "WorkerRuntime"]
 
@@ -154,6 +161,8 @@ class WorkerRuntime:
         self.link = DaemonLink(self.ctx, opts, self._register_msg)
         self.batches: queue.Queue[tuple[P.BatchMsg, float] | None] = queue.Queue()
         self.holding = Holding()
+        self.rows = RowBook()
+        """The requests this worker holds records of (later rows come as deltas)."""
         # What the engine is and can do, computed once before the first Register (its first
         # call may import libraries: slow on a busy machine, so not while registering).
         self.info = engine.info()
@@ -179,6 +188,7 @@ class WorkerRuntime:
     def _register_msg(self) -> P.Register:
         # A (re-)registration means the daemon knows nothing of what we hold.
         self.engine.release()
+        self.rows.drop()
         if self._register_delay > 0:
             log.warning("%s: building the first register takes %.1fs more", REGISTER_DELAY_ENV,
                         self._register_delay)
@@ -214,17 +224,27 @@ class WorkerRuntime:
         st = self.state
 
         def take(timeout: float | None) -> Any:
-            try:
-                item = self.batches.get(timeout=timeout) if timeout != 0.0 else self.batches.get_nowait()
-            except queue.Empty:
-                return EMPTY
-            if item is None:
-                return None
-            batch, queued_at = item
-            waited[batch.batch_id] = time.monotonic() - queued_at
-            st.busy = True
-            self.holding.progressed()
-            return batch
+            while True:
+                try:
+                    item = self.batches.get(timeout=timeout) if timeout != 0.0 else self.batches.get_nowait()
+                except queue.Empty:
+                    return EMPTY
+                if item is None:
+                    return None
+                batch, queued_at = item
+                try:
+                    batch = self.rows.expand(batch)
+                except UnknownRows as exc:
+                    # Not served: the daemon sends these requests whole next time, uncharged.
+                    log.warning("batch=%d refused: %s", batch.batch_id, exc)
+                    self.holding.discard(batch.batch_id)
+                    pair.send(P.encode(P.Result(worker_id=wid, batch_id=batch.batch_id, error=str(exc),
+                                                unknown=exc.rids)))
+                    continue
+                waited[batch.batch_id] = time.monotonic() - queued_at
+                st.busy = True
+                self.holding.progressed()
+                return batch
 
         def stream(batch_id: int, outputs: list[P.RequestOutput]) -> None:
             self.holding.progressed()
@@ -246,6 +266,7 @@ class WorkerRuntime:
                 res = P.Result(worker_id=wid, batch_id=batch.batch_id, error=text, kv_evicted=evicted)
             else:
                 stats = msgspec.structs.replace(stats, queue_wait_s=wait)
+                self.rows.served(outputs)
                 log.debug("batch=%d done: n=%d L=%d iterations=%d prefill=%.3fs decode=%.3fs",
                           batch.batch_id, stats.batch_size, stats.input_len, stats.iterations,
                           stats.prefill_s, stats.decode_s)
@@ -319,7 +340,10 @@ class WorkerRuntime:
                 ack = P.BatchAck(worker_id=self.opts.worker_id, batch_id=msg.batch_id)
                 self.link.send(ack, keep=True)
         elif isinstance(msg, P.Release):
+            self.rows.drop(msg.rids)
             self.engine.release(msg.rids)
+        elif isinstance(msg, P.Forget):
+            self.rows.drop(msg.rids)
         elif isinstance(msg, P.Drain):
             if not st.draining:
                 log.info(

@@ -22,8 +22,11 @@ from msgspec import Meta
 #: max context, KV page, captured graph buckets) in place of ``kv_page_tokens``. 6: a
 #: worker's ``heartbeat`` names the batches it holds and how long its engine has gone
 #: without progress (``batches``, ``stalled_s``): the daemon judges a batch by progress,
-#: not by its age.
-PROTOCOL_VERSION = 6
+#: not by its age. 7: a worker keeps each request's record (prompt, parameters, context)
+#: and later rows of it are :class:`ContinueRow` (budget, and the tokens it lacks), so a
+#: grant's bytes do not grow with the context; :class:`Forget` and ``BatchMsg.forget`` drop
+#: records, ``Result.unknown`` names rows a worker holds no record of.
+PROTOCOL_VERSION = 7
 
 #: Default cap on one client / status frame (bytes of msgpack).
 DEFAULT_MAX_FRAME = 4 * 1024 * 1024

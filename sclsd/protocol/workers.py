@@ -149,15 +149,40 @@ class BatchRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     """With ``grammar``: the limits its matcher is built within (None: llguidance's defaults)."""
 
 
+class ContinueRow(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """A row of a request this worker already holds: its prompt, parameters and grammar came
+    in an earlier :class:`BatchRequest` (the worker keeps them until the request ends there,
+    a :class:`Release` or :class:`Forget` names it, or it registers again) and are not sent
+    again. Its context is the first ``known`` tokens the worker holds for it (what it was
+    sent and what it generated), then ``tail``: the bytes of a grant do not grow with the
+    request's context."""
+
+    rid: str
+    max_new_tokens: PosInt
+    """Budget left for this request (as :attr:`BatchRequest.max_new_tokens`)."""
+    known: NonNegInt
+    """How many of the tokens the worker holds for the request are its context (the daemon
+    may have kept fewer than the worker generated)."""
+    generated: NonNegInt = 0
+    """As :attr:`BatchRequest.generated`."""
+    tail: list[int] = []
+    """Context tokens the worker does not hold yet, after the first ``known``."""
+
+
 class BatchMsg(_Msg, tag="batch"):
     """Serve these requests for at most ``slice_len`` decoding iterations."""
 
     batch_id: int
     slice_len: PosInt
     requests: list[BatchRequest]
+    """Rows sent whole: requests new to this worker (it keeps each one's record)."""
     kv_reuse: bool = True
     """Use KV kept from the rows' earlier slices and keep theirs after this one (the daemon's
     ``scheduler.kv_reuse``); False: prefill in full and keep nothing (the paper's slicing)."""
+    cont: list[ContinueRow] = []
+    """Rows of requests this worker holds already (served after ``requests``, in order)."""
+    forget: list[str] = []
+    """Before serving: requests whose records the worker drops (as :class:`Forget`)."""
 
 
 class RequestOutput(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -215,6 +240,9 @@ class Result(_Msg, tag="result"):
     """Set when the engine failed: the batch's requests go back to the pool."""
     kv_evicted: list[str] = []
     """Requests whose retained KV the worker dropped to make room since its last result."""
+    unknown: list[str] = []
+    """Rows of ``cont`` the worker holds no record of: the batch was not served (and
+    ``error`` says so); the daemon sends these requests whole next time, uncharged."""
 
 
 class Tokens(_Msg, tag="tokens"):
@@ -233,6 +261,13 @@ class Tokens(_Msg, tag="tokens"):
 
 class Release(_Msg, tag="release"):
     """Drop the retained KV of these requests (they ended or moved to another worker)."""
+
+    rids: list[str]
+
+
+class Forget(_Msg, tag="forget"):
+    """Drop the records (prompt, parameters, context) of these requests: they ended, or
+    moved to another worker. Their KV, if kept, is :class:`Release`'s business."""
 
     rids: list[str]
 
@@ -256,4 +291,4 @@ class Reregister(_Msg, tag="reregister"):
 
 
 WorkerMsg = Register | Heartbeat | Result | BatchAck | Tokens
-DaemonToWorkerMsg = Welcome | BatchMsg | Drain | Shutdown | Resume | Reregister | Keepalive | Release
+DaemonToWorkerMsg = Welcome | BatchMsg | Drain | Shutdown | Resume | Reregister | Keepalive | Release | Forget

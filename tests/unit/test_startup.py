@@ -24,9 +24,9 @@ from sclsd.daemon import server as server_mod
 from sclsd.daemon.errors import StartupError
 from sclsd.daemon.server import Server
 from sclsd.daemon.supervisor import Supervisor
-from sclsd.daemon.transport.inproc import InprocTransport
 from sclsd.preflight import check_model
 from sclsd.tokenizer import ByteTokenizer
+from unit.inproc import InprocTransport
 from worker import main as wm
 from worker.engines.fake import FakeEngine
 

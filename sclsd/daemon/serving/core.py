@@ -16,7 +16,8 @@ The parts, by responsibility:
   terminal event each); :class:`~.events.ClientEvents` builds the events.
 - :class:`~.membership.Membership`: which workers serve, and who is lost.
 - :class:`~.dispatch.DispatchBook`: batches sent, their acknowledgements and
-  deadlines, KV releases.
+  deadlines, KV releases; :class:`~.records.Records`: which worker holds which
+  request's record, so its later rows go as deltas.
 - :class:`~.streaming.Streaming`: ``tokens`` messages (streamed tokens).
 - :class:`~.results.Results`: ``result`` messages (a slice's end).
 - the scheduler (:class:`~sclsd.core.scheduler_api.SchedulerInterface`): what
@@ -44,6 +45,7 @@ from .effects import Client, DecodeJob, Effects
 from .events import ClientEvents
 from .membership import Membership, WorkerCosts
 from .output import Output
+from .records import Records
 from .replies import Replies
 from .results import ResultJob, Results
 from .streaming import Streaming, TokensJob
@@ -62,9 +64,10 @@ class ServingCore:
         self.sched = sched
         self.tok = tok
         self.table = RequestTable()
-        self.replies = Replies(self.table, sched, ClientEvents(tok))
+        self.records = Records()
+        self.replies = Replies(self.table, sched, ClientEvents(tok), self.records)
         self.members = Membership(cfg, sched, cost, tok)
-        self.dispatch = DispatchBook(cfg, sched, self.table, self.members)
+        self.dispatch = DispatchBook(cfg, sched, self.table, self.members, self.records)
         self.streaming = Streaming(sched, self.table, self.replies, self.dispatch)
         self.results = Results(sched, self.table, self.replies, self.dispatch, self.streaming, cost)
 
@@ -143,6 +146,7 @@ class ServingCore:
         cost model cannot use its report (``Effects.refused``). A worker of the same id must
         have been lost first (:meth:`worker_lost`)."""
         out = Effects()
+        self.records.worker_gone(reg.worker_id)  # a new registration: it holds no record
         self.members.join(reg, now, out)
         return out
 
@@ -205,6 +209,7 @@ class ServingCore:
         return out
 
     def _lose(self, wid: str, why: str, reason: P.LossReason, now: float, out: Effects) -> None:
+        self.records.worker_gone(wid)
         ended = self.members.leave(wid, why, reason, now, out)
         if ended is not None:
             for r in ended:

@@ -22,6 +22,12 @@ does the same (the shell reports it).
 Dispatch also keeps workers from holding KV nobody will use: when the
 scheduler lets go of a request's retained KV (the request moved to another
 worker, ended, or its batch failed), that worker is told to ``release`` it.
+
+A request goes to a worker whole once; later rows of it there are deltas
+(:class:`~sclsd.protocol.ContinueRow`: the budget and the context tokens the
+worker lacks), as :class:`~.records.Records` knows what each worker holds, and
+records the daemon no longer needs are forgotten on the worker's next batch
+(``BatchMsg.forget``) or in a ``forget``.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ from ...config import Config
 from ...core.batch import Batch
 from ...core.scheduler_api import SchedulerInterface
 from .effects import Effects
-from .table import RequestTable
+from .records import Records
+from .table import Entry, RequestTable
 
 log = logging.getLogger("sclsd")
 
@@ -45,12 +52,13 @@ class DispatchBook:
     """Batches sent and not answered, with their deadlines (see the module docstring)."""
 
     def __init__(self, cfg: Config, sched: SchedulerInterface, table: RequestTable,
-                 members: Container[str]) -> None:
+                 members: Container[str], records: Records) -> None:
         self.cfg = cfg
         self.sched = sched
         self.table = table
         self.members = members
         """Registered workers: only they are told anything."""
+        self.records = records
         #: batch id -> (worker, time after which a heartbeat that does not name it means the
         #: worker never got it)
         self.unacked: dict[int, tuple[str, float]] = {}
@@ -60,24 +68,39 @@ class DispatchBook:
         self.grammar_limits = P.GrammarLimits(**cfg.grammar.limits())
 
     def message(self, batch: Batch) -> P.BatchMsg:
-        """The wire form of a batch: each request's whole context by token ids, and its grammar
-        as admission compiled it (``Entry.grammar``: never compiled here, in the daemon)."""
-        rows = []
+        """The wire form of a batch: a request new to the worker whole (its context by token
+        ids, its parameters, its grammar as admission compiled it: ``Entry.grammar``, never
+        compiled here), one it holds as a :class:`~sclsd.protocol.ContinueRow`."""
+        wid = batch.worker
+        assert wid is not None
+        rows: list[P.BatchRequest] = []
+        cont: list[P.ContinueRow] = []
+        forget = self.records.take(wid)
         for r in batch.requests:
             e = self.table.get(r.rid)
             assert e is not None, f"batch {batch.bid} holds {r.rid}, which is not live"
-            g = e.gen
-            rows.append(P.BatchRequest(
-                rid=r.rid, token_ids=e.prompt_ids + e.out.ids, max_new_tokens=max(1, r.remaining),
-                temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, seed=g.seed,
-                generated=r.num_generated, stop_token_ids=list(g.stop_token_ids), ignore_eos=g.ignore_eos,
-                min_p=g.min_p, presence_penalty=g.presence_penalty, frequency_penalty=g.frequency_penalty,
-                repetition_penalty=g.repetition_penalty, logprobs=e.wants_logprobs,
-                top_logprobs=g.top_logprobs, min_tokens=g.min_tokens, logit_bias=dict(g.logit_bias),
-                grammar=e.grammar, grammar_limits=None if e.grammar is None else self.grammar_limits,
-            ))
+            n = len(e.prompt_ids) + len(e.out.ids)
+            known = self.records.known(wid, r.rid)
+            if known is not None and known <= n:
+                cont.append(P.ContinueRow(rid=r.rid, max_new_tokens=max(1, r.remaining), known=known,
+                                          generated=r.num_generated, tail=_tail(e, known)))
+            else:
+                rows.append(self._whole(e, r.remaining, r.num_generated))
+            self.records.sent(wid, r.rid, n)
         return P.BatchMsg(batch_id=batch.bid, slice_len=batch.slice_len, requests=rows,
-                          kv_reuse=self.sched.policy.kv_reuse)
+                          kv_reuse=self.sched.policy.kv_reuse, cont=cont, forget=forget)
+
+    def _whole(self, e: Entry, remaining: int, generated: int) -> P.BatchRequest:
+        g = e.gen
+        return P.BatchRequest(
+            rid=e.rid, token_ids=e.prompt_ids + e.out.ids, max_new_tokens=max(1, remaining),
+            temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, seed=g.seed,
+            generated=generated, stop_token_ids=list(g.stop_token_ids), ignore_eos=g.ignore_eos,
+            min_p=g.min_p, presence_penalty=g.presence_penalty, frequency_penalty=g.frequency_penalty,
+            repetition_penalty=g.repetition_penalty, logprobs=e.wants_logprobs,
+            top_logprobs=g.top_logprobs, min_tokens=g.min_tokens, logit_bias=dict(g.logit_bias),
+            grammar=e.grammar, grammar_limits=None if e.grammar is None else self.grammar_limits,
+        )
 
     def dispatch(self, batch: Batch, now: float, out: Effects) -> None:
         """Send ``batch`` to its worker and start watching it."""
@@ -87,7 +110,9 @@ class DispatchBook:
         self.moved[batch.bid] = (wid, now)
         log.debug("batch=%d -> worker=%s n=%d L=%d est=%.3fs ids=%s", batch.bid, wid, batch.size,
                   batch.input_len, batch.est_time, ",".join(r.rid for r in batch.requests))
-        self.flush_released(out)  # the round may have moved requests away from their KV
+        # The round may have moved requests away from their KV; records to forget ride on
+        # the batch for this worker.
+        self.flush_released(out, forgets=False)
         out.tell(wid, self.message(batch))
         for r in batch.requests:
             e = self.table.get(r.rid)
@@ -97,15 +122,21 @@ class DispatchBook:
     # ------------------------------------------------------------------ retained KV
 
     def release(self, wid: str, rids: list[str], out: Effects) -> None:
-        """Tell worker ``wid`` to drop the KV it keeps for ``rids``."""
+        """Tell worker ``wid`` to drop the KV it keeps for ``rids`` (and their records)."""
+        for rid in rids:
+            self.records.dropped(wid, rid)
         if rids and wid in self.members:
             log.debug("release worker=%s ids=%s", wid, ",".join(rids))
             out.tell(wid, P.Release(rids=rids))
 
-    def flush_released(self, out: Effects) -> None:
-        """Send the releases the scheduler decided since the last call."""
+    def flush_released(self, out: Effects, forgets: bool = True) -> None:
+        """Send the releases the scheduler decided since the last call, and (``forgets``)
+        the records to forget that no batch carried."""
         for wid, rids in self.sched.take_released().items():
             self.release(wid, rids, out)
+        for wid, rids in (self.records.take_all() if forgets else {}).items():
+            if wid in self.members:
+                out.tell(wid, P.Forget(rids=rids))
 
     # ------------------------------------------------------------------ tracking
 
@@ -152,3 +183,9 @@ class DispatchBook:
                 self.moved.pop(bid, None)
                 yield wid, (f"batch={bid} made no progress for {now - at:.0f}s "
                             f"(daemon.batch_stall_timeout_s = {limit:g})")
+
+
+def _tail(e: Entry, known: int) -> list[int]:
+    """The context tokens of ``e`` from ``known`` on (without building the whole context)."""
+    p = len(e.prompt_ids)
+    return e.out.ids[known - p:] if known >= p else e.prompt_ids[known:] + e.out.ids

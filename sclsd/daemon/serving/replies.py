@@ -17,6 +17,7 @@ from ...core.request import FinishReason
 from ...core.scheduler_api import SchedulerInterface
 from .effects import Client, Effects, Ended
 from .events import ClientEvents
+from .records import Records
 from .table import Entry, RequestTable
 
 log = logging.getLogger("sclsd")
@@ -27,10 +28,12 @@ __all__ = ["Replies"]
 class Replies:
     """Accepts requests and sends their events (see the module docstring)."""
 
-    def __init__(self, table: RequestTable, sched: SchedulerInterface, events: ClientEvents) -> None:
+    def __init__(self, table: RequestTable, sched: SchedulerInterface, events: ClientEvents,
+                 records: Records) -> None:
         self.table = table
         self.sched = sched
         self.events = events
+        self.records = records
 
     def accept(self, e: Entry, out: Effects) -> None:
         """The request is live, its client hears ``accepted``, the pool has it."""
@@ -110,6 +113,7 @@ class Replies:
     def _end(self, e: Entry, reason: FinishReason, t: P.Timings, out: Effects,
              code: str | None = None) -> None:
         self.table.remove(e)
+        self.records.ended(e.rid)  # a worker holding its record drops it
         out.ended.append(Ended(e.rid, reason, len(e.prompt_ids), len(e.out.ids), t,
                                started=e.started_at is not None, code=code,
                                token_gaps=tuple(e.token_gaps)))

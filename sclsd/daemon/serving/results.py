@@ -106,8 +106,9 @@ class Results:
             oom = is_out_of_memory(res.error) and batch.size > 1
             if oom:
                 self.memory.on_oom(res.worker_id)
+            # Rows it held no record of are the daemon's mistake, not the requests'.
             self.fail_batch(res.batch_id, now, out, why=f"worker {res.worker_id}: {res.error}",
-                            charged=not oom)
+                            charged=not oom and not res.unknown)
             return
         members = {r.rid: r for r in batch.requests}
         rows: list[Row] = []
@@ -129,6 +130,7 @@ class Results:
             k = e.out.streamed_in(res.batch_id)
             context = e.out.context()
             if k and context[-k:] != o.token_ids[:k]:
+                self.dispatch.records.stale(res.worker_id, o.rid)  # its record holds the result's
                 log.warning("worker=%s batch=%d id=%s: result differs from the %d tokens it streamed; "
                             "the streamed ones stand", res.worker_id, res.batch_id, o.rid, k)
             rows.append(Row(e, o, k))
@@ -181,6 +183,9 @@ class Results:
         self.dispatch.settled(batch_id)
         batch = self.sched.batches.get(batch_id)
         members = [r.rid for r in batch.requests] if batch is not None else []
+        if batch is not None and batch.worker is not None:
+            for rid in members:  # what the worker holds of them is not vouched for any more
+                self.dispatch.records.stale(batch.worker, rid)
         done = self.sched.on_result(BatchOutcome(batch_id, ok=False, charged=charged), now)
         self.dispatch.flush_released(out)
         self.streaming.settle(members, now, out)
@@ -214,9 +219,14 @@ class Results:
             if o.error is not None:
                 errors[e.rid] = o.error[:MAX_ROW_ERROR]
                 outcomes.append(RowOutcome(o.rid, 0, "error", failed=True))
+                self.dispatch.records.dropped(res.worker_id, e.rid)  # a failed row's record goes
                 continue
             _started(e, res.stats.queue_wait_s, now)
             tail = e.out.apply_slice(k, o)
+            if o.finish_reason is not None:
+                self.dispatch.records.dropped(res.worker_id, e.rid)  # finished there: it dropped it
+            else:
+                self.dispatch.records.grew(res.worker_id, e.rid, len(e.prompt_ids) + len(e.out.ids))
             final = o.finish_reason is not None
             new_text = e.out.detok.apply_window(*full, final=final)
             reason = "stop" if e.out.detok.stopped else o.finish_reason

@@ -19,8 +19,8 @@ from sclsd.daemon.serving.effects import Effects
 from sclsd.daemon.serving.table import Entry, RequestTable
 from sclsd.daemon.shell import Shell
 from sclsd.daemon.sockets import Conn, PeerCred
-from sclsd.daemon.transport.inproc import InprocTransport, InprocWorker
 from sclsd.tokenizer import ByteTokenizer
+from unit.inproc import InprocTransport, InprocWorker
 from worker.engines.fake import FakeEngine
 
 TERMINAL = (P.Done, P.Error)

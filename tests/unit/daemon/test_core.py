@@ -23,6 +23,7 @@ from sclsd.daemon.serving.core import ServingCore
 from sclsd.daemon.serving.effects import Effects
 from sclsd.tokenizer import ByteTokenizer
 from worker.engines.fake import FakeEngine
+from worker.rows import RowBook, UnknownRows
 
 from .conftest import make_config
 
@@ -39,6 +40,8 @@ class Driver:
         self.to_client: dict[Hashable, list[Any]] = {}
         self.to_worker: dict[str, list[P.DaemonToWorkerMsg]] = {}
         self.engines: dict[str, FakeEngine] = {}
+        self.rows: dict[str, RowBook] = {}
+        """Each worker's records: batches reach its engine whole, as in a real worker."""
         self.lost: list[str] = []
         self.served: set[int] = set()
 
@@ -48,6 +51,8 @@ class Driver:
             self.to_client.setdefault(client, []).append(ev)
         for wid, msg in eff.to_workers:
             self.to_worker.setdefault(wid, []).append(msg)
+            if isinstance(msg, (P.Release, P.Forget)) and wid in self.rows:
+                self.rows[wid].drop(msg.rids)
         self.lost += [x.wid for x in eff.lost]
         for job in eff.decode:
             self.run(self.core.decoded(job, [self.tok.decode(s) for s in job.seqs], self.now))
@@ -71,6 +76,7 @@ class Driver:
 
     def join(self, wid: str, **engine: Any) -> Effects:
         eng = self.engines[wid] = FakeEngine(**engine)
+        self.rows[wid] = RowBook()
         info = eng.info()
         reg = P.Register(worker_id=wid, engine=info.engine, model=info.model, device=info.device,
                          kv_bytes_per_token=info.kv_bytes_per_token, mem_available=info.mem_available,
@@ -99,7 +105,13 @@ class Driver:
                 if stream:
                     self.message(wid, P.Tokens(worker_id=wid, batch_id=bid, outputs=outputs))
 
-            outputs, stats = self.engines[wid].serve(b, emit)
+            try:
+                whole = self.rows[wid].expand(b)
+            except UnknownRows as exc:  # as the worker answers it
+                self.message(wid, P.Result(worker_id=wid, batch_id=b.batch_id, error=str(exc), unknown=exc.rids))
+                continue
+            outputs, stats = self.engines[wid].serve(whole, emit)
+            self.rows[wid].served(outputs)
             if result:
                 self.message(wid, P.Result(worker_id=wid, batch_id=b.batch_id, outputs=outputs, stats=stats))
         return batches

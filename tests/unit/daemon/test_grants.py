@@ -70,11 +70,16 @@ def test_a_request_stays_on_the_worker_holding_its_kv(daemon) -> None:
         conn = RecConn()
         await h.submit(conn, id="r", max_tokens=40, ignore_eos=True)
         await h.finished(conn, "r")
-        batches = w0.batches()
+        batches = w0.served  # as the engine took them: rows whole
         assert len(batches) == 5 and all(b.slice_len == 8 and b.kv_reuse for b in batches)
         # Every grant after the first resumed the KV its predecessor kept: no re-prefill.
         assert [len(b.requests[0].token_ids) for b in batches] == [5 + 8 * k for k in range(5)]
         assert h.counters()["migrations"] == 0
+        # On the wire the request went whole once; each later grant is its budget alone.
+        sent = w0.batches()
+        assert [len(b.requests) for b in sent] == [1, 0, 0, 0, 0]
+        assert [(c.known, c.tail, c.max_new_tokens) for b in sent[1:] for c in b.cont] == [
+            (5 + 8 * k, [], 40 - 8 * k) for k in range(1, 5)]
 
     daemon(body, scheduler=CB)
 

@@ -12,7 +12,7 @@ import pytest
 from sclsd import protocol as P
 from sclsd.core.grant_scheduler import SliceGrantScheduler
 from sclsd.daemon.admission import daemon_id
-from sclsd.daemon.transport.inproc import InprocWorker
+from unit.inproc import InprocWorker
 
 from .conftest import Harness, RecConn, held, until
 from .scrape import scrape, value

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from sclsd import protocol as P
 from sclsd.daemon.server import Server
-from sclsd.daemon.transport.inproc import InprocTransport
 from sclsd.tokenizer import ByteTokenizer
+from unit.inproc import InprocTransport
 
 from .conftest import Harness, RecConn, held, make_config
 from .scrape import scrape, value

@@ -26,11 +26,13 @@ def test_a_row_error_ends_that_request_with_bad_request_once_and_nothing_else(dr
     (batch,) = drv.batches("w0")
     assert {r.rid for r in batch.requests} == {"bad", "ok"}
     drv.served.add(batch.batch_id)
+    drv.rows["w0"].expand(batch)  # the worker keeps both records, as a real one does
     rest = P.BatchMsg(batch_id=batch.batch_id, slice_len=batch.slice_len,
                       requests=[r for r in batch.requests if r.rid == "ok"], kv_reuse=batch.kv_reuse)
     outputs, stats = drv.engines["w0"].serve(rest)
     why = "request 'bad': its grammar could not be built: panic: too many symbols"
     outputs.append(P.RequestOutput(rid="bad", token_ids=[], error=why))
+    drv.rows["w0"].served(outputs)
     drv.message("w0", P.Result(worker_id="w0", batch_id=batch.batch_id, outputs=outputs, stats=stats))
 
     (err,) = drv.terminal("c", "bad")

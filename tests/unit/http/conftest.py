@@ -12,10 +12,10 @@ import httpx2
 import pytest
 
 from sclsd.daemon.server import Server
-from sclsd.daemon.transport.inproc import InprocTransport
 from sclsd.http.app import Settings, create_app
 from sclsd.launch import short_dir
 from sclsd.tokenizer import ByteTokenizer
+from unit.inproc import InprocTransport
 
 from ..daemon.conftest import Harness, make_config
 

@@ -18,10 +18,10 @@ import openai
 import pytest
 
 from sclsd.daemon.server import Server
-from sclsd.daemon.transport.inproc import InprocTransport
 from sclsd.http.app import Settings, create_app
 from sclsd.launch import short_dir
 from sclsd.protocol import BatchMsg, BatchStats, RequestOutput
+from unit.inproc import InprocTransport
 from worker.engines.base import TokenCursor
 from worker.engines.fake import FakeEngine
 

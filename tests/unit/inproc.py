@@ -10,7 +10,9 @@ acknowledging, or kill it; a batch's ``queue_wait_s`` is the time it was held, a
 worker reports the time a batch waited in its local queue. The engine's streamed tokens go out as ``tokens``
 messages (one per ``emit``, uncoalesced); with ``hold_results`` a batch's tokens
 are sent while its ``result`` waits for :meth:`InprocWorker.finish`, as if the
-slice were still running. ``release`` reaches the engine as it would a worker.
+slice were still running. ``release`` reaches the engine as it would a worker, and
+batches reach it whole, from the worker's records (:class:`~worker.rows.RowBook`), as
+the real worker's serve thread hands them over.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from typing import Any
 
 import msgspec
 
-from ... import protocol as P
-from .base import WorkerSink
+from sclsd import protocol as P
+from sclsd.daemon.transport.base import WorkerSink
+from worker.rows import RowBook, UnknownRows
 
 
 class InprocWorker:
@@ -51,9 +54,13 @@ class InprocWorker:
         self.arrived: dict[int, float] = {}
         self.got = asyncio.Event()
         """Set whenever a message arrives (tests clear it and wait)."""
+        self.rows = RowBook()
+        #: Every batch as the engine took it (rows whole), in order.
+        self.served: list[P.BatchMsg] = []
 
     def register(self, **overrides: Any) -> None:
         """Send ``Register`` built from the engine's info (fields overridable)."""
+        self.rows.drop()  # a new registration: the daemon knows nothing we hold
         info = self.engine.info()
         fields: dict[str, Any] = dict(
             worker_id=self.wid, engine=info.engine, model=info.model, device=info.device,
@@ -92,12 +99,21 @@ class InprocWorker:
             else:
                 self.serve(msg)
         elif isinstance(msg, P.Release):
+            self.rows.drop(msg.rids)
             self.engine.release(msg.rids)
+        elif isinstance(msg, P.Forget):
+            self.rows.drop(msg.rids)
 
     def serve(self, batch: P.BatchMsg) -> None:
         """Run one batch on the engine and send its Result."""
         if not self.alive:
             return
+        try:
+            batch = self.rows.expand(batch)
+        except UnknownRows as exc:
+            self.send(P.Result(worker_id=self.wid, batch_id=batch.batch_id, error=str(exc), unknown=exc.rids))
+            return
+        self.served.append(batch)
         def emit(outputs: list[P.RequestOutput]) -> None:
             self.send(P.Tokens(worker_id=self.wid, batch_id=batch.batch_id, outputs=outputs))
 
@@ -105,6 +121,7 @@ class InprocWorker:
         try:
             outputs, stats = self.engine.serve(batch, emit)
             stats = msgspec.structs.replace(stats, queue_wait_s=waited)
+            self.rows.served(outputs)
             res = P.Result(worker_id=self.wid, batch_id=batch.batch_id, outputs=outputs, stats=stats,
                            kv_evicted=self.engine.take_evicted())
         except Exception as exc:  # noqa: BLE001 - reported to the daemon as the worker would
@@ -132,6 +149,7 @@ class InprocWorker:
         return len(take)
 
     def batches(self) -> list[P.BatchMsg]:
+        """The batches the daemon sent, as they came (continued rows as deltas)."""
         return [m for m in self.received if isinstance(m, P.BatchMsg)]
 
     def kill(self) -> None:

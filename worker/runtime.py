@@ -13,7 +13,7 @@ of the PAIR to the serve thread. The PAIR wakes the receive thread's poll the
 moment a result is ready, so a result is never delayed by a poll timeout.
 
 Tokens stream while a batch runs: the engine hands each step's new tokens to a
-:class:`TokenStream`, which coalesces them into :class:`~sclsd.protocol.Tokens`
+:class:`~worker.serve.TokenStream`, which coalesces them into :class:`~sclsd.protocol.Tokens`
 messages (the first at once, then at most one per ``STREAM_INTERVAL_S``) sent
 through the same PAIR, so they always precede the batch's Result. Retained KV
 is the engine's: a :class:`~sclsd.protocol.Release` from the daemon drops some
@@ -44,110 +44,23 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import zmq
 
 from sclsd import protocol as P
-from worker.engines.base import EMPTY, Engine
+from worker.engines.base import Engine
 from worker.link import DaemonLink, RuntimeOptions
-from worker.rows import RowBook, UnknownRows
+from worker.rows import RowBook
+from worker.serve import Holding, ServeLoop, State
 
-__all__ = ["MAX_ERROR_CHARS", "STREAM_INTERVAL_S", "RuntimeOptions", "TokenStream", "WorkerRuntime"]
+__all__ = ["RuntimeOptions", "WorkerRuntime"]
 
 log = logging.getLogger("worker")
 
-#: Longest engine error text sent back to the daemon.
-MAX_ERROR_CHARS = 2000
-#: Least time between two Tokens messages of one batch.
-STREAM_INTERVAL_S = 0.02
 #: Fault injection for tests: seconds the first Register of the process takes to build, as
 #: a slow first import or a busy machine makes it (0 or unset: none).
 REGISTER_DELAY_ENV = "SCLSD_WORKER_REGISTER_DELAY_S"
-
-
-class TokenStream:
-    """Coalesces one batch's ``emit`` calls into Tokens messages: the first goes at once,
-    later ones at most every ``interval`` seconds. Tokens still pending when the batch
-    ends are not sent: its Result carries every token anyway."""
-
-    def __init__(self, send: Callable[[bytes], None], worker_id: str, batch_id: int,
-                 interval: float = STREAM_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.send = send
-        self.worker_id = worker_id
-        self.batch_id = batch_id
-        self.interval = interval
-        self.clock = clock
-        self.pending: dict[str, P.RequestOutput] = {}
-        self.next_at = float("-inf")
-        self.sent = 0
-        """Tokens messages sent."""
-
-    def __call__(self, outputs: list[P.RequestOutput]) -> None:
-        for o in outputs:
-            acc = self.pending.get(o.rid)
-            if acc is None:
-                self.pending[o.rid] = P.RequestOutput(rid=o.rid, token_ids=list(o.token_ids),
-                                                      finish_reason=o.finish_reason,
-                                                      logprobs=list(o.logprobs))
-            else:
-                acc.token_ids.extend(o.token_ids)
-                acc.logprobs.extend(o.logprobs)
-                acc.finish_reason = o.finish_reason
-        now = self.clock()
-        if self.pending and now >= self.next_at:
-            msg = P.Tokens(worker_id=self.worker_id, batch_id=self.batch_id,
-                           outputs=list(self.pending.values()))
-            self.pending = {}
-            self.next_at = now + self.interval
-            self.sent += 1
-            self.send(P.encode(msg))
-
-
-@dataclass
-class _State:
-    draining: bool = False
-    stopping: bool = False
-    stop_deadline: float = 0.0
-    busy: bool = False
-
-
-class Holding:
-    """The batches the worker holds (queued or running) and when its engine last made
-    progress; written by both threads, hence the lock."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
-        self._lock = threading.Lock()
-        self._held: set[int] = set()
-        self._progress_at = clock()
-
-    def add(self, batch_id: int) -> None:
-        """A batch was queued (an idle engine's clock starts with it)."""
-        with self._lock:
-            if not self._held:
-                self._progress_at = self.clock()
-            self._held.add(batch_id)
-
-    def discard(self, batch_id: int) -> None:
-        """A batch ended, or was handed back unserved."""
-        with self._lock:
-            self._held.discard(batch_id)
-
-    def progressed(self) -> None:
-        """The engine took a batch, produced tokens or ended a batch."""
-        with self._lock:
-            self._progress_at = self.clock()
-
-    def report(self) -> tuple[list[int], float]:
-        """(the batches held, seconds since the engine's last progress; 0 when none held)."""
-        with self._lock:
-            held = sorted(self._held)
-            return held, (max(0.0, self.clock() - self._progress_at) if held else 0.0)
 
 
 class WorkerRuntime:
@@ -156,7 +69,7 @@ class WorkerRuntime:
     def __init__(self, engine: Engine, opts: RuntimeOptions) -> None:
         self.engine = engine
         self.opts = opts
-        self.state = _State()
+        self.state = State()
         self.ctx = zmq.Context()
         self.link = DaemonLink(self.ctx, opts, self._register_msg)
         self.batches: queue.Queue[tuple[P.BatchMsg, float] | None] = queue.Queue()
@@ -213,76 +126,14 @@ class WorkerRuntime:
     # ------------------------------------------------------------------ serve thread
 
     def _serve_loop(self) -> None:
-        """The serve thread: the engine's :meth:`~worker.engines.base.Engine.run` over the local
-        queue, each batch's outcome encoded as a Result, its tokens coalesced into Tokens."""
+        """The serve thread (:class:`~worker.serve.ServeLoop`), sending through its end of the PAIR."""
         pair = self.ctx.socket(zmq.PAIR)
         pair.setsockopt(zmq.LINGER, 0)
         pair.connect(self._inproc)
-        wid = self.opts.worker_id
-        streams: dict[int, TokenStream] = {}  # per batch in flight, coalescing its tokens
-        waited: dict[int, float] = {}  # per batch in flight, its time in the local queue
-        st = self.state
-
-        def take(timeout: float | None) -> Any:
-            while True:
-                try:
-                    item = self.batches.get(timeout=timeout) if timeout != 0.0 else self.batches.get_nowait()
-                except queue.Empty:
-                    return EMPTY
-                if item is None:
-                    return None
-                batch, queued_at = item
-                try:
-                    batch = self.rows.expand(batch)
-                except UnknownRows as exc:
-                    # Not served: the daemon sends these requests whole next time, uncharged.
-                    log.warning("batch=%d refused: %s", batch.batch_id, exc)
-                    self.holding.discard(batch.batch_id)
-                    pair.send(P.encode(P.Result(worker_id=wid, batch_id=batch.batch_id, error=str(exc),
-                                                unknown=exc.rids)))
-                    continue
-                waited[batch.batch_id] = time.monotonic() - queued_at
-                st.busy = True
-                self.holding.progressed()
-                return batch
-
-        def stream(batch_id: int, outputs: list[P.RequestOutput]) -> None:
-            self.holding.progressed()
-            if batch_id not in streams:
-                streams[batch_id] = TokenStream(pair.send, wid, batch_id)
-            streams[batch_id](outputs)
-
-        def done(batch: P.BatchMsg, outputs: list[P.RequestOutput] | None, stats: P.BatchStats | None,
-                 error: str | None) -> None:
-            streams.pop(batch.batch_id, None)
-            wait = waited.pop(batch.batch_id, 0.0)
-            st.busy = bool(waited)
-            self.holding.progressed()
-            self.holding.discard(batch.batch_id)
-            evicted = self.engine.take_evicted()
-            if error is not None or outputs is None or stats is None:
-                text = (error or "the engine returned no outputs")[:MAX_ERROR_CHARS]
-                log.warning("batch=%d failed: %s", batch.batch_id, text)
-                res = P.Result(worker_id=wid, batch_id=batch.batch_id, error=text, kv_evicted=evicted)
-            else:
-                stats = msgspec.structs.replace(stats, queue_wait_s=wait)
-                self.rows.served(outputs)
-                log.debug("batch=%d done: n=%d L=%d iterations=%d prefill=%.3fs decode=%.3fs",
-                          batch.batch_id, stats.batch_size, stats.input_len, stats.iterations,
-                          stats.prefill_s, stats.decode_s)
-                res = P.Result(worker_id=wid, batch_id=batch.batch_id, outputs=outputs, stats=stats,
-                               kv_evicted=evicted)
-            pair.send(P.encode(res))
-
         try:
-            self.engine.run(take, done, stream)
-        except Exception:
-            # Admitted requests cannot be answered any more: exit, and the daemon re-queues
-            # them when it sees the process (or its heartbeats) gone.
-            log.exception("engine %s failed; exiting", self.engine.name)
-            os._exit(1)
+            ServeLoop(self.engine, self.batches, self.holding, self.rows, self.state,
+                      self.opts.worker_id, pair.send).run()
         finally:
-            st.busy = False
             pair.close()
 
     # ------------------------------------------------------------------ receive thread

@@ -95,7 +95,7 @@ def test_concurrent_release_and_put_keep_the_byte_count_exact() -> None:
 
 
 def test_token_stream_coalesces() -> None:
-    from worker.runtime import TokenStream
+    from worker.serve import TokenStream
 
     now = [0.0]
     sent: list[P.Tokens] = []

@@ -8,7 +8,7 @@ from __future__ import annotations
 from sclsd import protocol as P
 from sclsd.daemon.admission import daemon_id
 
-from .conftest import Harness, RecConn, held
+from .conftest import Harness, RecConn, until
 
 ADMIN = 0  # root: an admin by default
 
@@ -26,7 +26,8 @@ def test_two_connections_may_use_the_same_id_and_each_hears_only_its_own(daemon)
         # The same connection may not reuse a live id of its own.
         await h.submit(a, id="x", max_tokens=8)
         assert isinstance(a.sent[-1], P.Error) and a.sent[-1].code == "duplicate_id"
-        await held(w)
+        # Both rows held (one batch or two, as the policy groups them), then served.
+        await until(w.got, lambda: sum(len(b.requests) + len(b.cont) for b in w.held) >= 2)
         w.release()
         await h.finished(a, "x")
         await h.finished(b, "x")

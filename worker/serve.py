@@ -1,0 +1,205 @@
+"""The worker's serve thread: the engine's loop over the local queue, and what it sends.
+
+The receive thread (:mod:`worker.runtime`) queues each batch as it arrives; the
+engine's :meth:`~worker.engines.base.Engine.run` takes them through :meth:`ServeLoop.take`,
+which first turns their continued rows back into whole rows from the worker's records
+(:class:`~worker.rows.RowBook`; a batch continuing a request with no record here is
+answered at once with ``Result.unknown``). Tokens the engine emits are coalesced into
+:class:`~sclsd.protocol.Tokens` messages (:class:`TokenStream`); each batch's outcome
+becomes a :class:`~sclsd.protocol.Result`, and its rows' tokens grow their records. Both
+go out through the PAIR the receive thread reads, so they keep their order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from sclsd import protocol as P
+from worker.engines.base import EMPTY, Engine
+from worker.rows import RowBook, UnknownRows
+
+__all__ = ["MAX_ERROR_CHARS", "STREAM_INTERVAL_S", "Holding", "ServeLoop", "State", "TokenStream"]
+
+log = logging.getLogger("worker")
+
+#: Longest engine error text sent back to the daemon.
+MAX_ERROR_CHARS = 2000
+#: Least time between two Tokens messages of one batch.
+STREAM_INTERVAL_S = 0.02
+
+
+class TokenStream:
+    """Coalesces one batch's ``emit`` calls into Tokens messages: the first goes at once,
+    later ones at most every ``interval`` seconds. Tokens still pending when the batch
+    ends are not sent: its Result carries every token anyway."""
+
+    def __init__(self, send: Callable[[bytes], None], worker_id: str, batch_id: int,
+                 interval: float = STREAM_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.send = send
+        self.worker_id = worker_id
+        self.batch_id = batch_id
+        self.interval = interval
+        self.clock = clock
+        self.pending: dict[str, P.RequestOutput] = {}
+        self.next_at = float("-inf")
+        self.sent = 0
+        """Tokens messages sent."""
+
+    def __call__(self, outputs: list[P.RequestOutput]) -> None:
+        for o in outputs:
+            acc = self.pending.get(o.rid)
+            if acc is None:
+                self.pending[o.rid] = P.RequestOutput(rid=o.rid, token_ids=list(o.token_ids),
+                                                      finish_reason=o.finish_reason,
+                                                      logprobs=list(o.logprobs))
+            else:
+                acc.token_ids.extend(o.token_ids)
+                acc.logprobs.extend(o.logprobs)
+                acc.finish_reason = o.finish_reason
+        now = self.clock()
+        if self.pending and now >= self.next_at:
+            msg = P.Tokens(worker_id=self.worker_id, batch_id=self.batch_id,
+                           outputs=list(self.pending.values()))
+            self.pending = {}
+            self.next_at = now + self.interval
+            self.sent += 1
+            self.send(P.encode(msg))
+
+
+@dataclass
+class State:
+    """What both threads read: the receive thread sets the first three, the serve thread ``busy``."""
+
+    draining: bool = False
+    stopping: bool = False
+    stop_deadline: float = 0.0
+    busy: bool = False
+
+
+class Holding:
+    """The batches the worker holds (queued or running) and when its engine last made
+    progress; written by both threads, hence the lock."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._held: set[int] = set()
+        self._progress_at = clock()
+
+    def add(self, batch_id: int) -> None:
+        """A batch was queued (an idle engine's clock starts with it)."""
+        with self._lock:
+            if not self._held:
+                self._progress_at = self.clock()
+            self._held.add(batch_id)
+
+    def discard(self, batch_id: int) -> None:
+        """A batch ended, or was handed back unserved."""
+        with self._lock:
+            self._held.discard(batch_id)
+
+    def progressed(self) -> None:
+        """The engine took a batch, produced tokens or ended a batch."""
+        with self._lock:
+            self._progress_at = self.clock()
+
+    def report(self) -> tuple[list[int], float]:
+        """(the batches held, seconds since the engine's last progress; 0 when none held)."""
+        with self._lock:
+            held = sorted(self._held)
+            return held, (max(0.0, self.clock() - self._progress_at) if held else 0.0)
+
+
+class ServeLoop:
+    """The serve thread's work (see the module docstring); ``send`` takes encoded messages."""
+
+    def __init__(self, engine: Engine, batches: queue.Queue[tuple[P.BatchMsg, float] | None],
+                 holding: Holding, rows: RowBook, state: State, worker_id: str,
+                 send: Callable[[bytes], None]) -> None:
+        self.engine = engine
+        self.batches = batches
+        self.holding = holding
+        self.rows = rows
+        self.state = state
+        self.wid = worker_id
+        self.send = send
+        self.streams: dict[int, TokenStream] = {}
+        """Per batch in flight, coalescing its tokens."""
+        self.waited: dict[int, float] = {}
+        """Per batch in flight, its time in the local queue."""
+
+    def run(self) -> None:
+        """The engine's loop until it stops; an engine failure ends the process."""
+        try:
+            self.engine.run(self.take, self.done, self.stream)
+        except Exception:
+            # Admitted requests cannot be answered any more: exit, and the daemon re-queues
+            # them when it sees the process (or its heartbeats) gone.
+            log.exception("engine %s failed; exiting", self.engine.name)
+            os._exit(1)
+        finally:
+            self.state.busy = False
+
+    def take(self, timeout: float | None) -> Any:
+        """The next batch, rows whole; :data:`EMPTY` when none came in time, None to stop."""
+        while True:
+            try:
+                item = self.batches.get(timeout=timeout) if timeout != 0.0 else self.batches.get_nowait()
+            except queue.Empty:
+                return EMPTY
+            if item is None:
+                return None
+            batch, queued_at = item
+            try:
+                batch = self.rows.expand(batch)
+            except UnknownRows as exc:
+                # Not served: the daemon sends these requests whole next time, uncharged.
+                log.warning("batch=%d refused: %s", batch.batch_id, exc)
+                self.holding.discard(batch.batch_id)
+                self.send(P.encode(P.Result(worker_id=self.wid, batch_id=batch.batch_id, error=str(exc),
+                                            unknown=exc.rids)))
+                continue
+            self.waited[batch.batch_id] = time.monotonic() - queued_at
+            self.state.busy = True
+            self.holding.progressed()
+            return batch
+
+    def stream(self, batch_id: int, outputs: list[P.RequestOutput]) -> None:
+        """A running batch's new tokens."""
+        self.holding.progressed()
+        if batch_id not in self.streams:
+            self.streams[batch_id] = TokenStream(self.send, self.wid, batch_id)
+        self.streams[batch_id](outputs)
+
+    def done(self, batch: P.BatchMsg, outputs: list[P.RequestOutput] | None, stats: P.BatchStats | None,
+             error: str | None) -> None:
+        """A batch's outcome: its Result; its rows' tokens grow their records."""
+        self.streams.pop(batch.batch_id, None)
+        wait = self.waited.pop(batch.batch_id, 0.0)
+        self.state.busy = bool(self.waited)
+        self.holding.progressed()
+        self.holding.discard(batch.batch_id)
+        evicted = self.engine.take_evicted()
+        if error is not None or outputs is None or stats is None:
+            text = (error or "the engine returned no outputs")[:MAX_ERROR_CHARS]
+            log.warning("batch=%d failed: %s", batch.batch_id, text)
+            res = P.Result(worker_id=self.wid, batch_id=batch.batch_id, error=text, kv_evicted=evicted)
+        else:
+            stats = msgspec.structs.replace(stats, queue_wait_s=wait)
+            self.rows.served(outputs)
+            log.debug("batch=%d done: n=%d L=%d iterations=%d prefill=%.3fs decode=%.3fs",
+                      batch.batch_id, stats.batch_size, stats.input_len, stats.iterations,
+                      stats.prefill_s, stats.decode_s)
+            res = P.Result(worker_id=self.wid, batch_id=batch.batch_id, outputs=outputs, stats=stats,
+                           kv_evicted=evicted)
+        self.send(P.encode(res))

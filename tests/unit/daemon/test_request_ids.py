@@ -8,7 +8,7 @@ from __future__ import annotations
 from sclsd import protocol as P
 from sclsd.daemon.admission import daemon_id
 
-from .conftest import Harness, RecConn, until
+from .conftest import Harness, RecConn, held, until
 
 ADMIN = 0  # root: an admin by default
 

@@ -274,7 +274,7 @@ def synthetic_trace(path: Path, n: int, seed: int) -> Path:
 
 
 @dataclass(frozen=True)
-class Plan:
+class CheckPlan:
     """What one run measures, decided after the ``facts`` stage."""
 
     device: str
@@ -315,7 +315,7 @@ def parse_caps(items: list[str]) -> dict[str, float]:
 
 
 def make_plan(args: argparse.Namespace, facts: dict[str, Any], bundle: Path | None, trace: str,
-              trace_kind: str) -> Plan:  # fmt: skip
+              trace_kind: str) -> CheckPlan:  # fmt: skip
     """Device, model and sizes from the options and the card's facts."""
     smoke = bool(args.smoke)
     device = args.device or ("cpu" if smoke else "cuda:0")
@@ -334,11 +334,11 @@ def make_plan(args: argparse.Namespace, facts: dict[str, Any], bundle: Path | No
     bad = set(policies) - set(LIVE_POLICIES)
     if bad:
         raise SystemExit(f"sclsd-bench gpu-check: --live: unknown {sorted(bad)}; choose from {','.join(LIVE_POLICIES)}")
-    return Plan(device, model, dtype, smoke, sizes, parse_stages(args.stages), policies, trace, trace_kind,
+    return CheckPlan(device, model, dtype, smoke, sizes, parse_stages(args.stages), policies, trace, trace_kind,
                 args.deadline, skip)  # fmt: skip
 
 
-def cap_of(name: str, plan: Plan, caps: dict[str, float]) -> tuple[float, float]:
+def cap_of(name: str, plan: CheckPlan, caps: dict[str, float]) -> tuple[float, float]:
     """(cap, minimum) seconds of a stage: :data:`CAPS` (or :data:`SMOKE_CAPS`), the
     profile's from its budget, then ``--cap`` (``live`` stands for every live stage)."""
     table = SMOKE_CAPS if plan.smoke else CAPS
@@ -350,7 +350,7 @@ def cap_of(name: str, plan: Plan, caps: dict[str, float]) -> tuple[float, float]
     return cap, min(low, cap)
 
 
-def measuring_stages(plan: Plan, out: Path, work: Path, env: dict[str, str], caps: dict[str, float],
+def measuring_stages(plan: CheckPlan, out: Path, work: Path, env: dict[str, str], caps: dict[str, float],
                      hf_opts: str = "", cb_opts: str = "") -> list[Stage]:  # fmt: skip
     """The stages after setup and facts, as the runner takes them."""
     py = [sys.executable, "-m", "sclsd.bench.gpu_stages"]

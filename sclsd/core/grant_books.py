@@ -2,7 +2,7 @@
 
 :class:`GrantBooks` is the state side of :class:`~sclsd.core.grants.GrantPolicy`:
 the slice length, the KV budget and page, the cost model, every worker's
-books (a :class:`~sclsd.core.grant_fleet.Fleet`) and the requests waiting
+books (a :class:`~sclsd.core.grant_fleet.GrantFleet`) and the requests waiting
 for a grant (a :class:`~sclsd.core.grant_queue.GrantQueue`), with the read-only
 queries the daemon and the simulator use. Changing a setting marks the
 policy's next round as due.
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .estimator import Estimator
-from .grant_fleet import Fleet, Grant, WorkerBook
+from .grant_fleet import Grant, GrantFleet, WorkerBook
 from .grant_queue import GrantQueue, Pending
 
 __all__ = ["GrantBooks", "GrantRules"]
@@ -80,7 +80,7 @@ class GrantBooks:
         if slice_len < 1:
             raise ValueError("slice_len must be >= 1")
         self._rules = rules if rules is not None else GrantRules()
-        self._fleet = Fleet()
+        self._fleet = GrantFleet()
         self._fleet.budget = int(token_budget)
         self._est = est
         self._S = slice_len

@@ -1,6 +1,6 @@
 """The grant policy's books on the workers: grants, reservations, loads and parked KV.
 
-:class:`Fleet` holds one :class:`WorkerBook` per worker and keeps a
+:class:`GrantFleet` holds one :class:`WorkerBook` per worker and keeps a
 :class:`~sclsd.core.grant_index.WorkerIndex` in step with them: every change
 of a worker's reservation, load, grants or parked requests updates its slot,
 so the policy finds the worker for a grant with a descent of the index
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from .grant_index import WorkerIndex
 
-__all__ = ["Grant", "WorkerBook", "Fleet", "pages"]
+__all__ = ["Grant", "WorkerBook", "GrantFleet", "pages"]
 
 
 def pages(tokens: int, page: int) -> int:
@@ -66,7 +66,7 @@ class WorkerBook:
     """When it was added, relative to the others (the order idle workers are unblocked in)."""
 
 
-class Fleet:
+class GrantFleet:
     """Every worker's :class:`WorkerBook` and the index over them (see the module docstring)."""
 
     def __init__(self) -> None:

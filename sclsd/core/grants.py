@@ -73,7 +73,7 @@ class Placement:
 class GrantPolicy(GrantBooks):
     """Grants of at most ``slice_len`` tokens under a per-worker KV budget; see the module docstring.
 
-    Incremental: the books of every worker live in a :class:`~sclsd.core.grant_fleet.Fleet`
+    Incremental: the books of every worker live in a :class:`~sclsd.core.grant_fleet.GrantFleet`
     whose index finds the worker for a grant in O(log n), and :meth:`schedule` does
     nothing unless something changed since the last round that granted nothing.
     """

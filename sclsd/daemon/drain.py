@@ -31,7 +31,7 @@ class Drained(Protocol):
         ...
 
 
-class Drain:
+class DrainControl:
     """The drain's state and task; ``stopped`` is set when the daemon may stop."""
 
     def __init__(self, daemon: Drained, timeout_s: float, notifier: Notifier) -> None:

@@ -48,7 +48,7 @@ from ..sdnotify import Notifier
 from ..tokenizer import Tokenizer
 from .admission import Admission
 from .cost import DaemonCost
-from .drain import Drain
+from .drain import DrainControl
 from .errors import StartupError
 from .fleet import Fleet
 from .frontend import Frontend
@@ -115,7 +115,7 @@ class Server:
         self.fleet = Fleet(transport, self.worker_secret.value, clock)
         self.supervisor = Supervisor(cfg, self.run_dir, self.worker_secret.path, transport.spawn_args,
                                      on_exit=self._worker_exited, on_give_up=self._gave_up)
-        self.drain = Drain(self, cfg.daemon.drain_timeout_s, self.notifier)
+        self.drain = DrainControl(self, cfg.daemon.drain_timeout_s, self.notifier)
         self.idle = asyncio.Event()
         """Set while no request is live (the drain waits for it)."""
         self.idle.set()

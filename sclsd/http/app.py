@@ -37,7 +37,7 @@ from . import generate, openapi, render, responses
 from .body import read_json
 from .door import Door
 from .errors import ApiError, bad
-from .link import STATUS_TTL_S, DaemonLink
+from .link import STATUS_TTL_S, DaemonPool
 from .observe import HttpMetrics
 from .params import Kind, parse
 from .settings import Settings
@@ -57,7 +57,7 @@ class Api:
     def __init__(self, settings: Settings, metrics: HttpMetrics) -> None:
         self.settings = settings
         self.metrics = metrics
-        self.link = DaemonLink(settings.socket, settings.status_socket, settings.connections,
+        self.link = DaemonPool(settings.socket, settings.status_socket, settings.connections,
                                settings.max_frame_bytes)
         self.tokens = Tokens(self._model_for_tokenizer, settings.cache_dir, settings.tokenizer)
         self.started = int(time.time())

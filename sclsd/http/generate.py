@@ -27,7 +27,7 @@ from .. import protocol as P
 from ..client import FrameTooLarge, RequestError
 from . import render, tokens
 from .errors import ApiError, unsupported
-from .link import DaemonLink, unavailable
+from .link import DaemonPool, unavailable
 from .params import Parsed
 from .stream import Chunks
 
@@ -62,7 +62,7 @@ class EventStream(StreamingResponse):
             await aclose()
 
 
-def daemon_error(exc: Exception, link: DaemonLink) -> ApiError:
+def daemon_error(exc: Exception, link: DaemonPool) -> ApiError:
     """What the daemon (or the connection to it) said, as the HTTP error to answer."""
     if isinstance(exc, RequestError):
         return render.from_daemon(P.Error(code=exc.code, message=exc.message, id=exc.id))
@@ -83,7 +83,7 @@ async def _cancel_on_disconnect(request: Request, task: asyncio.Task[Any]) -> No
 class Host(Protocol):
     """What the generation routes need from the application (:class:`.app.Api`)."""
 
-    link: DaemonLink
+    link: DaemonPool
     tokens: tokens.Tokens
 
 

@@ -23,7 +23,7 @@ def unavailable(what: str, exc: BaseException) -> ApiError:
                     "daemon_unavailable")
 
 
-class DaemonLink:
+class DaemonPool:
     """Connections to one daemon (see the module docstring)."""
 
     def __init__(self, socket: str, status_socket: str, connections: int = 4,

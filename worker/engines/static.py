@@ -234,7 +234,7 @@ class KVArena:
 
 
 @dataclass(frozen=True)
-class Plan:
+class StepPlan:
     """Where a batch of ``rows`` runs: ``n`` rows (a bucket, or ``rows`` itself) of cache
     length ``c``; ``graph``: its decode step is a captured graph."""
 
@@ -349,17 +349,17 @@ class StaticRunner:
         """The ``(n, c)`` bucket steps prepared at warm-up (captured or not), ascending."""
         return sorted(k for k, s in self.steps.items() if s.bucket)
 
-    def plan(self, rows: int, need: int) -> Plan | None:
+    def plan(self, rows: int, need: int) -> StepPlan | None:
         """Where a batch of ``rows`` needing ``need`` cache columns runs: the smallest bucket
         that holds it, else its own shape; None when the arena cannot hold it at all."""
         for n, c in self.buckets() if self.use_graphs else ():
             if n >= rows and c >= need:
-                return Plan(rows, n, c, self.steps[(n, c)].graph is not None)
+                return StepPlan(rows, n, c, self.steps[(n, c)].graph is not None)
         if self.arena.fits(rows, need):
-            return Plan(rows, rows, need, False)
+            return StepPlan(rows, rows, need, False)
         return None
 
-    def step_for(self, plan: Plan) -> DecodeStep:
+    def step_for(self, plan: StepPlan) -> DecodeStep:
         key = (plan.n, plan.c)
         step = self.steps.get(key)
         if step is None:
@@ -427,7 +427,7 @@ class StaticRunner:
 class StaticRun:
     """One batch on the static path: its prefill into the arena, then decode steps."""
 
-    def __init__(self, runner: StaticRunner, plan: Plan) -> None:
+    def __init__(self, runner: StaticRunner, plan: StepPlan) -> None:
         self.runner = runner
         self.plan = plan
         self.key_real: Any = None

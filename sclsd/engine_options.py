@@ -47,8 +47,10 @@ OPTIONS: dict[str, Option] = {
     "vocab": Option(("fake",), "int", lo=4, help="vocabulary size"),
     "max_natural": Option(("fake",), "int", lo=1, help="longest natural output before EOS"),
     "kv_bytes_per_token": Option(("fake",), "int", lo=1, help="Δ it reports"),
-    "batching": Option(("fake",), "choice", choices=("static", "continuous"), help="the batching it reports"),
+    "batching": Option(("fake",), "choice", choices=("static", "continuous"),
+                       help="static: one batch at a time; continuous: grants share a running set of rows"),
     "grammar": Option(("fake",), "bool", help="enforce structured-output grammars (needs llguidance)"),
+    "max_rows": Option(("fake",), "int", lo=1, help="continuous batching: most rows running at once (default 64)"),
     # KV kept across slices
     "kv_reuse": Option(("hf", "deepspeed", "fake"), "bool", help="keep unfinished requests' KV across slices"),
     "kv_retain_bytes": Option(("hf", "deepspeed", "fake"), "int", lo=0, help="most bytes of kept KV"),

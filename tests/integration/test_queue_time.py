@@ -2,8 +2,9 @@
 (the worker's ``queue_wait_s``) counts, in ``done.timings.queued_s`` and in the histogram.
 
 Slice grants go out as soon as a worker has KV room, so all of them reach the one worker at
-once; the fake engine serves them one after another, so the k-th waits for the k-1 before it
-in the worker's queue. Measured to the dispatch alone, every queue time read about 0."""
+once; the fake engine, running one row at a time (``max_rows = 1``), takes the next only when
+the one before has ended, so the k-th waits for the k-1 before it in the worker's queue.
+Measured to the dispatch alone, every queue time read about 0."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ SLICE = 8  # one grant of 8 iterations each: about 0.08 s of serving
 
 def test_queue_time_counts_the_wait_in_the_workers_queue(tmp_path: Path) -> None:
     d = start_daemon(tmp_path, workers=1, policy="scls-cb", slice_len=SLICE,
-                     worker_opts={"decode_s": DECODE_S})
+                     worker_opts={"decode_s": DECODE_S, "max_rows": 1})
     try:
         async def run() -> list[P.Done]:
             async with AsyncClient(d.sock) as c:

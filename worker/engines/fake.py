@@ -22,6 +22,12 @@ iteration's sleep, so time to first token is measurable) and, with ``kv_reuse``
 are retained (:class:`~worker.engines.kvstore.KVStore`, LRU within the memory
 budget) and a batch whose rows are held sleeps only for the prefill of what is
 new, ``prefill_s_per_token · N · max(new tokens)``.
+
+That is static batching (``batching = "static"``, the default): one batch at a time.
+With ``batching = "continuous"`` (how the daemon spawns it under ``scls-cb``) it
+serves as ``hf-cb`` does: batches join and leave one running set of at most
+``max_rows`` rows, a step of ``decode_s`` gives every running row its next token
+(:mod:`worker.engines.fake_cb`). Tokens are the same either way (:class:`FakeRow`).
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, EngineCaps, RequestOutput
-from worker.engines.base import Emit, Engine, EngineInfo, TokenCursor
+from worker.engines.base import Done, Emit, Engine, EngineInfo, Stream, Take, TokenCursor
+from worker.engines.fake_cb import ContinuousRows
 from worker.engines.grammar import byte_grammar_tokenizer, row_matcher
 from worker.engines.grammar import supported as grammar_supported
 from worker.engines.kvstore import KVReuse, KVStore, Retained
@@ -70,6 +77,57 @@ def _hash_ids(ids: list[int]) -> int:
     return int.from_bytes(digest, "little")
 
 
+class FakeRow:
+    """One row's tokens as the fake engine makes them, one :meth:`step` at a time.
+
+    Token ``g`` (counted over the whole request) is a function of the prompt, ``g``, the
+    seed of a sampled row and the row's rules, never of the batch or the slice, so every
+    way of serving a request (static batches, slices, continuous rows) gives the same tokens.
+    """
+
+    __slots__ = ("eng", "req", "natural", "state", "matcher", "out", "lps", "reason")
+
+    def __init__(self, eng: FakeEngine, r: BatchRequest, matcher: Any = None) -> None:
+        self.eng = eng
+        self.req = r
+        # The prompt is the context minus the tokens of earlier slices.
+        h = _hash_ids(r.token_ids[: len(r.token_ids) - r.generated])
+        # min_tokens delays the natural end (and keeps stop tokens out) until that many tokens.
+        self.natural = max(1 + h % eng.max_natural, r.min_tokens)
+        # Sampled rows fold their seed in (unseeded ones a fresh one): outputs differ from greedy.
+        self.state = mix_seed(h, r.seed if r.seed is not None else random_seed()) if r.temperature > 0 else h
+        self.matcher = matcher
+        self.out: list[int] = []
+        self.lps: list[Any] = []
+        self.reason: str | None = None
+        """``stop`` or ``length`` once the row finished (None: it may go on)."""
+
+    def step(self) -> int:
+        """Generate the row's next token (its reason set when it ends the row); returns it."""
+        eng, r = self.eng, self.req
+        span = eng.vocab - FIRST_ORDINARY_ID
+        g = r.generated + len(self.out)  # absolute index of this token
+        if g == self.natural - 1 and not r.ignore_eos:
+            tok = EOS_ID
+        else:
+            tok = FIRST_ORDINARY_ID + mix_seed(self.state, g) % span
+            tok = biased(tok, r.logit_bias, FIRST_ORDINARY_ID, eng.vocab)
+            if g < r.min_tokens and tok in r.stop_token_ids:
+                tok = FIRST_ORDINARY_ID + (tok + 1 - FIRST_ORDINARY_ID) % span
+        if self.matcher is not None:  # the grammar wins over the rest
+            tok = eng._allowed(self.matcher, tok)
+            self.matcher.consume_token(tok)
+        self.out.append(tok)
+        if r.logprobs or r.top_logprobs:  # made up, but stable: see synthetic_logprobs
+            self.lps.append(synthetic_logprobs(tok, r.top_logprobs, mix_seed(self.state ^ 0x5EED, g),
+                                               FIRST_ORDINARY_ID, eng.vocab))
+        if (tok == EOS_ID and not r.ignore_eos) or tok in r.stop_token_ids:
+            self.reason = "stop"
+        elif len(self.out) >= r.max_new_tokens:
+            self.reason = "length"
+        return tok
+
+
 class FakeEngine(Engine):
     """A stand-in engine for tests and load tests (see the module docstring)."""
 
@@ -90,6 +148,7 @@ class FakeEngine(Engine):
         kv_retain_bytes: int | None = None,
         batching: str = "static",
         grammar: bool = False,
+        max_rows: int = 64,
     ) -> None:
         if vocab <= FIRST_ORDINARY_ID:
             raise ValueError(f"vocab must exceed {FIRST_ORDINARY_ID}, got {vocab}")
@@ -103,9 +162,15 @@ class FakeEngine(Engine):
         self.max_natural = int(max_natural)
         if batching not in ("static", "continuous"):
             raise ValueError(f"batching must be 'static' or 'continuous', got {batching!r}")
-        #: What it tells the daemon: ``continuous`` lets it take slice grants (scls-cb), which
-        #: it serves one batch at a time all the same.
+        #: What it tells the daemon, and how it serves: ``continuous`` takes slice grants
+        #: (scls-cb) and runs their rows together (:mod:`worker.engines.fake_cb`).
         self.batching = batching
+        if int(max_rows) < 1:
+            raise ValueError(f"max_rows must be at least 1, got {max_rows}")
+        self.max_rows = int(max_rows)
+        """Continuous batching: the most rows running at once (others wait for a place)."""
+        self.kv_peak_tokens = 0
+        """Continuous batching: the most KV tokens held at once (running and kept), since it started."""
         self.grammar = bool(grammar)
         if self.grammar and not grammar_supported():
             raise ValueError("grammar = true needs llguidance (pip install 'sclsd[worker]')")
@@ -164,13 +229,28 @@ class FakeEngine(Engine):
             if self.kv is not None:
                 self.kv.store.done(r.rid for r in reqs)
 
+    def run(self, take: Take, done: Done, stream: Stream | None = None) -> None:
+        """Static batching: one batch at a time (:meth:`Engine.run`); continuous: batches join
+        and leave one running set of rows (:class:`~worker.engines.fake_cb.ContinuousRows`)."""
+        if self.batching != "continuous":
+            return super().run(take, done, stream)
+        ContinuousRows(self).run(take, done, stream)
+        return None
+
+    def row(self, r: BatchRequest) -> FakeRow:
+        """Row ``r``'s token source, its grammar's matcher built (GrammarError if it cannot be)."""
+        return FakeRow(self, r, self._matcher(r))
+
     def _matchers(self, reqs: list[BatchRequest]) -> dict[int, Any]:
         """Row index -> its grammar's matcher, for the rows with a grammar (none unless the
         engine enforces grammars); GrammarError for a row whose grammar cannot be built."""
-        if not self.grammar:
-            return {}
-        tok = byte_grammar_tokenizer(self.vocab, EOS_ID, FIRST_ORDINARY_ID)
-        return {i: row_matcher(r, tok) for i, r in enumerate(reqs) if r.grammar}
+        return {i: self._matcher(r) for i, r in enumerate(reqs) if self.grammar and r.grammar}
+
+    def _matcher(self, r: BatchRequest) -> Any:
+        """Row ``r``'s grammar matcher (None: no grammar, or the engine enforces none)."""
+        if not (self.grammar and r.grammar):
+            return None
+        return row_matcher(r, byte_grammar_tokenizer(self.vocab, EOS_ID, FIRST_ORDINARY_ID))
 
     def _allowed(self, m: Any, tok: int) -> int:
         """``tok`` if the matcher ``m`` allows it, else the next ordinary id it allows, else EOS."""
@@ -199,57 +279,27 @@ class FakeEngine(Engine):
             time.sleep(prefill_s)
         t1 = time.perf_counter()
 
-        outs: list[list[int]] = [[] for _ in reqs]
-        lps: list[list[Any]] = [[] for _ in reqs]
-        reasons: list[str | None] = [None] * n
-        # The prompt is the context minus the tokens of earlier slices.
-        hashes = [_hash_ids(r.token_ids[: len(r.token_ids) - r.generated]) for r in reqs]
-        # min_tokens delays the natural end (and keeps stop tokens out) until that many tokens.
-        natural = [max(1 + h % self.max_natural, r.min_tokens) for h, r in zip(hashes, reqs, strict=True)]
-        # Sampled rows fold their seed in (unseeded ones a fresh one): outputs differ from greedy.
-        states = [
-            mix_seed(h, r.seed if r.seed is not None else random_seed()) if r.temperature > 0 else h
-            for h, r in zip(hashes, reqs, strict=True)
-        ]
-        span = self.vocab - FIRST_ORDINARY_ID
+        rows = [FakeRow(self, r, matchers.get(i)) for i, r in enumerate(reqs)]
         cursor = TokenCursor([r.rid for r in reqs], emit)
         iterations = invalid = 0
-        while iterations < batch.slice_len and any(x is None for x in reasons):
+        while iterations < batch.slice_len and any(row.reason is None for row in rows):
             if iterations:  # the first token comes from the prefill
-                invalid += sum(x is not None for x in reasons)
+                invalid += sum(row.reason is not None for row in rows)
             iterations += 1
             if self.decode_s > 0:
                 time.sleep(self.decode_s)
-            for i, r in enumerate(reqs):
-                if reasons[i] is not None:
-                    continue
-                g = r.generated + len(outs[i])  # absolute index of this token
-                if g == natural[i] - 1 and not r.ignore_eos:
-                    tok = EOS_ID
-                else:
-                    tok = FIRST_ORDINARY_ID + mix_seed(states[i], g) % span
-                    tok = biased(tok, r.logit_bias, FIRST_ORDINARY_ID, self.vocab)
-                    if g < r.min_tokens and tok in r.stop_token_ids:
-                        tok = FIRST_ORDINARY_ID + (tok + 1 - FIRST_ORDINARY_ID) % span
-                m = matchers.get(i)
-                if m is not None:  # the grammar wins over the rest
-                    tok = self._allowed(m, tok)
-                    m.consume_token(tok)
-                outs[i].append(tok)
-                if r.logprobs or r.top_logprobs:  # made up, but stable: see synthetic_logprobs
-                    lps[i].append(synthetic_logprobs(tok, r.top_logprobs, mix_seed(states[i] ^ 0x5EED, g),
-                                                     FIRST_ORDINARY_ID, self.vocab))
-                if (tok == EOS_ID and not r.ignore_eos) or tok in r.stop_token_ids:
-                    reasons[i] = "stop"
-                elif len(outs[i]) >= r.max_new_tokens:
-                    reasons[i] = "length"
-            cursor.push(outs, reasons, lps)
+            for row in rows:
+                if row.reason is None:
+                    row.step()
+            cursor.push([row.out for row in rows], [row.reason for row in rows], [row.lps for row in rows])
         t2 = time.perf_counter()
+        outs = [row.out for row in rows]
+        reasons = [row.reason for row in rows]
         kept = self._keep(reqs, outs, reasons) if batch.kv_reuse else [0] * n
 
         outputs = [
             RequestOutput(rid=r.rid, token_ids=outs[i], finish_reason=reasons[i],  # type: ignore[arg-type]
-                          logprobs=lps[i], kv_tokens=kept[i], reused_tokens=used[i])
+                          logprobs=rows[i].lps, kv_tokens=kept[i], reused_tokens=used[i])
             for i, r in enumerate(reqs)
         ]
         stats = BatchStats(

@@ -1,0 +1,295 @@
+"""The ``fake`` engine's continuous batching: grants join and leave one running set of rows.
+
+With ``batching = "continuous"`` (what a fake worker reports under ``scls-cb``) the fake
+engine serves as ``hf-cb`` does (:meth:`worker.engines.hf_cb.HFCBEngine.run`), not one
+batch at a time: batches are admitted while earlier ones generate, and each step of the loop
+
+* takes batches while fewer than ``max_rows`` rows run or wait (the rows of a batch
+  beyond that wait for a place, and a batch that finds no place stays in the worker's
+  queue);
+* sleeps ``decode_s`` once for every running row, plus ``prefill_s_per_token`` times the
+  context tokens that rows joining in this step do not hold KV for (a step lasts that long
+  from the previous step's end, however long the bookkeeping between took, as a device
+  step would: the host's work overlaps it);
+* gives every running row one token (:class:`~worker.engines.fake.FakeRow`: the same
+  tokens as the static path, a function of the context) and hands each batch's new tokens
+  to ``stream``;
+* ends the rows that stopped (EOS, a stop token), reached their budget or their slice
+  (``min(max_new_tokens, slice_len)``), and reports a batch to ``done`` once all its rows
+  ended, with the same outputs and KV accounting as :meth:`FakeEngine.serve
+  <worker.engines.fake.FakeEngine.serve>`.
+
+KV (modelled, with ``kv_reuse``): a joining row checks out what the store keeps for its
+request (the prefix it shares with the row's context), an unfinished row's context is kept
+when it ends (``kv_tokens``), and the store shrinks to what fits beside the running rows'
+reservations (context + slice each), least recently used first (``take_evicted``).
+``release`` from the receive thread applies at once, or when a running row ends.
+
+A row whose grammar cannot be built fails alone (``RequestOutput.error``), as on ``hf-cb``,
+and whatever was kept for it is dropped; a malformed batch is reported to ``done`` with its
+error before any row runs; a row that fails while generating fails its batch (its other
+rows leave the running set).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, RequestOutput
+from worker.engines.base import EMPTY, Done, Stream, Take
+from worker.engines.grammar import GrammarError, row_error
+from worker.engines.kvstore import KVReuse, Retained
+
+__all__ = ["ContinuousRows", "Row", "RowEngine"]
+
+log = logging.getLogger("worker")
+
+
+class Row(Protocol):
+    """One row's token source (:class:`worker.engines.fake.FakeRow`)."""
+
+    req: BatchRequest
+    out: list[int]
+    lps: list[Any]
+    reason: str | None
+
+    def step(self) -> int: ...
+
+
+class RowEngine(Protocol):
+    """What the loop reads of its engine (:class:`worker.engines.fake.FakeEngine`)."""
+
+    decode_s: float
+    prefill_s_per_token: float
+    max_rows: int
+    vocab: int
+    kv: KVReuse | None
+    kv_bytes: int
+    mem_budget: int
+    kv_peak_tokens: int
+
+    def check_batch(self, batch: BatchMsg, vocab: int | None = None) -> None: ...
+
+    def row(self, r: BatchRequest) -> Row: ...
+
+    def release(self, rids: Iterable[str] | None = None) -> None: ...
+
+
+@dataclass
+class _Grant:
+    """A batch in flight: its rows' outputs as they end."""
+
+    batch: BatchMsg
+    started: float
+    left: int
+    """Rows not ended yet (waiting or running)."""
+    outputs: dict[str, RequestOutput] = field(default_factory=dict)
+    prefill_s: float = 0.0
+    prefill_tokens: int = 0
+    reused_tokens: int = 0
+
+
+@dataclass
+class _Live:
+    """One row of a grant: waiting for a place, then running."""
+
+    grant: _Grant
+    row: Row
+    cap: int
+    """Tokens it may generate in this batch: ``min(max_new_tokens, slice_len)``."""
+    used: int = 0
+    """Context tokens taken from kept KV when it joined."""
+    sent: int = 0
+    """Tokens already handed to ``stream``."""
+
+
+class ContinuousRows:
+    """The continuous fake engine's loop (see the module docstring); one per :meth:`run`."""
+
+    def __init__(self, eng: RowEngine, clock: Any = time.perf_counter, sleep: Any = time.sleep) -> None:
+        self.eng = eng
+        self.clock = clock
+        self.sleep = sleep
+        self.waiting: deque[_Live] = deque()
+        self.running: list[_Live] = []
+        self.step_at = float("-inf")
+        """When the last step's tokens were ready (the next step lasts from there)."""
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, take: Take, done: Done, stream: Stream | None) -> None:
+        """Admit batches from ``take`` while rows run; returns once ``take`` said stop (None)
+        and every admitted row ended."""
+        stopping = False
+        while True:
+            if not stopping and self._has_room():
+                item = take(None if not self.running and not self.waiting else 0.0)
+                while item is not EMPTY:
+                    if item is None:
+                        stopping = True
+                        break
+                    self.admit(item, done)
+                    item = take(0.0) if self._has_room() else EMPTY
+            if not self.running and not self.waiting:
+                if stopping:
+                    return
+                continue
+            self.step(done, stream)
+
+    def _has_room(self) -> bool:
+        """Whether another batch may come in: a batch that finds every place taken waits in
+        the worker's queue (its wait counts there, ``queue_wait_s``), not in the engine."""
+        return len(self.running) + len(self.waiting) < self.eng.max_rows
+
+    def admit(self, batch: BatchMsg, done: Done) -> None:
+        """Check ``batch`` and queue its rows; a batch that cannot be served goes to ``done``
+        with its error, a row whose grammar cannot be built ends alone."""
+        eng = self.eng
+        try:
+            eng.check_batch(batch, eng.vocab)
+            for r in batch.requests:
+                if r.generated > len(r.token_ids):
+                    raise ValueError(f"request {r.rid!r}: generated exceeds its context")
+        except ValueError as exc:
+            done(batch, None, None, str(exc))
+            return
+        g = _Grant(batch, self.clock(), len(batch.requests))
+        rows: list[_Live] = []
+        for r in batch.requests:
+            try:
+                rows.append(_Live(g, eng.row(r), min(r.max_new_tokens, batch.slice_len)))
+            except GrammarError as exc:
+                log.warning("batch=%d: %s; the rest of the batch is served", batch.batch_id, exc)
+                g.outputs[r.rid] = row_error(exc)
+                g.left -= 1
+                eng.release([r.rid])
+        if g.left == 0:  # no rows, or every row failed
+            self._finish(g, done)
+            return
+        self.waiting.extend(rows)
+
+    def step(self, done: Done, stream: Stream | None) -> None:
+        """One iteration of every running row (rows that find a place join first)."""
+        joined = self._join()
+        fresh = sum(len(lv.row.req.token_ids) - lv.used for lv in joined)
+        prefill = self.eng.prefill_s_per_token * fresh
+        for lv in joined:
+            share = len(lv.row.req.token_ids) - lv.used
+            lv.grant.prefill_tokens += share
+            lv.grant.reused_tokens += lv.used
+            lv.grant.prefill_s += self.eng.prefill_s_per_token * share
+        now = self.clock()
+        # A step lasts decode_s (and the prefill) from the previous one's end, unless the
+        # loop came back later than that: the host's bookkeeping overlaps the device's step.
+        start = self.step_at if now - self.step_at < self.eng.decode_s else now
+        self.step_at = start + self.eng.decode_s + prefill
+        failed: dict[int, tuple[_Grant, str]] = {}
+        for lv in self.running:
+            if lv.grant.batch.batch_id in failed:
+                continue
+            try:
+                lv.row.step()
+            except Exception as exc:  # noqa: BLE001 - the batch fails, the engine goes on
+                log.exception("batch=%d failed", lv.grant.batch.batch_id)
+                failed[lv.grant.batch.batch_id] = (lv.grant, f"{type(exc).__name__}: {exc}")
+        self._track_peak()
+        wait = self.step_at - self.clock()
+        if wait > 0:
+            self.sleep(wait)
+        for g, error in failed.values():
+            self._fail(g, error, done)
+        if stream is not None:
+            for bid, outs in self._new_tokens():
+                stream(bid, outs)
+        ended = [lv for lv in self.running if lv.row.reason is not None or len(lv.row.out) >= lv.cap]
+        if ended:
+            gone = {id(lv) for lv in ended}
+            self.running = [lv for lv in self.running if id(lv) not in gone]
+            for lv in ended:
+                self._end(lv, done)
+
+    # ------------------------------------------------------------------ rows
+
+    def _join(self) -> list[_Live]:
+        """Move waiting rows into the running set while it has room; their kept KV is taken."""
+        joined: list[_Live] = []
+        kv = self.eng.kv
+        while self.waiting and len(self.running) < self.eng.max_rows:
+            lv = self.waiting.popleft()
+            r = lv.row.req
+            if kv is not None:
+                entry, used = kv.store.take(r.rid, r.token_ids)
+                lv.used = used if entry is not None and lv.grant.batch.kv_reuse else 0
+            self.running.append(lv)
+            joined.append(lv)
+        if joined and kv is not None:
+            need = sum(len(lv.row.req.token_ids) + lv.cap for lv in self.running) * self.eng.kv_bytes
+            kv.store.make_room(self.eng.mem_budget - need)
+        return joined
+
+    def _new_tokens(self) -> Iterator[tuple[int, list[RequestOutput]]]:
+        """Per batch, the running rows' tokens not streamed yet."""
+        by_batch: dict[int, list[RequestOutput]] = {}
+        for lv in self.running:
+            row = lv.row
+            if len(row.out) > lv.sent:
+                by_batch.setdefault(lv.grant.batch.batch_id, []).append(RequestOutput(
+                    rid=row.req.rid, token_ids=row.out[lv.sent:], finish_reason=row.reason,  # type: ignore[arg-type]
+                    logprobs=row.lps[lv.sent:]))
+                lv.sent = len(row.out)
+        yield from by_batch.items()
+
+    def _end(self, lv: _Live, done: Done) -> None:
+        """A running row ended: keep its KV when it may go on, record its output."""
+        row, r, g = lv.row, lv.row.req, lv.grant
+        kept = 0
+        kv = self.eng.kv
+        if kv is not None:
+            if g.batch.kv_reuse and row.reason is None and row.out:
+                tokens = list(r.token_ids) + row.out[:-1]  # the last token was sampled, never fed
+                if kv.store.put(r.rid, Retained(tokens, len(tokens) * self.eng.kv_bytes)):
+                    kept = len(tokens)
+            kv.store.done([r.rid])
+        g.outputs[r.rid] = RequestOutput(rid=r.rid, token_ids=row.out, finish_reason=row.reason,  # type: ignore[arg-type]
+                                         logprobs=row.lps, kv_tokens=kept, reused_tokens=lv.used)
+        g.left -= 1
+        if g.left == 0:
+            self._finish(g, done)
+
+    def _fail(self, g: _Grant, error: str, done: Done) -> None:
+        """``g``'s batch failed: its rows leave (nothing kept) and ``done`` hears the error."""
+        mine = [lv for lv in self.running if lv.grant is g]
+        self.running = [lv for lv in self.running if lv.grant is not g]
+        self.waiting = deque(lv for lv in self.waiting if lv.grant is not g)
+        rids = [lv.row.req.rid for lv in mine]
+        if self.eng.kv is not None:
+            self.eng.kv.store.done(rids)
+        done(g.batch, None, None, error)
+
+    def _finish(self, g: _Grant, done: Done) -> None:
+        outs = [g.outputs[r.rid] for r in g.batch.requests]
+        elapsed = self.clock() - g.started
+        reqs: list[BatchRequest] = g.batch.requests
+        width = max((len(r.token_ids) for r in reqs), default=0)
+        iterations = max((len(o.token_ids) for o in outs), default=0)
+        # No padding, no invalid tokens: rows leave as they end. The prefill is what the
+        # grant's own rows added to their steps; the rest of its wall time is decoding.
+        stats = BatchStats(prefill_s=min(g.prefill_s, elapsed), decode_s=max(0.0, elapsed - g.prefill_s),
+                           iterations=iterations,
+                           peak_memory=sum(len(r.token_ids) + len(o.token_ids) for r, o in zip(reqs, outs, strict=True))
+                           * self.eng.kv_bytes,
+                           batch_size=len(outs), input_len=width, prefill_tokens=g.prefill_tokens,
+                           reused_tokens=g.reused_tokens, kv_peak_tokens=self.eng.kv_peak_tokens)
+        done(g.batch, outs, stats, None)
+
+    def _track_peak(self) -> None:
+        """KV tokens held once this step ran: the running rows' contexts and what is kept."""
+        held = sum(len(lv.row.req.token_ids) + len(lv.row.out) for lv in self.running)
+        if self.eng.kv is not None:
+            held += self.eng.kv.store.nbytes // max(1, self.eng.kv_bytes)
+        self.eng.kv_peak_tokens = max(self.eng.kv_peak_tokens, held)

@@ -202,6 +202,23 @@ def _as_rendered(real: str, texts: list[str], slots: list[str]) -> list[str] | N
     return shown if pos == len(real) else None
 
 
+def max_token_chars(tok: Tokenizer) -> int:
+    """The most characters one token of ``tok`` can stand for (an upper bound)."""
+    inner: Any = getattr(tok, "tok", None)
+    if inner is None or not hasattr(inner, "get_vocab"):
+        return 1  # the byte tokenizer: a character is at least one byte, one token
+    # Byte-level BPE and sentencepiece vocab strings spell a token with at least as many
+    # characters as it decodes to (one per byte, or "▁" for a space).
+    return max((len(s) for s in inner.get_vocab()), default=1) or 1
+
+
+def max_prompt_chars(tok: Tokenizer, max_input: int) -> int:
+    """The most characters a prompt of at most ``max_input`` tokens of ``tok`` can have: a
+    longer one cannot fit whatever the tokenizer does, and is refused without tokenizing
+    (the daemon's admission, ``sclsd-http``'s tokenizer routes)."""
+    return max_input * max_token_chars(tok)
+
+
 def load(spec: str, cache_dir: str | os.PathLike[str] | None = None) -> Tokenizer:
     """Tokenizer for a model spec (``fake`` gets the byte tokenizer)."""
     if spec == "fake":

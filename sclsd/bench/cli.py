@@ -26,6 +26,7 @@ SUBCOMMANDS = {
     "engine": ("sclsd.bench.engine", "ms per decode step of each engine, cold and warm"),
     "fairness": ("sclsd.bench.fairness", "how long a bystander waits behind another client's burst"),
     "detok": ("sclsd.bench.detok", "the daemon's detokenizing cost per streamed message, by output length"),
+    "tokenize-memory": ("sclsd.bench.tokmem", "what POST /tokenize of a large prompt costs sclsd-http in memory"),
 }
 
 

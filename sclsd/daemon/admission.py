@@ -36,7 +36,7 @@ from .. import protocol as P
 from ..config import Config
 from ..defaults import ENGINE_FEATURES
 from ..engine_options import OPTIONS
-from ..tokenizer import Tokenizer
+from ..tokenizer import Tokenizer, max_prompt_chars
 from .grammar import GrammarChecks, GrammarUnavailable
 from .metrics import Metrics
 from .serving.core import ServingCore
@@ -51,17 +51,6 @@ def daemon_id(conn: Conn, client_id: str) -> str:
     requests, as a client's ids are unique among its own (the connection number has no
     ``:``, so no two pairs give one string)."""
     return f"{conn.cid}:{client_id}"
-
-
-def max_token_chars(tok: Tokenizer) -> int:
-    """The most characters one token of ``tok`` can stand for (an upper bound): a prompt
-    longer than ``max_input`` times this cannot fit and is refused without tokenizing."""
-    inner: Any = getattr(tok, "tok", None)
-    if inner is None or not hasattr(inner, "get_vocab"):
-        return 1  # the byte tokenizer: a character is at least one byte, one token
-    # Byte-level BPE and sentencepiece vocab strings spell a token with at least as many
-    # characters as it decodes to (one per byte, or "▁" for a space).
-    return max((len(s) for s in inner.get_vocab()), default=1) or 1
 
 
 def has_chat_template(tok: Tokenizer) -> bool:
@@ -87,7 +76,7 @@ class Admission:
         self.is_draining = is_draining
         self.not_serving = not_serving
         d = cfg.daemon
-        self.max_chars = cfg.model.max_input * max_token_chars(tok)
+        self.max_chars = max_prompt_chars(tok, cfg.model.max_input)
         self.tokenizing = asyncio.Semaphore(d.max_tokenizing)
         #: Requests between frame and admission: counted against the bounds so a flood
         #: of text prompts cannot queue unbounded tokenizer work.

@@ -16,7 +16,6 @@ door (:mod:`.door`), is OpenAI's JSON error shape.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import inspect
@@ -41,7 +40,7 @@ from .link import STATUS_TTL_S, DaemonPool
 from .observe import HttpMetrics
 from .params import Kind, parse
 from .settings import Settings
-from .tokens import Tokens, tokenize_ids
+from .tokens import Tokens, to_tokenize
 
 log = logging.getLogger("sclsd.http")
 
@@ -59,7 +58,9 @@ class Api:
         self.metrics = metrics
         self.link = DaemonPool(settings.socket, settings.status_socket, settings.connections,
                                settings.max_frame_bytes)
-        self.tokens = Tokens(self._model_for_tokenizer, settings.cache_dir, settings.tokenizer)
+        self.tokens = Tokens(self._model_for_tokenizer, settings.cache_dir, settings.tokenizer,
+                             self._max_input)
+        self._known_max_input: int | None = None
         self.started = int(time.time())
         self._auth = f"Bearer {settings.api_key}".encode() if settings.api_key else None
         self._fp_of: object = None
@@ -91,6 +92,17 @@ class Api:
 
     async def _model_for_tokenizer(self) -> str:
         return (await self.link.status(STATUS_TTL_S)).model
+
+    async def _max_input(self) -> int | None:
+        """The daemon's ``model.max_input`` (from its status; the last one known while it
+        does not answer), else the config file's; None: not known."""
+        try:
+            n = (await self.link.status(STATUS_TTL_S)).limits.max_input
+        except ApiError:
+            n = 0
+        if n:
+            self._known_max_input = n
+        return self._known_max_input or self.settings.max_input
 
     async def _json(self, request: Request) -> Any:
         return await read_json(request, self.settings.limits.max_body_bytes)
@@ -157,9 +169,18 @@ class Api:
         if unknown:
             raise bad(unknown[0], f"unsupported parameter(s): {', '.join(unknown)}",
                       "unsupported_parameter")
+        what = to_tokenize(body)
         view = await self.tokens.view()
-        ids = await asyncio.to_thread(tokenize_ids, view, body)
-        strs = view.token_strs(ids) if body.get("return_token_strs") is True else None
+        bound = await self.tokens.bound(view)
+        if bound is not None:
+            bound.check(what.chars, what.param)  # before any tokenizing
+        strs_too = body.get("return_token_strs") is True
+
+        def tokenize() -> tuple[list[int], list[str] | None]:
+            ids = what.ids(view)
+            return ids, view.token_strs(ids) if strs_too else None
+
+        ids, strs = await self.tokens.run(what.chars, tokenize)
         return Response(render.encode({"count": len(ids), "max_model_len": self.settings.max_model_len,
                                        "tokens": ids, "token_strs": strs}), media_type=_JSON)
 
@@ -178,7 +199,7 @@ class Api:
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < view.vocab_size
                    for t in ids):
             raise bad("tokens", f"tokens: must be token ids in 0..{view.vocab_size - 1}")
-        text = await asyncio.to_thread(view.decode, ids, False)
+        text = await self.tokens.run(len(ids), view.decode, ids, False)
         return Response(render.encode({"prompt": text}), media_type=_JSON)
 
     async def _check_model(self, body: dict[str, Any]) -> None:

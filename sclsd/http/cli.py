@@ -99,6 +99,7 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, str, str]:
                         limits=limits, access_log=h.access_log,
                         max_frame_bytes=cfg.daemon.max_frame_bytes,
                         max_model_len=cfg.model.max_input + cfg.model.max_gen if args.config else None,
+                        max_input=cfg.model.max_input if args.config else None,
                         cache_dir=cfg.model.cache_dir)
     return settings, h.listen, h.log_level
 

@@ -92,7 +92,8 @@ async def prepare(host: Host, parsed: Parsed) -> None:
     needs a daemon feature this daemon does not list."""
     if tokens.needs_view(parsed):
         view = await host.tokens.view()
-        await asyncio.to_thread(tokens.resolve, parsed, view)
+        tokens.check_bound(parsed, await host.tokens.bound(view))  # before any tokenizing
+        await host.tokens.run(tokens.view_chars(parsed), tokens.resolve, parsed, view)
     else:
         tokens.resolve(parsed, None)
     await host.link.client()  # connected, so ``features`` is this daemon's

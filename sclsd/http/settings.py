@@ -50,6 +50,9 @@ class Settings:
     here, rather than closing the shared connection at the daemon."""
     max_model_len: int | None = None
     """Shown on ``/v1/models`` and ``/tokenize`` when known (``[model] max_input + max_gen``)."""
+    max_input: int | None = None
+    """``[model] max_input`` when known from the config file; the daemon's status says it
+    otherwise (prompts that cannot fit are refused before tokenizing, :mod:`.tokens`)."""
     cache_dir: str = ""
     """``[model] cache_dir``, for loading the tokenizer (:mod:`.tokens`)."""
     tokenizer: Any = None

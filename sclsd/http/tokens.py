@@ -7,14 +7,25 @@ tool turns (rendered with the template's ``tools``), ``suffix``
 such request, in a thread, through :func:`sclsd.tokenizer.load` with the model
 name the daemon reports: the same tokenizer object the daemon uses, so counts agree.
 A deployment that never uses these never loads it.
+
+What a request may make it hold is bounded: a prompt (or chat) whose characters cannot
+fit the daemon's ``model.max_input`` tokens is refused with ``prompt_too_long`` before
+it is tokenized, as the daemon refuses it (:func:`sclsd.tokenizer.max_prompt_chars`);
+at most :data:`MAX_TOKENIZING` tokenizer calls run at once, a call whose client went
+away keeping its place until it ends; and after a large one the memory it freed is
+given back to the operating system (glibc's ``malloc_trim``, where there is one).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
 import logging
+import sys
 from collections.abc import Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from .. import tokenizer as sclsd_tokenizer
 from . import fallback
@@ -23,6 +34,39 @@ from .errors import ApiError, bad, unsupported
 from .params import Parsed
 
 log = logging.getLogger("sclsd.http")
+
+T = TypeVar("T")
+
+#: Tokenizer calls (``/tokenize``, ``/detokenize``, tool chats, ``suffix``) running at
+#: once; more wait for a place. Four 4 MB prompts at once grew this process by 3 GB.
+MAX_TOKENIZING = 2
+#: After tokenizer work on at least this many characters (or ids), the heap memory it
+#: freed goes back to the operating system.
+TRIM_AT = 1 << 16
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``; None where the C library has none (musl, macOS)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def give_back_memory() -> bool:
+    """Return the heap's free memory to the operating system, as far as the C library can
+    (every arena of glibc's malloc); False where it cannot."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 #: Fill-in-the-middle token triples (prefix, suffix, middle) in prefix-suffix-middle
 #: order: StarCoder's, Qwen2.5-Coder's, DeepSeek-Coder's.
@@ -81,6 +125,12 @@ class View:
     def vocab_size(self) -> int:
         return int(self.t.vocab_size)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (:func:`sclsd.tokenizer.max_token_chars`,
+        as the daemon bounds prompts: :func:`sclsd.tokenizer.max_prompt_chars`)."""
+        return sclsd_tokenizer.max_token_chars(self.t)
+
     # -------------------------------------------------------------------- beyond it
 
     def render(self, chat: Chat) -> list[int]:
@@ -138,6 +188,43 @@ def needs_view(parsed: Parsed) -> bool:
         parsed.echo and any("prompt_ids" in f for f in parsed.prompts))
 
 
+@dataclass(frozen=True)
+class PromptBound:
+    """The longest prompt, in characters, that may fit ``max_input`` tokens of a tokenizer."""
+
+    max_input: int
+    max_chars: int
+
+    def check(self, chars: int, param: str) -> None:
+        """Refuse (``prompt_too_long``, naming ``param``) ``chars`` characters that cannot fit."""
+        if chars > self.max_chars:
+            raise ApiError(400, f"{param}: {chars} characters, more than {self.max_input} tokens "
+                           "(the model's max_input) whatever the tokenizer does", param,
+                           "prompt_too_long")
+
+
+def chat_chars(c: Chat) -> int:
+    """The characters of a chat's turns: its rendering has at least as many."""
+    return sum(len(m["content"]) for m in c.messages if isinstance(m.get("content"), str))
+
+
+def view_chars(parsed: Parsed) -> int:
+    """The characters :func:`resolve` tokenizes for ``parsed``."""
+    return sum(chat_chars(f["render"]) if "render" in f else len(f["fim"][0]) + len(f["fim"][1])
+               for f in parsed.prompts if "render" in f or "fim" in f)
+
+
+def check_bound(parsed: Parsed, bound: PromptBound | None) -> None:
+    """Refuse a chat or ``suffix`` prompt of ``parsed`` too long for ``bound``, untokenized."""
+    if bound is None:
+        return
+    for form in parsed.prompts:
+        if "render" in form:
+            bound.check(chat_chars(form["render"]), "messages")
+        elif "fim" in form:
+            bound.check(len(form["fim"][0]) + len(form["fim"][1]), "prompt")
+
+
 def resolve(parsed: Parsed, view: View | None) -> None:
     """Turn the ``render`` and ``fim`` prompt forms into ``prompt_ids`` and fill
     ``echo_texts`` (runs in a thread: templates and tokenizers take CPU time)."""
@@ -166,14 +253,23 @@ def resolve(parsed: Parsed, view: View | None) -> None:
 
 class Tokens:
     """Loads the tokenizer of the model the daemon serves on first use (see the module
-    docstring); ``given``: a tokenizer to use instead (tests, embedding)."""
+    docstring), and runs the calls made to it, :data:`MAX_TOKENIZING` at once. ``given``:
+    a tokenizer to use instead (tests, embedding); ``max_input``: the daemon's
+    ``model.max_input`` (None: unknown, prompts then bounded by the body limit alone)."""
 
     def __init__(self, model: Callable[[], Awaitable[str]], cache_dir: str = "",
-                 given: Any = None) -> None:
+                 given: Any = None, max_input: Callable[[], Awaitable[int | None]] | None = None,
+                 places: int = MAX_TOKENIZING) -> None:
         self._model = model
         self._cache_dir = cache_dir or None
         self._view = View(given) if given is not None else None
         self._lock = asyncio.Lock()
+        self._max_input = max_input
+        self._places = asyncio.Semaphore(places)
+        self.waiting = 0
+        """Calls waiting for a place."""
+        self.running = 0
+        """Calls running in a thread (a cancelled caller's call counts until it ends)."""
 
     async def view(self) -> View:
         if self._view is not None:
@@ -190,9 +286,70 @@ class Tokens:
                 self._view = View(tok)
         return self._view
 
+    async def bound(self, view: View) -> PromptBound | None:
+        """The longest prompt ``view`` may tokenize for the daemon (None: not known)."""
+        n = await self._max_input() if self._max_input is not None else None
+        return PromptBound(n, n * view.max_token_chars) if n else None
 
-def tokenize_ids(view: View, body: dict[str, Any]) -> list[int]:
-    """The ids of ``/tokenize``'s ``prompt`` or ``messages`` (nulls already dropped)."""
+    async def run(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a thread once one of the places is free. A caller cancelled
+        meanwhile leaves the call to end in its place (a thread cannot be stopped), so
+        clients that hang up cannot stack calls. ``size``: the characters (or ids) it
+        works on; from :data:`TRIM_AT` on, the memory it freed is given back after it."""
+        def call() -> T:
+            try:
+                return fn(*args)
+            finally:
+                if size >= TRIM_AT:
+                    give_back_memory()
+
+        self.waiting += 1
+        try:
+            await self._places.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+
+        def ended(_: Any) -> None:
+            self.running -= 1
+            self._places.release()
+
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(None, call)
+        except BaseException:
+            ended(None)
+            raise
+        fut.add_done_callback(ended)
+        return await asyncio.shield(fut)
+
+
+@dataclass(frozen=True)
+class ToTokenize:
+    """What ``/tokenize`` was asked to tokenize, checked (:func:`to_tokenize`)."""
+
+    prompt: str | None
+    chat: Chat | None
+    special: bool
+
+    @property
+    def param(self) -> str:
+        return "prompt" if self.chat is None else "messages"
+
+    @property
+    def chars(self) -> int:
+        return len(self.prompt) if self.prompt is not None else chat_chars(self.chat) if self.chat else 0
+
+    def ids(self, view: View) -> list[int]:
+        """The ids, as the daemon would count them (blocking: in a thread)."""
+        if self.prompt is not None:
+            return view.encode(self.prompt, add_special_tokens=self.special)
+        assert self.chat is not None
+        c = self.chat
+        return view.encode_chat(c.daemon_messages()) if c.plain else view.render(c)
+
+
+def to_tokenize(body: dict[str, Any]) -> ToTokenize:
+    """``/tokenize``'s ``prompt`` or ``messages`` (nulls already dropped), checked."""
     from .chat import chat
 
     if ("prompt" in body) == ("messages" in body):
@@ -203,9 +360,8 @@ def tokenize_ids(view: View, body: dict[str, Any]) -> list[int]:
     if "prompt" in body:
         if not isinstance(body["prompt"], str):
             raise bad("prompt", "prompt: must be a string")
-        return view.encode(body["prompt"], add_special_tokens=special)
+        return ToTokenize(body["prompt"], None, special)
     if body.get("add_generation_prompt", True) is not True:
         raise bad("add_generation_prompt", "add_generation_prompt: only true (as the daemon "
                   "renders chats)")
-    c = chat(body)
-    return view.encode_chat(c.daemon_messages()) if c.plain else view.render(c)
+    return ToTokenize(None, chat(body), special)

@@ -98,6 +98,9 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True):
     """Budget of the bytes all half-sent frames may hold (0: not reported)."""
     max_partial_frame_bytes_per_uid: int = 0
     """The same for the frames of one peer uid."""
+    max_input: int = 0
+    """``model.max_input``: the most prompt tokens a request may have (0: not reported);
+    ``sclsd-http`` refuses longer prompts by their length before tokenizing them."""
 
 
 class StatusSnapshot(msgspec.Struct, forbid_unknown_fields=True):

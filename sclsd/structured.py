@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import resource
 import signal
 from collections.abc import Mapping
@@ -26,7 +27,7 @@ import msgspec
 
 from .protocol import Structured
 
-__all__ = ["CHILD_MAX_REPLY", "check", "child_main", "compile_grammar", "grammar_text"]
+__all__ = ["CHILD_MAX_REPLY", "cause_of", "check", "child_main", "compile_grammar", "grammar_text"]
 
 #: llguidance's JSON layout settings added to every JSON schema (unless it sets its own).
 COMPACT = {"whitespace_flexible": False}
@@ -83,6 +84,18 @@ def check(s: Structured, limits: Mapping[str, int] | None = None) -> str | None:
     return compile_grammar(s, limits)[1]
 
 
+#: How llguidance says a grammar passed one of its limits (``LLParserLimits``): "grammar
+#: size ... too big (limit for this grammar: N)", "Too many items (limit N)", "... fuel ...".
+_LIMIT_WORDS = re.compile(r"limit for this grammar|\(limit \d|fuel|too many (states|items|expressions)",
+                          re.IGNORECASE)
+
+
+def cause_of(why: str) -> str:
+    """Why :func:`compile_grammar` refused, in a word: ``limit`` when one of llguidance's
+    limits was passed, else ``invalid``."""
+    return "limit" if _LIMIT_WORDS.search(why) else "invalid"
+
+
 # ---------------------------------------------------------------------- the grammar child
 
 _JOB = msgspec.msgpack.Decoder(tuple[str, str])
@@ -111,8 +124,8 @@ def _vm_size() -> int:
 
 def child_main(fd: int, memory_bytes: int, limits: Mapping[str, int]) -> None:
     """A grammar child: answers jobs ``(kind, value)`` from the daemon on the socket ``fd``
-    with ``("ok", grammar text)`` or ``("refused", why)``, one at a time, until the daemon
-    closes it. Its address space may grow by ``memory_bytes`` beyond what it holds once
+    with ``("ok", grammar text)`` or ``(cause, why)`` (``invalid``, ``limit``: :func:`cause_of`;
+    ``memory``), one at a time, until the daemon closes it. Its address space may grow by ``memory_bytes`` beyond what it holds once
     llguidance is loaded (``RLIMIT_AS``): past that an allocation fails and llguidance
     aborts the child, which the daemon reports as that limit."""
     _die_with_parent()
@@ -130,10 +143,10 @@ def child_main(fd: int, memory_bytes: int, limits: Mapping[str, int]) -> None:
             return
         try:
             text, why = compile_grammar(Structured(kind=kind, value=value), limits)  # type: ignore[arg-type]
-            reply = ("ok", text) if text is not None else ("refused", why or "invalid")
+            reply = ("ok", text) if text is not None else (cause_of(why or ""), why or "invalid")
         except MemoryError:
-            reply = ("refused", f"the grammar did not compile within grammar.memory_bytes = {memory_bytes}")
+            reply = ("memory", f"the grammar did not compile within grammar.memory_bytes = {memory_bytes}")
         except Exception as exc:  # noqa: BLE001 - anything else is this grammar's fault
-            reply = ("refused", f"{kind}: {type(exc).__name__}: {exc}")
+            reply = ("invalid", f"{kind}: {type(exc).__name__}: {exc}")
         conn.send_bytes(_ENC.encode(reply))
 

@@ -82,7 +82,7 @@ class Admission:
         #: of text prompts cannot queue unbounded tokenizer work.
         self.admitting = 0
         #: Grammars are compiled in child processes, never here (:mod:`.grammar`).
-        self.grammars = GrammarChecks(cfg.grammar)
+        self.grammars = GrammarChecks(cfg.grammar, metrics.grammar_refused)
 
     def refuse(self, conn: Conn, code: P.ErrorCode, message: str, rid: str | None,
                reason: str | None = None) -> Effects:

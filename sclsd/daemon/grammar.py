@@ -14,6 +14,8 @@ flight. So:
 * each check has ``grammar.timeout_s``: a child past it is killed, one that crashed
   (stack, memory) is reaped, and either way the next check starts a fresh one; the
   request is refused (``bad_request``) with a message naming the limit;
+* every refusal is counted by its cause (:data:`CAUSES`; the daemon's metric
+  ``sclsd:grammar_refusals_total{cause}``);
 * the daemon keeps the grammar text the child returns with the request
   (``Entry.grammar``): batches carry it, nothing in the daemon compiles it again.
 
@@ -30,6 +32,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -42,7 +45,12 @@ from ..structured import CHILD_MAX_REPLY
 
 log = logging.getLogger("sclsd")
 
-__all__ = ["GrammarChecks", "GrammarUnavailable"]
+__all__ = ["CAUSES", "GrammarChecks", "GrammarUnavailable"]
+
+#: Why a grammar is refused: past ``timeout_s``; past ``memory_bytes`` (its child ran out of
+#: address space); its child crashed otherwise (llguidance's stack); not a grammar
+#: llguidance accepts; past one of llguidance's limits.
+CAUSES = ("timeout", "memory", "crash", "invalid", "limit")
 
 #: ``python -c`` puts the working directory first on sys.path: dropped, as for workers.
 _BOOTSTRAP = ("import sys, json; del sys.path[0]; from sclsd.structured import child_main; "
@@ -78,13 +86,15 @@ class _Child:
 class GrammarChecks:
     """Compiles requests' grammars in child processes (see the module docstring)."""
 
-    def __init__(self, cfg: GrammarConfig) -> None:
+    def __init__(self, cfg: GrammarConfig, on_refused: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
         self.idle: list[_Child] = []
         self.slots = asyncio.Semaphore(cfg.processes)
         self.threads = ThreadPoolExecutor(cfg.processes, thread_name_prefix="sclsd-grammar")
-        self.refused: dict[str, int] = {"timeout": 0, "crashed": 0, "invalid": 0}
-        """Grammars refused, by why: past ``timeout_s``, a child that crashed, or invalid."""
+        self.refused: dict[str, int] = dict.fromkeys(CAUSES, 0)
+        """Grammars refused, by cause (:data:`CAUSES`)."""
+        self.on_refused = on_refused
+        """Called on the event loop with the cause of each refusal (the daemon's metrics)."""
 
     async def compile(self, s: P.Structured) -> tuple[str | None, str | None]:
         """(grammar text, None) for ``s``, or (None, why it is refused); GrammarUnavailable
@@ -93,12 +103,16 @@ class GrammarChecks:
             child = self.idle.pop() if self.idle else self._start()
             loop = asyncio.get_running_loop()
             try:
-                ok, text, why = await loop.run_in_executor(self.threads, self._round_trip, child, s)
+                ok, text, why, cause = await loop.run_in_executor(self.threads, self._round_trip, child, s)
             except asyncio.CancelledError:
                 child.proc.kill()  # mid-job: its answer is for nobody, its state unknown
                 raise
             if ok:
                 self.idle.append(child)
+            if cause is not None:
+                self.refused[cause] += 1
+                if self.on_refused is not None:
+                    self.on_refused(cause)
             return text, why
 
     def close(self) -> None:
@@ -123,9 +137,9 @@ class GrammarChecks:
             theirs.close()
         return _Child(proc, Connection(ours.detach()))
 
-    def _round_trip(self, child: _Child, s: P.Structured) -> tuple[bool, str | None, str | None]:
+    def _round_trip(self, child: _Child, s: P.Structured) -> tuple[bool, str | None, str | None, str | None]:
         """In a thread: ``s`` to ``child`` and its answer back, within the time limit;
-        (child still usable, text, why refused)."""
+        (child still usable, text, why refused, the cause of the refusal)."""
         try:
             if not child.ready:
                 if not child.conn.poll(START_S):
@@ -140,25 +154,22 @@ class GrammarChecks:
             child.conn.send_bytes(_ENC.encode((s.kind, s.value)))
             if not child.conn.poll(limit):
                 child.kill()
-                self.refused["timeout"] += 1
-                return False, None, f"the grammar did not compile within grammar.timeout_s = {limit:g} s"
+                return False, None, f"the grammar did not compile within grammar.timeout_s = {limit:g} s", "timeout"
             status, body = _REPLY.decode(child.conn.recv_bytes(CHILD_MAX_REPLY))
         except (EOFError, OSError, msgspec.DecodeError):
-            self.refused["crashed"] += 1
-            return False, None, self._crashed(child.kill())
+            return (False, None, *self._crashed(child.kill()))
         if status == "ok":
-            return True, body, None
-        self.refused["invalid"] += 1
-        return True, None, body
+            return True, body, None, None
+        return True, None, body, status if status in ("invalid", "limit", "memory") else "invalid"
 
-    def _crashed(self, rc: int | None) -> str:
-        """Why a child that ended mid-check ended, as the client hears it."""
+    def _crashed(self, rc: int | None) -> tuple[str, str]:
+        """Why a child that ended mid-check ended, as the client hears it, and the cause."""
         name = _signal_name(rc)
         log.warning("a grammar process ended while checking a request's grammar (%s)", name)
         if rc == -signal.SIGSEGV:
-            return f"the grammar could not be compiled: its check crashed ({name}: nested too deeply?)"
+            return f"the grammar could not be compiled: its check crashed ({name}: nested too deeply?)", "crash"
         return (f"the grammar did not compile within grammar.memory_bytes = {self.cfg.memory_bytes} "
-                f"(its check ended with {name})")
+                f"(its check ended with {name})", "memory")
 
 
 def _signal_name(rc: int | None) -> str:

@@ -40,6 +40,7 @@ from prometheus_client.utils import floatToGoString
 from ..config import Config
 from ..protocol import LossReason, StatusSnapshot
 from .gauges import SnapshotGauges
+from .grammar import CAUSES
 from .serving.effects import Ended
 
 log = logging.getLogger("sclsd.metrics")
@@ -206,6 +207,9 @@ class Metrics:
         self.worker_losses = _Counter("sclsd:worker_restarts", "Workers dropped, by reason (a spawned "
                                       "worker whose process ended or was killed restarts)", "reason",
                                       preset=get_args(LossReason))
+        self.grammar_refusals = _Counter("sclsd:grammar_refusals", "Structured-output grammars refused "
+                                         "at admission, by cause (timeout, memory, crash, invalid, limit)",
+                                         "cause", preset=CAUSES)
         self.ttft = _Hist("sclsd:time_to_first_token_seconds", "Acceptance to the first token",
                           _LATENCY_BUCKETS)
         self.tpot = _Hist("sclsd:time_per_output_token_seconds", "Time per output token after the "
@@ -236,7 +240,7 @@ class Metrics:
                                 _LATENCY_BUCKETS)
         self.registry.register(_Events([
             self.success, self.cancelled, self.failed, self.refusals, self.prompt_tokens,
-            self.gen_tokens, self.batches, self.worker_losses, self.ttft, self.tpot, self.itl, self.gap,
+            self.gen_tokens, self.batches, self.worker_losses, self.grammar_refusals, self.ttft, self.tpot, self.itl, self.gap,
             self.prefill_time, self.decode_time, self.e2e, self.queue, self.req_prompt,
             self.req_gen, self.slices, self.batch_size, self.batch_time], model_name))
 
@@ -248,6 +252,10 @@ class Metrics:
         """A request refused with error ``code`` by the check ``reason`` (a bound, a field)."""
         self.refused_total += 1
         self.refusals.inc(1, code, reason)
+
+    def grammar_refused(self, cause: str) -> None:
+        """A request's grammar was refused for ``cause`` (:data:`.grammar.CAUSES`)."""
+        self.grammar_refusals.inc(1, cause)
 
     def dispatched(self, size: int) -> None:
         self.batches.inc()

@@ -44,7 +44,9 @@ OPTIONS: dict[str, Option] = {
     # fake
     "decode_s": Option(("fake",), "float", lo=0.0, help="seconds per decoding iteration"),
     "prefill_s_per_token": Option(("fake",), "float", lo=0.0, help="prefill seconds per token"),
-    "vocab": Option(("fake",), "int", lo=4, help="vocabulary size"),
+    # The fake model's byte tokenizer has 256 ids: a smaller vocabulary cannot hold a prompt,
+    # and the daemon refuses such a worker at register (it would exit and restart for ever).
+    "vocab": Option(("fake",), "int", lo=256, help="vocabulary size (at least the byte tokenizer's 256 ids)"),
     "max_natural": Option(("fake",), "int", lo=1, help="longest natural output before EOS"),
     "kv_bytes_per_token": Option(("fake",), "int", lo=1, help="Δ it reports"),
     "batching": Option(("fake",), "choice", choices=("static", "continuous"),

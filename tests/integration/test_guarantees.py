@@ -52,15 +52,17 @@ def sections(*, daemon: dict[str, Any] | None = None, scheduler: dict[str, Any] 
     return {"daemon": d, "model": {"name": model}, "scheduler": s, "workers": w}
 
 
-def launch(tmp: Path, *, cwd: Path = REPO, wait: int | None = None, **changes: Any) -> Daemon:
-    """Start a daemon (log: ``tmp/sclsd.log``) and wait until its status socket answers with
-    ``wait`` workers registered (default: ``workers.spawn``)."""
+def launch(tmp: Path, *, cwd: Path = REPO, wait: int | None = None, env: dict[str, str] | None = None,
+           **changes: Any) -> Daemon:
+    """Start a daemon (log: ``tmp/sclsd.log``; ``env``: more of its environment) and wait
+    until its status socket answers with ``wait`` workers registered (default:
+    ``workers.spawn``)."""
     cfg = sections(**changes)
     # TMPDIR: the daemon's private run directory lands here, removed with the test's files
     # even when the daemon cannot remove it (SIGKILL).
     (tmp / "tmp").mkdir(exist_ok=True)
     n = cfg["workers"]["spawn"] if wait is None else wait
-    return launch_daemon(cfg, log=tmp / "sclsd.log", env={"TMPDIR": str(tmp / "tmp")}, cwd=cwd,
+    return launch_daemon(cfg, log=tmp / "sclsd.log", env={"TMPDIR": str(tmp / "tmp"), **(env or {})}, cwd=cwd,
                          wait_workers=n, timeout=READY_S)
 
 
@@ -319,11 +321,15 @@ def test_second_daemon_on_the_same_sockets_exits_2_and_the_first_keeps_serving(
 # --------------------------------------------------------------------------- unservable
 
 
-@pytest.mark.parametrize("case", ["gamma_inf", "fake_engine_real_model"])
+@pytest.mark.parametrize("case", ["gamma_inf", "fake_engine_real_model", "fake_vocab_too_small"])
 def test_unservable_config_exits_2_naming_the_key(tmp_path: Path, case: str) -> None:
     if case == "gamma_inf":
         cfg, short = write_config(tmp_path, scheduler={"gamma_s": float("inf")})
         key = "scheduler.gamma_s"
+    elif case == "fake_vocab_too_small":
+        # Fewer ids than the fake model's byte tokenizer: every worker would be refused.
+        cfg, short = write_config(tmp_path, options={"vocab": 10})
+        key = "workers.options.vocab = 10"
     else:
         cfg, short = write_config(tmp_path, model="tiny-random")
         key = "workers.engine"

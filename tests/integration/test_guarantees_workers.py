@@ -118,12 +118,18 @@ def test_workers_exit_when_the_daemon_is_killed(started: Callable[..., Daemon]) 
 # --------------------------------------------------------------------------- crash-looping workers
 
 
-def test_crash_looping_workers_make_the_daemon_say_it_cannot_serve(started: Callable[..., Daemon]) -> None:
+def test_crash_looping_workers_make_the_daemon_say_it_cannot_serve(started: Callable[..., Daemon],
+                                                                    tmp_path: Path) -> None:
+    # Workers that exit as they start, whatever the config says (a broken install: the first
+    # ``worker`` package on their path fails), so the supervisor starts them again.
+    broken = tmp_path / "broken" / "worker"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("")
+    (broken / "main.py").write_text("def main(argv):\n    print('this worker cannot start')\n    return 1\n")
+    path = os.pathsep.join(p for p in (str(broken.parent), os.environ.get("PYTHONPATH")) if p)
     d = started(workers={"quick_failure_s": 30.0, "max_quick_failures": 2, "restart_backoff_s": 0.05,
                          "restart_backoff_max_s": 0.05},
-                # Workers whose vocabulary cannot hold the daemon tokenizer's ids: refused at
-                # register, they exit, and the supervisor starts them again.
-                options={"vocab": 100}, wait=0)
+                env={"PYTHONPATH": path}, wait=0)
     st = poll(lambda: (s := d.status()) and not s.serving and s, 20, "serving == False", d)
     assert st.why and "w0" in st.why and "w1" in st.why, st.why
     assert st.workers == []

@@ -270,7 +270,9 @@ def test_metrics_http_must_be_bindable() -> None:
     [
         ("fake", {"decode_s": float("inf")}, "decode_s", "finite"),
         ("fake", {"decode_s": -1.0}, "decode_s", ">= 0"),
-        ("fake", {"vocab": 3}, "vocab", ">= 4"),
+        ("fake", {"vocab": 3}, "vocab", ">= 256"),
+        ("fake", {"vocab": 10}, "vocab", ">= 256"),  # accepted once; every worker was then refused
+        ("fake", {"vocab": 255}, "vocab", ">= 256"),
         ("fake", {"vocab": 2.5}, "vocab", "integer"),
         ("fake", {"batching": "paged"}, "batching", "one of"),
         ("hf", {"decode_s": 0.1}, "decode_s", "does not take it"),

@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in turn, results under ``out/`` and figures under ``docs/img/``.
 
-    python -m sclsd.bench.all [--only batcher,figures,grants,sim,api,streams,live] [--skip live]
+    python -m sclsd.bench.all [--only batcher,figures,grants,sim,api,rates,streams,live] [--skip live]
 
 Steps (each is one ``sclsd-bench`` subcommand, run as its own process):
 
@@ -12,6 +12,9 @@ Steps (each is one ``sclsd-bench`` subcommand, run as its own process):
   ils-conservative and scls, in simulation (``sclsd-bench grants``, out/grants.md);
 - ``sim``: simulator speed, 10 simulated minutes of 8 workers at 20 req/s;
 - ``api``: the daemon's own request rate with a zero-time fake engine;
+- ``rates``: the daemon at GPU token rates: 8 fake workers streaming 64 rows each at 10 ms a
+  step (51,200 tokens/s offered) to 512 streaming clients: tokens/s delivered, the daemon's
+  CPU per token at 1,024- and 64-token outputs, bytes per grant (out/rates.md);
 - ``engine``: ms per decode step of each engine on the default model, cold and warm
   (on a GPU box ``sclsd-bench gpu-check`` runs it on a 7B/13B model);
 - ``streams``: the default (scls-cb on hf-cb) vs static scls vs ILS on real CPU workers under
@@ -41,6 +44,7 @@ STEPS: dict[str, list[str]] = {
     "sim": ["sclsd.bench.cli", "sim", "--trace", TRACE, "--policy", "scls", "--profile", "a100-llama2-13b-hf",
             "--workers", "8", "--rate", "20", "--duration", "600", "--json", "out/sim-speed.json"],
     "api": ["sclsd.bench.cli", "api", "--json", "out/api.json"],
+    "rates": ["sclsd.bench.cli", "rates", "--short-tokens", "64", "--json", "out/rates.json", "--md", "out/rates.md"],
     "engine": ["sclsd.bench.cli", "engine", "--model", "smollm2-135m-instruct", "--shapes", "1x64,8x128",
                "--gen", "16", "--out", "out/engine"],
     "streams": ["sclsd.bench.cli", "streams", "--out", "out/streams"],

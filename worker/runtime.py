@@ -21,11 +21,12 @@ at once (from the receive thread), every new registration drops all of it (the
 daemon has forgotten what this worker held), and each Result lists what the
 engine evicted.
 
-Requests are sent whole once: the serve thread turns each batch's continued rows
+Requests are sent whole once: the receive thread turns each batch's continued rows
 (deltas) back into whole rows from the worker's records (:class:`~worker.rows.RowBook`)
-before the engine takes it, and grows each record by the tokens its row generated; a
-batch that continues a request with no record here is answered at once with
-``Result.unknown`` (the daemon then sends it whole).
+as it arrives, in order with the ``release`` and ``forget`` messages that drop records,
+and the serve thread grows each record by the tokens its row generated; a batch that
+continues a request with no record here is answered at once with ``Result.unknown``
+(the daemon then sends it whole).
 
 The receive thread acknowledges every batch it queues (:class:`~sclsd.protocol.BatchAck`),
 so the daemon knows which batches reached the worker, and every heartbeat names the
@@ -51,7 +52,7 @@ import zmq
 from sclsd import protocol as P
 from worker.engines.base import Engine
 from worker.link import DaemonLink, RuntimeOptions
-from worker.rows import RowBook
+from worker.rows import RowBook, UnknownRows
 from worker.serve import Holding, ServeLoop, State
 
 __all__ = ["RuntimeOptions", "WorkerRuntime"]
@@ -184,6 +185,15 @@ class WorkerRuntime:
             elif st.draining:
                 self._refuse(msg, "worker draining")
             else:
+                try:
+                    # Here, in order with the release and forget messages that drop records.
+                    msg = self.rows.expand(msg)
+                except UnknownRows as exc:
+                    # Not served: the daemon sends these requests whole next time, uncharged.
+                    log.warning("batch=%d refused: %s", msg.batch_id, exc)
+                    self.link.send(P.Result(worker_id=self.opts.worker_id, batch_id=msg.batch_id,
+                                            error=str(exc), unknown=exc.rids), keep=True)
+                    return
                 self.holding.add(msg.batch_id)
                 self.batches.put((msg, time.monotonic()))
                 # Kept in order behind earlier messages; the Result, which comes through

@@ -1,10 +1,10 @@
 """The worker's serve thread: the engine's loop over the local queue, and what it sends.
 
-The receive thread (:mod:`worker.runtime`) queues each batch as it arrives; the
-engine's :meth:`~worker.engines.base.Engine.run` takes them through :meth:`ServeLoop.take`,
-which first turns their continued rows back into whole rows from the worker's records
-(:class:`~worker.rows.RowBook`; a batch continuing a request with no record here is
-answered at once with ``Result.unknown``). Tokens the engine emits are coalesced into
+The receive thread (:mod:`worker.runtime`) queues each batch as it arrives, its
+continued rows already turned back into whole rows from the worker's records
+(:class:`~worker.rows.RowBook`), in order with the ``release`` and ``forget`` messages
+that drop records; the engine's :meth:`~worker.engines.base.Engine.run` takes them
+through :meth:`ServeLoop.take`. Tokens the engine emits are coalesced into
 :class:`~sclsd.protocol.Tokens` messages (:class:`TokenStream`); each batch's outcome
 becomes a :class:`~sclsd.protocol.Result`, and its rows' tokens grow their records. Both
 go out through the PAIR the receive thread reads, so they keep their order.
@@ -25,7 +25,7 @@ import msgspec
 
 from sclsd import protocol as P
 from worker.engines.base import EMPTY, Engine
-from worker.rows import RowBook, UnknownRows
+from worker.rows import RowBook
 
 __all__ = ["MAX_ERROR_CHARS", "STREAM_INTERVAL_S", "Holding", "ServeLoop", "State", "TokenStream"]
 
@@ -151,28 +151,18 @@ class ServeLoop:
             self.state.busy = False
 
     def take(self, timeout: float | None) -> Any:
-        """The next batch, rows whole; :data:`EMPTY` when none came in time, None to stop."""
-        while True:
-            try:
-                item = self.batches.get(timeout=timeout) if timeout != 0.0 else self.batches.get_nowait()
-            except queue.Empty:
-                return EMPTY
-            if item is None:
-                return None
-            batch, queued_at = item
-            try:
-                batch = self.rows.expand(batch)
-            except UnknownRows as exc:
-                # Not served: the daemon sends these requests whole next time, uncharged.
-                log.warning("batch=%d refused: %s", batch.batch_id, exc)
-                self.holding.discard(batch.batch_id)
-                self.send(P.encode(P.Result(worker_id=self.wid, batch_id=batch.batch_id, error=str(exc),
-                                            unknown=exc.rids)))
-                continue
-            self.waited[batch.batch_id] = time.monotonic() - queued_at
-            self.state.busy = True
-            self.holding.progressed()
-            return batch
+        """The next batch (rows whole); :data:`EMPTY` when none came in time, None to stop."""
+        try:
+            item = self.batches.get(timeout=timeout) if timeout != 0.0 else self.batches.get_nowait()
+        except queue.Empty:
+            return EMPTY
+        if item is None:
+            return None
+        batch, queued_at = item
+        self.waited[batch.batch_id] = time.monotonic() - queued_at
+        self.state.busy = True
+        self.holding.progressed()
+        return batch
 
     def stream(self, batch_id: int, outputs: list[P.RequestOutput]) -> None:
         """A running batch's new tokens."""

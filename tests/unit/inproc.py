@@ -91,6 +91,12 @@ class InprocWorker:
         self.received.append(msg)
         self.got.set()
         if isinstance(msg, P.BatchMsg):
+            try:
+                msg = self.rows.expand(msg)  # on arrival, as a worker's receive thread does
+            except UnknownRows as exc:
+                self.send(P.Result(worker_id=self.wid, batch_id=msg.batch_id, error=str(exc), unknown=exc.rids))
+                return
+            self.served.append(msg)
             self.arrived[msg.batch_id] = time.monotonic()
             if self.ack:
                 self.send(P.BatchAck(worker_id=self.wid, batch_id=msg.batch_id))
@@ -108,12 +114,6 @@ class InprocWorker:
         """Run one batch on the engine and send its Result."""
         if not self.alive:
             return
-        try:
-            batch = self.rows.expand(batch)
-        except UnknownRows as exc:
-            self.send(P.Result(worker_id=self.wid, batch_id=batch.batch_id, error=str(exc), unknown=exc.rids))
-            return
-        self.served.append(batch)
         def emit(outputs: list[P.RequestOutput]) -> None:
             self.send(P.Tokens(worker_id=self.wid, batch_id=batch.batch_id, outputs=outputs))
 

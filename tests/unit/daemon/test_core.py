@@ -42,6 +42,8 @@ class Driver:
         self.engines: dict[str, FakeEngine] = {}
         self.rows: dict[str, RowBook] = {}
         """Each worker's records: batches reach its engine whole, as in a real worker."""
+        self.whole: dict[int, P.BatchMsg | UnknownRows] = {}
+        """Each batch as its worker made it whole on arrival (or why it could not)."""
         self.lost: list[str] = []
         self.served: set[int] = set()
 
@@ -53,6 +55,11 @@ class Driver:
             self.to_worker.setdefault(wid, []).append(msg)
             if isinstance(msg, (P.Release, P.Forget)) and wid in self.rows:
                 self.rows[wid].drop(msg.rids)
+            elif isinstance(msg, P.BatchMsg) and wid in self.rows:
+                try:  # on arrival, in order with release and forget, as a worker does
+                    self.whole[msg.batch_id] = self.rows[wid].expand(msg)
+                except UnknownRows as exc:
+                    self.whole[msg.batch_id] = exc
         self.lost += [x.wid for x in eff.lost]
         for job in eff.decode:
             self.run(self.core.decoded(job, [self.tok.decode(s) for s in job.seqs], self.now))
@@ -105,10 +112,10 @@ class Driver:
                 if stream:
                     self.message(wid, P.Tokens(worker_id=wid, batch_id=bid, outputs=outputs))
 
-            try:
-                whole = self.rows[wid].expand(b)
-            except UnknownRows as exc:  # as the worker answers it
-                self.message(wid, P.Result(worker_id=wid, batch_id=b.batch_id, error=str(exc), unknown=exc.rids))
+            whole = self.whole.pop(b.batch_id)
+            if isinstance(whole, UnknownRows):  # as the worker answers it
+                self.message(wid, P.Result(worker_id=wid, batch_id=b.batch_id, error=str(whole),
+                                           unknown=whole.rids))
                 continue
             outputs, stats = self.engines[wid].serve(whole, emit)
             self.rows[wid].served(outputs)

@@ -44,7 +44,7 @@ def _brute(slots: list[tuple[int, float, int] | None], need: int, base: float, a
     return best
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     n=st.integers(1, 40),
     data=st.data(),
@@ -191,7 +191,7 @@ RULES = st.one_of(
 )
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     rules=RULES,
     workers=st.integers(1, 6),

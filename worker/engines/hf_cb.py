@@ -6,7 +6,7 @@ generation thread that admits new requests at every iteration), so a request
 joins the running batch as soon as it arrives and leaves it as soon as it
 finishes: no padding, no invalid tokens. The manager lives as long as the engine
 (:meth:`HFCBEngine.close` stops it), so KV can outlive a batch. The worker runtime
-drives it through :meth:`HFCBEngine.run_continuous` (batches admitted while
+drives it through :meth:`HFCBEngine.run` (batches admitted while
 earlier ones generate); :meth:`serve` is the blocking one-batch form (profiler, tests).
 
 A row generates at most ``min(max_new_tokens, slice_len)`` tokens in its batch

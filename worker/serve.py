@@ -38,42 +38,56 @@ STREAM_INTERVAL_S = 0.02
 
 
 class TokenStream:
-    """Coalesces one batch's ``emit`` calls into Tokens messages: the first goes at once,
-    later ones at most every ``interval`` seconds. Tokens still pending when the batch
-    ends are not sent: its Result carries every token anyway."""
+    """Coalesces the engine's ``emit`` calls of every running batch into
+    :class:`~sclsd.protocol.Tokens` messages: a batch's first tokens go at once (with
+    whatever else is pending), the rest at most every ``interval`` seconds, all batches in
+    one message. Tokens still pending when a batch ends are dropped (:meth:`end`): its
+    Result carries every token anyway."""
 
-    def __init__(self, send: Callable[[bytes], None], worker_id: str, batch_id: int,
+    def __init__(self, send: Callable[[bytes], None], worker_id: str,
                  interval: float = STREAM_INTERVAL_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.send = send
         self.worker_id = worker_id
-        self.batch_id = batch_id
         self.interval = interval
         self.clock = clock
-        self.pending: dict[str, P.RequestOutput] = {}
+        self.pending: dict[int, dict[str, P.RequestOutput]] = {}
+        self.started: set[int] = set()
+        """Batches whose first tokens went out."""
         self.next_at = float("-inf")
         self.sent = 0
         """Tokens messages sent."""
 
-    def __call__(self, outputs: list[P.RequestOutput]) -> None:
+    def __call__(self, batch_id: int, outputs: list[P.RequestOutput]) -> None:
+        rows = self.pending.setdefault(batch_id, {})
         for o in outputs:
-            acc = self.pending.get(o.rid)
+            acc = rows.get(o.rid)
             if acc is None:
-                self.pending[o.rid] = P.RequestOutput(rid=o.rid, token_ids=list(o.token_ids),
-                                                      finish_reason=o.finish_reason,
-                                                      logprobs=list(o.logprobs))
+                rows[o.rid] = P.RequestOutput(rid=o.rid, token_ids=list(o.token_ids),
+                                              finish_reason=o.finish_reason, logprobs=list(o.logprobs))
             else:
                 acc.token_ids.extend(o.token_ids)
                 acc.logprobs.extend(o.logprobs)
                 acc.finish_reason = o.finish_reason
+        first = batch_id not in self.started
         now = self.clock()
-        if self.pending and now >= self.next_at:
-            msg = P.Tokens(worker_id=self.worker_id, batch_id=self.batch_id,
-                           outputs=list(self.pending.values()))
-            self.pending = {}
+        if first or now >= self.next_at:
+            self.started.add(batch_id)
+            self.flush(now)
+
+    def flush(self, now: float) -> None:
+        """Send what is pending, one message for all batches."""
+        parts = [P.BatchTokens(batch_id=b, outputs=list(rows.values())) for b, rows in self.pending.items() if rows]
+        self.pending = {}
+        if parts:
             self.next_at = now + self.interval
             self.sent += 1
-            self.send(P.encode(msg))
+            self.send(P.encode(P.Tokens(worker_id=self.worker_id, batches=parts)))
+
+    def end(self, batch_id: int) -> None:
+        """Batch ``batch_id`` ended: its pending tokens go with its Result instead."""
+        self.pending.pop(batch_id, None)
+        self.started.discard(batch_id)
 
 
 @dataclass
@@ -133,8 +147,8 @@ class ServeLoop:
         self.state = state
         self.wid = worker_id
         self.send = send
-        self.streams: dict[int, TokenStream] = {}
-        """Per batch in flight, coalescing its tokens."""
+        self.tokens = TokenStream(send, worker_id)
+        """Every running batch's tokens, coalesced."""
         self.waited: dict[int, float] = {}
         """Per batch in flight, its time in the local queue."""
 
@@ -167,14 +181,12 @@ class ServeLoop:
     def stream(self, batch_id: int, outputs: list[P.RequestOutput]) -> None:
         """A running batch's new tokens."""
         self.holding.progressed()
-        if batch_id not in self.streams:
-            self.streams[batch_id] = TokenStream(self.send, self.wid, batch_id)
-        self.streams[batch_id](outputs)
+        self.tokens(batch_id, outputs)
 
     def done(self, batch: P.BatchMsg, outputs: list[P.RequestOutput] | None, stats: P.BatchStats | None,
              error: str | None) -> None:
         """A batch's outcome: its Result; its rows' tokens grow their records."""
-        self.streams.pop(batch.batch_id, None)
+        self.tokens.end(batch.batch_id)
         wait = self.waited.pop(batch.batch_id, 0.0)
         self.state.busy = bool(self.waited)
         self.holding.progressed()

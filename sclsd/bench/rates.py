@@ -105,8 +105,8 @@ def grant_bytes(contexts: list[int], slice_len: int = 128, vocab: int = DEFAULT_
             rid="7:0123456789abcdef", token_ids=out, kv_tokens=n + slice_len - 1, reused_tokens=n - 1)],
             stats=P.BatchStats(prefill_s=0.001, decode_s=1.28, iterations=slice_len, batch_size=1, input_len=n,
                                prefill_tokens=1, reused_tokens=n - 1, kv_peak_tokens=80_000))
-        tokens = sum(len(P.encode(P.Tokens(worker_id="w0", batch_id=123_456, outputs=[
-            P.RequestOutput(rid="7:0123456789abcdef", token_ids=out[i:i + 2])]))) for i in range(0, slice_len, 2))
+        tokens = sum(len(P.encode(P.Tokens(worker_id="w0", batches=[P.BatchTokens(batch_id=123_456, outputs=[
+            P.RequestOutput(rid="7:0123456789abcdef", token_ids=out[i:i + 2])])]))) for i in range(0, slice_len, 2))
         rows.append({"context": n, "whole": len(P.encode(whole)), "delta": len(P.encode(delta)),
                      "result": len(P.encode(result)), "tokens_messages": tokens})
     return rows

@@ -25,7 +25,8 @@ from msgspec import Meta
 #: not by its age. 7: a worker keeps each request's record (prompt, parameters, context)
 #: and later rows of it are :class:`ContinueRow` (budget, and the tokens it lacks), so a
 #: grant's bytes do not grow with the context; :class:`Forget` and ``BatchMsg.forget`` drop
-#: records, ``Result.unknown`` names rows a worker holds no record of.
+#: records, ``Result.unknown`` names rows a worker holds no record of; ``tokens`` carry
+#: every running batch's new tokens at once (``batches``), not one message per batch.
 PROTOCOL_VERSION = 7
 
 #: Default cap on one client / status frame (bytes of msgpack).

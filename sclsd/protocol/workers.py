@@ -245,18 +245,26 @@ class Result(_Msg, tag="result"):
     ``error`` says so); the daemon sends these requests whole next time, uncharged."""
 
 
-class Tokens(_Msg, tag="tokens"):
-    """Tokens of a running batch, sent as they are generated (coalesced: at most one per
-    batch every ~20 ms, the first as soon as the prefill produced the first tokens).
+class BatchTokens(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One running batch's part of a :class:`Tokens` message."""
 
-    Each output holds only the tokens generated since the previous ``tokens`` of this
-    batch; ``finish_reason`` is set once a row has finished. Advisory: the batch's
-    :class:`Result` still carries every token of the slice and is authoritative.
+    batch_id: int
+    outputs: list[RequestOutput]
+    """Per row, only the tokens generated since the previous ``tokens`` naming this batch;
+    ``finish_reason`` set once the row has finished."""
+
+
+class Tokens(_Msg, tag="tokens"):
+    """Tokens of the worker's running batches, sent as they are generated: coalesced over
+    all of them, at most one message every ~20 ms, except that a batch's first tokens go
+    at once (with whatever else is pending), so the time to a first token is the prefill's.
+
+    Advisory: each batch's :class:`Result` still carries every token of its slice and is
+    authoritative; tokens pending when a batch ends are left to its result.
     """
 
     worker_id: str
-    batch_id: int
-    outputs: list[RequestOutput]
+    batches: list[BatchTokens]
 
 
 class Release(_Msg, tag="release"):

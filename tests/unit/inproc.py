@@ -115,7 +115,7 @@ class InprocWorker:
         if not self.alive:
             return
         def emit(outputs: list[P.RequestOutput]) -> None:
-            self.send(P.Tokens(worker_id=self.wid, batch_id=batch.batch_id, outputs=outputs))
+            self.send(P.Tokens(worker_id=self.wid, batches=[P.BatchTokens(batch_id=batch.batch_id, outputs=outputs)]))
 
         waited = time.monotonic() - self.arrived.pop(batch.batch_id, time.monotonic())
         try:

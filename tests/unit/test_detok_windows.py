@@ -78,3 +78,20 @@ def test_keep_stop_ends_the_text_after_the_stop_string_even_split_over_calls() -
     # The earliest stop string wins, and only its own text is kept.
     d = Detokenizer(stop=["more", "and"], keep_stop=True)
     assert d.apply("Hello world and more", final=True) == "Hello world and"
+
+
+def test_an_outputs_window_is_the_detokenizers_window_of_its_context() -> None:
+    """``Output.window`` builds the window without copying the output, chunks still being
+    detokenized included, wherever the window starts."""
+    from sclsd.daemon.serving.output import Chunk, Output
+
+    rng = random.Random(5)
+    for _ in range(200):
+        out = Output(Detokenizer())
+        out.ids = [rng.randrange(1000) for _ in range(rng.randrange(0, 12))]
+        out.inbound = [Chunk([rng.randrange(1000) for _ in range(rng.randrange(1, 5))], [])
+                       for _ in range(rng.randrange(0, 4))]
+        n = len(out.context())
+        out.detok.r = rng.randrange(0, n + 1)
+        out.detok.p = rng.randrange(0, out.detok.r + 1)
+        assert out.window() == out.detok.window(out.context())

@@ -94,31 +94,41 @@ def test_concurrent_release_and_put_keep_the_byte_count_exact() -> None:
     assert s.nbytes == sum(v * 10 for v in s.held().values())
 
 
-def test_token_stream_coalesces() -> None:
+def test_token_stream_coalesces_every_running_batch_into_one_message() -> None:
     from worker.serve import TokenStream
 
     now = [0.0]
     sent: list[P.Tokens] = []
-    stream = TokenStream(lambda b: sent.append(P.worker_decoder.decode(b)), "w", 7,
-                         interval=0.02, clock=lambda: now[0])
+    stream = TokenStream(lambda b: sent.append(P.worker_decoder.decode(b)), "w", interval=0.02,
+                         clock=lambda: now[0])
 
-    def emit(rid: str, *ids: int, reason: str | None = None) -> None:
-        stream([P.RequestOutput(rid=rid, token_ids=list(ids), finish_reason=reason)])  # type: ignore[arg-type]
+    def emit(bid: int, rid: str, *ids: int, reason: str | None = None) -> None:
+        stream(bid, [P.RequestOutput(rid=rid, token_ids=list(ids), finish_reason=reason)])  # type: ignore[arg-type]
 
-    emit("a", 1)  # the first tokens go at once
-    assert [m.outputs for m in sent] == [[P.RequestOutput(rid="a", token_ids=[1])]]
+    def parts(m: P.Tokens) -> dict[int, list[P.RequestOutput]]:
+        return {p.batch_id: p.outputs for p in m.batches}
+
+    emit(7, "a", 1)  # a batch's first tokens go at once
+    assert [parts(m) for m in sent] == [{7: [P.RequestOutput(rid="a", token_ids=[1])]}]
     now[0] = 0.005
-    emit("a", 2)
-    emit("b", 9)
+    emit(7, "a", 2)
+    emit(7, "b", 9)
     now[0] = 0.015
-    emit("a", 3, reason="length")
+    emit(7, "a", 3, reason="length")
     assert len(sent) == 1  # within 20 ms of the last send: held
-    now[0] = 0.021
-    emit("b", 10)
-    assert len(sent) == 2 and sent[1].batch_id == 7 and sent[1].worker_id == "w"
-    assert sent[1].outputs == [P.RequestOutput(rid="a", token_ids=[2, 3], finish_reason="length"),
-                               P.RequestOutput(rid="b", token_ids=[9, 10])]
-    assert stream.sent == 2
+    emit(8, "c", 5)  # another batch's first tokens: out at once, with what was held
+    assert len(sent) == 2 and sent[1].worker_id == "w"
+    assert parts(sent[1]) == {7: [P.RequestOutput(rid="a", token_ids=[2, 3], finish_reason="length"),
+                                  P.RequestOutput(rid="b", token_ids=[9])],
+                              8: [P.RequestOutput(rid="c", token_ids=[5])]}
+    now[0] = 0.02
+    emit(7, "b", 10)
+    emit(8, "c", 6)
+    stream.end(8)  # batch 8 ended: its pending tokens go with its result
+    now[0] = 0.04
+    emit(7, "b", 11)
+    assert len(sent) == 3 and parts(sent[2]) == {7: [P.RequestOutput(rid="b", token_ids=[10, 11])]}
+    assert stream.sent == 3
 
 
 def test_host_tier_takes_what_does_not_fit_beside_a_batch() -> None:

@@ -210,8 +210,9 @@ def test_tokens_stream_before_the_result_and_release_drops_kept_kv(router, start
         _, msg = router.recv((P.Tokens, P.Result), keepalive=ident)
         if isinstance(msg, P.Result):
             break
-        assert msg.batch_id == 9 and msg.worker_id == "w0" and [o.rid for o in msg.outputs] == ["r9"]
-        streamed.append(msg.outputs[0].token_ids)
+        (part,) = msg.batches
+        assert part.batch_id == 9 and msg.worker_id == "w0" and [o.rid for o in part.outputs] == ["r9"]
+        streamed.append(part.outputs[0].token_ids)
     (out,) = msg.outputs
     assert len(streamed) >= 3  # 12 steps of 10 ms, at most one message per 20 ms
     flat = [t for ts in streamed for t in ts]

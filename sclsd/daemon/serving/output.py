@@ -67,6 +67,22 @@ class Output:
             out += chunk.ids
         return out
 
+    def window(self) -> tuple[list[int], list[int], tuple[int, int, int, int]]:
+        """:meth:`Detokenizer.window <sclsd.tokenizer.Detokenizer.window>` of :meth:`context`,
+        without copying the output before the window (its cost does not grow with it)."""
+        d = self.detok
+        skip = max(0, d.p - len(self.ids))  # the window may start among the inbound chunks
+        tail = self.ids[d.p:]
+        n = len(self.ids)
+        for chunk in self.inbound:
+            n += len(chunk.ids)
+            if skip >= len(chunk.ids):
+                skip -= len(chunk.ids)
+            else:
+                tail += chunk.ids[skip:]
+                skip = 0
+        return tail, tail[:d.r - d.p], (d.p, d.r, d.t_r, n)
+
     # ------------------------------------------------------------------ streamed tokens
 
     def room(self, bid: int, remaining: int) -> int:

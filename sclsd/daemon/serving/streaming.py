@@ -57,22 +57,33 @@ class Streaming:
         self.dispatch = dispatch
 
     def on_tokens(self, msg: P.Tokens, now: float, out: Effects) -> None:
-        """Tokens of a running batch: streamed to their clients, counted at its result."""
-        batch = self.sched.batches.get(msg.batch_id)
-        if batch is None or batch.worker != msg.worker_id:
-            return  # re-queued meanwhile (its worker lost), or not this worker's
-        self.dispatch.acked(msg.worker_id, msg.batch_id, now)  # it runs: it moves
-        members = {r.rid: r for r in batch.requests}
+        """Tokens of a worker's running batches: streamed to their clients (one detokenizing
+        job for the whole message), counted at each batch's result."""
         chunks: list[tuple[Entry, Chunk]] = []
+        for part in msg.batches:
+            self._batch_tokens(msg.worker_id, part, now, chunks)
+        if chunks:
+            wins = [e.out.window() for e, _ in chunks]
+            keep = [not e.gen.skip_special_tokens for e, _ in chunks]
+            out.decode.append(TokensJob(chunks, [w[0] for w in wins] + [w[1] for w in wins], keep + keep,
+                                        [w[2] for w in wins]))
+
+    def _batch_tokens(self, wid: str, part: P.BatchTokens, now: float,
+                      chunks: list[tuple[Entry, Chunk]]) -> None:
+        batch = self.sched.batches.get(part.batch_id)
+        if batch is None or batch.worker != wid:
+            return  # re-queued meanwhile (its worker lost), or not this worker's
+        self.dispatch.acked(wid, part.batch_id, now)  # it runs: it moves
+        members = {r.rid: r for r in batch.requests}
         seen: set[str] = set()
-        for row in msg.outputs:
+        for row in part.outputs:
             req = members.get(row.rid)
             e = self.table.get(row.rid)
             if (req is None or e is None or e.req is not req or row.rid in seen
-                    or req.batch_id != msg.batch_id):
+                    or req.batch_id != part.batch_id):
                 continue
             seen.add(row.rid)
-            ids = row.token_ids[: e.out.room(msg.batch_id, req.remaining)]
+            ids = row.token_ids[: e.out.room(part.batch_id, req.remaining)]
             if not ids:
                 continue
             if req.first_token is None:
@@ -81,11 +92,6 @@ class Streaming:
             if not e.streams:
                 continue  # its client hears the whole output at the end: the result brings it
             chunks.append((e, e.out.stream(list(ids), row.logprobs, row.finish_reason)))
-        if chunks:
-            wins = [e.out.detok.window(e.out.context()) for e, _ in chunks]
-            keep = [not e.gen.skip_special_tokens for e, _ in chunks]
-            out.decode.append(TokensJob(chunks, [w[0] for w in wins] + [w[1] for w in wins], keep + keep,
-                                        [w[2] for w in wins]))
 
     def apply(self, job: TokensJob, texts: list[str] | None, out: Effects) -> None:
         """The chunks were detokenized (``texts`` None: that failed; their text follows with

@@ -110,7 +110,7 @@ class Driver:
 
             def emit(outputs: list[P.RequestOutput], bid: int = b.batch_id) -> None:
                 if stream:
-                    self.message(wid, P.Tokens(worker_id=wid, batch_id=bid, outputs=outputs))
+                    self.message(wid, P.Tokens(worker_id=wid, batches=[P.BatchTokens(batch_id=bid, outputs=outputs)]))
 
             whole = self.whole.pop(b.batch_id)
             if isinstance(whole, UnknownRows):  # as the worker answers it
@@ -199,11 +199,11 @@ def test_results_and_tokens_of_other_workers_batches_count_for_nothing(drv: Driv
     other = "w1" if owner == "w0" else "w0"
     (b,) = drv.batches(owner)
     row = [P.RequestOutput(rid="s", token_ids=[7, 8, 9], finish_reason="length")]
-    drv.message(other, P.Tokens(worker_id=other, batch_id=b.batch_id, outputs=row))
+    drv.message(other, P.Tokens(worker_id=other, batches=[P.BatchTokens(batch_id=b.batch_id, outputs=row)]))
     drv.message(other, P.Result(worker_id=other, batch_id=b.batch_id, outputs=row))
     assert not drv.events("c", (P.Delta, P.Done))
-    drv.message(owner, P.Tokens(worker_id=owner, batch_id=b.batch_id,
-                                outputs=[P.RequestOutput(rid="s", token_ids=[50, 51, 52, 53])]))
+    drv.message(owner, P.Tokens(worker_id=owner, batches=[P.BatchTokens(
+        batch_id=b.batch_id, outputs=[P.RequestOutput(rid="s", token_ids=[50, 51, 52, 53])])]))
     assert [d.token_ids for d in drv.events("c", P.Delta)] == [[50, 51, 52]]  # capped at its budget
 
 

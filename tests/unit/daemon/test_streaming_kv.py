@@ -157,8 +157,8 @@ def test_tokens_are_checked_like_results(daemon) -> None:
 
         def tokens(w: Any, batch_id: int, rid: str, ids: list[int]) -> None:
             # Workers know a request by the daemon's id for it.
-            w.send(P.Tokens(worker_id=w.wid, batch_id=batch_id,
-                            outputs=[P.RequestOutput(rid=daemon_id(conn, rid), token_ids=ids)]))
+            w.send(P.Tokens(worker_id=w.wid, batches=[P.BatchTokens(
+                batch_id=batch_id, outputs=[P.RequestOutput(rid=daemon_id(conn, rid), token_ids=ids)])]))
 
         tokens(other, bid, "s", [7])  # not its batch
         tokens(owner, bid + 100, "s", [7])  # no such batch

@@ -24,6 +24,8 @@ httpx2 = pytest.importorskip("httpx2")
 openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 
+from schema_subset import follows  # noqa: E402
+
 from sclsd.http.process import start_http, stop_http  # noqa: E402
 from sclsd.launch import DaemonProcess, launch  # noqa: E402
 
@@ -48,21 +50,6 @@ def url() -> Iterator[str]:
 def sse(text: str) -> list[Any]:
     return [json.loads(x) if x != "[DONE]" else x for x in
             (line[len("data: "):] for line in text.split("\n") if line.startswith("data: "))]
-
-
-def follows(value: Any, schema: dict[str, Any]) -> bool:
-    """``value`` follows ``schema`` (the subset of JSON schema the recorded tools use)."""
-    kind = schema.get("type")
-    if kind == "object":
-        props = schema.get("properties", {})
-        return (isinstance(value, dict) and set(schema.get("required", [])) <= set(value)
-                and (schema.get("additionalProperties", True) is not False or set(value) <= set(props))
-                and all(follows(v, props[k]) for k, v in value.items() if k in props))
-    if kind == "string":
-        return isinstance(value, str)
-    if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    return kind is None
 
 
 def check_call(call: dict[str, Any], body: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx2
 import pytest
+from schema_subset import follows
 
 from sclsd.daemon.server import Server
 from sclsd.http.app import Settings, create_app
@@ -79,21 +80,6 @@ def run(body: Callable[[httpx2.AsyncClient], Awaitable[None]]) -> None:
         asyncio.run(main())
     finally:
         shutil.rmtree(d, ignore_errors=True)
-
-
-def follows(value: Any, schema: dict[str, Any]) -> bool:
-    """``value`` follows ``schema`` (the subset of JSON schema the recorded tools use)."""
-    kind = schema.get("type")
-    if kind == "object":
-        props = schema.get("properties", {})
-        return (isinstance(value, dict) and set(schema.get("required", [])) <= set(value)
-                and (schema.get("additionalProperties", True) is not False or set(value) <= set(props))
-                and all(follows(v, props[k]) for k, v in value.items() if k in props))
-    if kind == "string":
-        return isinstance(value, str)
-    if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    return kind is None
 
 
 def check_call(call: dict[str, Any], body: dict[str, Any]) -> None:

@@ -42,35 +42,43 @@ class Front:
 Body = Callable[[Front], Awaitable[None]]
 
 
-@pytest.fixture
-def front() -> Callable[..., None]:
-    """``front(body, settings=..., **config_sections)``: run ``await body(front)``."""
+def serve_front(body: Body, *, settings: dict[str, Any] | None = None, workers: int = 1,
+                engine: Any = None, tokenizer: Any = None, prefix: str = "sclsd-http",
+                **sections: dict[str, Any]) -> None:
+    """Start an in-process daemon on ``sections`` (``tokenizer``: the daemon's, the byte one by
+    default) with ``workers`` fake workers, or one worker ``w0`` on ``engine``; put the app
+    (``settings``) in front of it and run ``await body(front)``; stop all of it."""
+    d = short_dir(prefix)
 
-    def run(body: Body, settings: dict[str, Any] | None = None, workers: int = 1,
-            **sections: dict[str, Any]) -> None:
-        d = short_dir("sclsd-http")
-
-        async def main() -> None:
-            cfg = make_config(d, **sections)
-            server = Server(cfg, transport=InprocTransport(), tokenizer=ByteTokenizer())
-            await server.start(sockets=True, spawn=False)
-            h = Harness(server, server.transport)  # type: ignore[arg-type]
+    async def main() -> None:
+        cfg = make_config(d, **sections)
+        server = Server(cfg, transport=InprocTransport(), tokenizer=tokenizer or ByteTokenizer())
+        await server.start(sockets=True, spawn=False)
+        h = Harness(server, server.transport)  # type: ignore[arg-type]
+        if engine is not None:
+            server.transport.connect("w0", engine, auth=server.fleet.secret or "")  # type: ignore[attr-defined]
+            await h.registered("w0")
+        else:
             for i in range(workers):
                 h.worker(f"w{i}")
             await h.registered(*(f"w{i}" for i in range(workers)))
-            app = create_app(Settings(socket=cfg.daemon.socket, status_socket=cfg.daemon.status_socket,
-                                      **(settings or {})))
-            http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://sclsd")
-            try:
-                await body(Front(h, app, http))
-            finally:
-                await http.aclose()
-                await app.state.api.link.close()
-                await server.stop()
-
+        app = create_app(Settings(socket=cfg.daemon.socket, status_socket=cfg.daemon.status_socket,
+                                  **(settings or {})))
+        http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://sclsd")
         try:
-            asyncio.run(main())
+            await body(Front(h, app, http))
         finally:
-            shutil.rmtree(d, ignore_errors=True)
+            await http.aclose()
+            await app.state.api.link.close()
+            await server.stop()
 
-    return run
+    try:
+        asyncio.run(main())
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def front() -> Callable[..., None]:
+    """``front(body, settings=..., **config_sections)``: run ``await body(front)``."""
+    return serve_front

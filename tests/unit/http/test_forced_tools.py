@@ -10,9 +10,7 @@ while the grammar alone decides what is allowed."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -21,14 +19,10 @@ import httpx2
 import pytest
 from schema_subset import follows
 
-from sclsd.daemon.server import Server
-from sclsd.http.app import Settings, create_app
-from sclsd.launch import short_dir
 from sclsd.tokenizer import ByteTokenizer
-from unit.inproc import InprocTransport
 from worker.engines.fake import EOS_ID, FakeEngine
 
-from ..daemon.conftest import Harness, make_config
+from .conftest import Front, serve_front
 from .test_app import sse
 
 pytest.importorskip("llguidance")
@@ -58,28 +52,10 @@ class TerseEngine(FakeEngine):
 
 
 def run(body: Callable[[httpx2.AsyncClient], Awaitable[None]]) -> None:
-    d = short_dir("sclsd-forced")
+    async def on_front(f: Front) -> None:
+        await body(f.http)
 
-    async def main() -> None:
-        cfg = make_config(d, model={"name": "fake", "max_gen": 2048})
-        server = Server(cfg, transport=InprocTransport(), tokenizer=ByteTokenizer())
-        await server.start(sockets=True, spawn=False)
-        h = Harness(server, server.transport)  # type: ignore[arg-type]
-        server.transport.connect("w0", TerseEngine(), auth=server.fleet.secret or "")  # type: ignore[attr-defined]
-        await h.registered("w0")
-        app = create_app(Settings(socket=cfg.daemon.socket, status_socket=cfg.daemon.status_socket))
-        http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://sclsd")
-        try:
-            await body(http)
-        finally:
-            await http.aclose()
-            await app.state.api.link.close()
-            await server.stop()
-
-    try:
-        asyncio.run(main())
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+    serve_front(on_front, engine=TerseEngine(), prefix="sclsd-forced", model={"name": "fake", "max_gen": 2048})
 
 
 def check_call(call: dict[str, Any], body: dict[str, Any]) -> None:

@@ -6,10 +6,8 @@ answers with a fixed token sequence, the one thing no small model does on cue.""
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
-import shutil
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -17,15 +15,11 @@ import httpx2
 import openai
 import pytest
 
-from sclsd.daemon.server import Server
-from sclsd.http.app import Settings, create_app
-from sclsd.launch import short_dir
 from sclsd.protocol import BatchMsg, BatchStats, RequestOutput
-from unit.inproc import InprocTransport
 from worker.engines.base import TokenCursor
 from worker.engines.fake import FakeEngine
 
-from ..daemon.conftest import Harness, make_config
+from .conftest import Front, serve_front
 from .test_app import sse
 
 #: A Hermes-style template (the shape Hermes and Qwen use): tools listed in the system
@@ -95,30 +89,11 @@ def hermes_tokenizer() -> Any:
 
 
 def run(tok: Any, body: Callable[[httpx2.AsyncClient, Any], Awaitable[None]]) -> None:
-    d = short_dir("sclsd-tools")
+    async def on_front(f: Front) -> None:
+        await body(f.http, f.h.server)
 
-    async def main() -> None:
-        cfg = make_config(d, scheduler={"slice_len": 8})
-        server = Server(cfg, transport=InprocTransport(), tokenizer=tok)
-        await server.start(sockets=True, spawn=False)
-        h = Harness(server, server.transport)  # type: ignore[arg-type]
-        engine = ScriptEngine(tok.encode(ANSWER), vocab=tok.vocab_size)
-        server.transport.connect("w0", engine, auth=server.fleet.secret or "")  # type: ignore[attr-defined]
-        await h.registered("w0")
-        app = create_app(Settings(socket=cfg.daemon.socket, status_socket=cfg.daemon.status_socket,
-                                  tokenizer=tok))
-        http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://sclsd")
-        try:
-            await body(http, server)
-        finally:
-            await http.aclose()
-            await app.state.api.link.close()
-            await server.stop()
-
-    try:
-        asyncio.run(main())
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+    serve_front(on_front, engine=ScriptEngine(tok.encode(ANSWER), vocab=tok.vocab_size), tokenizer=tok,
+                settings={"tokenizer": tok}, prefix="sclsd-tools", scheduler={"slice_len": 8})
 
 
 MSGS = [{"role": "user", "content": "Weather and time in Paris?"}]

@@ -40,7 +40,7 @@ from .link import STATUS_TTL_S, DaemonPool
 from .observe import HttpMetrics
 from .params import Kind, parse
 from .settings import Settings
-from .tokens import Tokens, to_tokenize
+from .tokens import TokenizerAccess, to_tokenize
 
 log = logging.getLogger("sclsd.http")
 
@@ -58,7 +58,7 @@ class Api:
         self.metrics = metrics
         self.link = DaemonPool(settings.socket, settings.status_socket, settings.connections,
                                settings.max_frame_bytes)
-        self.tokens = Tokens(self._model_for_tokenizer, settings.cache_dir, settings.tokenizer,
+        self.tokens = TokenizerAccess(self._model_for_tokenizer, settings.cache_dir, settings.tokenizer,
                              self._max_input)
         self._known_max_input: int | None = None
         self.started = int(time.time())

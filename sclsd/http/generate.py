@@ -84,7 +84,7 @@ class Host(Protocol):
     """What the generation routes need from the application (:class:`.app.Api`)."""
 
     link: DaemonPool
-    tokens: tokens.Tokens
+    tokens: tokens.TokenizerAccess
 
 
 async def prepare(host: Host, parsed: Parsed) -> None:

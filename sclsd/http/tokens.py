@@ -251,7 +251,7 @@ def resolve(parsed: Parsed, view: View | None) -> None:
     parsed.echo_texts = echo
 
 
-class Tokens:
+class TokenizerAccess:
     """Loads the tokenizer of the model the daemon serves on first use (see the module
     docstring), and runs the calls made to it, :data:`MAX_TOKENIZING` at once. ``given``:
     a tokenizer to use instead (tests, embedding); ``max_input``: the daemon's

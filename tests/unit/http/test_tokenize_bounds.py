@@ -91,9 +91,9 @@ def test_the_config_files_max_input_bounds_prompts_when_the_daemon_does_not_say(
         async def status_without_it() -> int | None:
             return None
 
-        t = T.Tokens(status_without_it, given=ByteTokenizer(), max_input=status_without_it)
+        t = T.TokenizerAccess(status_without_it, given=ByteTokenizer(), max_input=status_without_it)
         assert await t.bound(await t.view()) is None
-        known = T.Tokens(status_without_it, given=ByteTokenizer(), max_input=_const(8))
+        known = T.TokenizerAccess(status_without_it, given=ByteTokenizer(), max_input=_const(8))
         bound = await known.bound(await known.view())
         assert bound == T.PromptBound(8, 8)
         with pytest.raises(T.ApiError) as refused:
@@ -138,7 +138,7 @@ def test_a_caller_that_goes_away_leaves_its_call_holding_its_place() -> None:
     """A thread cannot be stopped: its place stays taken until it ends, so callers that hang
     up cannot stack tokenizer calls."""
     async def main() -> None:
-        t = T.Tokens(_const(0), given=ByteTokenizer(), places=2)
+        t = T.TokenizerAccess(_const(0), given=ByteTokenizer(), places=2)
         gate = threading.Event()
         first = asyncio.ensure_future(t.run(1, gate.wait, 10))
         second = asyncio.ensure_future(t.run(1, gate.wait, 10))
@@ -161,7 +161,7 @@ def test_a_large_call_gives_its_memory_back(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(T, "give_back_memory", lambda: trims.append(1) or True)
 
     async def main() -> None:
-        t = T.Tokens(_const(0), given=ByteTokenizer())
+        t = T.TokenizerAccess(_const(0), given=ByteTokenizer())
         view = await t.view()
         assert await t.run(T.TRIM_AT - 1, view.encode, "small") == list(b"small")
         assert trims == []

@@ -2,11 +2,16 @@
 
 Every key is documented in ``etc/sclsd.toml``. A bad value raises
 :class:`ConfigError` naming the key and the value; the daemon turns that into a
-non-zero exit.
+non-zero exit. A key's range or allowed values are declared on its field, as
+``Annotated[int, Range(ge=1)]`` or ``Annotated[str, Choice(...)]`` (the constraints
+the engine options of :mod:`sclsd.engine_options` declare too), and checked by
+:func:`_check_declared`; what is no simple range (paths, sockets, groups, one key
+against another, the model, the engine) is checked by the ``_check_*`` functions.
 """
 
 from __future__ import annotations
 
+import functools
 import grp
 import math
 import sys
@@ -14,9 +19,10 @@ import types
 import typing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from . import defaults, grammar_config
+from .engine_options import Choice, Range, check_options, dtypes
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -33,6 +39,20 @@ class ConfigError(ValueError):
         self.value = value
 
 
+def _policies() -> tuple[str, ...]:
+    from .core.policy import GRANT_POLICIES, POLICIES
+    return POLICIES + GRANT_POLICIES
+
+
+#: ``log_level`` values (the daemon's and ``sclsd-http``'s).
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+#: ``scheduler.memory`` values: the KV-cache model or a profiled rule table.
+MEMORY_MODELS = ("kv", "rules")
+_MODE = Range(ge=0, le=0o777, note="a file mode", octal=True)
+_UIDS = Range(ge=0)  # every uid
+_HTTP_TIMEOUT = Range(gt=0, le=3600, note="seconds")
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     """``[daemon]``: sockets, access, limits and timeouts of the daemon process."""
@@ -40,38 +60,38 @@ class DaemonConfig:
     socket: str = defaults.SOCKET
     status_socket: str = defaults.STATUS_SOCKET
     worker_endpoint: str = defaults.WORKER_ENDPOINT
-    socket_mode: int = 0o660
+    socket_mode: Annotated[int, _MODE] = 0o660
     socket_group: str = ""
-    worker_socket_mode: int = 0o600
+    worker_socket_mode: Annotated[int, _MODE] = 0o600
     worker_secret_file: str = ""
     lock_file: str = ""
-    allowed_uids: list[int] = field(default_factory=list)
-    status_allowed_uids: list[int] = field(default_factory=list)
-    admin_uids: list[int] = field(default_factory=list)
-    max_frame_bytes: int = defaults.MAX_FRAME_BYTES
+    allowed_uids: Annotated[list[int], _UIDS] = field(default_factory=list)
+    status_allowed_uids: Annotated[list[int], _UIDS] = field(default_factory=list)
+    admin_uids: Annotated[list[int], _UIDS] = field(default_factory=list)
+    max_frame_bytes: Annotated[int, Range(ge=1024)] = defaults.MAX_FRAME_BYTES
     max_conn_buffer_bytes: int = defaults.MAX_CONN_BUFFER_BYTES
-    max_worker_msg_bytes: int = defaults.MAX_WORKER_MSG_BYTES
-    frame_timeout_s: float = 10.0
+    max_worker_msg_bytes: Annotated[int, Range(ge=65536)] = defaults.MAX_WORKER_MSG_BYTES
+    frame_timeout_s: Annotated[float, Range(gt=0)] = 10.0
     max_partial_frame_bytes: int = 256 * 1024**2
     """Bytes all half-sent frames on the client and status sockets may hold together."""
     max_partial_frame_bytes_per_uid: int = 64 * 1024**2
     """Bytes the half-sent frames of one peer uid may hold."""
-    listen_backlog: int = 4096
-    nofile_limit: int = 65536
-    max_queued_requests: int = 10_000
-    max_queued_tokens: int = 20_000_000
-    uid_share: float = 0.5
-    max_tokenizing: int = 64
-    drain_timeout_s: float = 30.0
-    heartbeat_interval_s: float = 1.0
+    listen_backlog: Annotated[int, Range(ge=1, le=65535)] = 4096
+    nofile_limit: Annotated[int, Range(ge=0, note="0: leave it")] = 65536
+    max_queued_requests: Annotated[int, Range(ge=1)] = 10_000
+    max_queued_tokens: Annotated[int, Range(ge=1)] = 20_000_000
+    uid_share: Annotated[float, Range(gt=0, le=1)] = 0.5
+    max_tokenizing: Annotated[int, Range(ge=1)] = 64
+    drain_timeout_s: Annotated[float, Range(ge=0)] = 30.0
+    heartbeat_interval_s: Annotated[float, Range(gt=0)] = 1.0
     heartbeat_timeout_s: float = 10.0
-    batch_ack_timeout_s: float = 5.0
+    batch_ack_timeout_s: Annotated[float, Range(gt=0)] = 5.0
     batch_stall_timeout_s: float = 300.0
     """A batch whose worker shows no progress on it this long drops (and kills) the worker."""
     curve_keypair_file: str = ""
     curve_authorized_keys: str = ""
     metrics_http: str = ""
-    log_level: str = "info"
+    log_level: Annotated[str, Choice(*_LOG_LEVELS)] = "info"
 
     @property
     def lock_path(self) -> str:
@@ -94,40 +114,40 @@ class ModelConfig:
     """``[model]``: the model spec, how it is loaded, and the length limits."""
 
     name: str = "smollm2-135m-instruct"
-    dtype: str = "auto"
+    dtype: Annotated[str, Choice(of=dtypes)] = "auto"
     """Weights' dtype on the workers (``sclsd.models.DTYPES``; ``auto``: ``models.auto_dtype``)."""
     allow_download: bool = False
     """Download a hub id missing from the local Hugging Face cache at start (else: config error)."""
     cache_dir: str = ""
     """Cache of converted GGUF models (``sclsd.modelcache``); "": ``$XDG_CACHE_HOME/sclsd``."""
-    max_input: int = 1024
-    max_gen: int = 1024
+    max_input: Annotated[int, Range(ge=1, le=1 << 20)] = 1024
+    max_gen: Annotated[int, Range(ge=1, le=1 << 20)] = 1024
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """``[scheduler]``: the policy and its parameters."""
 
-    policy: str = defaults.POLICY
+    policy: Annotated[str, Choice(of=_policies)] = defaults.POLICY
     """``scls-cb`` (slice grants) or a static policy (``scls``: the paper's); see Config.engine."""
-    slice_len: int = 128
-    batch_size: int = 16
-    gamma_s: float | None = None
+    slice_len: Annotated[int, Range(ge=1)] = 128
+    batch_size: Annotated[int, Range(ge=1)] = 16
+    gamma_s: Annotated[float | None, Range(gt=0, le=60)] = None
     """Minimal interval Γ; None: the profile's ``gamma_s``, else ``core.policy.DEFAULT_GAMMA``."""
-    lam: float = 0.5
-    zeta: float = 0.9
+    lam: Annotated[float, Range(gt=0, le=1)] = 0.5
+    zeta: Annotated[float, Range(gt=0, le=1)] = 0.9
     profile: str = ""
-    memory: str = "kv"
+    memory: Annotated[str, Choice(*MEMORY_MODELS)] = "kv"
     """OOM judgement: ``kv`` (eq. 8 with the workers' Δ and M_ava) or ``rules`` (a rule
     table, Algorithm 2: the profile's, else the paper's DeepSpeed table)."""
-    max_failures: int = 3
-    max_worker_losses: int = 2
+    max_failures: Annotated[int, Range(ge=0)] = 3
+    max_worker_losses: Annotated[int, Range(ge=0, note="0: off")] = 2
     """A request on this many workers that died ends with an error (poison stops); 0: never."""
     work_conserving: bool = True
     """An idle worker gets work at once instead of waiting out the interval (docs/design.md §8)."""
     kv_reuse: bool = True
     """Batch requests by the worker keeping their KV and estimate only the uncached prefill."""
-    max_slice_gap_s: float = 1.0
+    max_slice_gap_s: Annotated[float, Range(ge=0, note="0: off")] = 1.0
     """Bound on the wait between two slices of a stream (0: off); see ``Policy.max_slice_gap_s``."""
 
     def effective_gamma(self, profile_gamma_s: float | None = None) -> float:
@@ -145,16 +165,16 @@ class SchedulerConfig:
 class WorkersConfig:
     """``[workers]``: local workers the daemon spawns and supervises."""
 
-    spawn: int = 2
-    engine: str = defaults.AUTO_ENGINE
+    spawn: Annotated[int, Range(ge=0, le=64)] = 2
+    engine: Annotated[str, Choice(defaults.AUTO_ENGINE, *defaults.ENGINES)] = defaults.AUTO_ENGINE
     """An engine of ``defaults.ENGINES``, or ``auto`` (:attr:`Config.engine` is the one in effect)."""
     device: str = "cpu"
-    threads: int = 1
-    mem_budget_bytes: int = 4 * 1024**3
-    restart_backoff_s: float = 1.0
+    threads: Annotated[int, Range(ge=1)] = 1
+    mem_budget_bytes: Annotated[int, Range(ge=1)] = 4 * 1024**3
+    restart_backoff_s: Annotated[float, Range(ge=0)] = 1.0
     restart_backoff_max_s: float = 30.0
-    max_quick_failures: int = 5
-    quick_failure_s: float = 10.0
+    max_quick_failures: Annotated[int, Range(ge=1)] = 5
+    quick_failure_s: Annotated[float, Range(ge=0)] = 10.0
     daemon_timeout_s: float = 30.0
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -166,17 +186,17 @@ class HttpConfig:
     listen: str = "127.0.0.1:8000"
     api_key_file: str = ""
     model_name: str = ""
-    connections: int = 4
-    max_choices: int = 64
-    log_level: str = "info"
+    connections: Annotated[int, Range(ge=1, le=256)] = 4
+    max_choices: Annotated[int, Range(ge=1, le=1024)] = 64
+    log_level: Annotated[str, Choice(*_LOG_LEVELS)] = "info"
     access_log: bool = True
-    max_body_bytes: int = 4 * 1024 * 1024
-    body_timeout_s: float = 30.0
-    max_header_bytes: int = 32 * 1024
-    header_timeout_s: float = 10.0
-    keep_alive_s: float = 5.0
-    max_connections: int = 2048
-    max_requests_per_client: int = 1024
+    max_body_bytes: Annotated[int, Range(ge=1024, le=1024**3)] = 4 * 1024 * 1024
+    body_timeout_s: Annotated[float, _HTTP_TIMEOUT] = 30.0
+    max_header_bytes: Annotated[int, Range(ge=1024, le=16 * 1024**2)] = 32 * 1024
+    header_timeout_s: Annotated[float, _HTTP_TIMEOUT] = 10.0
+    keep_alive_s: Annotated[float, _HTTP_TIMEOUT] = 5.0
+    max_connections: Annotated[int, Range(ge=1, le=1_000_000)] = 2048
+    max_requests_per_client: Annotated[int, Range(ge=0, le=1_000_000, note="0: no bound")] = 1024
 
 
 @dataclass(frozen=True)
@@ -202,12 +222,8 @@ class Config:
 
 _SECTIONS: dict[str, type] = {"daemon": DaemonConfig, "model": ModelConfig, "scheduler": SchedulerConfig,
                                "workers": WorkersConfig, "http": HttpConfig, "grammar": grammar_config.GrammarConfig}
-_LOG_LEVELS = ("debug", "info", "warning", "error")
-#: ``scheduler.memory`` values: the KV-cache model or a profiled rule table.
-MEMORY_MODELS = ("kv", "rules")
 #: Keys given as file modes: an octal string ("0660") or an integer.
 _MODE_KEYS = ("socket_mode", "worker_socket_mode")
-_UID_KEYS = ("allowed_uids", "status_allowed_uids", "admin_uids")
 
 
 def _kind(cls: type, name: str) -> tuple[type, bool]:
@@ -275,6 +291,26 @@ def _check_finite(cfg: Config) -> None:
                 raise ConfigError(f"{section}.{f.name}", value, "must be a finite number")
 
 
+@functools.cache
+def declared(cls: type) -> dict[str, Range | Choice]:
+    """The constraint declared on each field of a section class that has one."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return {f.name: rule for f in fields(cls)
+            for rule in getattr(hints[f.name], "__metadata__", ()) if isinstance(rule, (Range, Choice))}
+
+
+def _check_declared(cfg: Config) -> None:
+    """Every field's declared :class:`Range` or :class:`Choice` (None, where allowed, passes)."""
+    for section, cls in _SECTIONS.items():
+        part = getattr(cfg, section)
+        for name, rule in declared(cls).items():
+            value = getattr(part, name)
+            why = None if value is None else rule.why(value)
+            if why is not None:
+                shown = oct(value) if isinstance(rule, Range) and rule.octal else value
+                raise ConfigError(f"{section}.{name}", shown, why)
+
+
 #: Longest path of a Unix socket (``sun_path`` holds 108 bytes with the final NUL); ZeroMQ's
 #: ipc:// endpoints are Unix sockets too.
 MAX_SOCKET_PATH = 107
@@ -297,9 +333,6 @@ def _check_daemon(d: DaemonConfig) -> None:
     need(d.status_socket != d.socket, "daemon.status_socket", d.status_socket, "must differ from daemon.socket")
     need(d.worker_endpoint.startswith(("ipc://", "tcp://")), "daemon.worker_endpoint", d.worker_endpoint,
          "must start with ipc:// or tcp://")
-    for key in _MODE_KEYS:
-        mode = getattr(d, key)
-        need(0 <= mode <= 0o777, f"daemon.{key}", oct(mode), "must be a file mode")
     need(not d.worker_socket_mode & 0o007, "daemon.worker_socket_mode", oct(d.worker_socket_mode),
          "must not open the worker endpoint to other users (it takes registrations): 0600 or 0660")
     if d.socket_group:
@@ -307,9 +340,6 @@ def _check_daemon(d: DaemonConfig) -> None:
             grp.getgrnam(d.socket_group)
         except KeyError:
             raise ConfigError("daemon.socket_group", d.socket_group, "no such group") from None
-    for key in _UID_KEYS:
-        uids = getattr(d, key)
-        need(all(u >= 0 for u in uids), f"daemon.{key}", uids, "uids must be >= 0")
     if d.worker_secret_file:
         p = Path(d.worker_secret_file)
         key = "daemon.worker_secret_file"
@@ -321,19 +351,13 @@ def _check_daemon(d: DaemonConfig) -> None:
          "must differ from daemon.socket and daemon.status_socket")
     need(all(lock not in bound for _, lock in d.endpoints()), "daemon.lock_file", d.lock_file,
          "must differ from the socket paths")
-    need(d.max_frame_bytes >= 1024, "daemon.max_frame_bytes", d.max_frame_bytes, "must be >= 1024")
     need(d.max_conn_buffer_bytes >= d.max_frame_bytes, "daemon.max_conn_buffer_bytes",
          d.max_conn_buffer_bytes, "must be >= daemon.max_frame_bytes")
-    need(d.max_worker_msg_bytes >= 65536, "daemon.max_worker_msg_bytes", d.max_worker_msg_bytes,
-         "must be >= 65536")
-    need(d.frame_timeout_s > 0, "daemon.frame_timeout_s", d.frame_timeout_s, "must be > 0")
     # A uid must be able to send one frame of the largest size, in pieces.
     need(d.max_partial_frame_bytes_per_uid >= d.max_frame_bytes, "daemon.max_partial_frame_bytes_per_uid",
          d.max_partial_frame_bytes_per_uid, "must be >= daemon.max_frame_bytes")
     need(d.max_partial_frame_bytes >= d.max_partial_frame_bytes_per_uid, "daemon.max_partial_frame_bytes",
          d.max_partial_frame_bytes, "must be >= daemon.max_partial_frame_bytes_per_uid")
-    need(1 <= d.listen_backlog <= 65535, "daemon.listen_backlog", d.listen_backlog, "must be in 1..65535")
-    need(d.nofile_limit >= 0, "daemon.nofile_limit", d.nofile_limit, "must be >= 0 (0: leave it)")
     if d.worker_endpoint.startswith("tcp://"):
         need(bool(d.curve_keypair_file), "daemon.curve_keypair_file", d.curve_keypair_file,
              "workers on tcp:// must authenticate with CURVE: give the daemon's key pair "
@@ -356,18 +380,10 @@ def _check_daemon(d: DaemonConfig) -> None:
             parse_host_port(d.metrics_http)
         except ValueError as exc:
             raise ConfigError("daemon.metrics_http", d.metrics_http, str(exc)) from None
-    need(d.max_queued_requests >= 1, "daemon.max_queued_requests", d.max_queued_requests, "must be >= 1")
-    need(d.max_queued_tokens >= 1, "daemon.max_queued_tokens", d.max_queued_tokens, "must be >= 1")
-    need(0 < d.uid_share <= 1, "daemon.uid_share", d.uid_share, "must be in (0, 1]")
-    need(d.max_tokenizing >= 1, "daemon.max_tokenizing", d.max_tokenizing, "must be >= 1")
-    need(d.drain_timeout_s >= 0, "daemon.drain_timeout_s", d.drain_timeout_s, "must be >= 0")
-    need(d.heartbeat_interval_s > 0, "daemon.heartbeat_interval_s", d.heartbeat_interval_s, "must be > 0")
     need(d.heartbeat_timeout_s > d.heartbeat_interval_s, "daemon.heartbeat_timeout_s",
          d.heartbeat_timeout_s, "must be > daemon.heartbeat_interval_s")
-    need(d.batch_ack_timeout_s > 0, "daemon.batch_ack_timeout_s", d.batch_ack_timeout_s, "must be > 0")
     need(d.batch_stall_timeout_s > d.heartbeat_interval_s, "daemon.batch_stall_timeout_s",
          d.batch_stall_timeout_s, "must be > daemon.heartbeat_interval_s")
-    need(d.log_level in _LOG_LEVELS, "daemon.log_level", d.log_level, f"must be one of {_LOG_LEVELS}")
 
 
 def _is_model_path(name: str) -> bool:
@@ -385,10 +401,7 @@ def _is_model_path(name: str) -> bool:
 
 
 def _check_model(m: ModelConfig) -> None:
-    from .models import DTYPES
-
     _need(bool(m.name), "model.name", m.name, "must name a model")
-    _need(m.dtype in DTYPES, "model.dtype", m.dtype, f"must be one of {', '.join(DTYPES)}")
     if _is_model_path(m.name):
         from .models import resolve
 
@@ -399,26 +412,9 @@ def _check_model(m: ModelConfig) -> None:
             resolve(m.name)
         except (ValueError, OSError) as exc:
             raise ConfigError("model.name", m.name, str(exc)) from None
-    _need(1 <= m.max_input <= 1 << 20, "model.max_input", m.max_input, "must be in 1..1048576")
-    _need(1 <= m.max_gen <= 1 << 20, "model.max_gen", m.max_gen, "must be in 1..1048576")
 
 
 def _check_scheduler(s: SchedulerConfig) -> None:
-    need = _need
-    from .core.policy import GRANT_POLICIES, POLICIES
-
-    names = POLICIES + GRANT_POLICIES
-    need(s.policy in names, "scheduler.policy", s.policy, f"must be one of {', '.join(names)}")
-    need(s.slice_len >= 1, "scheduler.slice_len", s.slice_len, "must be >= 1")
-    need(s.batch_size >= 1, "scheduler.batch_size", s.batch_size, "must be >= 1")
-    need(s.gamma_s is None or 0 < s.gamma_s <= 60, "scheduler.gamma_s", s.gamma_s, "must be in (0, 60]")
-    need(0 < s.lam <= 1, "scheduler.lam", s.lam, "must be in (0, 1]")
-    need(0 < s.zeta <= 1, "scheduler.zeta", s.zeta, "must be in (0, 1]")
-    need(s.max_failures >= 0, "scheduler.max_failures", s.max_failures, "must be >= 0")
-    need(s.max_worker_losses >= 0, "scheduler.max_worker_losses", s.max_worker_losses, "must be >= 0 (0: off)")
-    need(0 <= s.max_slice_gap_s < float("inf"), "scheduler.max_slice_gap_s", s.max_slice_gap_s,
-         "must be >= 0 (0: off)")
-    need(s.memory in MEMORY_MODELS, "scheduler.memory", s.memory, f"must be one of {', '.join(MEMORY_MODELS)}")
     if s.profile:
         from .core.profiles import load_profile
 
@@ -432,9 +428,6 @@ def _check_workers(w: WorkersConfig, cfg: Config) -> None:
     from .core.policy import GRANT_POLICIES
 
     need = _need
-    need(0 <= w.spawn <= 64, "workers.spawn", w.spawn, "must be in 0..64")
-    choices = (defaults.AUTO_ENGINE, *defaults.ENGINES)
-    need(w.engine in choices, "workers.engine", w.engine, f"must be one of {', '.join(choices)}")
     # Every check below is of the engine in effect; "auto" picks one that passes them all.
     engine = cfg.engine
     # The fake engine's tokens only make sense to the fake model's byte tokenizer, and
@@ -453,24 +446,12 @@ def _check_workers(w: WorkersConfig, cfg: Config) -> None:
     old_dtype = w.options.get("dtype")
     need(old_dtype is None or cfg.model.dtype in ("auto", old_dtype), "workers.options.dtype", old_dtype,
          f"conflicts with model.dtype = {cfg.model.dtype!r}: set model.dtype only")
-    need(w.threads >= 1, "workers.threads", w.threads, "must be >= 1")
-    _check_kernel_inject(w, engine)
-    if "sampling" in w.options:
-        v = w.options["sampling"]
-        need(isinstance(v, bool), "workers.options.sampling", v, "must be true or false")
-        need(engine == "hf-cb", "workers.options.sampling", v,
-             f"only the hf-cb engine takes it (the workers run {engine})")
-    from .engine_options import check_options
-    # Which engine takes an option matters only for the workers the daemon spawns.
-    bad = check_options(engine if w.spawn else None, w.options)
+    bad = check_options(engine, w.options, spawned=w.spawn > 0)
     if bad is not None:
         raise ConfigError(f"workers.options.{bad[0]}", bad[1], bad[2])
-    need(w.mem_budget_bytes >= 1, "workers.mem_budget_bytes", w.mem_budget_bytes, "must be >= 1")
-    need(w.restart_backoff_s >= 0, "workers.restart_backoff_s", w.restart_backoff_s, "must be >= 0")
+    _check_kernel_inject(w)
     need(w.restart_backoff_max_s >= w.restart_backoff_s, "workers.restart_backoff_max_s",
          w.restart_backoff_max_s, "must be >= workers.restart_backoff_s")
-    need(w.max_quick_failures >= 1, "workers.max_quick_failures", w.max_quick_failures, "must be >= 1")
-    need(w.quick_failure_s >= 0, "workers.quick_failure_s", w.quick_failure_s, "must be >= 0")
     hb = cfg.daemon.heartbeat_interval_s
     # The daemon speaks to each worker once per heartbeat interval: a shorter silence
     # timeout would make idle workers register again and again.
@@ -478,14 +459,11 @@ def _check_workers(w: WorkersConfig, cfg: Config) -> None:
          w.daemon_timeout_s, f"must be 0 (off) or > daemon.heartbeat_interval_s ({hb})")
 
 
-def _check_kernel_inject(w: WorkersConfig, engine: str) -> None:
-    """``workers.options.kernel_inject``: a boolean, for the deepspeed engine, and refused when
-    true (CPU: DeepSpeed's kernels are CUDA-only; CUDA: see worker/engines/deepspeed.py)."""
-    if "kernel_inject" not in w.options:
-        return
-    key, value = "workers.options.kernel_inject", w.options["kernel_inject"]
-    _need(isinstance(value, bool), key, value, "must be true or false")
-    _need(engine == "deepspeed", key, value, "only the deepspeed engine takes it")
+def _check_kernel_inject(w: WorkersConfig) -> None:
+    """``workers.options.kernel_inject`` (its type and engine checked with the other options)
+    is refused when true (CPU: DeepSpeed's kernels are CUDA-only; CUDA: see
+    worker/engines/deepspeed.py)."""
+    key, value = "workers.options.kernel_inject", w.options.get("kernel_inject", False)
     _need(not value or w.device.startswith("cuda"), key, value,
           "DeepSpeed kernel injection needs CUDA (workers.device is cpu)")
     _need(not value, key, value,
@@ -494,30 +472,13 @@ def _check_kernel_inject(w: WorkersConfig, engine: str) -> None:
           "(docs/operations.md, Engines)")
 
 
-def _check_http(h: HttpConfig) -> None:
-    try:
-        parse_host_port(h.listen)
-    except ValueError as exc:
-        raise ConfigError("http.listen", h.listen, str(exc)) from None
-    _need(1 <= h.connections <= 256, "http.connections", h.connections, "must be in 1..256")
-    _need(1 <= h.max_choices <= 1024, "http.max_choices", h.max_choices, "must be in 1..1024")
-    _need(h.log_level in _LOG_LEVELS, "http.log_level", h.log_level, f"must be one of {_LOG_LEVELS}")
-    _need(1024 <= h.max_body_bytes <= 1024**3, "http.max_body_bytes", h.max_body_bytes,
-          "must be in 1024..1073741824")
-    _need(1024 <= h.max_header_bytes <= 16 * 1024**2, "http.max_header_bytes", h.max_header_bytes,
-          "must be in 1024..16777216")
-    for key in ("body_timeout_s", "header_timeout_s", "keep_alive_s"):
-        value = getattr(h, key)
-        _need(0 < value <= 3600, f"http.{key}", value, "must be in (0, 3600] seconds")
-    _need(1 <= h.max_connections <= 1_000_000, "http.max_connections", h.max_connections,
-          "must be in 1..1000000")
-    _need(0 <= h.max_requests_per_client <= 1_000_000, "http.max_requests_per_client",
-          h.max_requests_per_client, "must be in 0..1000000 (0: no bound)")
-
-
 def _check(cfg: Config) -> None:
     _check_finite(cfg)
-    _check_http(cfg.http)
+    _check_declared(cfg)
+    try:
+        parse_host_port(cfg.http.listen)
+    except ValueError as exc:
+        raise ConfigError("http.listen", cfg.http.listen, str(exc)) from None
     _check_daemon(cfg.daemon)
     _check_model(cfg.model)
     _check_scheduler(cfg.scheduler)

@@ -1,5 +1,7 @@
 """The engine options of ``[workers.options]``: every key, the engines that take it, its
-type and range, checked when the config loads.
+type and range, checked when the config loads; and the constraints (:class:`Range`,
+:class:`Choice`) an option or a config key declares, which :mod:`sclsd.config` puts on its
+fields (``Annotated[int, Range(ge=1)]``).
 
 The daemon passes each ``key = value`` to the workers it spawns as the flag
 ``--key value``; ``sclsd-worker`` takes any key of :data:`OPTIONS` that way and hands it
@@ -12,13 +14,67 @@ every worker fail at start or every batch fail later.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["OPTIONS", "Option", "check_option", "check_options"]
+__all__ = ["OPTIONS", "Choice", "Option", "Range", "check_option", "check_options"]
 
 TORCH = ("hf", "hf-cb", "deepspeed")
 STATIC = ("hf", "deepspeed")
+
+
+@dataclass(frozen=True)
+class Range:
+    """A number's bounds (None: no bound); for a list, every item's. ``note`` follows the
+    reason (``0: off``); ``octal`` shows the bounds as file modes."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    note: str = ""
+    octal: bool = False
+
+    def _ok(self, v: Any) -> bool:
+        return ((self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
+                and (self.le is None or v <= self.le))
+
+    def _show(self, bound: float | None) -> str:
+        if self.octal:
+            return oct(int(bound or 0))
+        return f"{bound:g}" if isinstance(bound, float) else str(bound)
+
+    def why(self, value: Any) -> str | None:
+        """Why ``value`` is out of range, or None when it is within."""
+        if all(self._ok(v) for v in (value if isinstance(value, list) else [value])):
+            return None
+        show = self._show
+        if self.le is None:
+            bound = f">= {show(self.ge)}" if self.ge is not None else f"> {show(self.gt)}"
+        elif self.ge is not None:
+            bound = f"in {show(self.ge)}..{show(self.le)}"
+        else:
+            bound = f"in ({show(self.gt)}, {show(self.le)}]"
+        note = f" ({self.note})" if self.note else ""
+        return f"{'every item must' if isinstance(value, list) else 'must'} be {bound}{note}"
+
+
+class Choice:
+    """The allowed values: these, or what ``of()`` returns (so that it may import them late)."""
+
+    def __init__(self, *values: str, of: Callable[[], Sequence[str]] | None = None) -> None:
+        self.values, self.of = values, of
+
+    def why(self, value: Any) -> str | None:
+        """Why ``value`` is not allowed, or None when it is."""
+        allowed = tuple(self.of()) if self.of is not None else self.values
+        return None if value in allowed else f"must be one of {', '.join(allowed)}"
+
+
+def dtypes() -> tuple[str, ...]:
+    """The weights' dtypes (:data:`sclsd.models.DTYPES`), imported when asked."""
+    from .models import DTYPES
+    return DTYPES
 
 
 @dataclass(frozen=True)
@@ -29,12 +85,12 @@ class Option:
     kind: str
     """``bool``, ``int``, ``float``, ``switch`` (true, false or "auto"), ``sizes`` (a
     comma-separated list or a list of positive integers), or ``choice``."""
-    lo: float | None = None
-    hi: float | None = None
-    lo_open: bool = False
-    """The lower bound itself is excluded."""
-    choices: tuple[str, ...] = ()
+    rule: Range | Choice | None = None
+    """An ``int`` or ``float``'s range, a ``choice``'s values."""
     help: str = ""
+    always: bool = False
+    """Held to the engine in effect even when the daemon spawns no workers (``sampling``: the
+    daemon reads it too; ``kernel_inject``: refused in any case)."""
     default: Any = None
     """The engine's own default where the daemon must know it before any worker registers
     (None: only the engine needs it)."""
@@ -42,44 +98,46 @@ class Option:
 
 OPTIONS: dict[str, Option] = {
     # fake
-    "decode_s": Option(("fake",), "float", lo=0.0, help="seconds per decoding iteration"),
-    "prefill_s_per_token": Option(("fake",), "float", lo=0.0, help="prefill seconds per token"),
+    "decode_s": Option(("fake",), "float", Range(ge=0.0), help="seconds per decoding iteration"),
+    "prefill_s_per_token": Option(("fake",), "float", Range(ge=0.0), help="prefill seconds per token"),
     # The fake model's byte tokenizer has 256 ids: a smaller vocabulary cannot hold a prompt,
     # and the daemon refuses such a worker at register (it would exit and restart for ever).
-    "vocab": Option(("fake",), "int", lo=256, help="vocabulary size (at least the byte tokenizer's 256 ids)"),
-    "max_natural": Option(("fake",), "int", lo=1, help="longest natural output before EOS"),
-    "kv_bytes_per_token": Option(("fake",), "int", lo=1, help="Δ it reports"),
-    "batching": Option(("fake",), "choice", choices=("static", "continuous"),
+    "vocab": Option(("fake",), "int", Range(ge=256),
+                    help="vocabulary size (at least the byte tokenizer's 256 ids)"),
+    "max_natural": Option(("fake",), "int", Range(ge=1), help="longest natural output before EOS"),
+    "kv_bytes_per_token": Option(("fake",), "int", Range(ge=1), help="Δ it reports"),
+    "batching": Option(("fake",), "choice", Choice("static", "continuous"),
                        help="static: one batch at a time; continuous: grants share a running set of rows"),
     "grammar": Option(("fake",), "bool", help="enforce structured-output grammars (needs llguidance)"),
-    "max_rows": Option(("fake",), "int", lo=1, help="continuous batching: most rows running at once (default 64)"),
+    "max_rows": Option(("fake",), "int", Range(ge=1),
+                       help="continuous batching: most rows running at once (default 64)"),
     # KV kept across slices
     "kv_reuse": Option(("hf", "deepspeed", "fake"), "bool", help="keep unfinished requests' KV across slices"),
-    "kv_retain_bytes": Option(("hf", "deepspeed", "fake"), "int", lo=0, help="most bytes of kept KV"),
-    "kv_host_bytes": Option(STATIC, "int", lo=0, help="host bytes for kept KV"),
+    "kv_retain_bytes": Option(("hf", "deepspeed", "fake"), "int", Range(ge=0), help="most bytes of kept KV"),
+    "kv_host_bytes": Option(STATIC, "int", Range(ge=0), help="host bytes for kept KV"),
     # the static-cache path
     "static_cache": Option(STATIC, "switch", help="serve slices from a static KV cache"),
     "cuda_graphs": Option(TORCH, "switch", help="capture decode steps as CUDA graphs"),
-    "static_share": Option(STATIC, "float", lo=0.0, hi=1.0, lo_open=True, help="the arena's share of KV memory"),
+    "static_share": Option(STATIC, "float", Range(gt=0.0, le=1.0), help="the arena's share of KV memory"),
     "static_buckets": Option(STATIC, "bool", help="pad batches to bucket shapes without graphs too"),
     "graph_batch_sizes": Option(STATIC, "sizes", help="batch-size buckets"),
     "graph_cache_tokens": Option(STATIC, "sizes", help="cache-length buckets"),
-    "prefill_chunk_tokens": Option(STATIC, "int", lo=0, help="most tokens per prefill pass"),
+    "prefill_chunk_tokens": Option(STATIC, "int", Range(ge=0), help="most tokens per prefill pass"),
     # hf-cb
     # On by default: OpenAI clients send temperature 1 unless told otherwise.
     "sampling": Option(("hf-cb",), "bool", help="per-request sampling (default true; false: greedy only)",
-                       default=True),
-    "page_size": Option(("hf-cb",), "int", lo=1, help="tokens per KV page"),
-    "num_blocks": Option(("hf-cb",), "int", lo=1, help="pages of the paged cache"),
-    "max_batch_tokens": Option(("hf-cb",), "int", lo=1, help="most tokens per iteration"),
-    "memory_share": Option(("hf-cb",), "float", lo=0.0, hi=1.0, lo_open=True, help="share of free memory"),
-    "poll_s": Option(("hf-cb",), "float", lo=0.0, lo_open=True, help="result poll interval"),
-    "kv_padding_tokens": Option(("hf-cb",), "int", lo=1,
+                       always=True, default=True),
+    "page_size": Option(("hf-cb",), "int", Range(ge=1), help="tokens per KV page"),
+    "num_blocks": Option(("hf-cb",), "int", Range(ge=1), help="pages of the paged cache"),
+    "max_batch_tokens": Option(("hf-cb",), "int", Range(ge=1), help="most tokens per iteration"),
+    "memory_share": Option(("hf-cb",), "float", Range(gt=0.0, le=1.0), help="share of free memory"),
+    "poll_s": Option(("hf-cb",), "float", Range(gt=0.0), help="result poll interval"),
+    "kv_padding_tokens": Option(("hf-cb",), "int", Range(ge=1),
                                 help="captured steps pad KV reads to a multiple of this (CUDA graphs)"),
     # deepspeed
-    "kernel_inject": Option(("deepspeed",), "bool", help="DeepSpeed kernel injection (refused)"),
+    "kernel_inject": Option(("deepspeed",), "bool", help="DeepSpeed kernel injection (refused)", always=True),
     # every torch engine (model.dtype is the place for it now)
-    "dtype": Option(TORCH, "choice", choices=("auto", "float32", "bfloat16", "float16"), help="weights dtype"),
+    "dtype": Option(TORCH, "choice", Choice(of=dtypes), help="weights dtype"),
 }
 
 
@@ -96,13 +154,15 @@ def check_option(engine: str | None, key: str, value: Any) -> str | None:
     if opt is None:
         return f"unknown engine option (known: {', '.join(sorted(OPTIONS))})"
     if engine is not None and engine not in opt.engines:
-        return f"the {engine} engine does not take it (it is for {', '.join(opt.engines)})"
+        many = len(opt.engines) > 1
+        return (f"the {engine} engine does not take it (only the {', '.join(opt.engines)} "
+                f"engine{'s take' if many else ' takes'} it)")
     if opt.kind == "bool" and not isinstance(value, bool):
         return "must be true or false"
     if opt.kind == "switch" and not (isinstance(value, bool) or value == "auto"):
         return 'must be true, false or "auto"'
-    if opt.kind == "choice" and value not in opt.choices:
-        return f"must be one of {', '.join(opt.choices)}"
+    if opt.kind == "choice" and opt.rule is not None:
+        return opt.rule.why(value)
     if opt.kind == "sizes":
         parts = value.replace(" ", "").split(",") if isinstance(value, str) else value
         if not isinstance(parts, list) or not parts or not all(
@@ -115,17 +175,20 @@ def check_option(engine: str | None, key: str, value: Any) -> str | None:
             return f"must be {'an integer' if opt.kind == 'int' else 'a number'}"
         if not math.isfinite(value):
             return "must be a finite number"
-        if opt.lo is not None and (value < opt.lo or (opt.lo_open and value == opt.lo)):
-            return f"must be {'>' if opt.lo_open else '>='} {opt.lo:g}"
-        if opt.hi is not None and value > opt.hi:
-            return f"must be <= {opt.hi:g}"
+        if opt.rule is not None:
+            return opt.rule.why(value)
     return None
 
 
-def check_options(engine: str | None, options: dict[str, Any]) -> tuple[str, Any, str] | None:
-    """The first option ``engine`` (None: any) cannot take: ``(key, value, why)``; None when all can."""
+def check_options(engine: str | None, options: dict[str, Any],
+                  spawned: bool = True) -> tuple[str, Any, str] | None:
+    """The first option ``engine`` (None: any) cannot take: ``(key, value, why)``; None when all
+    can. Which engine takes a key matters only for the workers the daemon spawns: with
+    ``spawned`` false, only the keys marked :attr:`Option.always` are held to ``engine``."""
     for key, value in options.items():
-        why = check_option(engine, key, value)
+        opt = OPTIONS.get(key)
+        held = spawned or (opt is not None and opt.always)
+        why = check_option(engine if held else None, key, value)
         if why is not None:
             return key, value, why
     return None

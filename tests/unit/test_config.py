@@ -278,8 +278,8 @@ def test_metrics_http_must_be_bindable() -> None:
         ("hf", {"decode_s": 0.1}, "decode_s", "does not take it"),
         ("hf", {"warp_speed": 9}, "warp_speed", "unknown engine option"),
         ("hf", {"static_cache": "maybe"}, "static_cache", '"auto"'),
-        ("hf", {"static_share": 0.0}, "static_share", "> 0"),
-        ("hf", {"static_share": 1.5}, "static_share", "<= 1"),
+        ("hf", {"static_share": 0.0}, "static_share", "in (0, 1]"),
+        ("hf", {"static_share": 1.5}, "static_share", "in (0, 1]"),
         ("hf", {"graph_batch_sizes": "1,x"}, "graph_batch_sizes", "positive integers"),
         ("hf", {"graph_batch_sizes": [0, 2]}, "graph_batch_sizes", "positive integers"),
         ("hf-cb", {"num_blocks": 0}, "num_blocks", ">= 1"),
@@ -333,3 +333,74 @@ def test_the_daemon_ends_each_of_the_last_gaps_in_one_line_and_exit_2(tmp_path: 
                                capture_output=True, text=True, timeout=60)
             assert r.returncode == 2, (name, r.stderr[-2000:])
             assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, (name, r.stderr)
+
+
+# ------------------------------------------------------------------ declared constraints
+
+#: Number keys with no declared range: each is checked against another key, in code.
+CHECKED_AS_CODE = {
+    "daemon.max_conn_buffer_bytes", "daemon.max_partial_frame_bytes", "daemon.max_partial_frame_bytes_per_uid",
+    "daemon.heartbeat_timeout_s", "daemon.batch_stall_timeout_s",
+    "workers.restart_backoff_max_s", "workers.daemon_timeout_s",
+}
+DECLARED = [(section, name, rule) for section, cls in C._SECTIONS.items()
+            for name, rule in C.declared(cls).items()]
+
+
+def _as_field(section: str, name: str, number: float) -> object:
+    """``number`` in the type of ``section.name`` (a list of it for a list of uids)."""
+    want, _ = C._kind(C._SECTIONS[section], name)
+    return [int(number)] if want is list else want(number)
+
+
+def _outside(rule: C.Range | C.Choice) -> list[float | str]:
+    """Values just outside a declared constraint."""
+    if isinstance(rule, C.Choice):
+        return ["no-such-value"]
+    low = [rule.ge - 1] if rule.ge is not None else [rule.gt] if rule.gt is not None else []
+    return low + ([rule.le + 1] if rule.le is not None else [])
+
+
+@pytest.mark.parametrize(("section", "name", "rule"), DECLARED, ids=[f"{s}.{n}" for s, n, _ in DECLARED])
+def test_a_declared_constraint_refuses_a_value_outside_it_naming_the_key(section, name, rule) -> None:
+    bad_values = _outside(rule)
+    assert bad_values, (section, name, rule)
+    for bad in bad_values:
+        value = bad if isinstance(bad, str) else _as_field(section, name, bad)
+        e = _err({section: {name: value}})
+        assert e.key == f"{section}.{name}" and str(e).startswith(f"config error: {section}.{name} = ")
+        assert "must" in str(e) and (repr(value) in str(e) or oct(int(bad)) in str(e)), str(e)
+
+
+@pytest.mark.parametrize(("section", "name", "rule"), DECLARED, ids=[f"{s}.{n}" for s, n, _ in DECLARED])
+def test_a_declared_range_takes_its_own_bounds(section, name, rule) -> None:
+    if isinstance(rule, C.Choice):
+        return
+    for bound in (rule.ge, rule.le):
+        if bound is not None and (section, name, bound) != ("daemon", "worker_socket_mode", 0o777):
+            C.from_dict({section: {name: _as_field(section, name, bound)}})  # 0777: refused in code
+
+
+def test_every_number_key_declares_its_range_or_is_checked_as_code() -> None:
+    for section, cls in C._SECTIONS.items():
+        if section == "grammar":
+            continue  # sclsd.grammar_config bounds every key of its own
+        for f in fields(cls):
+            want, _ = C._kind(cls, f.name)
+            key = f"{section}.{f.name}"
+            if want in (int, float, list):
+                assert (f.name in C.declared(cls)) != (key in CHECKED_AS_CODE), key
+    for key in CHECKED_AS_CODE:
+        section, name = key.split(".")
+        assert _err({section: {name: _as_field(section, name, -1)}}).key == key
+
+
+def test_declared_messages() -> None:
+    assert str(_err({"http": {"connections": 0}})) == "config error: http.connections = 0: must be in 1..256"
+    assert "must be in (0, 1]" in str(_err({"scheduler": {"lam": 0}}))
+    assert "must be >= 0 (0: leave it)" in str(_err({"daemon": {"nofile_limit": -1}}))
+    assert "every item must be >= 0" in str(_err({"daemon": {"admin_uids": [3, -1]}}))
+    e = _err({"daemon": {"socket_mode": 0o1000}})
+    assert e.value == "0o1000" and "0o777" in str(e)
+    assert "must be one of debug, info, warning, error" in str(_err({"http": {"log_level": "loud"}}))
+    assert C.from_dict({"scheduler": {"gamma_s": None}}).scheduler.gamma_s is None  # None passes

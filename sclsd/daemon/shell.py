@@ -28,7 +28,7 @@ from typing import Any, cast
 
 from .. import protocol as P
 from ..config import Config
-from ..tokenizer import Tokenizer
+from ..tokenizer import decode_many
 from .fleet import Fleet
 from .frontend import Frontend
 from .metrics import Metrics
@@ -38,10 +38,6 @@ from .sockets import Conn
 from .supervisor import Supervisor
 
 log = logging.getLogger("sclsd")
-
-
-def _decode_all(tok: Tokenizer, seqs: list[list[int]], keep_special: list[bool]) -> list[str]:
-    return [tok.decode(s, skip_special_tokens=not k) for s, k in zip(seqs, keep_special, strict=True)]
 
 
 class Shell:
@@ -162,7 +158,7 @@ class Shell:
             self.deliver(self.core.worker_lost(wid, why, "unreachable", self.clock()))
 
     def _decode(self, job: DecodeJob) -> None:
-        fut = asyncio.get_running_loop().run_in_executor(self.pool, _decode_all, self.core.tok, job.seqs,
+        fut = asyncio.get_running_loop().run_in_executor(self.pool, decode_many, self.core.tok, job.seqs,
                                                              job.keep_special)
         self._decoding.append((fut, job))
         fut.add_done_callback(self._decoded)

@@ -71,9 +71,15 @@ class Output:
         """:meth:`Detokenizer.window <sclsd.tokenizer.Detokenizer.window>` of :meth:`context`,
         without copying the output before the window (its cost does not grow with it)."""
         d = self.detok
-        skip = max(0, d.p - len(self.ids))  # the window may start among the inbound chunks
-        tail = self.ids[d.p:]
-        n = len(self.ids)
+        p, ids = d.p, self.ids
+        if p <= len(ids):  # the window starts among the landed tokens (always, but after a lag)
+            tail = ids[p:]
+            for chunk in self.inbound:
+                tail += chunk.ids
+            return tail, tail[:d.r - p], (p, d.r, d.t_r, p + len(tail))
+        skip = p - len(ids)  # it starts among the inbound chunks
+        tail = []
+        n = len(ids)
         for chunk in self.inbound:
             n += len(chunk.ids)
             if skip >= len(chunk.ids):
@@ -81,7 +87,7 @@ class Output:
             else:
                 tail += chunk.ids[skip:]
                 skip = 0
-        return tail, tail[:d.r - d.p], (d.p, d.r, d.t_r, n)
+        return tail, tail[:d.r - p], (p, d.r, d.t_r, n)
 
     # ------------------------------------------------------------------ streamed tokens
 
@@ -97,7 +103,7 @@ class Output:
         """Count ``ids`` as streamed in the running slice; returns the chunk to detokenize."""
         self.streamed += len(ids)
         self.streamed_reason = reason
-        chunk = Chunk(list(ids), list(logprobs[: len(ids)]))
+        chunk = Chunk(list(ids), logprobs[: len(ids)] if logprobs else [])
         self.inbound.append(chunk)
         return chunk
 

@@ -43,8 +43,11 @@ class Replies:
 
     def delta(self, e: Entry, ids: list[int], text: str, out: Effects) -> None:
         """New tokens ``ids`` (the tail of the output) and their text, for a live request."""
-        if not self.table.holds(e):
-            return
+        if self.table.holds(e):
+            self.delta_of_live(e, ids, text, out)
+
+    def delta_of_live(self, e: Entry, ids: list[int], text: str, out: Effects) -> None:
+        """:meth:`delta` for a request the caller knows is live."""
         ev = self.events.delta(e, ids, text)
         if ev is not None:
             out.send(e.client, ev)

@@ -70,39 +70,50 @@ class Streaming:
 
     def _batch_tokens(self, wid: str, part: P.BatchTokens, now: float,
                       chunks: list[tuple[Entry, Chunk]]) -> None:
-        batch = self.sched.batches.get(part.batch_id)
+        bid = part.batch_id
+        batch = self.sched.batches.get(bid)
         if batch is None or batch.worker != wid:
             return  # re-queued meanwhile (its worker lost), or not this worker's
-        self.dispatch.acked(wid, part.batch_id, now)  # it runs: it moves
-        members = {r.rid: r for r in batch.requests}
+        self.dispatch.acked(wid, bid, now)  # it runs: it moves
+        reqs = batch.requests
+        # Under scls-cb every grant is a one-row batch: no lookup table for one row.
+        members = None if len(reqs) == 1 else {r.rid: r for r in reqs}
         seen: set[str] = set()
+        get = self.table.get
         for row in part.outputs:
-            req = members.get(row.rid)
-            e = self.table.get(row.rid)
-            if (req is None or e is None or e.req is not req or row.rid in seen
-                    or req.batch_id != part.batch_id):
+            rid = row.rid
+            req = (reqs[0] if reqs[0].rid == rid else None) if members is None else members.get(rid)
+            if req is None or rid in seen or req.batch_id != bid:
                 continue
-            seen.add(row.rid)
-            ids = row.token_ids[: e.out.room(part.batch_id, req.remaining)]
+            e = get(rid)
+            if e is None or e.req is not req:
+                continue
+            seen.add(rid)
+            out = e.out
+            ids = row.token_ids
+            room = out.room(bid, req.remaining)
+            if len(ids) > room:
+                ids = ids[:room]
             if not ids:
                 continue
             if req.first_token is None:
                 req.first_token = now
             e.tokens_at(now, len(ids))
-            if not e.streams:
-                continue  # its client hears the whole output at the end: the result brings it
-            chunks.append((e, e.out.stream(list(ids), row.logprobs, row.finish_reason)))
+            if e.streams:  # else its client hears the whole output at the end: the result brings it
+                chunks.append((e, out.stream(ids, row.logprobs, row.finish_reason)))
 
     def apply(self, job: TokensJob, texts: list[str] | None, out: Effects) -> None:
         """The chunks were detokenized (``texts`` None: that failed; their text follows with
         the next): each lands in its output and goes to its client."""
         k = len(job.chunks)
+        holds = self.table.holds
+        delta = self.replies.delta_of_live
         for i, (e, chunk) in enumerate(job.chunks):
-            if not self.table.holds(e):
+            if not holds(e):
                 continue
             e.out.land(chunk)
             text = e.out.detok.apply_window(job.snaps[i], texts[i], texts[k + i]) if texts is not None else ""
-            self.replies.delta(e, chunk.ids, text, out)
+            delta(e, chunk.ids, text, out)
 
     def settle(self, rids: Iterable[str] | None, now: float, out: Effects) -> None:
         """Requests whose batch ended without a result keep the tokens already streamed to

@@ -36,6 +36,9 @@ from .base import WorkerSink
 
 log = logging.getLogger("sclsd.workers")
 
+DRAIN_BATCH = 64
+"""Worker messages read per wake-up of the receive loop beyond the one awaited."""
+
 
 class ZmqTransport:
     """ROUTER socket bound at ``daemon.worker_endpoint`` (see the module docstring)."""
@@ -44,6 +47,9 @@ class ZmqTransport:
         self.cfg = cfg
         self.ctx = zmq.asyncio.Context()
         self.sock: zmq.asyncio.Socket | None = None
+        self._sync: zmq.Socket[bytes] | None = None
+        """The same socket without the asyncio wrapper: what is already queued is read
+        without a Future per message."""
         self.sink: WorkerSink | None = None
         self.bad_messages = 0
         #: CURVE authenticates peers (known from the config: the server starts with it).
@@ -87,6 +93,7 @@ class ZmqTransport:
             if d.socket_group:
                 os.chown(path, -1, grp.getgrnam(d.socket_group).gr_gid)
         self.sock = sock
+        self._sync = zmq.Socket.shadow(sock.underlying)
         log.info("workers endpoint %s (%s)", ep,
                  f"CURVE, {len(self.authorized)} authorized keys" if self.auth else "secret")
         self._task = asyncio.create_task(self._recv_loop(), name="workers-recv")
@@ -172,10 +179,19 @@ class ZmqTransport:
             log.error("a queued send to a worker failed: %s", fut.exception())
 
     async def _recv_loop(self) -> None:
-        assert self.sock is not None
+        assert self.sock is not None and self._sync is not None
+        sync = self._sync
         while True:
-            frames = await self.sock.recv_multipart()
-            self.handle_frames(frames)
+            self.handle_frames(await self.sock.recv_multipart())
+            # Then whatever else is queued, without awaiting each (at rates of a box of GPUs
+            # the asyncio machinery per message cost more than the message), a bounded
+            # number at a time so that the loop's other work keeps its turns.
+            for _ in range(DRAIN_BATCH):
+                try:
+                    frames = sync.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.handle_frames(frames)
 
     def handle_frames(self, frames: list[bytes]) -> None:
         """One multipart message from the ROUTER: [routing id, body]."""

@@ -48,10 +48,9 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         del skip_special_tokens  # bytes have no special tokens
-        try:
-            return bytes(ids).decode("utf-8", errors="replace")
-        except ValueError:  # an id past 255 (a fake vocabulary larger than the bytes)
-            return bytes(i % 256 for i in ids).decode("utf-8", errors="replace")
+        if max(ids, default=0) > 255:  # a fake vocabulary larger than the bytes
+            ids = [i & 255 for i in ids]
+        return bytes(ids).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:

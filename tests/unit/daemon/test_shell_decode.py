@@ -52,11 +52,11 @@ def test_small_jobs_at_once_large_ones_in_the_pool_and_the_order_kept() -> None:
         core = Core()
         pool = ThreadPoolExecutor(1)
         shell = Shell(None, core, None, None, None, None, pool, asyncio.Event(), lambda: 0.0)  # type: ignore[arg-type]
-        shell._decode(Job("small", [[104, 105]], [False]))  # type: ignore[arg-type]
+        shell._decode(Job("small", [[104, 105]], [False]))
         assert core.order == [("small", ["hi"])]  # at once, on the loop
         big = [[97] * INLINE_DECODE_TOKENS, [98]]
-        shell._decode(Job("big", big, [False, False]))  # type: ignore[arg-type]
-        shell._decode(Job("after", [[99]], [False]))  # type: ignore[arg-type]
+        shell._decode(Job("big", big, [False, False]))
+        shell._decode(Job("after", [[99]], [False]))
         await asyncio.sleep(0)
         assert [n for n, _ in core.order] == ["small"]  # the small one waits behind the big
         core.tok.go.set()

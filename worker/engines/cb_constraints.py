@@ -8,20 +8,19 @@ forward pass ``prepare_tensor_args`` hears the step's requests (their
 ``__call__`` then processes those rows' logits. :class:`RequestRules` is such a
 processor, installed first in the manager's list (before the warpers), for every
 request the engine registered rules for (:meth:`RequestRules.add`, keyed by
-transformers' request id):
+transformers' request id). The rules are those of :mod:`worker.engines.constraints`
+(one definition for every engine: :class:`~worker.engines.constraints.RowConstraints`),
+applied here in their sparse tensor form, batched over the step's rows:
 
-* ``logit_bias``: added to the row's logits (token ids outside the vocabulary ignored,
-  as :class:`worker.engines.sampling.BatchSampler` does);
-* ``min_tokens``: the row's stop tokens (EOS unless ``ignore_eos``, and its
-  ``stop_token_ids``) masked while the request, counted over its whole life (the row's
-  ``generated`` plus what this transformers request generated), has fewer tokens;
+* ``logit_bias``: scatter-added to the row's logits;
+* ``min_tokens``: the row's stop tokens held back while the request, counted over its
+  whole life (the row's ``generated`` plus what this transformers request generated),
+  has fewer tokens;
 * a grammar: an llguidance matcher per request (:func:`worker.engines.grammar.row_matcher`,
   which replays the row's ``generated`` tail), fed the request's new tokens before each
-  step, whose bitmask masks the row. While a request stays paused on the worker
-  between grants its matcher stays with it; a request served fresh (moved, released,
-  evicted) gets a new one replayed from its tokens. With ``min_tokens`` not reached, the
-  stop tokens are taken out of the grammar's mask too, unless nothing else would be
-  left (the grammar wins: the output must follow it).
+  step, whose bitmask (:func:`~worker.engines.constraints.grammar_row`) masks the row.
+  While a request stays paused on the worker between grants its matcher stays with it;
+  a request served fresh (moved, released, evicted) gets a new one replayed from its tokens.
 
 The host knows each step's previous tokens before preparing the next one: the engine
 runs the manager without async batching.
@@ -60,6 +59,15 @@ from worker.engines.cb_select import (
     pick_key,
     wants_pick,
 )
+from worker.engines.constraints import (
+    RowConstraints,
+    bitmask_addend,
+    byte_table,
+    constrained,
+    constraints_key,
+    grammar_row,
+    words,
+)
 from worker.engines.grammar import grammar_for, row_matcher
 
 log = logging.getLogger(__name__)
@@ -73,17 +81,12 @@ CAPTURED_BIAS_ENTRIES = MAX_TOKEN_LIST
 def has_rules(r: BatchRequest) -> bool:
     """Whether row ``r`` asks for anything of this module (or for picks of its own:
     :mod:`worker.engines.cb_select`)."""
-    return bool(r.grammar or r.logit_bias or r.min_tokens > r.generated) or wants_pick(r)
+    return constrained(r) or wants_pick(r)
 
 
 def rules_key(r: BatchRequest) -> tuple[Any, ...]:
     """What a resumed request must share with the row resuming it for its rules to hold."""
-    return (r.min_tokens, tuple(sorted(r.logit_bias.items())), r.grammar, pick_key(r))
-
-
-def words(vocab: int) -> int:
-    """int32 words of a bitmask over ``vocab`` tokens."""
-    return (vocab + 31) // 32
+    return (*constraints_key(r), pick_key(r))
 
 
 @dataclass(eq=False)
@@ -91,9 +94,9 @@ class RowRules:
     """What one transformers request obeys at every draw (identity, not value, tells two apart)."""
 
     key: tuple[Any, ...]
-    offset: int
-    """Tokens the request generated before this transformers request's own (its row's ``generated``)."""
-    min_tokens: int
+    rules: RowConstraints
+    """The row's rules; its ``offset``: tokens the request generated before this
+    transformers request's own (its row's ``generated``)."""
     stop_bits: Any
     """int32 ``[words]`` on the host: every token allowed but the stop tokens; None when
     ``min_tokens`` is already reached or there are no stop tokens."""
@@ -113,33 +116,22 @@ class RowRules:
         """``r``'s rules, or None when it has none. ValueError: a grammar that is not valid
         (or that its earlier tokens do not follow), or more ``logit_bias`` entries than
         ``max_bias``. ``tokenizer``: llguidance's (needed only for a grammar row)."""
-        bias = None
-        pairs = sorted((t, b) for t, b in r.logit_bias.items() if 0 <= t < vocab)
-        if pairs:
-            if max_bias is not None and len(pairs) > max_bias:
-                raise ValueError(f"request {r.rid!r}: {len(pairs)} logit_bias entries, "
-                                 f"this engine applies at most {max_bias}")
-            bias = (torch.tensor([t for t, _ in pairs], dtype=torch.long),
-                    torch.tensor([b for _, b in pairs], dtype=torch.float32))
-        stop_bits = early_bias = None
-        in_vocab = [t for t in stops if 0 <= t < vocab]
-        if r.min_tokens > r.generated and in_vocab:
-            stop_bits = torch.full((words(vocab),), -1, dtype=torch.int32)
-            as_bytes = stop_bits.view(torch.uint8)  # little-endian: token t is byte t >> 3, bit t & 7
-            for t in in_vocab:
-                as_bytes[t >> 3] &= ~(1 << (t & 7)) & 0xFF
-            idx = torch.tensor(in_vocab, dtype=torch.long)
-            val = torch.full((len(in_vocab),), float("-inf"))
-            early_bias = (idx, val) if bias is None else (torch.cat([bias[0], idx]), torch.cat([bias[1], val]))
+        c = RowConstraints.of(r, stops, vocab)
+        if max_bias is not None and len(c.bias) > max_bias:
+            raise ValueError(f"request {r.rid!r}: {len(c.bias)} logit_bias entries, "
+                             f"this engine applies at most {max_bias}")
+        bias = c.bias_entries()
+        stop_bits = c.stop_bits(vocab)
+        early_bias = c.bias_entries(early=True) if stop_bits is not None else None
         matcher = row_matcher(r, tokenizer) if r.grammar else None
         pick = RowPick.build(r)
         if bias is None and stop_bits is None and matcher is None and pick is None:
             return None
-        return cls(rules_key(r), r.generated, r.min_tokens, stop_bits, bias, early_bias, matcher, pick=pick)
+        return cls(rules_key(r), c, stop_bits, bias, early_bias, matcher, pick=pick)
 
     def early(self, state: Any) -> bool:
         """Whether the stop tokens are still masked for ``state``'s next token."""
-        return self.stop_bits is not None and self.offset + generated_count(state) < self.min_tokens
+        return self.rules.early(self.rules.offset + generated_count(state))
 
     def catch_up(self, state: Any) -> None:
         """Feed the matcher what ``state`` generated since the last call."""
@@ -159,15 +151,7 @@ class RowRules:
 
     def fill(self, out: Any, i: int, early: bool) -> None:
         """Row ``i`` of the int32 host bitmask ``out``: the tokens allowed next."""
-        row = out[i]
-        if self.matcher is None:
-            row.copy_(self.stop_bits)
-            return
-        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
-        if early:
-            kept = row & self.stop_bits
-            if bool(kept.any()):  # else the grammar allows only stop tokens: it wins
-                row.copy_(kept)
+        grammar_row(out[i], self.matcher, self.stop_bits, early)
 
 
 class RequestRules(ContinuousBatchingLogitsProcessor):
@@ -195,8 +179,7 @@ class RequestRules(ContinuousBatchingLogitsProcessor):
         self.picker = Picker(self.device, vocab)
         """The rows whose tokens the engine picks itself (:mod:`worker.engines.cb_select`)."""
         self._none = torch.empty(0, dtype=torch.int32)
-        allowed = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1  # byte -> its 8 bits, low first
-        self._byte_addend = torch.where(allowed.bool(), 0.0, float("-inf")).to(self.device)
+        self._byte_table = byte_table(self.device)  # made now: not while a graph is captured
         # Eager path: this step's plans (None: nothing to do) and what they were built from.
         self._bias_plan: tuple[Any, Any, Any] | None = None
         self._bias_from: list[tuple[int, RowRules, bool]] = []
@@ -323,11 +306,8 @@ class RequestRules(ContinuousBatchingLogitsProcessor):
     # ------------------------------------------------------------------ internals
 
     def _addend(self, bits: torch.Tensor) -> torch.Tensor:
-        """``[rows, vocab]``: 0 where an int32 ``[rows, words]`` bitmask allows the token, -inf
-        elsewhere (each byte looked up in a table: no host sync, and several times faster on
-        a CPU than unpacking bits into a boolean mask for ``masked_fill``)."""
-        b = bits.view(torch.uint8).flatten().long()
-        return self._byte_addend.index_select(0, b).view(bits.size(0), -1)[:, : self.vocab]
+        """``[rows, vocab]``: 0 where an int32 ``[rows, words]`` bitmask allows the token, -inf elsewhere."""
+        return bitmask_addend(bits, self.vocab, self._byte_table)
 
     def _stage_eager(self, bias_rows: list[tuple[int, RowRules, bool]],
                      mask_rows: list[tuple[int, RowRules, bool]]) -> None:

@@ -9,12 +9,15 @@ tokens (the prompt being ``token_ids`` minus the ``generated`` tail), unless
 prefill and ``decode_s`` per iteration, and reports the KV memory the batch
 would take, ``(L + iterations) · N · Δ``, as its peak memory. Rows that ask for
 log-probabilities get made-up, stable ones; penalties and min-p do not change its tokens.
-``min_tokens`` holds EOS and the stop tokens back until that many tokens; of ``logit_bias``
-only the extremes act (+100 forces a token, -100 bans it). With ``grammar`` (an engine
-option; it needs llguidance) it enforces rows' grammars as the torch engines do: each
-token is the first the row's matcher allows from the one it would have taken (token
-``i`` stands for the byte ``i % 256``, as the fake model's tokenizer reads it), and a
-row whose grammar cannot be built fails alone (:mod:`worker.engines.grammar`).
+Its rows obey the constraints every engine does (:mod:`worker.engines.constraints`, in
+their list form: :meth:`~worker.engines.constraints.RowConstraints.choose`): ``min_tokens``
+holds the stop tokens back and delays the natural end to ``min_tokens`` tokens (its EOS
+counted: one token before the torch engines would allow EOS); of ``logit_bias`` only the extremes act (+100 forces a token,
+-100 bans it). With ``grammar`` (an engine option; it needs llguidance) it enforces
+rows' grammars as the torch engines do: each token is the first the row's matcher allows
+from the one it would have taken (token ``i`` stands for the byte ``i % 256``, as the
+fake model's tokenizer reads it), and a row whose grammar cannot be built fails alone
+(:mod:`worker.engines.grammar`).
 
 Like ``hf`` it hands each iteration's tokens to ``emit`` as they come (after that
 iteration's sleep, so time to first token is measurable) and, with ``kv_reuse``
@@ -40,6 +43,7 @@ from typing import Any
 
 from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, EngineCaps, RequestOutput
 from worker.engines.base import Done, Emit, Engine, EngineInfo, Stream, Take, TokenCursor
+from worker.engines.constraints import RowConstraints, first_allowed
 from worker.engines.fake_cb import ContinuousRows
 from worker.engines.grammar import byte_grammar_tokenizer, row_matcher
 from worker.engines.grammar import supported as grammar_supported
@@ -53,22 +57,6 @@ EOS_ID = 2
 #: Ids below this are special tokens in the SmolLM2 vocabulary; ordinary output avoids them.
 FIRST_ORDINARY_ID = 3
 _MASK64 = (1 << 64) - 1
-
-
-def biased(tok: int, bias: dict[int, float], lo: int, hi: int) -> int:
-    """A fake row's token under ``logit_bias``: a token biased by +100 is taken, one biased by
-    -100 is never (the next allowed id instead); smaller biases do not move a fake's choice."""
-    if not bias:
-        return tok
-    forced = [t for t, b in bias.items() if b >= 100 and lo <= t < hi]
-    if forced:
-        return min(forced)
-    span = hi - lo
-    for k in range(span):
-        cand = lo + (tok - lo + k) % span
-        if bias.get(cand, 0.0) > -100:
-            return cand
-    return tok
 
 
 def _hash_ids(ids: list[int]) -> int:
@@ -85,11 +73,12 @@ class FakeRow:
     way of serving a request (static batches, slices, continuous rows) gives the same tokens.
     """
 
-    __slots__ = ("eng", "req", "natural", "state", "matcher", "out", "lps", "reason")
+    __slots__ = ("eng", "req", "rules", "natural", "state", "matcher", "out", "lps", "reason")
 
     def __init__(self, eng: FakeEngine, r: BatchRequest, matcher: Any = None) -> None:
         self.eng = eng
         self.req = r
+        self.rules = RowConstraints.for_row(r, (EOS_ID,), eng.vocab)
         # The prompt is the context minus the tokens of earlier slices.
         h = _hash_ids(r.token_ids[: len(r.token_ids) - r.generated])
         # min_tokens delays the natural end (and keeps stop tokens out) until that many tokens.
@@ -105,15 +94,12 @@ class FakeRow:
     def step(self) -> int:
         """Generate the row's next token (its reason set when it ends the row); returns it."""
         eng, r = self.eng, self.req
-        span = eng.vocab - FIRST_ORDINARY_ID
         g = r.generated + len(self.out)  # absolute index of this token
         if g == self.natural - 1 and not r.ignore_eos:
             tok = EOS_ID
         else:
-            tok = FIRST_ORDINARY_ID + mix_seed(self.state, g) % span
-            tok = biased(tok, r.logit_bias, FIRST_ORDINARY_ID, eng.vocab)
-            if g < r.min_tokens and tok in r.stop_token_ids:
-                tok = FIRST_ORDINARY_ID + (tok + 1 - FIRST_ORDINARY_ID) % span
+            tok = FIRST_ORDINARY_ID + mix_seed(self.state, g) % (eng.vocab - FIRST_ORDINARY_ID)
+            tok = self.rules.choose(tok, g, FIRST_ORDINARY_ID, eng.vocab)
         if self.matcher is not None:  # the grammar wins over the rest
             tok = eng._allowed(self.matcher, tok)
             self.matcher.consume_token(tok)
@@ -121,7 +107,7 @@ class FakeRow:
         if r.logprobs or r.top_logprobs:  # made up, but stable: see synthetic_logprobs
             self.lps.append(synthetic_logprobs(tok, r.top_logprobs, mix_seed(self.state ^ 0x5EED, g),
                                                FIRST_ORDINARY_ID, eng.vocab))
-        if (tok == EOS_ID and not r.ignore_eos) or tok in r.stop_token_ids:
+        if self.rules.ends(tok):
             self.reason = "stop"
         elif len(self.out) >= r.max_new_tokens:
             self.reason = "length"
@@ -256,15 +242,8 @@ class FakeEngine(Engine):
         """``tok`` if the matcher ``m`` allows it, else the next ordinary id it allows, else EOS."""
         if m.is_stopped():
             return EOS_ID
-        bits = int.from_bytes(m.compute_bitmask(), "little")
-        if bits >> tok & 1:
-            return tok
-        span = self.vocab - FIRST_ORDINARY_ID
-        for k in range(1, span):
-            cand = FIRST_ORDINARY_ID + (tok - FIRST_ORDINARY_ID + k) % span
-            if bits >> cand & 1:
-                return cand
-        return EOS_ID
+        pick = first_allowed(int.from_bytes(m.compute_bitmask(), "little"), tok, FIRST_ORDINARY_ID, self.vocab)
+        return EOS_ID if pick is None else pick
 
     def _serve(
         self, batch: BatchMsg, emit: Emit | None, used: list[int], matchers: dict[int, Any]

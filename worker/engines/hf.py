@@ -40,6 +40,7 @@ from sclsd.protocol import (
     TokenLogprobs,
 )
 from worker.engines.base import Emit, Engine, EngineInfo, TokenCursor
+from worker.engines.constraints import stop_ids
 from worker.engines.grammar import batch_grammar
 from worker.engines.grammar import supported as grammar_supported
 from worker.engines.graph_check import check_graphs
@@ -67,9 +68,7 @@ class RowState:
 
     def __init__(self, req: BatchRequest, eos: list[int]) -> None:
         self.req = req
-        self.stops = set(req.stop_token_ids)
-        if not req.ignore_eos:
-            self.stops.update(eos)
+        self.stops = frozenset(stop_ids(req, eos))
         # Unseeded sampling draws a fresh seed per slice: not reproducible, by request.
         self.seed = req.seed if req.seed is not None else random_seed()
         self.out: list[int] = []

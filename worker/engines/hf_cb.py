@@ -72,6 +72,7 @@ from worker.engines.cb_setup import (  # noqa: F401 - GPU_GRAPHS_MEMORY_SHARE: p
     manager_options,
     warm_graphs,
 )
+from worker.engines.constraints import stop_ids
 from worker.engines.grammar import GrammarError, row_error
 from worker.engines.grammar import supported as grammar_supported
 from worker.engines.hf import HFEngine, peak_memory
@@ -94,11 +95,6 @@ def sampling_kwargs(r: BatchRequest, vocab: int) -> dict[str, Any]:
         return {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
     top_k = r.top_k if 0 < r.top_k < vocab else vocab  # the whole vocabulary: no cut
     return {"temperature": float(r.temperature), "top_k": int(top_k), "top_p": float(r.top_p)}
-
-
-def row_stops(r: BatchRequest, eos: list[int]) -> tuple[int, ...]:
-    """The tokens that end row ``r``: EOS (unless ``ignore_eos``) and its ``stop_token_ids``."""
-    return tuple(dict.fromkeys([*([] if r.ignore_eos else eos), *r.stop_token_ids]))
 
 
 def resumes(kept: _Kept | None, batch: BatchMsg, r: BatchRequest, stops: tuple[int, ...],
@@ -474,10 +470,10 @@ class HFCBEngine(HFEngine):
 
     def _resumable(self, batch: BatchMsg, r: BatchRequest) -> bool:
         """Whether ``r`` will resume its kept request (unless evicted meanwhile)."""
-        return resumes(self._paused.peek(r.rid), batch, r, row_stops(r, self.eos), self._rules)
+        return resumes(self._paused.peek(r.rid), batch, r, stop_ids(r, self.eos), self._rules)
 
     def _row_rules(self, r: BatchRequest) -> RowRules | None:
-        return self._rules.for_row(r, row_stops(r, self.eos), self.spec, self.eos)
+        return self._rules.for_row(r, stop_ids(r, self.eos), self.spec, self.eos)
 
     def _start_row(self, mgr: Any, batch: BatchMsg, r: BatchRequest, p: _Pending,
                    rules: RowRules | None) -> _Row:
@@ -485,7 +481,7 @@ class HFCBEngine(HFEngine):
         with ``rules`` (``r``'s, built unless it was to resume: a resumed request keeps its
         own, matcher included). ValueError: rules that cannot be built."""
         cap = min(r.max_new_tokens, batch.slice_len)
-        stops = row_stops(r, self.eos)
+        stops = stop_ids(r, self.eos)
         keep = batch.kv_reuse and cap < r.max_new_tokens  # only a slice's end leaves more to do
         kept = self._paused.start(r.rid)
         ctx = list(r.token_ids)

@@ -6,10 +6,10 @@ batch size: no Python loop over rows, no device sync per row. The host reads the
 step's tokens (and log-probabilities, for rows that asked) in one copy
 (:meth:`Draw.start`). Transformations follow vLLM's order: repetition, frequency
 and presence penalties (over the row's whole context, resp. every token it
-generated so far, across slices: the batch row carries both), ``logit_bias``, the stop
-tokens masked while a row has fewer than ``min_tokens`` tokens, the row's grammar
-(:mod:`worker.engines.grammar`), then greedy argmax, or temperature, top-k, top-p,
-min-p and a draw.
+generated so far, across slices: the batch row carries both), the row's constraints
+(``logit_bias``, the stop tokens held back while a row has fewer than ``min_tokens``
+tokens, its grammar: :class:`worker.engines.constraints.DenseConstraints`), then greedy
+argmax, or temperature, top-k, top-p, min-p and a draw.
 
 **Reproducible draws.** A sampled row draws its ``g``-th token (counted over the whole
 request, not the slice) by inverse transform with the uniform number
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sclsd.protocol import BatchRequest, Logprob, TokenLogprobs
+from worker.engines.constraints import DenseConstraints, RowConstraints
 
 #: Floor for reported log-probabilities: JSON has no -inf (vLLM reports -9999.0 too).
 MIN_LOGPROB = -9999.0
@@ -239,28 +240,14 @@ class BatchSampler:
             for i, r in enumerate(self.reqs):
                 if r.repetition_penalty != 1.0 and r.token_ids:
                     self.seen[i, torch.tensor(r.token_ids, dtype=torch.long, device=device)] = True
-        # logit_bias: one dense [rows, vocab] addend, when some row has one.
-        self.bias: Any = None
-        if any(r.logit_bias for r in self.reqs):
-            self.bias = torch.zeros((n, vocab), **f32)
-            for i, r in enumerate(self.reqs):
-                pairs = [(t, b) for t, b in r.logit_bias.items() if 0 <= t < vocab]
-                if pairs:
-                    self.bias[i, torch.tensor([t for t, _ in pairs], device=device)] = torch.tensor(
-                        [b for _, b in pairs], **f32)
-        # min_tokens: the rows' stop tokens masked while they have fewer tokens than that.
-        self.min_left = [max(0, r.min_tokens - r.generated) for r in self.reqs]
-        self.stop_mask: Any = None
-        if any(self.min_left):
-            self.stop_mask = torch.zeros((n, vocab), dtype=torch.bool, device=device)
-            for i, r in enumerate(self.reqs):
-                stops = [t for t in {*r.stop_token_ids, *([] if r.ignore_eos else eos)} if 0 <= t < vocab]
-                if self.min_left[i] and stops:
-                    self.stop_mask[i, torch.tensor(stops, device=device)] = True
-            self.min_left_t = torch.tensor(self.min_left, dtype=torch.long, device=device)
-        self.penalized = self.counts is not None or self.seen is not None or self.bias is not None
+        # logit_bias, min_tokens, grammars: the rules of worker.engines.constraints, dense.
         self.grammar = grammar
         """The rows' grammars (:class:`worker.engines.grammar.BatchGrammar`), or None."""
+        self.rules = DenseConstraints([RowConstraints.for_row(r, eos, vocab) for r in self.reqs], vocab, device,
+                                      grammar.matchers if grammar is not None else None)
+        self.penalized = self.counts is not None or self.seen is not None
+        self.constrained = (self.rules.bias is not None or self.rules.stop_mask is not None
+                            or self.rules.grammar_rows is not None)
         self._u: Any = None if self.all_greedy else self.uniforms(0, max(1, steps))
 
     def uniforms(self, first: int, steps: int) -> Any:
@@ -281,8 +268,6 @@ class BatchSampler:
             x = torch.where(self.seen, scaled, x)
         if self.counts is not None:
             x = x - self.freq * self.counts - self.pres * (self.counts > 0).to(x.dtype)
-        if self.bias is not None:
-            x = x + self.bias
         return x
 
     def sample(self, logits: Any) -> Draw:
@@ -297,11 +282,8 @@ class BatchSampler:
         x = raw.float()
         if self.penalized:
             x = self.penalize(x)
-        if self.stop_mask is not None and self.step < max(self.min_left):
-            early = (self.min_left_t > self.step).unsqueeze(1)
-            x = x.masked_fill(self.stop_mask & early, float("-inf"))
-        if self.grammar is not None:
-            x = self.grammar.mask(x.clone() if x is raw else x)  # raw stays the logprobs' source
+        if self.constrained:
+            x = self.rules.apply(x, self.step)  # a new tensor: raw stays the logprobs' source
         tokens = x.argmax(dim=-1)
         if not self.all_greedy:
             if self.step >= self._u.shape[0]:  # more steps than announced: extend the table

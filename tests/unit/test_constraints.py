@@ -228,3 +228,19 @@ def test_the_dense_form_masks_grammar_rows_by_the_same_rule() -> None:
     dense.matchers[0] = StubMatcher({EOS})  # only the stop is left: the grammar wins
     assert {t for t in range(VOCAB) if dense.apply(x, 1)[0, t] > float("-inf")} == {EOS}
     assert {t for t in range(VOCAB) if dense.apply(x, 2)[1, t] > float("-inf")} == set(range(VOCAB))
+
+
+def test_the_static_sampler_lets_a_grammar_win_over_min_tokens() -> None:
+    """hf's sampler applies the dense form: a grammar row that may only stop stops, even
+    before ``min_tokens`` (as hf-cb does); a plain row's stops stay held."""
+    from types import SimpleNamespace
+
+    from worker.engines.sampling import BatchSampler
+
+    rows = [req(min_tokens=3, temperature=0.0), req(min_tokens=3, temperature=0.0)]
+    grammar = SimpleNamespace(matchers={0: StubMatcher({EOS})})
+    s = BatchSampler(rows, [1, 1], VOCAB, "cpu", steps=2, eos=[EOS], grammar=grammar)
+    logits = torch.zeros(2, VOCAB)
+    logits[:, EOS] = 5.0
+    tokens, _ = s.sample(logits).start().result(s)
+    assert tokens[0] == EOS and tokens[1] != EOS

@@ -13,7 +13,8 @@ a grant's end, a worker) and grants whatever fits.
 The grant policy owns the KV bookkeeping here: it knows which worker keeps an
 unfinished request's KV after its grant (the engine reports it per row, as
 ``kv_tokens``), prices staying against moving, and says which kept KV to
-release (:meth:`take_released`); requests' ``kv_worker`` stays None.
+release (returned by the entry point that gave it up, as the slice scheduler's
+are: :mod:`sclsd.core.decisions`); requests' ``kv_worker`` stays None.
 
 Pure, like the rest of the core: time arrives as an argument.
 """
@@ -24,6 +25,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from .batch import Batch, BatchOutcome
+from .decisions import Releases, Round, releases_of
 from .grants import GrantPolicy
 from .mechanism import SchedulerMechanism
 from .request import Request
@@ -49,8 +51,8 @@ class SliceGrantScheduler(SchedulerMechanism[GrantStats]):
                          max_worker_losses=max_worker_losses)
         self.cost = cost
         self.grants = GrantPolicy(cost.estimator, policy.slice_len, self.token_budget())
-        #: KV to release that the policy did not decide (a failed grant's), by worker.
-        self._release: dict[str, list[str]] = {}
+        #: KV to release that the policy did not decide (a failed grant's): (worker, rid).
+        self._release: list[tuple[str, str]] = []
         self.next_at = float("inf")  # rounds run on changes only (see due)
 
     def token_budget(self) -> int:
@@ -64,10 +66,10 @@ class SliceGrantScheduler(SchedulerMechanism[GrantStats]):
         """A round runs whenever something changed and requests wait (no interval)."""
         return bool(self.pool) and self._changed and bool(self.active_workers())
 
-    def schedule(self, now: float) -> list[Batch]:
+    def schedule(self, now: float) -> Round:
         """Grant what fits; each grant becomes a one-request batch on its worker."""
         if not self.pool or not self.active_workers():
-            return []
+            return Round(releases=self._released())
         self._changed = False
         self.grants.est = self.cost.estimator  # a worker's profile or memory may have changed
         self.grants.budget = self.token_budget()
@@ -82,7 +84,7 @@ class SliceGrantScheduler(SchedulerMechanism[GrantStats]):
         self._stats.grants += len(out)
         self._stats.migrations += self.grants.migrations - moved
         self.next_at = float("inf")  # no interval: the next round waits for a change
-        return out
+        return Round(tuple(out), self._released())
 
     # ------------------------------------------------------------------ retained KV
 
@@ -91,15 +93,12 @@ class SliceGrantScheduler(SchedulerMechanism[GrantStats]):
         its prefill, nothing worse (the engine re-prefills what it does not hold)."""
         self._changed = True
 
-    def take_released(self) -> dict[str, list[str]]:
-        """KV the policy no longer counts on, by worker, since the last call."""
-        out: dict[str, list[str]] = {}
-        for wid, rid in self.grants.take_evictions():
-            out.setdefault(wid, []).append(rid)
-        for wid, rids in self._release.items():
-            out.setdefault(wid, []).extend(rids)
-        self._release = {}
-        return {w: rids for w, rids in out.items() if w in self.workers}
+    def _released(self) -> Releases:
+        """KV the policy stopped counting on during this call, by worker (the policy's
+        evictions first, then failed grants'), on workers still registered."""
+        pairs = self.grants.take_evictions() + self._release
+        self._release = []
+        return releases_of((w, rid) for w, rid in pairs if w in self.workers)
 
     # ------------------------------------------------------------------ hooks
 
@@ -112,7 +111,7 @@ class SliceGrantScheduler(SchedulerMechanism[GrantStats]):
     def _on_worker_removed(self, wid: str, back: list[Request]) -> None:
         """Its grants' requests queue again, first, to re-prefill elsewhere."""
         self.grants.remove_worker(wid)
-        self._release.pop(wid, None)
+        self._release = [(w, rid) for w, rid in self._release if w != wid]
         for r in reversed(back):
             self.grants.arrive(r.rid, r.input_len, r.remaining, first=True)
 
@@ -140,4 +139,4 @@ class SliceGrantScheduler(SchedulerMechanism[GrantStats]):
                 self.grants.end(r.rid, r.input_len, r.remaining, kept=kept)
                 if row is None and batch.worker is not None:
                     # A failed grant: whatever its worker kept is not known to be consistent.
-                    self._release.setdefault(batch.worker, []).append(r.rid)
+                    self._release.append((batch.worker, r.rid))

@@ -276,23 +276,23 @@ class KVLedger:
 
     The fields themselves live on the requests (``kv_worker``, ``kv_tokens``);
     this keeps the KV the scheduler stopped counting on (its request moved to
-    another worker, ended, or failed) until the driver tells the workers
-    (:meth:`take_released`), and applies what workers report they evicted.
+    another worker, ended, or failed) until the scheduler's call returns it
+    (:meth:`take`), and applies what workers report they evicted.
     """
 
     def __init__(self) -> None:
-        self._released: dict[str, list[str]] = {}
+        self._released: list[tuple[str, str]] = []
 
     def drop(self, r: Request, workers: Collection[str]) -> None:
         """Stop counting on ``r``'s KV; its worker, if still there, is to be told."""
         if r.kv_worker is not None:
             if r.kv_worker in workers:
-                self._released.setdefault(r.kv_worker, []).append(r.rid)
+                self._released.append((r.kv_worker, r.rid))
             r.kv_worker, r.kv_tokens = None, 0
 
     def forget(self, wid: str, live: Iterable[Request]) -> None:
         """Worker ``wid`` (re)started or died: whatever it kept is gone."""
-        self._released.pop(wid, None)
+        self._released = [(w, rid) for w, rid in self._released if w != wid]
         for r in live:
             if r.kv_worker == wid:
                 r.kv_worker, r.kv_tokens = None, 0
@@ -307,7 +307,7 @@ class KVLedger:
                 changed = True
         return changed
 
-    def take_released(self) -> dict[str, list[str]]:
-        """The KV given up since the last call, by worker."""
-        out, self._released = self._released, {}
+    def take(self) -> list[tuple[str, str]]:
+        """The KV given up since the last call, as (worker, request id) pairs in order."""
+        out, self._released = self._released, []
         return out

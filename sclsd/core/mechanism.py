@@ -7,6 +7,11 @@ they differ in how a round is decided and in who keeps track of the KV a
 worker holds after a slice. This base does the former and asks its subclass
 for the latter through a few ``_on_*`` hooks (each a no-op here).
 
+Each entry point returns what it decided (:mod:`sclsd.core.decisions`), the KV
+it released included: the subclass gathers releases while a call runs and
+:meth:`SchedulerMechanism._released` hands them over as the call returns, so
+none is left for a later call.
+
 Pure, like the rest of the core: time arrives as an argument.
 """
 
@@ -18,6 +23,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from .batch import Batch, BatchOutcome, RowOutcome
+from .decisions import Applied, Cancelled, Expired, Releases, Removed
 from .request import FinishReason, Request, State
 from .scheduler_api import SchedulerStats, WorkerState
 
@@ -32,8 +38,9 @@ StatsT = TypeVar("StatsT", bound=SchedulerStats)
 class SchedulerMechanism(Generic[StatsT]):
     """Requests and workers as both schedulers keep them (see the module docstring).
 
-    Subclasses implement ``due``, ``schedule``, ``kv_evicted`` and ``take_released``
-    (:class:`~sclsd.core.scheduler_api.SchedulerInterface`) and may override the hooks.
+    Subclasses implement ``due``, ``schedule`` and ``kv_evicted``
+    (:class:`~sclsd.core.scheduler_api.SchedulerInterface`) and :meth:`_released`, and
+    may override the hooks.
     """
 
     def __init__(self, policy: Policy, *, max_failures: int, history: int,
@@ -73,24 +80,26 @@ class SchedulerMechanism(Generic[StatsT]):
         self._changed = True
         self._on_worker_added(wid)
 
-    def set_active(self, wid: str, active: bool) -> None:
-        """Take a worker in or out of rotation (drain) without touching its batches."""
+    def set_active(self, wid: str, active: bool) -> Releases:
+        """Take a worker in or out of rotation (drain) without touching its batches; returns
+        the KV that no longer counts (a drained worker's kept KV the policy gives up)."""
         self.workers[wid].active = active
         self._changed = True
         self._on_active(wid, active)
+        return self._released()
 
-    def remove_worker(self, wid: str, now: float, charged: bool = False) -> list[Request]:
+    def remove_worker(self, wid: str, now: float, charged: bool = False) -> Removed:
         """A worker is gone: its batches' requests go back to the pool. ``charged`` (the
         worker died: exited, hung): the loss counts against each of them, and one that has
         now been on ``max_worker_losses`` workers that died ends instead (state ``FAILED``,
-        returned too: the caller tells its client).
+        in ``Removed.ended``: the caller tells its client).
 
         Tokens of the unfinished slice never reached us, so each request
         continues from its last completed slice and output stays consistent.
         """
         ws = self.workers.pop(wid, None)
         if ws is None:
-            return []
+            return Removed(releases=self._released())
         self._changed = True
         back: list[Request] = []
         ended: list[Request] = []
@@ -110,7 +119,7 @@ class SchedulerMechanism(Generic[StatsT]):
                     self._requeue(r, now)
                     back.append(r)
         self._on_worker_removed(wid, back)
-        return back + ended
+        return Removed(tuple(back), tuple(ended), self._released())
 
     def active_workers(self) -> list[str]:
         return [w for w, s in self.workers.items() if s.active]
@@ -139,8 +148,13 @@ class SchedulerMechanism(Generic[StatsT]):
     def get(self, rid: str) -> Request | None:
         return self.live.get(rid)
 
-    def cancel(self, rid: str, now: float, reason: FinishReason = "cancelled") -> Request | None:
-        """End a live request now. A batch holding it still runs; its row is ignored."""
+    def cancel(self, rid: str, now: float, reason: FinishReason = "cancelled") -> Cancelled | None:
+        """End a live request now (None: it is not live). A batch holding it still runs; its
+        row is ignored."""
+        req = self._cancel(rid, now, reason)
+        return None if req is None else Cancelled(req, self._released())
+
+    def _cancel(self, rid: str, now: float, reason: FinishReason) -> Request | None:
         req = self.live.pop(rid, None)
         if req is None:
             return None
@@ -161,15 +175,15 @@ class SchedulerMechanism(Generic[StatsT]):
             heapq.heappop(self._deadlines)
         return self._deadlines[0][0] if self._deadlines else None
 
-    def expire(self, now: float) -> list[Request]:
+    def expire(self, now: float) -> Expired:
         """Cancel (reason ``timeout``) every live request whose deadline has passed."""
         out: list[Request] = []
         while self._deadlines and self._deadlines[0][0] <= now:
             _, rid = heapq.heappop(self._deadlines)
-            req = self.cancel(rid, now, "timeout")
+            req = self._cancel(rid, now, "timeout")
             if req is not None:
                 out.append(req)
-        return out
+        return Expired(tuple(out), self._released())
 
     # ------------------------------------------------------------------ batches
 
@@ -191,14 +205,14 @@ class SchedulerMechanism(Generic[StatsT]):
                 r.first_dispatch = now
         self._stats.batches += 1
 
-    def on_result(self, outcome: BatchOutcome, now: float) -> list[Request]:
-        """Apply a worker's result. Returns the requests that reached a terminal state.
-
-        Unfinished requests go back to the pool with their new context length.
+    def on_result(self, outcome: BatchOutcome, now: float) -> Applied:
+        """Apply a worker's result: the requests that reached a terminal state, those back in
+        the pool (with their new context length), the KV released.
         """
         batch = self.batches.pop(outcome.batch_id, None)
         if batch is None:
-            return []  # batch of a worker already declared dead: its requests were re-queued
+            # A batch of a worker already declared dead: its requests were re-queued.
+            return Applied(releases=self._released())
         ws = self.workers.get(batch.worker or "")
         if ws is not None:
             # Subtract the estimate, not the measurement, so errors don't accumulate (paper 4.5).
@@ -211,6 +225,7 @@ class SchedulerMechanism(Generic[StatsT]):
         self._changed = True
         rows = {row.rid: row for row in outcome.rows}
         done: list[Request] = []
+        back: list[Request] = []
         early = outcome.ok and bool(rows)
         for r in batch.requests:
             if r.state.terminal or self.live.get(r.rid) is not r:
@@ -223,20 +238,23 @@ class SchedulerMechanism(Generic[StatsT]):
                     done.append(self._finish(r, now, "error", State.FAILED))
                 else:
                     self._requeue(r, now)
+                    back.append(r)
                 early = False
                 continue
             if not self._apply_row(r, row, batch, ws, now, done):
+                back.append(r)
                 early = False
         # Early return: every row finished before the slice's last iteration (paper 4.2).
         if early and max((row.new_tokens for row in outcome.rows), default=0) < batch.slice_len:
             self._stats.early_returns += 1
         self._on_outcome(batch, outcome, done)
-        return done
+        return Applied(tuple(done), tuple(back), self._released())
 
     def _apply_row(self, r: Request, row: RowOutcome, batch: Batch, ws: WorkerState | None,
                    now: float, done: list[Request]) -> bool:
         """One row of a served batch; True when it finished the request (or failed it: the
-        engine could not serve the row, which no other worker would do better)."""
+        engine could not serve the row, which no other worker would do better), False when
+        it went back to the pool."""
         r.slices += 1
         self._stats.slices += 1
         if row.failed:
@@ -277,6 +295,13 @@ class SchedulerMechanism(Generic[StatsT]):
         else:
             self._stats.finished += 1
         return r
+
+    # ------------------------------------------------------------------ releases
+
+    def _released(self) -> Releases:
+        """The KV given up since the last call, to registered workers: every entry point
+        that may give some up returns this as it ends (none here)."""
+        return ()
 
     # ------------------------------------------------------------------ hooks (KV, policy state)
 

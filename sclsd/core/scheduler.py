@@ -5,9 +5,12 @@ clock)::
 
     sched.add(req, now)
     if sched.due(now):
-        for batch in sched.schedule(now):   # batch.worker is set
+        round = sched.schedule(now)         # a Round: batches (worker set) and releases
+        release(round.releases)             # KV left behind by requests that moved
+        for batch in round.batches:
             send(batch)
-    done = sched.on_result(outcome, now)    # finished requests; the rest re-queued
+    applied = sched.on_result(outcome, now) # ended requests, re-queued ones, releases
+    release(applied.releases)
 
 What to batch, where to send it and when to schedule next are decided by the
 :class:`~sclsd.core.policy.Policy`; this module is only the mechanism of its
@@ -39,6 +42,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from .batch import Batch, BatchOutcome, RowOutcome
+from .decisions import Releases, Round, releases_of
 from .kvreuse import KVLedger
 from .mechanism import SchedulerMechanism
 from .request import Request
@@ -168,7 +172,7 @@ class Scheduler(SchedulerMechanism[SchedulerStats]):
             return True
         return self.policy.work_conserving and self._changed and bool(self.idle_workers())
 
-    def schedule(self, now: float) -> list[Batch]:
+    def schedule(self, now: float) -> Round:
         """Batch the pool and assign the batches to workers (:mod:`sclsd.core.rounds`).
 
         The paper's round batches and places the whole pool; with workers idle and
@@ -179,10 +183,10 @@ class Scheduler(SchedulerMechanism[SchedulerStats]):
         """
         active = self.active_workers()
         if not self.pool or not active:
-            return []
+            return Round(releases=self._released())
         due = self._take_due(now) if self.policy.gap_bound is not None else set()
         idle = self.idle_workers() if self.policy.work_conserving else []
-        return self._round(now, active, idle, due)
+        return Round(tuple(self._round(now, active, idle, due)), self._released())
 
     def _round(self, now: float, active: list[str], idle: list[str], due: set[str]) -> list[Batch]:
         """The round of the interval rule or of work conservation; ``due``: the streaming
@@ -233,9 +237,9 @@ class Scheduler(SchedulerMechanism[SchedulerStats]):
         if self.kv.evicted(wid, rids, self.live):
             self._changed = True
 
-    def take_released(self) -> dict[str, list[str]]:
-        """KV the policy no longer counts on, by worker, since the last call: tell them to drop it."""
-        return self.kv.take_released()
+    def _released(self) -> Releases:
+        """KV the policy stopped counting on during this call, by worker."""
+        return releases_of(self.kv.take())
 
     def _release_kv(self, r: Request) -> None:
         self.kv.drop(r, self.workers)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from .batch import Batch, BatchOutcome
+    from .decisions import Applied, Cancelled, Expired, Releases, Removed, Round
     from .policy import Policy
     from .request import FinishReason, Request
 
@@ -75,8 +76,10 @@ class SchedulerInterface(Protocol):
     (:class:`~sclsd.core.grant_scheduler.SliceGrantScheduler`) implement it.
 
     The driver reports arrivals, cancellations, workers and outcomes, asks for a
-    round when one is :meth:`due`, sends the batches it returns, and tells workers
-    to drop the KV :meth:`take_released` names. Time is always an argument.
+    round when one is :meth:`due` and sends the batches it returns. Each entry point
+    returns what it decided (:mod:`sclsd.core.decisions`), the KV it released included:
+    the driver tells each worker to drop what a returned value releases, once; nothing
+    is left to poll for. Time is always an argument.
     The tables are the scheduler's: a driver reads them and never writes them.
     """
 
@@ -117,13 +120,14 @@ class SchedulerInterface(Protocol):
         """A worker joined (or rejoined): no load, no KV."""
         ...
 
-    def set_active(self, wid: str, active: bool) -> None:
-        """Take a worker out of rotation (drain) or back in; its batches keep running."""
+    def set_active(self, wid: str, active: bool) -> Releases:
+        """Take a worker out of rotation (drain) or back in; its batches keep running.
+        Returns the KV released (a drained worker's kept KV the policy gives up)."""
         ...
 
-    def remove_worker(self, wid: str, now: float, charged: bool = False) -> list[Request]:
-        """A worker is gone: returns its batches' requests, back in the pool, or ended
-        (``FAILED``) when ``charged`` made one reach ``max_worker_losses``."""
+    def remove_worker(self, wid: str, now: float, charged: bool = False) -> Removed:
+        """A worker is gone: its batches' requests back in the pool, or ended (``FAILED``)
+        when ``charged`` made one reach ``max_worker_losses``; the KV released."""
         ...
 
     def active_workers(self) -> list[str]:
@@ -135,11 +139,12 @@ class SchedulerInterface(Protocol):
         """Accept a request into the pool."""
         ...
 
-    def cancel(self, rid: str, now: float, reason: FinishReason = "cancelled") -> Request | None:
-        """End a live request now (None: not live); a batch holding it still runs."""
+    def cancel(self, rid: str, now: float, reason: FinishReason = "cancelled") -> Cancelled | None:
+        """End a live request now, and the KV released (None: not live; nothing changed); a
+        batch holding it still runs."""
         ...
 
-    def expire(self, now: float) -> list[Request]:
+    def expire(self, now: float) -> Expired:
         """Cancel (``timeout``) the live requests whose deadline has passed."""
         ...
 
@@ -152,19 +157,16 @@ class SchedulerInterface(Protocol):
         """Whether a round should run now."""
         ...
 
-    def schedule(self, now: float) -> list[Batch]:
-        """Run a round: the batches to send, each with its worker set."""
+    def schedule(self, now: float) -> Round:
+        """Run a round: the batches to send, each with its worker set, and the KV released
+        (requests that moved away from it)."""
         ...
 
-    def on_result(self, outcome: BatchOutcome, now: float) -> list[Request]:
-        """Apply a batch's outcome; returns the requests it ended (the rest are re-queued)."""
+    def on_result(self, outcome: BatchOutcome, now: float) -> Applied:
+        """Apply a batch's outcome: the requests it ended, those re-queued, the KV released."""
         ...
 
     # retained KV
     def kv_evicted(self, wid: str, rids: Iterable[str]) -> None:
-        """Worker ``wid`` dropped these requests' kept KV by itself."""
-        ...
-
-    def take_released(self) -> dict[str, list[str]]:
-        """KV the scheduler no longer counts on since the last call, by worker."""
+        """Worker ``wid`` dropped these requests' kept KV by itself (releases nothing)."""
         ...

@@ -3,9 +3,10 @@
 Events sit in one heap ordered by (time, sequence): request arrivals,
 scheduling ticks at ``sched.next_at`` and batch completions. After every
 event the loop asks the scheduler ``due(now)`` and, when it is, runs
-``schedule(now)`` and hands each batch to its worker's FIFO queue — exactly
-what the daemon does with a real clock. A completion feeds
-``on_result(outcome, now)`` and starts the worker's next batch.
+``schedule(now)``, drops the KV the round releases and hands each batch to its
+worker's FIFO queue — exactly what the daemon does with a real clock. A
+completion feeds ``on_result(outcome, now)``, drops the KV it releases and
+starts the worker's next batch.
 
 The policies of the ablation ladder (sls, so, pm, ab, lb, scls) and the two
 oracles run here; the continuous-batching baselines have their own loop in
@@ -27,6 +28,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from ..core.decisions import Releases
 from ..core.policy import GRANT_POLICIES, Policy, make_policy
 from ..core.scheduler import Batch, BatchOutcome, Scheduler
 from ..eval.metrics import BatchStats
@@ -91,12 +93,12 @@ class StaticSimulation:
             elif kind == _DONE:
                 bar.update(self._complete(obj, now))
             if sched.due(now):
-                batches = sched.schedule(now)
-                if not batches and not sched.batches and sched.pool:
+                rnd = sched.schedule(now)
+                if not rnd.batches and not sched.batches and sched.pool:
                     # Nothing runs and nothing was started: no later event can change that.
                     raise RuntimeError(f"the policy stalled at t={now:.3f} with {len(sched.pool)} queued")
-                self._release(sched.take_released())
-                for batch in batches:
+                self._release(rnd.releases)
+                for batch in rnd.batches:
                     self._dispatch(batch, now)
             at = sched.next_at
             if at != tick_at and at != float("inf"):
@@ -197,12 +199,12 @@ class StaticSimulation:
         copy_s = co.host_bytes / self.host_link if self.host_link else 0.0
         return held, copy_s
 
-    def _release(self, released: dict[str, list[str]]) -> None:
-        """Workers drop the KV the scheduler no longer counts on (its request moved)."""
-        for wid, rids in released.items():
-            store = self.workers[wid].store
+    def _release(self, released: Releases) -> None:
+        """Workers drop the KV the scheduler no longer counts on (its request moved, ended)."""
+        for rel in released:
+            store = self.workers[rel.worker].store
             if store is not None:
-                for rid in rids:
+                for rid in rel.rids:
                     store.drop(rid)
 
     def _would_oom(self, batch: Batch, served: Served) -> bool:
@@ -229,6 +231,7 @@ class StaticSimulation:
                     keep.append((r.rid, row.kv_tokens))
             evicted = w.store.put(keep)
         done = self.sched.on_result(BatchOutcome(batch.bid, served.rows, elapsed=elapsed), now)
+        self._release(done.releases)
         self.sched.kv_evicted(w.wid, evicted)
         if w.queue:
             self._start(w, now)

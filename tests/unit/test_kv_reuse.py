@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from sclsd.core import kvreuse
 from sclsd.core.batch import Batch
+from sclsd.core.decisions import Release
 from sclsd.core.estimator import Estimator
 from sclsd.core.interfaces import CachedCost
 from sclsd.core.memory import KVMemory
@@ -142,10 +143,10 @@ def test_scheduler_keeps_requests_on_their_kv_worker() -> None:
         s.on_result(BatchOutcome(b.bid, rows), 1.0)
     assert all(r.kv_worker == home[r.rid] and r.kv_tokens == r.input_len - 1 for r in s.pool.values())
     again = s.schedule(2.0)
-    for b in again:
+    for b in again.batches:
         assert all(home[r.rid] == b.worker for r in b.requests)  # batched by KV holder, kept there
         assert b.est_time < EST.t_serve(b.size, b.input_len, 32)  # priced as cached
-    assert s.take_released() == {}
+    assert again.releases == ()
 
 
 def test_moving_a_request_releases_its_kv() -> None:
@@ -154,9 +155,10 @@ def test_moving_a_request_releases_its_kv() -> None:
     s.add(r, 0.0)
     s.workers["w0"].load = 1000.0  # far more than the prefill the KV saves
     s.workers["w0"].batches.add(99)
-    (b,) = s.schedule(0.0)
+    rnd = s.schedule(0.0)
+    (b,) = rnd.batches
     assert b.worker == "w1" and r.kv_worker is None and r.kv_tokens == 0
-    assert s.take_released() == {"w0": ["r0"]} and s.take_released() == {}
+    assert rnd.releases == (Release("w0", ("r0",)),)  # returned by the round that moved it
 
 
 def test_evictions_and_finished_rows_clear_the_kv() -> None:
@@ -165,7 +167,7 @@ def test_evictions_and_finished_rows_clear_the_kv() -> None:
     s.add(req(1, 100), 0.0)
     (b,) = s.schedule(0.0)
     rows = [RowOutcome("r0", 32, kv_tokens=131), RowOutcome("r1", 5, finish_reason="stop", kv_tokens=104)]
-    (done,) = s.on_result(BatchOutcome(b.bid, rows), 1.0)
+    (done,) = s.on_result(BatchOutcome(b.bid, rows), 1.0).ended
     r0 = s.get("r0")
     assert done.rid == "r1" and done.kv_worker is None
     assert r0 is not None and r0.kv_worker == b.worker and r0.kv_tokens == 131
@@ -182,8 +184,8 @@ def test_a_worker_that_dies_or_rejoins_holds_nothing() -> None:
     s.add_worker("w1")
     assert r.kv_worker is None
     r.kv_worker, r.kv_tokens = "w0", 104
-    s.remove_worker("w0", 0.0)
-    assert r.kv_worker is None and s.take_released() == {}
+    removed = s.remove_worker("w0", 0.0)
+    assert r.kv_worker is None and removed.releases == ()
 
 
 # --------------------------------------------------------------------------- partitions, admission
@@ -237,9 +239,10 @@ def test_kv_on_a_drained_worker_does_not_hold_a_request_back() -> None:
     s.add(r, 0.0)
     s.set_active("w0", False)  # drained: its next slice must go elsewhere
     assert s.due(0.0)
-    (b,) = s.schedule(0.0)
+    rnd = s.schedule(0.0)
+    (b,) = rnd.batches
     assert b.worker == "w1" and r.kv_worker is None
-    assert s.take_released() == {"w0": ["r0"]}  # the drained worker still holds it: tell it
+    assert rnd.releases == (Release("w0", ("r0",)),)  # the drained worker still holds it: tell it
 
 
 def test_kv_on_a_busy_worker_waits_for_it_in_a_work_conserving_round() -> None:
@@ -249,7 +252,7 @@ def test_kv_on_a_busy_worker_waits_for_it_in_a_work_conserving_round() -> None:
     busy = first.worker or ""
     r = req(0, 100, 10, kv=busy)
     s.add(r, 0.1)
-    assert s.due(0.1) and s.schedule(0.1) == []  # the other worker is idle, but the KV is here
+    assert s.due(0.1) and s.schedule(0.1).batches == ()  # the other worker is idle, but the KV is here
     assert r.state is State.QUEUED
     s.on_result(BatchOutcome(first.bid, [RowOutcome("r9", 32, "stop")]), 1.0)
     (b,) = s.schedule(1.0)

@@ -60,9 +60,10 @@ def test_cancel_while_running_ignores_its_row() -> None:
     s.add(req(0), 0.0)
     s.add(req(1), 0.0)
     (b,) = s.schedule(0.0)
-    assert s.cancel("r0", 0.5).state is State.CANCELLED
+    c = s.cancel("r0", 0.5)
+    assert c is not None and c.request.state is State.CANCELLED and c.releases == ()
     done = s.on_result(BatchOutcome(b.bid, [RowOutcome("r0", 4, "stop"), RowOutcome("r1", 4, "stop")]), 1.0)
-    assert [r.rid for r in done] == ["r1"]
+    assert [r.rid for r in done.ended] == ["r1"] and done.requeued == ()
     assert s.cancel("r0", 2.0) is None  # exactly one terminal state
 
 
@@ -71,8 +72,8 @@ def test_timeouts_fire_in_pool() -> None:
     s.add(req(0, deadline=5.0), 0.0)
     s.add(req(1), 0.0)
     assert s.next_deadline() == 5.0
-    assert s.expire(4.9) == []
-    (r,) = s.expire(5.0)
+    assert s.expire(4.9).requests == ()
+    (r,) = s.expire(5.0).requests
     assert r.rid == "r0" and r.finish_reason == "timeout" and "r0" not in s.pool
 
 
@@ -82,11 +83,14 @@ def test_worker_loss_requeues_without_partial_tokens() -> None:
         s.add(req(i), 0.0)
     batches = s.schedule(0.0)
     lost = [b for b in batches if b.worker == "a"]
-    back = s.remove_worker("a", 1.0)
+    removed = s.remove_worker("a", 1.0)
+    back = removed.requeued
+    assert not removed.ended and not removed.releases
     assert sorted(r.rid for r in back) == sorted(r.rid for b in lost for r in b.requests)
     assert all(r.state is State.QUEUED and r.num_generated == 0 for r in back)
     # A late result of the dead worker's batch changes nothing.
-    assert s.on_result(BatchOutcome(lost[0].bid, [RowOutcome(r.rid, 3) for r in lost[0].requests]), 2.0) == []
+    late = s.on_result(BatchOutcome(lost[0].bid, [RowOutcome(r.rid, 3) for r in lost[0].requests]), 2.0)
+    assert late.ended == late.requeued == late.releases == ()
     assert all(r.num_generated == 0 for r in back)
     assert all(b.worker == "b" for b in s.schedule(10.0))
 
@@ -95,9 +99,10 @@ def test_failed_batch_retries_then_fails() -> None:
     s = make()
     s.add(req(0), 0.0)
     (b,) = s.schedule(0.0)
-    assert s.on_result(BatchOutcome(b.bid, ok=False), 1.0) == []
-    (b,) = s.schedule(5.0)
-    (r,) = s.on_result(BatchOutcome(b.bid, ok=False), 6.0)
+    again = s.on_result(BatchOutcome(b.bid, ok=False), 1.0)
+    assert again.ended == () and [r.rid for r in again.requeued] == ["r0"]
+    (b,) = s.schedule(5.0).batches
+    (r,) = s.on_result(BatchOutcome(b.bid, ok=False), 6.0).ended
     assert r.state is State.FAILED and r.finish_reason == "error"
 
 
@@ -109,7 +114,7 @@ def test_drained_worker_gets_no_batches() -> None:
     assert {b.worker for b in s.schedule(0.0)} == {"b"}
     s.set_active("b", False)
     s.add(req(9), 0.0)
-    assert not s.due(100.0) and s.schedule(100.0) == []
+    assert not s.due(100.0) and s.schedule(100.0).batches == ()
 
 
 def test_early_return_only_when_every_row_ends_before_the_slice() -> None:

@@ -65,10 +65,13 @@ class ServingCore:
         self.tok = tok
         self.table = RequestTable()
         self.records = Records()
-        self.replies = Replies(self.table, sched, ClientEvents(tok), self.records)
         self.members = Membership(cfg, sched, cost, tok)
         self.dispatch = DispatchBook(cfg, sched, self.table, self.members, self.records)
-        self.streaming = Streaming(sched, self.table, self.replies, self.dispatch)
+        # Replies and Streaming cancel without effects of their own: their cancels' releases
+        # are owed, sent by dispatch.flush / pay before each entry point returns.
+        port = self.dispatch.port()
+        self.replies = Replies(self.table, port, ClientEvents(tok), self.records)
+        self.streaming = Streaming(port, self.table, self.replies, self.dispatch)
         self.results = Results(sched, self.table, self.replies, self.dispatch, self.streaming, cost)
 
     # ------------------------------------------------------------------ clients
@@ -107,7 +110,7 @@ class ServingCore:
         mine = any_client or self.table.owns(requester, rid)
         if not mine or not self.replies.cancel(rid, "cancelled", now, out):
             out.send(requester, P.Error(code="unknown_id", message=f"no live request {rid!r}", id=rid))
-        self.dispatch.flush_released(out)
+        self.dispatch.flush(out)
         return out
 
     def owns(self, client: Client, rid: str) -> bool:
@@ -118,21 +121,21 @@ class ServingCore:
         """A client disconnected: its requests are cancelled, without events."""
         out = Effects()
         self.replies.client_gone(client, now, out)
-        self.dispatch.flush_released(out)
+        self.dispatch.flush(out)
         return out
 
     def fail(self, rid: str, code: P.ErrorCode, message: str, now: float) -> Effects:
         """End one live request with ``error`` (a daemon-side failure)."""
         out = Effects()
         self.replies.fail(rid, code, message, now, out)
-        self.dispatch.flush_released(out)
+        self.dispatch.flush(out)
         return out
 
     def fail_all(self, code: P.ErrorCode, message: str, now: float) -> Effects:
         """End every live request with ``error`` (shutdown, no workers left)."""
         out = Effects()
         self.replies.fail_all(code, message, now, out)
-        self.dispatch.flush_released(out)
+        self.dispatch.flush(out)
         return out
 
     # ------------------------------------------------------------------ workers
@@ -172,6 +175,7 @@ class ServingCore:
             self.streaming.on_tokens(msg, now, out)
         elif isinstance(msg, P.Result):
             self.results.on_result(msg, now, out)
+        self.dispatch.pay(out)  # a failed batch's requests that its streamed tokens ended
         return out
 
     def decoded(self, job: DecodeJob, texts: list[str] | BaseException, now: float) -> Effects:
@@ -187,7 +191,7 @@ class ServingCore:
             self.results.apply(job, texts, now, out)
         else:
             raise TypeError(f"not a job of this core: {job!r}")
-        self.dispatch.flush_released(out)
+        self.dispatch.flush(out)
         return out
 
     def worker_lost(self, wid: str, why: str, reason: P.LossReason, now: float) -> Effects:
@@ -200,8 +204,9 @@ class ServingCore:
     def drain_worker(self, wid: str, resume: bool, requester: Client) -> Effects:
         """Take a member out of rotation (or back in); ``requester`` hears its state."""
         out = Effects()
-        ok = self.members.resume(wid, out) if resume else self.members.drain(wid, out)
-        if ok:
+        released = self.members.resume(wid, out) if resume else self.members.drain(wid, out)
+        if released is not None:
+            self.dispatch.apply(released, out)
             out.send(requester, P.WorkerStateReply(worker=wid, state=self.members.state(wid),
                                                    batches_inflight=self.members.inflight(wid)))
         else:
@@ -210,15 +215,16 @@ class ServingCore:
 
     def _lose(self, wid: str, why: str, reason: P.LossReason, now: float, out: Effects) -> None:
         self.records.worker_gone(wid)
-        ended = self.members.leave(wid, why, reason, now, out)
-        if ended is not None:
-            for r in ended:
+        removed = self.members.leave(wid, why, reason, now, out)
+        if removed is not None:
+            self.dispatch.apply(removed.releases, out)
+            for r in removed.ended:
                 e = self.table.get(r.rid)
                 if e is not None:
                     self.replies.failed(e, f"it was on {r.worker_losses} workers that died while "
                                         f"serving it (the last: {wid}, {why})", now, out)
             self.streaming.settle(None, now, out)
-            self.dispatch.flush_released(out)
+            self.dispatch.flush(out)
 
     # ------------------------------------------------------------------ time
 
@@ -227,15 +233,19 @@ class ServingCore:
         effects and the seconds until the next step is needed (unless something changes)."""
         out = Effects()
         sched = self.sched
-        for req in sched.expire(now):
+        expired = sched.expire(now)
+        self.dispatch.apply(expired.releases, out)
+        for req in expired.requests:
             e = self.table.get(req.rid)
             if e is not None:
                 log.info("id=%s timed out", req.rid)
                 self.replies.finish(e, "timeout", now, out)
         if sched.due(now):
-            for batch in sched.schedule(now):
+            rnd = sched.schedule(now)
+            self.dispatch.apply(rnd.releases, out)  # before the batches: a moved request's KV
+            for batch in rnd.batches:
                 self.dispatch.dispatch(batch, now, out)
-        self.dispatch.flush_released(out)
+        self.dispatch.flush(out)
         wait = 1.0
         if sched.pool and sched.active_workers():
             wait = min(wait, sched.next_at - now)

@@ -24,8 +24,8 @@ from typing import Protocol
 
 from ... import protocol as P
 from ...config import Config
+from ...core.decisions import Releases, Removed
 from ...core.policy import GRANT_POLICIES
-from ...core.request import Request
 from ...core.scheduler_api import SchedulerInterface
 from ...tokenizer import Tokenizer
 from .effects import Effects, Lost
@@ -133,11 +133,12 @@ class Membership:
         out.tell(wid, P.Welcome(heartbeat_interval_s=self.cfg.daemon.heartbeat_interval_s))
 
     def leave(self, wid: str, why: str, reason: P.LossReason, now: float,
-              out: Effects) -> list[Request] | None:
+              out: Effects) -> Removed | None:
         """``wid`` is lost for ``reason``: its batches go back to the pool, the drop is
-        logged and counted. Returns the requests that end instead (a worker that died counts
-        against those it held: ``scheduler.max_worker_losses``), for the caller to answer;
-        None if it was no member."""
+        logged and counted. Returns what the scheduler did: the requests back in the pool,
+        those that end instead (a worker that died counts against those it held:
+        ``scheduler.max_worker_losses``), for the caller to answer, and the KV released, for
+        the caller to send; None if it was no member."""
         if self.workers.pop(wid, None) is None:
             return None
         rec = self.losses.setdefault(wid, LossRecord())
@@ -147,9 +148,8 @@ class Membership:
         lost = Lost(wid, why, reason)
         log.warning("worker=%s lost (%s): %s%s", wid, reason, why,
                     "; killing its process" if lost.kill else "")
-        held = self.sched.remove_worker(wid, now, charged=reason in DIED)
-        back = [r for r in held if not r.state.terminal]
-        ended = [r for r in held if r.state.terminal]
+        removed = self.sched.remove_worker(wid, now, charged=reason in DIED)
+        back, ended = removed.requeued, removed.ended
         if back:
             log.warning("worker=%s lost with %d requests; re-queued: %s", wid, len(back),
                         ",".join(r.rid for r in back))
@@ -160,7 +160,7 @@ class Membership:
         self.cost.on_dead(wid)
         out.lost.append(lost)
         out.wake = True
-        return ended
+        return removed
 
     def heard(self, wid: str, msg: P.WorkerMsg, now: float) -> None:
         """A member's message arrived (a heartbeat also says how busy it is)."""
@@ -177,24 +177,26 @@ class Membership:
 
     # ------------------------------------------------------------------ rotation
 
-    def drain(self, wid: str, out: Effects) -> bool:
-        """Take a member out of rotation: no new batches; those it holds finish normally."""
+    def drain(self, wid: str, out: Effects) -> Releases | None:
+        """Take a member out of rotation: no new batches; those it holds finish normally.
+        Returns the KV the scheduler gave up (for the caller to send); None: no member."""
         if wid not in self.workers:
-            return False
-        self.sched.set_active(wid, False)
+            return None
+        released = self.sched.set_active(wid, False)
         out.tell(wid, P.Drain())
         log.info("worker=%s draining: no new batches, %d in flight", wid, self.inflight(wid))
-        return True
+        return released
 
-    def resume(self, wid: str, out: Effects) -> bool:
-        """Put a drained member back into rotation."""
+    def resume(self, wid: str, out: Effects) -> Releases | None:
+        """Put a drained member back into rotation; returns the KV the scheduler gave up
+        (None: no member)."""
         if wid not in self.workers:
-            return False
-        self.sched.set_active(wid, True)
+            return None
+        released = self.sched.set_active(wid, True)
         out.tell(wid, P.Resume())
         log.info("worker=%s resumed", wid)
         out.wake = True
-        return True
+        return released
 
     def state(self, wid: str) -> P.WorkerStateName:
         """active, draining (out of rotation, batches in flight) or drained."""

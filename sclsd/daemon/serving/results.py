@@ -186,10 +186,11 @@ class Results:
         if batch is not None and batch.worker is not None:
             for rid in members:  # what the worker holds of them is not vouched for any more
                 self.dispatch.records.stale(batch.worker, rid)
-        done = self.sched.on_result(BatchOutcome(batch_id, ok=False, charged=charged), now)
-        self.dispatch.flush_released(out)
+        applied = self.sched.on_result(BatchOutcome(batch_id, ok=False, charged=charged), now)
+        self.dispatch.apply(applied.releases, out)
+        self.dispatch.flush(out)
         self.streaming.settle(members, now, out)
-        for r in done:
+        for r in applied.ended:
             e = self.table.get(r.rid)
             if e is not None:
                 self.replies.failed(e, f"its batches failed {r.failures} times in a row; the last: "
@@ -241,15 +242,16 @@ class Results:
         stats = res.stats
         self.dispatch.settled(res.batch_id)
         elapsed = stats.prefill_s + stats.decode_s
-        done = self.sched.on_result(BatchOutcome(res.batch_id, outcomes, elapsed=elapsed), now)
+        applied = self.sched.on_result(BatchOutcome(res.batch_id, outcomes, elapsed=elapsed), now)
         self._evicted(res)  # after the rows: a row kept early in the batch may be evicted later
         self.dispatch.release(res.worker_id, stray, out)
-        self.dispatch.flush_released(out)
+        self.dispatch.apply(applied.releases, out)
+        self.dispatch.flush(out)
         out.batch_seconds.append(elapsed)
         self.engines.add(res.worker_id, stats, len(res.outputs))
         for e, ids, text in deltas:
             self.replies.delta(e, ids, text, out)
-        for r in done:
+        for r in applied.ended:
             ended = self.table.get(r.rid)
             if ended is None:
                 continue

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Hashable
+from collections import Counter
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sclsd import protocol as P
+from sclsd.core.decisions import Releases
 from sclsd.daemon.cost import DaemonCost
 from sclsd.daemon.server import make_scheduler
 from sclsd.daemon.serving.core import ServingCore
@@ -46,13 +48,65 @@ class Driver:
         """Each batch as its worker made it whole on arrival (or why it could not)."""
         self.lost: list[str] = []
         self.served: set[int] = set()
+        self.released: Counter[tuple[str, str]] = Counter()
+        """Every (worker, request) whose KV a scheduler call released, as the calls returned."""
+        self.releasers: Counter[str] = Counter()
+        """The scheduler calls that released KV, by name."""
+        self.told: Counter[tuple[str, str]] = Counter()
+        """Every (worker, request) a ``release`` told a worker to drop."""
+        self.stray: Counter[tuple[str, str]] = Counter()
+        """Releases the daemon decided itself (a row it will not use came back with KV)."""
+        self._watch_releases()
+
+    def _watch_releases(self) -> None:
+        """Record what every scheduler call that may release KV returned (the spies stand in
+        for the methods on the scheduler object, which the whole core shares)."""
+        sched = self.core.sched
+
+        def spy(name: str) -> None:
+            orig: Callable[..., Any] = getattr(sched, name)
+
+            def call(*args: Any, **kw: Any) -> Any:
+                value = orig(*args, **kw)
+                rels: Releases = value if isinstance(value, tuple) else getattr(value, "releases", ())
+                for rel in rels:
+                    self.releasers[name] += 1
+                    for rid in rel.rids:
+                        self.released[rel.worker, rid] += 1
+                return value
+
+            setattr(sched, name, call)
+
+        for name in ("schedule", "on_result", "cancel", "expire", "set_active", "remove_worker"):
+            spy(name)
+        book = self.core.dispatch
+        release, apply = book.release, book.apply
+        applying = [False]
+
+        def apply_spy(*args: Any) -> None:
+            applying[0] = True
+            try:
+                apply(*args)
+            finally:
+                applying[0] = False
+
+        def release_spy(wid: str, rids: list[str], out: Effects) -> None:
+            if not applying[0] and wid in self.core.members:
+                self.stray.update((wid, rid) for rid in rids)
+            release(wid, rids, out)
+
+        book.apply = apply_spy  # type: ignore[method-assign]
+        book.release = release_spy  # type: ignore[method-assign]
 
     def run(self, eff: Effects) -> Effects:
         """Record the effects; detokenize what they ask for, at once and in order."""
         for client, ev in eff.to_clients:
             self.to_client.setdefault(client, []).append(ev)
+        assert not self.core.dispatch.owed, "a core call returned with releases not sent"
         for wid, msg in eff.to_workers:
             self.to_worker.setdefault(wid, []).append(msg)
+            if isinstance(msg, P.Release):
+                self.told.update((wid, rid) for rid in msg.rids)
             if isinstance(msg, (P.Release, P.Forget)) and wid in self.rows:
                 self.rows[wid].drop(msg.rids)
             elif isinstance(msg, P.BatchMsg) and wid in self.rows:
@@ -311,3 +365,57 @@ def test_fail_all_ends_every_live_request_once(drv: Driver) -> None:
     assert sorted(x.rid for x in eff.ended) == ["a", "b"]
     assert [e.code for e in drv.events("c", P.Error)] == ["shutdown"]
     assert not drv.run(drv.core.fail_all("shutdown", "bye", drv.now)).to_clients
+
+
+@pytest.mark.parametrize("policy", ["scls", "scls-cb"])
+def test_every_release_a_scheduler_call_returns_reaches_its_worker_once(tmp_path: Path, policy: str) -> None:
+    """Releases are returned, not polled: whatever entry point gave KV up (a round that moves
+    a request, a result, a cancel, a timeout, a drain, a worker lost), the worker hears it
+    exactly once. A driver path that dropped a returned value's releases fails here."""
+    cb = policy == "scls-cb"
+    drv = Driver(tmp_path, scheduler={"policy": policy, "kv_reuse": True, "work_conserving": True,
+                                      "max_failures": 5})
+    engine: dict[str, Any] = {"batching": "continuous"} if cb else {"mem_budget": 1 << 34}
+    for w in ("w0", "w1"):
+        drv.join(w, **engine)
+    rids = [f"r{i}" for i in range(6)]
+    for i, rid in enumerate(rids):
+        drv.submit("c", rid, prompt=f"prompt {i}", max_tokens=60, ignore_eos=True,
+                   **({"timeout": 2.5} if rid == "r5" else {}))
+
+    def round_(serve: tuple[str, ...] = ("w0", "w1", "w2")) -> None:
+        drv.now += 1.0
+        drv.step()
+        for w in serve:
+            if w in drv.core.members:
+                drv.serve(w)
+
+    round_()
+    round_()  # every request has had slices; the workers keep their KV between them
+    drv.run(drv.core.cancel("r0", drv.now, requester="c"))  # in the pool, its KV kept
+    drv.run(drv.core.drain_worker("w0", False, "admin"))  # its requests move on
+    round_(serve=("w0",))
+    pending = drv.batches("w1")
+    if pending:  # a failed batch: what its worker kept is not vouched for
+        b = pending[0]
+        drv.served.add(b.batch_id)
+        drv.message("w1", P.Result(worker_id="w1", batch_id=b.batch_id, error="RuntimeError: boom"))
+    for _ in range(3):  # w0 stays drained: what it keeps for r1, r2 is left behind
+        round_(serve=("w1",))
+    drv.run(drv.core.drain_worker("w0", True, "admin"))
+    round_(serve=())
+    running = [r.rid for b in drv.core.sched.batches.values() for r in b.requests]
+    drv.run(drv.core.cancel(running[0], drv.now, requester="c"))  # while its batch runs
+    for w in ("w0", "w1"):
+        drv.serve(w)
+    drv.run(drv.core.worker_lost("w1", "test", "exited", drv.now))
+    drv.join("w2", **engine)
+    for _ in range(60):
+        if all(drv.terminal("c", r) for r in rids):
+            break
+        round_()
+    assert all(drv.terminal("c", r) for r in rids) and not drv.core.sched.live
+    assert drv.released and drv.told == drv.released + drv.stray, (drv.told, drv.released, drv.stray)
+    # The scenario makes each of these calls release (a drain releases under grants only; the
+    # slice scheduler's round moves the drained worker's requests instead).
+    assert set(drv.releasers) >= {"cancel", "expire", "on_result", "set_active" if cb else "schedule"}

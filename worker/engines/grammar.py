@@ -144,26 +144,13 @@ def byte_grammar_tokenizer(vocab: int, eos: int, first: int) -> Any:
 
 
 class BatchGrammar:
-    """The matchers of a batch's grammar rows and their bitmask (module docstring)."""
+    """The matchers of a batch's grammar rows (module docstring); their masks are applied by
+    :class:`worker.engines.constraints.DenseConstraints`."""
 
     def __init__(self, reqs: Sequence[BatchRequest], tokenizer: Any, vocab: int, device: Any) -> None:
-        import llguidance
-        import llguidance.torch
-
         self.rows = [i for i, r in enumerate(reqs) if r.grammar]
         self.matchers: dict[int, Any] = {i: row_matcher(reqs[i], tokenizer) for i in self.rows}
-        self.bitmask = llguidance.torch.allocate_token_bitmask(len(reqs), vocab)
         self.device = device
-
-    def mask(self, x: Any) -> Any:
-        """``[rows, vocab]`` logits with every grammar row's disallowed tokens at -inf (in place)."""
-        import llguidance.torch
-
-        for i, m in self.matchers.items():
-            llguidance.torch.fill_next_token_bitmask(m, self.bitmask, i)
-        bits = self.bitmask[: x.shape[0]].to(x.device, non_blocking=True)
-        llguidance.torch.apply_token_bitmask_inplace(x, bits)  # rows without a grammar: all ones
-        return x
 
     def advance(self, tokens: Sequence[int], done: Sequence[bool]) -> None:
         """Consume each unfinished grammar row's new token."""

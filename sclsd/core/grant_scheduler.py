@@ -1,10 +1,11 @@
 """The slice-grant scheduler (policy ``scls-cb``): :class:`~sclsd.core.grants.GrantPolicy`
 driven as a scheduler.
 
-:class:`SliceGrantScheduler` keeps requests and workers as the slice
-scheduler does (:class:`~sclsd.core.mechanism.SchedulerMechanism`: the pool,
-live requests, deadlines, cancellation, worker loss, outcomes) and decides its
-rounds with the grant policy: each grant is a one-request
+:class:`SliceGrantScheduler` keeps requests and workers in the books every
+scheduler keeps (a :class:`~sclsd.core.mechanism.SchedulerMechanism`, used as
+it is: the pool, live requests, deadlines, cancellation, worker loss,
+outcomes), tells its grant policy what each call did, one call after the
+other (no hooks), and decides its rounds with the grant policy: each grant is a one-request
 :class:`~sclsd.core.batch.Batch` of ``slice_len`` = the granted tokens, so
 dispatch, acknowledgement, streaming and re-queueing work unchanged. There is
 no scheduling interval: a round runs whenever something changed (an arrival,
@@ -21,15 +22,16 @@ Pure, like the rest of the core: time arrives as an argument.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from .batch import Batch, BatchOutcome
-from .decisions import Releases, Round, releases_of
+from .decisions import Applied, Cancelled, Expired, Releases, Removed, Round, releases_of
 from .grants import GrantPolicy
 from .mechanism import SchedulerMechanism
-from .request import Request
-from .scheduler_api import GrantStats
+from .request import FinishReason, Request
+from .scheduler_api import GrantStats, WorkerState
 
 if TYPE_CHECKING:
     from .interfaces import GrantCost
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["SliceGrantScheduler"]
 
 
-class SliceGrantScheduler(SchedulerMechanism[GrantStats]):
+class SliceGrantScheduler:
     """A scheduler whose rounds hand out slice grants (see the module docstring).
 
     A worker's grants reserve at most ``cost.device_kv_bytes / cost.kv_bytes_per_token``
@@ -47,91 +49,173 @@ class SliceGrantScheduler(SchedulerMechanism[GrantStats]):
 
     def __init__(self, policy: Policy, cost: GrantCost, *, max_failures: int = 3,
                  history: int = 64, max_worker_losses: int = 0) -> None:
-        super().__init__(policy, max_failures=max_failures, history=history, stats=GrantStats(),
-                         max_worker_losses=max_worker_losses)
+        self.policy = policy
         self.cost = cost
+        self.books: SchedulerMechanism[GrantStats] = SchedulerMechanism(
+            policy, max_failures=max_failures, history=history, stats=GrantStats(),
+            max_worker_losses=max_worker_losses)
+        """Requests, workers, batches and counts, as every scheduler keeps them."""
         self.grants = GrantPolicy(cost.estimator, policy.slice_len, self.token_budget())
         #: KV to release that the policy did not decide (a failed grant's): (worker, rid).
         self._release: list[tuple[str, str]] = []
+        self.interval = self.books.interval  # no interval rule: rounds run on changes
         self.next_at = float("inf")  # rounds run on changes only (see due)
+        self.recent: deque[tuple[float, float]] = self.books.recent
+        """(estimated, measured) serving time of the latest grants (the books fill it)."""
 
     def token_budget(self) -> int:
         """KV tokens one worker's grants may reserve: ζ · M_ava / Δ of the tightest worker."""
         delta = int(self.cost.kv_bytes_per_token)
         return int(self.cost.device_kv_bytes // max(1, delta))
 
+    # ------------------------------------------------------------------ the books, read
+
+    @property
+    def pool(self) -> dict[str, Request]:
+        """Requests waiting for a grant."""
+        return self.books.pool
+
+    @property
+    def live(self) -> dict[str, Request]:
+        """Requests not ended yet."""
+        return self.books.live
+
+    @property
+    def batches(self) -> dict[int, Batch]:
+        """Grants running, as one-request batches, by id."""
+        return self.books.batches
+
+    @property
+    def workers(self) -> dict[str, WorkerState]:
+        return self.books.workers
+
+    @property
+    def max_failures(self) -> int:
+        return self.books.max_failures
+
+    @property
+    def max_worker_losses(self) -> int:
+        return self.books.max_worker_losses
+
+    def stats(self) -> GrantStats:
+        """A copy of the event counts."""
+        return self.books.stats()
+
+    def get(self, rid: str) -> Request | None:
+        return self.books.get(rid)
+
+    def active_workers(self) -> list[str]:
+        return self.books.active_workers()
+
+    def idle_workers(self) -> list[str]:
+        return self.books.idle_workers()
+
+    def loads(self) -> dict[str, float]:
+        return self.books.loads()
+
+    def next_deadline(self) -> float | None:
+        return self.books.next_deadline()
+
+    # ------------------------------------------------------------------ workers
+
+    def add_worker(self, wid: str) -> None:
+        """A worker (re)joined: no load, no KV, no grant."""
+        self.books.add_worker(wid)
+        self.grants.add_worker(wid)
+
+    def set_active(self, wid: str, active: bool) -> Releases:
+        """Drain a worker or put it back; a drained worker's kept KV waiting for grants there
+        is given up (returned)."""
+        self.books.set_active(wid, active)
+        self.grants.set_active(wid, active)
+        return self._released()
+
+    def remove_worker(self, wid: str, now: float, charged: bool = False) -> Removed:
+        """A worker is gone: its grants' requests queue again, first, to re-prefill elsewhere;
+        those that end instead (``charged``: ``max_worker_losses``) leave the policy."""
+        if wid not in self.books.workers:
+            return Removed(releases=self._released())
+        gone = self.books.remove_worker(wid, now, charged)
+        for r in gone.ended:
+            self.grants.forget(r.rid)
+        self.grants.remove_worker(wid)
+        self._release = [(w, rid) for w, rid in self._release if w != wid]
+        for r in reversed(gone.requeued):
+            self.grants.arrive(r.rid, r.input_len, r.remaining, first=True)
+        return Removed(gone.requeued, gone.ended, self._released())
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, req: Request, now: float) -> None:
+        """Accept a request: into the pool and in line for a grant."""
+        self.books.add(req, now)
+        self.grants.arrive(req.rid, req.input_len, req.remaining, group=req.group)
+
+    def cancel(self, rid: str, now: float, reason: FinishReason = "cancelled") -> Cancelled | None:
+        """End a live request now (None: not live); see :meth:`_forget`."""
+        c = self.books.cancel(rid, now, reason)
+        if c is None:
+            return None
+        self._forget(c.request)
+        return Cancelled(c.request, self._released())
+
+    def expire(self, now: float) -> Expired:
+        """Cancel (``timeout``) the live requests whose deadline has passed."""
+        e = self.books.expire(now)
+        for r in e.requests:
+            self._forget(r)
+        return Expired(e.requests, self._released())
+
+    def _forget(self, req: Request) -> None:
+        """``req`` ended outside a result: outside a grant the policy forgets it at once; a
+        grant still running holds its reservation until its result (or its worker's loss)."""
+        if req.batch_id is None:
+            self.grants.forget(req.rid)
+
     # ------------------------------------------------------------------ scheduling
 
     def due(self, now: float) -> bool:
         """A round runs whenever something changed and requests wait (no interval)."""
-        return bool(self.pool) and self._changed and bool(self.active_workers())
+        return bool(self.books.pool) and self.books.changed and bool(self.books.active_workers())
 
     def schedule(self, now: float) -> Round:
         """Grant what fits; each grant becomes a one-request batch on its worker."""
-        if not self.pool or not self.active_workers():
+        books = self.books
+        if not books.pool or not books.active_workers():
             return Round(releases=self._released())
-        self._changed = False
+        books.changed = False
         self.grants.est = self.cost.estimator  # a worker's profile or memory may have changed
         self.grants.budget = self.token_budget()
         self.grants.page = self.cost.kv_page_tokens
         moved = self.grants.migrations
         out: list[Batch] = []
         for g in self.grants.schedule():
-            r = self.pool[g.rid]
+            r = books.pool[g.rid]
             batch = Batch(0, [r], g.tokens, r.input_len, est_time=g.cost)
-            self._start(batch, g.worker, now)
+            books.start(batch, g.worker, now)
             out.append(batch)
-        self._stats.grants += len(out)
-        self._stats.migrations += self.grants.migrations - moved
+        books.counts.grants += len(out)
+        books.counts.migrations += self.grants.migrations - moved
         self.next_at = float("inf")  # no interval: the next round waits for a change
         return Round(tuple(out), self._released())
 
-    # ------------------------------------------------------------------ retained KV
+    def on_result(self, outcome: BatchOutcome, now: float) -> Applied:
+        """Apply a grant's outcome to the books, then tell the policy how its request ended."""
+        batch = self.books.batches.get(outcome.batch_id)
+        applied = self.books.on_result(outcome, now)
+        if batch is not None:
+            self._ended(batch, outcome, applied.ended)
+        return Applied(applied.ended, applied.requeued, self._released())
 
-    def kv_evicted(self, wid: str, rids: Iterable[str]) -> None:
-        """An engine dropped kept KV by itself: the estimate of a later grant there is off by
-        its prefill, nothing worse (the engine re-prefills what it does not hold)."""
-        self._changed = True
-
-    def _released(self) -> Releases:
-        """KV the policy stopped counting on during this call, by worker (the policy's
-        evictions first, then failed grants'), on workers still registered."""
-        pairs = self.grants.take_evictions() + self._release
-        self._release = []
-        return releases_of((w, rid) for w, rid in pairs if w in self.workers)
-
-    # ------------------------------------------------------------------ hooks
-
-    def _on_worker_added(self, wid: str) -> None:
-        self.grants.add_worker(wid)
-
-    def _on_active(self, wid: str, active: bool) -> None:
-        self.grants.set_active(wid, active)
-
-    def _on_worker_removed(self, wid: str, back: list[Request]) -> None:
-        """Its grants' requests queue again, first, to re-prefill elsewhere."""
-        self.grants.remove_worker(wid)
-        self._release = [(w, rid) for w, rid in self._release if w != wid]
-        for r in reversed(back):
-            self.grants.arrive(r.rid, r.input_len, r.remaining, first=True)
-
-    def _on_added(self, req: Request) -> None:
-        self.grants.arrive(req.rid, req.input_len, req.remaining, group=req.group)
-
-    def _on_cancelled(self, req: Request) -> None:
-        """Outside a grant the policy forgets it at once; a grant still running holds its
-        reservation until its result (or its worker's loss)."""
-        if req.batch_id is None:
-            self.grants.forget(req.rid)
-
-    def _on_outcome(self, batch: Batch, outcome: BatchOutcome, done: list[Request]) -> None:
-        """Tell the policy how each of the grant's requests ended."""
+    def _ended(self, batch: Batch, outcome: BatchOutcome, done: Iterable[Request]) -> None:
+        """Tell the policy how each of the grant's requests ended (``done``: those the
+        outcome ended)."""
         rows = {row.rid: row for row in outcome.rows} if outcome.ok else {}
         finished = {r.rid for r in done}
         for r in batch.requests:
             if r.rid in finished:
                 self.grants.end(r.rid, r.input_len, 0)
-            elif r.state.terminal or self.live.get(r.rid) is not r:
+            elif r.state.terminal or self.books.live.get(r.rid) is not r:
                 self.grants.forget(r.rid)  # cancelled while its grant ran
             else:
                 row = rows.get(r.rid)
@@ -140,3 +224,17 @@ class SliceGrantScheduler(SchedulerMechanism[GrantStats]):
                 if row is None and batch.worker is not None:
                     # A failed grant: whatever its worker kept is not known to be consistent.
                     self._release.append((batch.worker, r.rid))
+
+    # ------------------------------------------------------------------ retained KV
+
+    def kv_evicted(self, wid: str, rids: Iterable[str]) -> None:
+        """An engine dropped kept KV by itself: the estimate of a later grant there is off by
+        its prefill, nothing worse (the engine re-prefills what it does not hold)."""
+        self.books.changed = True
+
+    def _released(self) -> Releases:
+        """KV the policy stopped counting on during this call, by worker (the policy's
+        evictions first, then failed grants'), on workers still registered."""
+        pairs = self.grants.take_evictions() + self._release
+        self._release = []
+        return releases_of((w, rid) for w, rid in pairs if w in self.books.workers)

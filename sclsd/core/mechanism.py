@@ -4,8 +4,10 @@ Both schedulers (:class:`~sclsd.core.scheduler.Scheduler`, slice rounds, and
 :class:`~sclsd.core.grant_scheduler.SliceGrantScheduler`, slice grants) keep
 requests and workers the same way and apply a batch's outcome the same way;
 they differ in how a round is decided and in who keeps track of the KV a
-worker holds after a slice. This base does the former and asks its subclass
-for the latter through a few ``_on_*`` hooks (each a no-op here).
+worker holds after a slice. This class does the former. The slice scheduler
+extends it and keeps the KV through a few ``_on_*`` hooks (each a no-op
+here); the slice-grant scheduler owns one as it is, its books, and tells its
+grant policy what each call did.
 
 Each entry point returns what it decided (:mod:`sclsd.core.decisions`), the KV
 it released included: the subclass gathers releases while a call runs and
@@ -63,28 +65,29 @@ class SchedulerMechanism(Generic[StatsT]):
         """(estimated, measured) serving time of the latest batches."""
         #: Something changed since the last round (a request, a result, a worker): a
         #: work-conserving round is worth running; cleared by each round.
-        self._changed = True
+        self.changed = True
         self._bids = itertools.count(1)
         self._deadlines: list[tuple[float, str]] = []
-        self._stats = stats
+        self.counts = stats
+        """The event counts (:meth:`stats` hands out copies)."""
 
     def stats(self) -> StatsT:
         """A copy of the event counts."""
-        return self._stats.copy()
+        return self.counts.copy()
 
     # ------------------------------------------------------------------ workers
 
     def add_worker(self, wid: str) -> None:
         """A worker (re)joined: it starts with no load and holds no KV."""
         self.workers[wid] = WorkerState(wid)
-        self._changed = True
+        self.changed = True
         self._on_worker_added(wid)
 
     def set_active(self, wid: str, active: bool) -> Releases:
         """Take a worker in or out of rotation (drain) without touching its batches; returns
         the KV that no longer counts (a drained worker's kept KV the policy gives up)."""
         self.workers[wid].active = active
-        self._changed = True
+        self.changed = True
         self._on_active(wid, active)
         return self._released()
 
@@ -100,7 +103,7 @@ class SchedulerMechanism(Generic[StatsT]):
         ws = self.workers.pop(wid, None)
         if ws is None:
             return Removed(releases=self._released())
-        self._changed = True
+        self.changed = True
         back: list[Request] = []
         ended: list[Request] = []
         for bid in sorted(ws.batches):
@@ -139,8 +142,8 @@ class SchedulerMechanism(Generic[StatsT]):
         req.pooled_at = now
         self.pool[req.rid] = req
         self.live[req.rid] = req
-        self._stats.accepted += 1
-        self._changed = True
+        self.counts.accepted += 1
+        self.changed = True
         if req.deadline is not None:
             heapq.heappush(self._deadlines, (req.deadline, req.rid))
         self._on_added(req)
@@ -163,9 +166,9 @@ class SchedulerMechanism(Generic[StatsT]):
         req.finish_reason = reason
         req.finished_at = now
         if reason == "timeout":
-            self._stats.timed_out += 1
+            self.counts.timed_out += 1
         else:
-            self._stats.cancelled += 1
+            self.counts.cancelled += 1
         self._on_cancelled(req)
         return req
 
@@ -187,9 +190,9 @@ class SchedulerMechanism(Generic[StatsT]):
 
     # ------------------------------------------------------------------ batches
 
-    def _start(self, batch: Batch, wid: str, now: float) -> None:
+    def start(self, batch: Batch, wid: str, now: float) -> None:
         """Put ``batch`` on worker ``wid``: a fresh id, the worker's load, its requests out
-        of the pool."""
+        of the pool (a round's placement)."""
         batch.bid = next(self._bids)
         batch.worker = wid
         ws = self.workers[wid]
@@ -203,7 +206,7 @@ class SchedulerMechanism(Generic[StatsT]):
             r.batch_id = batch.bid
             if r.first_dispatch is None:
                 r.first_dispatch = now
-        self._stats.batches += 1
+        self.counts.batches += 1
 
     def on_result(self, outcome: BatchOutcome, now: float) -> Applied:
         """Apply a worker's result: the requests that reached a terminal state, those back in
@@ -222,7 +225,7 @@ class SchedulerMechanism(Generic[StatsT]):
             ws.last_completion = now
         if outcome.ok and outcome.elapsed is not None:
             self.recent.append((batch.est_time, outcome.elapsed))
-        self._changed = True
+        self.changed = True
         rows = {row.rid: row for row in outcome.rows}
         done: list[Request] = []
         back: list[Request] = []
@@ -246,7 +249,7 @@ class SchedulerMechanism(Generic[StatsT]):
                 early = False
         # Early return: every row finished before the slice's last iteration (paper 4.2).
         if early and max((row.new_tokens for row in outcome.rows), default=0) < batch.slice_len:
-            self._stats.early_returns += 1
+            self.counts.early_returns += 1
         self._on_outcome(batch, outcome, done)
         return Applied(tuple(done), tuple(back), self._released())
 
@@ -256,7 +259,7 @@ class SchedulerMechanism(Generic[StatsT]):
         engine could not serve the row, which no other worker would do better), False when
         it went back to the pool."""
         r.slices += 1
-        self._stats.slices += 1
+        self.counts.slices += 1
         if row.failed:
             r.kv_worker, r.kv_tokens = None, 0
             done.append(self._finish(r, now, "error", State.FAILED))
@@ -283,7 +286,7 @@ class SchedulerMechanism(Generic[StatsT]):
         r.pooled_at = now
         r.batch_id = None
         self.pool[r.rid] = r
-        self._stats.requeued += 1
+        self.counts.requeued += 1
 
     def _finish(self, r: Request, now: float, reason: FinishReason, state: State) -> Request:
         r.state = state
@@ -291,9 +294,9 @@ class SchedulerMechanism(Generic[StatsT]):
         r.finished_at = now
         self.live.pop(r.rid, None)
         if state is State.FAILED:
-            self._stats.failed += 1
+            self.counts.failed += 1
         else:
-            self._stats.finished += 1
+            self.counts.finished += 1
         return r
 
     # ------------------------------------------------------------------ releases

@@ -170,7 +170,7 @@ class Scheduler(SchedulerMechanism[SchedulerStats]):
         if (self.policy.gap_bound is not None and self._gap_due_at() <= now
                 and self._gap_round_helps()):
             return True
-        return self.policy.work_conserving and self._changed and bool(self.idle_workers())
+        return self.policy.work_conserving and self.changed and bool(self.idle_workers())
 
     def schedule(self, now: float) -> Round:
         """Batch the pool and assign the batches to workers (:mod:`sclsd.core.rounds`).
@@ -191,7 +191,7 @@ class Scheduler(SchedulerMechanism[SchedulerStats]):
     def _round(self, now: float, active: list[str], idle: list[str], due: set[str]) -> list[Batch]:
         """The round of the interval rule or of work conservation; ``due``: the streaming
         requests due now (gap bound), started first."""
-        self._changed = False
+        self.changed = False
         loads = {w: self.workers[w].load for w in (idle or active)}
         pool = list(self.pool.values())
         planned = plan_round(self.policy, self.cost, pool, self.live.values(), active,
@@ -225,7 +225,7 @@ class Scheduler(SchedulerMechanism[SchedulerStats]):
     def _place(self, placed: list[tuple[Batch, str]], now: float) -> None:
         for batch, wid in placed:
             batch.est_time = batch.est_for(wid)
-            self._start(batch, wid, now)
+            self.start(batch, wid, now)
             for r in batch.requests:
                 if r.kv_worker is not None and r.kv_worker != wid:
                     self._release_kv(r)  # it moved: the KV left behind is of no use
@@ -235,7 +235,7 @@ class Scheduler(SchedulerMechanism[SchedulerStats]):
     def kv_evicted(self, wid: str, rids: Iterable[str]) -> None:
         """Worker ``wid`` dropped these requests' KV on its own (to make room)."""
         if self.kv.evicted(wid, rids, self.live):
-            self._changed = True
+            self.changed = True
 
     def _released(self) -> Releases:
         """KV the policy stopped counting on during this call, by worker."""

@@ -27,7 +27,7 @@ from sclsd import protocol as P
 from worker.engines.base import EMPTY, Engine
 from worker.rows import RowBook
 
-__all__ = ["MAX_ERROR_CHARS", "STREAM_INTERVAL_S", "Holding", "ServeLoop", "State", "TokenStream"]
+__all__ = ["MAX_ERROR_CHARS", "STREAM_INTERVAL_S", "Holding", "ServeLoop", "State", "TokenStream", "result_rows"]
 
 log = logging.getLogger("worker")
 
@@ -41,8 +41,9 @@ class TokenStream:
     """Coalesces the engine's ``emit`` calls of every running batch into
     :class:`~sclsd.protocol.Tokens` messages: a batch's first tokens go at once (with
     whatever else is pending), the rest at most every ``interval`` seconds, all batches in
-    one message. Tokens still pending when a batch ends are dropped (:meth:`end`): its
-    Result carries every token anyway."""
+    one message. Each row's part says where it starts in the slice
+    (``RequestOutput.start``). Tokens still pending when a batch ends go with its Result
+    (:meth:`end` says how many of each row's went before: :func:`result_rows`)."""
 
     def __init__(self, send: Callable[[bytes], None], worker_id: str,
                  interval: float = STREAM_INTERVAL_S,
@@ -52,42 +53,60 @@ class TokenStream:
         self.interval = interval
         self.clock = clock
         self.pending: dict[int, dict[str, P.RequestOutput]] = {}
-        self.started: set[int] = set()
-        """Batches whose first tokens went out."""
+        self.sent_rows: dict[int, dict[str, int]] = {}
+        """Per running batch, each row's tokens sent so far."""
         self.next_at = float("-inf")
         self.sent = 0
         """Tokens messages sent."""
 
     def __call__(self, batch_id: int, outputs: list[P.RequestOutput]) -> None:
         rows = self.pending.setdefault(batch_id, {})
+        first = batch_id not in self.sent_rows
+        sent = self.sent_rows.setdefault(batch_id, {})
         for o in outputs:
             acc = rows.get(o.rid)
             if acc is None:
-                rows[o.rid] = P.RequestOutput(rid=o.rid, token_ids=list(o.token_ids),
+                rows[o.rid] = P.RequestOutput(rid=o.rid, token_ids=list(o.token_ids), start=sent.get(o.rid, 0),
                                               finish_reason=o.finish_reason, logprobs=list(o.logprobs))
             else:
                 acc.token_ids.extend(o.token_ids)
                 acc.logprobs.extend(o.logprobs)
                 acc.finish_reason = o.finish_reason
-        first = batch_id not in self.started
         now = self.clock()
         if first or now >= self.next_at:
-            self.started.add(batch_id)
             self.flush(now)
 
     def flush(self, now: float) -> None:
         """Send what is pending, one message for all batches."""
-        parts = [P.BatchTokens(batch_id=b, outputs=list(rows.values())) for b, rows in self.pending.items() if rows]
+        parts = []
+        for b, rows in self.pending.items():
+            if rows:
+                sent = self.sent_rows[b]
+                for o in rows.values():
+                    sent[o.rid] = o.start + len(o.token_ids)
+                parts.append(P.BatchTokens(batch_id=b, outputs=list(rows.values())))
         self.pending = {}
         if parts:
             self.next_at = now + self.interval
             self.sent += 1
             self.send(P.encode(P.Tokens(worker_id=self.worker_id, batches=parts)))
 
-    def end(self, batch_id: int) -> None:
-        """Batch ``batch_id`` ended: its pending tokens go with its Result instead."""
+    def end(self, batch_id: int) -> dict[str, int]:
+        """Batch ``batch_id`` ended: its pending tokens go with its Result instead. Returns
+        how many tokens of each row went out in ``tokens`` messages."""
         self.pending.pop(batch_id, None)
-        self.started.discard(batch_id)
+        return self.sent_rows.pop(batch_id, {})
+
+
+def result_rows(outputs: list[P.RequestOutput], sent: dict[str, int]) -> list[P.RequestOutput]:
+    """A Result's rows from the engine's ``outputs`` (every token of the slice): each row's
+    tokens after the ``sent[rid]`` that ``tokens`` messages carried, ``start`` saying so."""
+    rows = []
+    for o in outputs:
+        k = min(sent.get(o.rid, 0), len(o.token_ids))
+        rows.append(o if k == 0 else msgspec.structs.replace(
+            o, token_ids=o.token_ids[k:], start=k, logprobs=o.logprobs[k:] if o.logprobs else []))
+    return rows
 
 
 @dataclass
@@ -186,7 +205,7 @@ class ServeLoop:
     def done(self, batch: P.BatchMsg, outputs: list[P.RequestOutput] | None, stats: P.BatchStats | None,
              error: str | None) -> None:
         """A batch's outcome: its Result; its rows' tokens grow their records."""
-        self.tokens.end(batch.batch_id)
+        sent = self.tokens.end(batch.batch_id)
         wait = self.waited.pop(batch.batch_id, 0.0)
         self.state.busy = bool(self.waited)
         self.holding.progressed()
@@ -202,6 +221,6 @@ class ServeLoop:
             log.debug("batch=%d done: n=%d L=%d iterations=%d prefill=%.3fs decode=%.3fs",
                       batch.batch_id, stats.batch_size, stats.input_len, stats.iterations,
                       stats.prefill_s, stats.decode_s)
-            res = P.Result(worker_id=self.wid, batch_id=batch.batch_id, outputs=outputs, stats=stats,
-                           kv_evicted=evicted)
+            res = P.Result(worker_id=self.wid, batch_id=batch.batch_id, outputs=result_rows(outputs, sent),
+                           stats=stats, kv_evicted=evicted)
         self.send(P.encode(res))

@@ -88,8 +88,8 @@ def grant_bytes(contexts: list[int], slice_len: int = 128, vocab: int = DEFAULT_
     and its parameters, as :meth:`~sclsd.daemon.serving.dispatch.DispatchBook.message` sends
     it, also when it moved to another worker), ``delta`` (a later grant to the worker that
     holds its record: a :class:`~sclsd.protocol.ContinueRow`), and what comes back for the
-    grant's tokens: its ``result`` and, streamed at two tokens a message (20 ms at 10 ms a
-    step), its ``tokens`` messages."""
+    grant's tokens: streamed at two tokens a message (20 ms at 10 ms a step), its ``tokens``
+    messages, and its ``result`` with the last two, still pending when the slice ended."""
     rng = random.Random(seed)
     rows = []
     for n in contexts:
@@ -101,12 +101,15 @@ def grant_bytes(contexts: list[int], slice_len: int = 128, vocab: int = DEFAULT_
             generated=generated, stop_token_ids=[2], ignore_eos=True)])
         delta = P.BatchMsg(batch_id=123_456, slice_len=slice_len, requests=[], cont=[P.ContinueRow(
             rid="7:0123456789abcdef", max_new_tokens=1024 - min(generated, 1023), known=n, generated=generated)])
+        # The last two tokens were still pending when the slice ended: the result brings them.
         result = P.Result(worker_id="w0", batch_id=123_456, outputs=[P.RequestOutput(
-            rid="7:0123456789abcdef", token_ids=out, kv_tokens=n + slice_len - 1, reused_tokens=n - 1)],
+            rid="7:0123456789abcdef", token_ids=out[-2:], start=slice_len - 2, kv_tokens=n + slice_len - 1,
+            reused_tokens=n - 1)],
             stats=P.BatchStats(prefill_s=0.001, decode_s=1.28, iterations=slice_len, batch_size=1, input_len=n,
                                prefill_tokens=1, reused_tokens=n - 1, kv_peak_tokens=80_000))
         tokens = sum(len(P.encode(P.Tokens(worker_id="w0", batches=[P.BatchTokens(batch_id=123_456, outputs=[
-            P.RequestOutput(rid="7:0123456789abcdef", token_ids=out[i:i + 2])])]))) for i in range(0, slice_len, 2))
+            P.RequestOutput(rid="7:0123456789abcdef", token_ids=out[i:i + 2], start=i)])])))
+            for i in range(0, slice_len - 2, 2))
         rows.append({"context": n, "whole": len(P.encode(whole)), "delta": len(P.encode(delta)),
                      "result": len(P.encode(result)), "tokens_messages": tokens})
     return rows

@@ -26,8 +26,11 @@ from msgspec import Meta
 #: and later rows of it are :class:`ContinueRow` (budget, and the tokens it lacks), so a
 #: grant's bytes do not grow with the context; :class:`Forget` and ``BatchMsg.forget`` drop
 #: records, ``Result.unknown`` names rows a worker holds no record of; ``tokens`` carry
-#: every running batch's new tokens at once (``batches``), not one message per batch.
-PROTOCOL_VERSION = 7
+#: every running batch's new tokens at once (``batches``), not one message per batch. 8:
+#: ``tokens`` are the one channel for generated tokens: each row's part says where in the
+#: slice it starts (``RequestOutput.start``), and a ``result`` carries only the tokens not
+#: streamed yet (after ``start``), not the whole slice again.
+PROTOCOL_VERSION = 8
 
 #: Default cap on one client / status frame (bytes of msgpack).
 DEFAULT_MAX_FRAME = 4 * 1024 * 1024

@@ -188,7 +188,14 @@ class BatchMsg(_Msg, tag="batch"):
 class RequestOutput(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     rid: str
     token_ids: list[int]
-    """Tokens generated in this slice."""
+    """Tokens generated in this slice: in a :class:`Tokens` part, those since the row's
+    previous part; in a :class:`Result`, those no ``tokens`` message carried (an engine's
+    own outputs, inside the worker: all of the slice's)."""
+    start: NonNegInt = 0
+    """Where ``token_ids`` start among the slice's tokens: in a ``tokens`` part, how many of
+    the row's tokens earlier parts carried (a sequence number: the daemon takes a part only
+    where the previous one ended); in a ``result``, how many ``tokens`` messages carried in
+    all, so the slice has ``start + len(token_ids)`` tokens."""
     finish_reason: Literal["stop", "length"] | None = None
     """``stop``: EOS or a stop token; ``length``: its max_new_tokens reached; None: slice ended."""
     logprobs: list[TokenLogprobs] = []
@@ -259,8 +266,9 @@ class Tokens(_Msg, tag="tokens"):
     all of them, at most one message every ~20 ms, except that a batch's first tokens go
     at once (with whatever else is pending), so the time to a first token is the prefill's.
 
-    Advisory: each batch's :class:`Result` still carries every token of its slice and is
-    authoritative; tokens pending when a batch ends are left to its result.
+    The one channel for generated tokens: a batch's :class:`Result` carries only those no
+    ``tokens`` message did (pending when the batch ended), each row's ``start`` saying how
+    many went before.
     """
 
     worker_id: str

@@ -28,6 +28,17 @@ import msgspec
 from sclsd import protocol as P
 from sclsd.daemon.transport.base import WorkerSink
 from worker.rows import RowBook, UnknownRows
+from worker.serve import result_rows
+
+
+def stamped(outputs: list[P.RequestOutput], sent: dict[str, int]) -> list[P.RequestOutput]:
+    """An engine's ``emit`` as a ``tokens`` part: each row starts where its previous part
+    ended (``sent``, per row, grows), as the worker's stream says."""
+    parts = []
+    for o in outputs:
+        parts.append(msgspec.structs.replace(o, start=sent.get(o.rid, 0)))
+        sent[o.rid] = sent.get(o.rid, 0) + len(o.token_ids)
+    return parts
 
 
 class InprocWorker:
@@ -114,15 +125,18 @@ class InprocWorker:
         """Run one batch on the engine and send its Result."""
         if not self.alive:
             return
+        sent: dict[str, int] = {}
+
         def emit(outputs: list[P.RequestOutput]) -> None:
-            self.send(P.Tokens(worker_id=self.wid, batches=[P.BatchTokens(batch_id=batch.batch_id, outputs=outputs)]))
+            self.send(P.Tokens(worker_id=self.wid, batches=[P.BatchTokens(batch_id=batch.batch_id,
+                                                                          outputs=stamped(outputs, sent))]))
 
         waited = time.monotonic() - self.arrived.pop(batch.batch_id, time.monotonic())
         try:
             outputs, stats = self.engine.serve(batch, emit)
             stats = msgspec.structs.replace(stats, queue_wait_s=waited)
             self.rows.served(outputs)
-            res = P.Result(worker_id=self.wid, batch_id=batch.batch_id, outputs=outputs, stats=stats,
+            res = P.Result(worker_id=self.wid, batch_id=batch.batch_id, outputs=result_rows(outputs, sent), stats=stats,
                            kv_evicted=self.engine.take_evicted())
         except Exception as exc:  # noqa: BLE001 - reported to the daemon as the worker would
             res = P.Result(worker_id=self.wid, batch_id=batch.batch_id, error=str(exc),

@@ -118,17 +118,20 @@ def test_token_stream_coalesces_every_running_batch_into_one_message() -> None:
     assert len(sent) == 1  # within 20 ms of the last send: held
     emit(8, "c", 5)  # another batch's first tokens: out at once, with what was held
     assert len(sent) == 2 and sent[1].worker_id == "w"
-    assert parts(sent[1]) == {7: [P.RequestOutput(rid="a", token_ids=[2, 3], finish_reason="length"),
+    # Each row's part starts where its previous one ended (a's first part had one token).
+    assert parts(sent[1]) == {7: [P.RequestOutput(rid="a", token_ids=[2, 3], start=1, finish_reason="length"),
                                   P.RequestOutput(rid="b", token_ids=[9])],
                               8: [P.RequestOutput(rid="c", token_ids=[5])]}
     now[0] = 0.02
     emit(7, "b", 10)
     emit(8, "c", 6)
-    stream.end(8)  # batch 8 ended: its pending tokens go with its result
+    # Batch 8 ended: its pending tokens go with its result, after the one streamed.
+    assert stream.end(8) == {"c": 1}
     now[0] = 0.04
     emit(7, "b", 11)
-    assert len(sent) == 3 and parts(sent[2]) == {7: [P.RequestOutput(rid="b", token_ids=[10, 11])]}
+    assert len(sent) == 3 and parts(sent[2]) == {7: [P.RequestOutput(rid="b", token_ids=[10, 11], start=1)]}
     assert stream.sent == 3
+    assert stream.end(7) == {"a": 3, "b": 3}
 
 
 def test_host_tier_takes_what_does_not_fit_beside_a_batch() -> None:
@@ -153,3 +156,18 @@ def test_host_tier_takes_what_does_not_fit_beside_a_batch() -> None:
     assert s.take_evicted() == ["b"]
     s.release()
     assert s.host_nbytes == 0 and s.held() == {}
+
+
+def test_a_result_carries_only_what_the_stream_did_not() -> None:
+    from worker.serve import result_rows
+
+    outs = [P.RequestOutput(rid="a", token_ids=[1, 2, 3, 4], finish_reason="stop",
+                            logprobs=[P.TokenLogprobs(chosen=(i, -0.5)) for i in (1, 2, 3, 4)]),
+            P.RequestOutput(rid="b", token_ids=[5, 6], kv_tokens=9),
+            P.RequestOutput(rid="c", token_ids=[])]
+    a, b, c = result_rows(outs, {"a": 3, "b": 2, "c": 0})
+    assert (a.token_ids, a.start, a.finish_reason) == ([4], 3, "stop") and [x.chosen for x in a.logprobs] == [(4, -0.5)]
+    assert (b.token_ids, b.start, b.kv_tokens) == ([], 2, 9)
+    assert c == outs[2]
+    (d,) = result_rows(outs[1:2], {})  # nothing streamed: the row as the engine gave it
+    assert d == outs[1]

@@ -212,11 +212,15 @@ def test_tokens_stream_before_the_result_and_release_drops_kept_kv(router, start
             break
         (part,) = msg.batches
         assert part.batch_id == 9 and msg.worker_id == "w0" and [o.rid for o in part.outputs] == ["r9"]
+        # Each part starts where the previous one ended: the stream's sequence number.
+        assert part.outputs[0].start == sum(map(len, streamed))
         streamed.append(part.outputs[0].token_ids)
     (out,) = msg.outputs
     assert len(streamed) >= 3  # 12 steps of 10 ms, at most one message per 20 ms
     flat = [t for ts in streamed for t in ts]
-    assert flat == out.token_ids[: len(flat)]  # what was still pending comes with the result
+    # The result carries only what no tokens message did: the slice is the two together.
+    assert out.start == len(flat) and len(flat) + len(out.token_ids) == 12
+    assert flat + out.token_ids == FakeEngine().serve(unfinished(9, 12))[0][0].token_ids
     assert out.finish_reason is None and out.kv_tokens == 2 + 12 - 1
     assert eng.kv is not None and eng.kv.store.held() == {"r9": 13}
     router.send(ident, P.Release(rids=["r9"]))

@@ -4,8 +4,8 @@ Tokens reach a request two ways. While a slice runs, the worker streams them
 (``tokens`` messages): each message's tokens become a :class:`Chunk` that
 waits in :attr:`Output.inbound` while it is detokenized, then lands in
 :attr:`Output.ids`; :attr:`Output.streamed` counts the running slice's
-streamed tokens. When the slice ends, its ``result`` brings every token of
-the slice: only those after the ``streamed`` ones are new. A slice that ends
+streamed tokens. When the slice ends, its ``result`` brings the tokens that
+followed the ``streamed`` ones. A slice that ends
 without a result (its worker lost, its batch failed) keeps what was streamed:
 :meth:`Output.settle` makes it part of the output.
 
@@ -107,6 +107,15 @@ class Output:
         self.inbound.append(chunk)
         return chunk
 
+    def take(self, ids: list[int], logprobs: list[P.TokenLogprobs], reason: FinishReason | None) -> None:
+        """Count ``ids`` as streamed in the running slice, for a request that does not stream:
+        they join the output at once (its text is decoded with the slice's result)."""
+        self.streamed += len(ids)
+        self.streamed_reason = reason
+        self.ids.extend(ids)
+        if logprobs:
+            self.logprobs.extend(logprobs[: len(ids)])
+
     def land(self, chunk: Chunk) -> None:
         """``chunk`` was detokenized: its tokens join the output (unless its slice ended
         without a result meanwhile, which already put them there)."""
@@ -122,14 +131,11 @@ class Output:
     # ------------------------------------------------------------------ slice ends
 
     def apply_slice(self, streamed: int, out: P.RequestOutput) -> list[int]:
-        """The slice's result ``out``, whose first ``streamed`` tokens are in ``ids``
-        already: add the rest; returns those new tokens."""
-        tail = list(out.token_ids[streamed:])
-        base = len(self.ids) - streamed  # tokens before this slice
+        """The slice's result ``out``: its tokens follow the ``streamed`` ones already in
+        ``ids``; returns them (now in ``ids`` too)."""
+        tail = list(out.token_ids)
         self.ids.extend(tail)
-        if out.logprobs:  # the result's are authoritative, streamed ones included
-            del self.logprobs[base:]
-            self.logprobs.extend(out.logprobs)
+        self.logprobs.extend(out.logprobs)
         self.streamed, self.streamed_bid, self.streamed_reason = 0, None, None
         return tail
 

@@ -1,10 +1,14 @@
 """Results: a worker's ``result`` for a batch becomes deltas, finished requests and re-queues.
 
-A result is authoritative: it brings every token of the slice (only those
-not streamed yet are new, see :mod:`~sclsd.daemon.serving.streaming`). It is
-checked before it counts, as streamed tokens are: for a batch in flight on
-the worker that sent it; only rows of that batch's live requests, each once,
-never past the request's budget. Its rows are detokenized off the loop (a
+A result ends a slice: it brings the tokens of each row that no ``tokens``
+message did (those streamed are in the output already, see
+:mod:`~sclsd.daemon.serving.streaming`), each row's ``start`` saying how many
+went before. It is checked before it counts, as streamed tokens are: for a
+batch in flight on the worker that sent it; only rows of that batch's live
+requests, each once, never past the request's budget; a row whose tokens do
+not follow those the daemon took from the stream fails the batch (the
+worker's stream lost a part: what the client saw stands, the request goes
+on after it). Its rows are detokenized off the loop (a
 :class:`ResultJob`), then applied: the outputs grow, the scheduler gets the
 batch's outcome (finished requests, the rest back in the pool, the KV the
 worker keeps), clients get their deltas and terminal events. A result with an
@@ -114,6 +118,7 @@ class Results:
         rows: list[Row] = []
         seen: set[str] = set()
         stray: list[str] = []
+        gaps: list[str] = []
         for o in res.outputs:
             req = members.get(o.rid)
             e = self.table.get(o.rid)
@@ -122,21 +127,24 @@ class Results:
                     stray.append(o.rid)  # e.g. cancelled during the slice: nobody needs its KV
                 continue
             seen.add(o.rid)
-            budget = max(0, req.remaining)
+            k = e.out.streamed_in(res.batch_id)
+            if o.error is None and o.start != k:
+                gaps.append(f"{o.rid} (its result starts at token {o.start}, {k} were streamed)")
+                continue
+            budget = max(0, req.remaining - k)
             if len(o.token_ids) > budget:
-                o = P.RequestOutput(rid=o.rid, token_ids=o.token_ids[:budget], finish_reason="length",
+                o = P.RequestOutput(rid=o.rid, token_ids=o.token_ids[:budget], start=k, finish_reason="length",
                                     logprobs=o.logprobs[:budget])
             e.cached_tokens = max(e.cached_tokens, min(o.reused_tokens, len(e.prompt_ids)))
-            k = e.out.streamed_in(res.batch_id)
-            context = e.out.context()
-            if k and context[-k:] != o.token_ids[:k]:
-                self.dispatch.records.stale(res.worker_id, o.rid)  # its record holds the result's
-                log.warning("worker=%s batch=%d id=%s: result differs from the %d tokens it streamed; "
-                            "the streamed ones stand", res.worker_id, res.batch_id, o.rid, k)
             rows.append(Row(e, o, k))
+        if gaps:
+            log.warning("worker=%s batch=%d: tokens missing from its stream: %s", res.worker_id,
+                        res.batch_id, "; ".join(gaps))
+            self.fail_batch(res.batch_id, now, out, why=f"worker {res.worker_id}: tokens missing from its "
+                            f"stream ({gaps[0]})")
+            return
         self.dispatch.release(res.worker_id, stray, out)
-        wins = [r.entry.out.detok.window(r.entry.out.context() + list(r.output.token_ids[r.streamed:]))
-                for r in rows]
+        wins = [r.entry.out.detok.window(r.entry.out.context() + list(r.output.token_ids)) for r in rows]
         keep = [not r.entry.gen.skip_special_tokens for r in rows]
         out.decode.append(ResultJob(res, rows, [w[0] for w in wins] + [w[1] for w in wins], keep + keep,
                                     [w[2] for w in wins]))

@@ -1,13 +1,15 @@
 """Streamed tokens: a running batch's ``tokens`` messages become deltas at once.
 
 A ``tokens`` message counts only for a batch in flight on the worker that
-sent it, only for rows of that batch's live requests, each once, never past
-the request's budget: a buggy or hostile worker cannot write into another
+sent it, only for rows of that batch's live requests, each once, in order (a
+row's part starts where its previous one ended: ``RequestOutput.start``), never
+past the request's budget: a buggy or hostile worker cannot write into another
 request's output. A request's first streamed token sets its first-token time;
 a streaming request's tokens are detokenized (off the loop: a
 :class:`TokensJob`) and sent as a ``delta``, and join its output (see
 :mod:`~sclsd.daemon.serving.output`). The scheduler hears of them only at the
-slice's end, through the result.
+slice's end, through the result, which brings only the tokens no ``tokens``
+message did.
 
 A batch that ends without a result (its worker lost, or it failed) keeps the
 tokens its clients already saw (:meth:`Streaming.settle`): they count as
@@ -92,6 +94,10 @@ class Streaming:
             out = e.out
             ids = row.token_ids
             room = out.room(bid, req.remaining)
+            if row.start != out.streamed:
+                # Not where its previous part ended (a part we did not take): the rest of the
+                # slice waits for the result, which then fails the batch (results.py).
+                continue
             if len(ids) > room:
                 ids = ids[:room]
             if not ids:
@@ -99,8 +105,10 @@ class Streaming:
             if req.first_token is None:
                 req.first_token = now
             e.tokens_at(now, len(ids))
-            if e.streams:  # else its client hears the whole output at the end: the result brings it
+            if e.streams:
                 chunks.append((e, out.stream(ids, row.logprobs, row.finish_reason)))
+            else:  # its client hears the whole output at the end
+                out.take(ids, row.logprobs, row.finish_reason)
 
     def apply(self, job: TokensJob, texts: list[str] | None, out: Effects) -> None:
         """The chunks were detokenized (``texts`` None: that failed; their text follows with

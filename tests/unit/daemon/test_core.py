@@ -24,8 +24,10 @@ from sclsd.daemon.server import make_scheduler
 from sclsd.daemon.serving.core import ServingCore
 from sclsd.daemon.serving.effects import Effects
 from sclsd.tokenizer import ByteTokenizer
+from unit.inproc import stamped
 from worker.engines.fake import FakeEngine
 from worker.rows import RowBook, UnknownRows
+from worker.serve import result_rows
 
 from .conftest import make_config
 
@@ -162,9 +164,12 @@ class Driver:
         for b in batches:
             self.served.add(b.batch_id)
 
-            def emit(outputs: list[P.RequestOutput], bid: int = b.batch_id) -> None:
+            sent: dict[str, int] = {}
+
+            def emit(outputs: list[P.RequestOutput], bid: int = b.batch_id, sent: dict[str, int] = sent) -> None:
                 if stream:
-                    self.message(wid, P.Tokens(worker_id=wid, batches=[P.BatchTokens(batch_id=bid, outputs=outputs)]))
+                    self.message(wid, P.Tokens(worker_id=wid, batches=[P.BatchTokens(
+                        batch_id=bid, outputs=stamped(outputs, sent))]))
 
             whole = self.whole.pop(b.batch_id)
             if isinstance(whole, UnknownRows):  # as the worker answers it
@@ -174,7 +179,8 @@ class Driver:
             outputs, stats = self.engines[wid].serve(whole, emit)
             self.rows[wid].served(outputs)
             if result:
-                self.message(wid, P.Result(worker_id=wid, batch_id=b.batch_id, outputs=outputs, stats=stats))
+                self.message(wid, P.Result(worker_id=wid, batch_id=b.batch_id, outputs=result_rows(outputs, sent),
+                                           stats=stats))
         return batches
 
     def message(self, wid: str, msg: P.WorkerMsg) -> Effects:

@@ -19,12 +19,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal
 
 import msgspec
 
 from sclsd import protocol as P
-from worker.engines.base import EMPTY, Engine
+from worker.engines.base import EMPTY, Empty, Engine
 from worker.rows import RowBook
 
 __all__ = ["MAX_ERROR_CHARS", "STREAM_INTERVAL_S", "Holding", "ServeLoop", "State", "TokenStream", "result_rows"]
@@ -183,7 +183,7 @@ class ServeLoop:
         finally:
             self.state.busy = False
 
-    def take(self, timeout: float | None) -> Any:
+    def take(self, timeout: float | None) -> P.BatchMsg | Literal[Empty.EMPTY] | None:
         """The next batch (rows whole); :data:`EMPTY` when none came in time, None to stop."""
         try:
             item = self.batches.get(timeout=timeout) if timeout != 0.0 else self.batches.get_nowait()

@@ -6,7 +6,8 @@ Two optional capabilities beyond serving a batch:
   loop with the tokens generated since the previous call, one
   :class:`~sclsd.protocol.RequestOutput` per row that has new tokens
   (:class:`TokenCursor` does that bookkeeping). The returned outputs still hold
-  every token of the slice and are authoritative.
+  every token of the slice: the worker sends the daemon only those its stream
+  did not carry (:func:`worker.serve.result_rows`).
 * **Retained KV.** An engine may keep an unfinished request's KV after its slice
   (reported per row as ``RequestOutput.kv_tokens``); :meth:`Engine.release` drops
   it on the daemon's word and :meth:`Engine.take_evicted` lists what the engine
@@ -26,12 +27,13 @@ retries it nowhere (:meth:`Engine.serve_rows` for static engines).
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final, Literal
 
 import msgspec
 
@@ -42,11 +44,16 @@ log = logging.getLogger("worker")
 
 #: Receives the tokens a running batch generated since the last call (see the module docstring).
 Emit = Callable[[list[RequestOutput]], None]
-#: ``take`` returns this when no batch came within its timeout.
-EMPTY: Any = object()
+class Empty(enum.Enum):
+    """What ``take`` returns when no batch came within its timeout (one value: :data:`EMPTY`)."""
+
+    EMPTY = "empty"
+
+
+EMPTY: Final = Empty.EMPTY
 #: ``take(timeout)``: the next batch; :data:`EMPTY` when none came within ``timeout`` seconds
 #: (None: wait for one); None to stop once every admitted batch is done.
-Take = Callable[[float | None], Any]
+Take = Callable[[float | None], "BatchMsg | Literal[Empty.EMPTY] | None"]
 #: ``done(batch, outputs, stats, error)``: a batch's outcome, outputs and stats or an error text.
 Done = Callable[[BatchMsg, "list[RequestOutput] | None", "BatchStats | None", "str | None"], None]
 #: ``stream(batch_id, outputs)``: a running batch's new tokens.
@@ -203,10 +210,10 @@ class TokenCursor:
             self.emit(new)
 
 
-def queue_take(q: queue.Queue[Any]) -> Take:
+def queue_take(q: queue.Queue[BatchMsg | None]) -> Take:
     """A ``take`` over a queue of batches (None in the queue: stop)."""
 
-    def take(timeout: float | None) -> Any:
+    def take(timeout: float | None) -> BatchMsg | Literal[Empty.EMPTY] | None:
         try:
             return q.get(timeout=timeout) if timeout != 0.0 else q.get_nowait()
         except queue.Empty:

@@ -80,7 +80,7 @@ def test_m_ava_comes_from_the_free_memory() -> None:
     import torch
 
     from worker.engines import create_engine
-    from worker.engines.static import activation_reserve
+    from worker.engines.static_cache import activation_reserve
 
     eng = create_engine("hf", "tiny-random", device="cuda:0", mem_budget=123, static_cache=False)
     free, total = torch.cuda.mem_get_info(torch.device("cuda:0"))

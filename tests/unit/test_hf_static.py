@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 from sclsd.protocol import BatchMsg, BatchRequest, RequestOutput  # noqa: E402
 from worker.engines import create_engine  # noqa: E402
 from worker.engines.hf import HFEngine  # noqa: E402
-from worker.engines.static import (  # noqa: E402
+from worker.engines.static_cache import (  # noqa: E402
     StaticOptions,
     activation_reserve,
     parse_sizes,

@@ -16,7 +16,7 @@ from sclsd.protocol import BatchMsg, BatchRequest  # noqa: E402
 from worker.engines import create_engine  # noqa: E402
 from worker.engines.graph_check import GRAPH_LOGIT_TOLERANCE, check_graphs, verify  # noqa: E402
 from worker.engines.hf import HFEngine  # noqa: E402
-from worker.engines.static import (  # noqa: E402
+from worker.engines.static_cache import (  # noqa: E402
     DEFAULT_BATCH_SIZES,
     DEFAULT_CACHE_TOKENS,
     DecodeStep,
@@ -198,7 +198,7 @@ def test_eager_attention_gets_an_additive_mask(eager):
 
 
 def test_flash_attention_takes_no_static_path(monkeypatch):
-    from worker.engines import static as static_mod
+    from worker.engines import static_cache as static_mod
 
     monkeypatch.setattr(static_mod, "attention_kind", lambda config: "flash_attention_2")
     monkeypatch.setattr("worker.engines.hf.attention_kind", lambda config: "flash_attention_2")

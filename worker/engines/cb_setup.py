@@ -80,7 +80,7 @@ def manager_options(device: str, page_size: int, num_blocks: int | None, cuda_gr
     them the cache takes :data:`GPU_GRAPHS_MEMORY_SHARE` of the free memory, or
     transformers' own figure where that is less, unless ``memory_share`` says otherwise.
     The padding of captured steps is :func:`graph_padding`'s."""
-    from worker.engines.static import as_switch
+    from worker.engines.static_cache import as_switch
 
     opts: dict[str, Any] = {"page_size": page_size, "num_blocks": num_blocks}
     if max_batch_tokens is not None:

@@ -12,7 +12,7 @@ batch at a time: batches are admitted while earlier ones generate, and each step
   from the previous step's end, however long the bookkeeping between took, as a device
   step would: the host's work overlaps it);
 * gives every running row one token (:class:`~worker.engines.fake.FakeRow`: the same
-  tokens as the static path, a function of the context) and hands each batch's new tokens
+  tokens as static batching, a function of the context) and hands each batch's new tokens
   to ``stream``;
 * ends the rows that stopped (EOS, a stop token), reached their budget or their slice
   (``min(max_new_tokens, slice_len)``), and reports a batch to ``done`` once all its rows

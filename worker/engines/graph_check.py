@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from worker.engines.static import DecodeStep, StaticRunner
+from worker.engines.static_cache import DecodeStep, StaticRunner
 
 log = logging.getLogger("worker")
 

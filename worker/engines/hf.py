@@ -46,7 +46,7 @@ from worker.engines.grammar import supported as grammar_supported
 from worker.engines.graph_check import check_graphs
 from worker.engines.kvstore import KVReuse, KVStore, Retained, assemble_past, supports_reuse
 from worker.engines.sampling import BatchSampler, Draw, random_seed
-from worker.engines.static import (
+from worker.engines.static_cache import (
     STATIC_ATTENTION,
     StaticOptions,
     StaticRun,

@@ -213,17 +213,19 @@ class SliceGrantScheduler:
         rows = {row.rid: row for row in outcome.rows} if outcome.ok else {}
         finished = {r.rid for r in done}
         for r in batch.requests:
+            row = rows.get(r.rid)
             if r.rid in finished:
                 self.grants.end(r.rid, r.input_len, 0)
             elif r.state.terminal or self.books.live.get(r.rid) is not r:
                 self.grants.forget(r.rid)  # cancelled while its grant ran
+                continue
             else:
-                row = rows.get(r.rid)
                 kept = row is not None and row.kv_tokens > 0
                 self.grants.end(r.rid, r.input_len, r.remaining, kept=kept)
-                if row is None and batch.worker is not None:
-                    # A failed grant: whatever its worker kept is not known to be consistent.
-                    self._release.append((batch.worker, r.rid))
+            if row is None and batch.worker is not None:
+                # A failed grant: whatever its worker kept is not known to be consistent, and
+                # of no use to a request it ended (failed for good) either.
+                self._release.append((batch.worker, r.rid))
 
     # ------------------------------------------------------------------ retained KV
 

@@ -132,6 +132,19 @@ def test_grant_results_release_a_failed_grants_kv_and_a_cancelled_ones() -> None
     assert applied.releases == (Release(wid, ("r0",)),)
 
 
+def test_a_grant_that_fails_its_request_for_good_releases_what_its_worker_kept() -> None:
+    s = grants()  # max_failures = 1: the second failure ends the request
+    s.add_worker("w0")
+    s.add(req(0), 0.0)
+    wid, bid = _granted(s, 0.0)
+    s.on_result(BatchOutcome(bid, [RowOutcome("r0", S, kv_tokens=40 + S - 1)]), 1.0)  # kept on w0
+    for k in range(2):
+        wid, bid = _granted(s, 2.0 + k)
+        failed = s.on_result(BatchOutcome(bid, ok=False), 2.5 + k)
+        assert failed.releases == (Release(wid, ("r0",)),)
+    assert [r.rid for r in failed.ended] == ["r0"] and not s.live
+
+
 def test_grant_cancel_and_drain_release_kv_kept_between_grants() -> None:
     for drain in (False, True):
         s = grants()
@@ -290,7 +303,7 @@ def ops(rng: random.Random, n: int) -> list[tuple[float, str, tuple[Any, ...]]]:
 
 
 @pytest.mark.parametrize("kind", ["slices", "slices-wc", "grants", "grants-tight"])
-@pytest.mark.parametrize("seed", range(25))
+@pytest.mark.parametrize("seed", range(50))
 def test_every_release_is_returned_and_no_kept_kv_outlives_its_request(kind: str, seed: int) -> None:
     s: Any
     if kind.startswith("slices"):

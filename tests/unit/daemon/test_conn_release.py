@@ -16,6 +16,9 @@ from sclsd import protocol as P
 from sclsd.daemon.sockets import Conn, FrameServer
 
 WAIT_S = 10.0
+#: Loop turns the lost connection is streamed to before the test gives up on its release
+#: (it comes within a few: the first write after the peer's abort fails; 2 turns measured).
+STREAM_TURNS = 1000
 
 
 def _run(main: Callable[[], Coroutine[Any, Any, None]]) -> list[dict[str, Any]]:
@@ -57,14 +60,23 @@ def test_a_lost_transport_releases_the_connection_while_its_handler_waits(tmp_pa
         writer.transport.abort()  # the client is gone, unread events and all
 
         async def stream() -> None:  # events keep coming for it, as deltas do
-            while not released.is_set():
+            # One event per loop turn, no real sleep: the write that finds the peer gone is
+            # what ends the transport (its read side saw only an EOF; without writes it is
+            # never released), so the stream is the cause to keep up, not a condition to poll,
+            # and the code under test has no event for "written" to await: each turn flushes
+            # the event sent the turn before while the loop polls the socket. Bounded, so a
+            # connection never let go of fails the test instead of streaming forever.
+            for _ in range(STREAM_TURNS):
+                if released.is_set():
+                    return
                 conns[0].send(P.Pong(nonce=2))
-                await asyncio.sleep(0.001)
+                await asyncio.sleep(0)
 
         streamer = asyncio.create_task(stream())
         try:
             # Released while the handler still waits: the read loop cannot notice yet.
-            await asyncio.wait_for(released.wait(), WAIT_S)
+            await streamer  # bounded: it ends once released, or after STREAM_TURNS events
+            assert released.is_set(), f"not let go of after {STREAM_TURNS} events"
             assert not let_go.is_set() and conns[0].closed
             conns[0].send(P.Pong(nonce=3))  # a late event for it goes nowhere, quietly
             await asyncio.sleep(0)

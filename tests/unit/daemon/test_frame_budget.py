@@ -5,6 +5,8 @@ keeps to it over real Unix sockets (the daemon-level test with several uids is
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,12 @@ from sclsd.config import ConfigError, from_dict
 from sclsd.daemon.framebudget import FrameBudget
 from sclsd.daemon.sockets import Conn, FrameServer, frame_budget
 
+from .conftest import until
+
 KIB = 1024
+#: Seconds a frame server gets to charge or release what the test expects (it takes a few
+#: loop turns; the bound only keeps a broken budget from hanging the test).
+WAIT_S = 10.0
 
 
 def test_a_uid_over_its_budget_closes_the_connection_that_went_over() -> None:
@@ -64,6 +71,37 @@ def test_the_budget_keys_are_validated() -> None:
         from_dict({"daemon": {"max_partial_frame_bytes": 1 << 20}})
 
 
+def _watch(budget: FrameBudget[Conn]) -> asyncio.Event:
+    """An event set after every charge and release of ``budget`` (the test's own object, its
+    methods wrapped on the instance): the frame server's read loops change the budget as
+    bytes arrive, and the test awaits those changes instead of polling on a timer."""
+    changed = asyncio.Event()
+    charge, release = budget.charge, budget.release
+
+    def charged(holder: Conn, uid: int, n: int) -> str | None:
+        try:
+            return charge(holder, uid, n)
+        finally:
+            changed.set()
+
+    def released(holder: Conn) -> None:
+        try:
+            release(holder)
+        finally:
+            changed.set()
+
+    budget.charge = charged  # type: ignore[method-assign]
+    budget.release = released  # type: ignore[method-assign]
+    return changed
+
+
+async def _settled(changed: asyncio.Event, pred: Callable[[], bool]) -> None:
+    """Wait until ``pred()`` holds, re-checked at each change of the budget; after
+    ``WAIT_S`` the caller's assertion says what the budget holds instead."""
+    with contextlib.suppress(TimeoutError):
+        await until(changed, pred, WAIT_S)
+
+
 async def _read_event(reader: asyncio.StreamReader) -> object:
     (n,) = P.FRAME_HEADER.unpack(await asyncio.wait_for(reader.readexactly(4), 10))
     return P.server_decoder.decode(await asyncio.wait_for(reader.readexactly(n), 10))
@@ -78,6 +116,7 @@ def test_a_frame_server_keeps_half_sent_frames_within_the_budget(tmp_path: Path)
 
     async def main() -> None:
         budget = frame_budget(512 * KIB, 256 * KIB)
+        changed = _watch(budget)
         pings: list[int] = []
 
         def handle(conn: Conn, msg: object) -> None:
@@ -97,12 +136,13 @@ def test_a_frame_server_keeps_half_sent_frames_within_the_budget(tmp_path: Path)
             for i, (_, w) in enumerate(streams[:3]):
                 w.write(P.FRAME_HEADER.pack(frame_size) + payload[:100 * KIB])
                 await w.drain()
-                want = min(i + 1, 2) * 100 * KIB
-                for _ in range(200):  # bounded: 200 loop turns of 10 ms
-                    if budget.held == want and (i < 2 or budget.closed == 1):
-                        break
-                    await asyncio.sleep(0.01)
-                assert budget.held == want, (i, budget.held)
+                want = (min(i + 1, 2) * 100 * KIB, int(i == 2))  # (held, closed): the third goes
+
+                def reached(want: tuple[int, int] = want) -> bool:
+                    return (budget.held, budget.closed) == want
+
+                await _settled(changed, reached)
+                assert (budget.held, budget.closed) == want, (i, budget.held, budget.closed)
             ev = await _read_event(streams[2][0])
             assert isinstance(ev, P.Error) and ev.code == "overloaded", ev
             assert "max_partial_frame_bytes_per_uid" in ev.message
@@ -122,10 +162,7 @@ def test_a_frame_server_keeps_half_sent_frames_within_the_budget(tmp_path: Path)
             assert budget.held == 100 * KIB
             # A connection that goes away releases what it held.
             streams[1][1].close()
-            for _ in range(200):
-                if budget.held == 0:
-                    break
-                await asyncio.sleep(0.01)
+            await _settled(changed, lambda: budget.held == 0)
             assert budget.held == 0
         finally:
             for _, w in streams:

@@ -1,6 +1,8 @@
-"""The daemon's request metrics through the in-process transport: the ``model_name`` label,
-how requests end (completed, cancelled, failed), refusals by reason, and the queue time
-counting the time a batch waits in its worker's queue."""
+"""The daemon's request metrics: through the in-process transport, the ``model_name``
+label, how requests end (completed, cancelled, failed) and refusals by reason; on the
+serving core driven synchronously with a fake clock (:mod:`.driving`), the durations: the
+queue time counting the time a batch waits in its worker's queue, and the longest gap
+between a stream's deltas, each exact."""
 
 from __future__ import annotations
 
@@ -13,10 +15,16 @@ from sclsd.tokenizer import ByteTokenizer
 from unit.inproc import InprocTransport
 
 from .conftest import Harness, RecConn, held, make_config
+from .driving import TimedDriver, exported
 from .scrape import scrape, value
 
+# Fake-clock durations, binary fractions so that their sums are exact.
+#: From acceptance to the dispatch of a batch (the scheduler's round).
+DISPATCH_S = 0.125
 #: A worker's queue wait the tests hold a batch for (the queue time must count it).
-HOLD_S = 0.2
+HOLD_S = 0.25
+#: How long the engine runs a slice, from its start to its result.
+RUN_S = 0.5
 
 
 def test_every_series_carries_the_served_model_name(daemon) -> None:
@@ -111,68 +119,82 @@ def test_a_daemon_still_starting_counts_its_refusals(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
-def test_queue_time_counts_the_wait_in_the_workers_queue(daemon) -> None:
+def test_queue_time_counts_the_wait_in_the_workers_queue(tmp_path: Path) -> None:
     """The batch goes to the worker at once; it waits there before it runs. The queue time
-    (the histogram and ``done.timings.queued_s``) is that wait, not the dispatch's."""
-    async def body(h: Harness) -> None:
-        w = h.worker("w0", hold=True)
-        await h.registered("w0")
-        conn = RecConn()
-        await h.submit(conn, id="q", max_tokens=8, ignore_eos=True)  # one slice
-        await held(w)
-        dispatched = h.entry("q").sent_at
-        assert dispatched is not None and dispatched - h.entry("q").req.arrival < HOLD_S
-        await asyncio.sleep(HOLD_S)  # the batch waits in the worker's queue this long
-        w.release()
-        await h.finished(conn, "q")
-        (done,) = conn.terminal("q")
-        assert HOLD_S <= done.timings.queued_s <= done.timings.e2e_s
-        s = scrape(h.server)
-        assert value(s, "sclsd:request_queue_time_seconds_count") == 1
-        assert value(s, "sclsd:request_queue_time_seconds_bucket", le="0.1") == 0
-        assert value(s, "sclsd:request_queue_time_seconds_sum") >= HOLD_S
-
-    daemon(body)
-
-
-def test_a_request_no_worker_started_has_no_queue_time(daemon) -> None:
-    async def body(h: Harness) -> None:
-        conn = RecConn()  # no worker: it can only wait, then time out
-        await h.submit(conn, id="t", timeout=0.05)
-        await h.finished(conn, "t")
-        (done,) = conn.terminal("t")
-        assert done.timings.queued_s == done.timings.e2e_s  # it waited all its life
-        assert value(scrape(h.server), "sclsd:request_queue_time_seconds_count") == 0
-
-    daemon(body)
+    (the histogram and ``done.timings.queued_s``) is the dispatch plus that wait, not the
+    dispatch's alone, nor the slice's run."""
+    drv = TimedDriver(tmp_path)
+    drv.join("w0")
+    arrival = drv.now
+    drv.submit("c", "q", max_tokens=8, ignore_eos=True)  # one slice
+    drv.now += DISPATCH_S
+    drv.step()
+    (batch,) = drv.batches("w0")
+    e = drv.core.table.get("q")
+    assert e is not None and e.sent_at == arrival + DISPATCH_S
+    drv.now += HOLD_S  # the batch waits in the worker's queue this long
+    drv.serve("w0", run_s=RUN_S)
+    (done,) = drv.terminal("c", "q")
+    assert isinstance(done, P.Done) and done.usage.completion_tokens == 8
+    assert done.timings.queued_s == DISPATCH_S + HOLD_S
+    assert done.timings.e2e_s == DISPATCH_S + HOLD_S + RUN_S
+    (ended,) = drv.ended
+    assert ended.started and ended.timings == done.timings
+    s = exported(drv.metrics)
+    assert value(s, "sclsd:request_queue_time_seconds_count") == 1
+    assert value(s, "sclsd:request_queue_time_seconds_bucket", le="0.25") == 0  # > HOLD_S alone
+    assert value(s, "sclsd:request_queue_time_seconds_bucket", le="0.5") == 1
+    assert value(s, "sclsd:request_queue_time_seconds_sum") == DISPATCH_S + HOLD_S
+    assert value(s, "sclsd:e2e_request_latency_seconds_sum") == DISPATCH_S + HOLD_S + RUN_S
 
 
-def test_the_longest_gap_between_deltas_is_measured_per_request(daemon) -> None:
+def test_a_request_no_worker_started_has_no_queue_time(tmp_path: Path) -> None:
+    drv = TimedDriver(tmp_path)
+    drv.submit("c", "t", timeout=0.5)  # no worker: it can only wait, then time out
+    drv.now += 1.0
+    drv.step()
+    (done,) = drv.terminal("c", "t")
+    assert done.finish_reason == "timeout"
+    assert done.timings.queued_s == done.timings.e2e_s == 1.0  # it waited all its life
+    (ended,) = drv.ended
+    assert not ended.started
+    s = exported(drv.metrics)
+    assert value(s, "sclsd:request_queue_time_seconds_count") == 0
+    assert value(s, "sclsd:request_cancelled_total", reason="timeout") == 1
+
+
+def test_the_longest_gap_between_deltas_is_measured_per_request(tmp_path: Path) -> None:
     """A request served in two slices whose second batch waits in its worker's queue: the
-    stream freezes that long between its deltas. ``done.timings.max_gap_s`` and the gap
-    histogram say so."""
-    async def body(h: Harness) -> None:
-        w = h.worker("w0", hold=True)
-        await h.registered("w0")
-        conn = RecConn()
-        await h.submit(conn, id="g", max_tokens=16, ignore_eos=True, stream=True)  # 2 slices of 8
-        await held(w)
-        w.release()  # the first slice runs at once
-        await held(w)  # the second batch, held in the worker's queue
-        await conn.wait_for(lambda: bool(conn.events("g", P.Delta)))  # the first slice streamed
-        await asyncio.sleep(HOLD_S)  # the stream freezes this long
-        w.release()
-        await h.finished(conn, "g")
-        (done,) = conn.terminal("g")
-        assert done.timings.slices == 2 and done.usage.completion_tokens == 16
-        gap = done.timings.max_gap_s
-        assert gap is not None and HOLD_S <= gap <= done.timings.e2e_s - done.timings.ttft_s
-        s = scrape(h.server)
-        assert value(s, "sclsd:request_max_inter_token_gap_seconds_count") == 1
-        assert value(s, "sclsd:request_max_inter_token_gap_seconds_bucket", le="0.1") == 0
-        assert value(s, "sclsd:request_max_inter_token_gap_seconds_sum") == gap
-
-    daemon(body)
+    stream freezes between its deltas from the first slice's last token to the second
+    slice's first (the round that dispatches it, then the wait). ``done.timings.max_gap_s``,
+    the gap histogram and the inter-token latencies say so."""
+    drv = TimedDriver(tmp_path)
+    drv.join("w0")
+    drv.submit("c", "g", max_tokens=16, ignore_eos=True, stream=True)  # 2 slices of 8
+    drv.now += DISPATCH_S
+    drv.step()
+    drv.serve("w0", stream=True)  # the first slice runs at once: its 8 tokens stream now
+    assert len(drv.events("c", P.Delta)) == 8 and not drv.terminal("c", "g")
+    drv.now += DISPATCH_S
+    drv.step()
+    (second,) = drv.batches("w0")
+    drv.now += HOLD_S  # held in the worker's queue: the stream freezes this long
+    drv.serve("w0", stream=True)
+    (done,) = drv.terminal("c", "g")
+    assert done.timings.slices == 2 and done.usage.completion_tokens == 16
+    assert done.timings.ttft_s == DISPATCH_S
+    assert done.timings.max_gap_s == DISPATCH_S + HOLD_S
+    assert done.timings.e2e_s - done.timings.ttft_s == DISPATCH_S + HOLD_S  # the one freeze
+    (ended,) = drv.ended
+    # Tokens of a slice arrive together; the freeze is the one gap that is not 0.
+    assert sorted(ended.token_gaps) == [(0.0, 1)] * 14 + [(DISPATCH_S + HOLD_S, 1)]
+    s = exported(drv.metrics)
+    assert value(s, "sclsd:request_max_inter_token_gap_seconds_count") == 1
+    assert value(s, "sclsd:request_max_inter_token_gap_seconds_bucket", le="0.25") == 0
+    assert value(s, "sclsd:request_max_inter_token_gap_seconds_bucket", le="0.5") == 1
+    assert value(s, "sclsd:request_max_inter_token_gap_seconds_sum") == DISPATCH_S + HOLD_S
+    assert value(s, "sclsd:inter_token_latency_seconds_count") == 15
+    assert value(s, "sclsd:inter_token_latency_seconds_sum") == DISPATCH_S + HOLD_S
 
 
 def test_a_single_token_has_no_gap(daemon) -> None:

@@ -1,0 +1,91 @@
+"""The serving core driven synchronously for timing tests: :class:`TimedDriver` is
+:class:`~.test_core.Driver` plus what measuring durations on the fake clock takes.
+
+- A worker's queue: a batch waits from its arrival until the test serves it, and its
+  result reports that wait as ``queue_wait_s`` (as a real worker does, and as the
+  in-process transport does on the real clock).
+- An engine that takes time: ``serve(..., run_s=...)`` starts the batches at ``now``
+  (their streamed tokens reach the daemon then) and delivers their results ``run_s``
+  later, the clock moved on to then.
+- The metrics: every :class:`~sclsd.daemon.serving.effects.Effects` the driver runs goes
+  to a real :class:`~sclsd.daemon.metrics.Metrics`, as the shell's ``deliver`` does, so a
+  test reads the exported histograms (:func:`exported`).
+
+Durations are differences of fake-clock readings: a test that moves the clock by binary
+fractions (0.125, 0.25, ...) asserts them exactly, not as lower bounds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from prometheus_client.parser import text_string_to_metric_families
+
+from sclsd import protocol as P
+from sclsd.daemon.metrics import Metrics, model_label
+from sclsd.daemon.serving.effects import Effects, Ended
+
+from .scrape import Samples
+from .test_core import Driver
+
+
+class TimedDriver(Driver):
+    """A :class:`Driver` whose workers hold their batches until served, whose engines may
+    take time, and whose effects reach a :class:`Metrics` (see the module docstring)."""
+
+    def __init__(self, tmp: Path, **sections: dict[str, Any]) -> None:
+        self.arrived: dict[int, float] = {}
+        """Batch id -> when it reached its worker (fake clock), until a result reports it."""
+        self.ended: list[Ended] = []
+        """Every request's end as the core reported it to the metrics, in order."""
+        self._started_at: float | None = None
+        self._run_s = 0.0
+        super().__init__(tmp, **sections)
+        self.metrics = Metrics(model_label(self.core.cfg))
+
+    def run(self, eff: Effects) -> Effects:
+        """As :meth:`Driver.run`, noting when batches arrive and feeding the metrics what
+        the shell would (the decoding's own effects come through here too, once each)."""
+        for _, msg in eff.to_workers:
+            if isinstance(msg, P.BatchMsg):
+                self.arrived.setdefault(msg.batch_id, self.now)
+                self.metrics.dispatched(len(msg.requests))
+        super().run(eff)
+        for lost in eff.lost:
+            self.metrics.worker_lost(lost.reason)
+        for ended in eff.ended:
+            self.ended.append(ended)
+            self.metrics.ended(ended)
+        for seconds in eff.batch_seconds:
+            self.metrics.batch_done(seconds)
+        return eff
+
+    def serve(self, wid: str, *, stream: bool = False, result: bool = True,
+              run_s: float = 0.0) -> list[P.BatchMsg]:
+        """Serve ``wid``'s pending batches, started at ``now``: each one waited in the
+        worker's queue since it arrived; their streamed tokens arrive at ``now``, their
+        results ``run_s`` later (the clock is moved there)."""
+        self._started_at, self._run_s = self.now, run_s
+        try:
+            return super().serve(wid, stream=stream, result=result)
+        finally:
+            self._started_at = None
+
+    def message(self, wid: str, msg: P.WorkerMsg) -> Effects:
+        if isinstance(msg, P.Result) and self._started_at is not None and msg.batch_id in self.arrived:
+            waited = self._started_at - self.arrived.pop(msg.batch_id)
+            msg = msgspec.structs.replace(msg, stats=msgspec.structs.replace(msg.stats, queue_wait_s=waited))
+            self.now = self._started_at + self._run_s
+        return super().message(wid, msg)
+
+
+def exported(metrics: Metrics) -> Samples:
+    """Every sample of ``metrics``' exposition, read back as Prometheus would: (name,
+    labels) -> value (:func:`.scrape.value` picks one)."""
+    out: Samples = {}
+    for fam in text_string_to_metric_families(metrics.exposition()):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out

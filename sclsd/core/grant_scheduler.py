@@ -104,6 +104,12 @@ class SliceGrantScheduler:
     def get(self, rid: str) -> Request | None:
         return self.books.get(rid)
 
+    def streamed(self, rid: str, now: float) -> None:
+        self.books.streamed(rid, now)
+
+    def settled(self, rid: str, k: int) -> None:
+        self.books.settled(rid, k)
+
     def active_workers(self) -> list[str]:
         return self.books.active_workers()
 

@@ -40,9 +40,8 @@ StatsT = TypeVar("StatsT", bound=SchedulerStats)
 class SchedulerMechanism(Generic[StatsT]):
     """Requests and workers as both schedulers keep them (see the module docstring).
 
-    Subclasses implement ``due``, ``schedule`` and ``kv_evicted``
-    (:class:`~sclsd.core.scheduler_api.SchedulerInterface`) and :meth:`_released`, and
-    may override the hooks.
+    Subclasses implement ``due``, ``schedule``, ``kv_evicted`` (``SchedulerInterface``) and
+    :meth:`_released`, and may override the hooks.
     """
 
     def __init__(self, policy: Policy, *, max_failures: int, history: int,
@@ -150,6 +149,16 @@ class SchedulerMechanism(Generic[StatsT]):
 
     def get(self, rid: str) -> Request | None:
         return self.live.get(rid)
+
+    def streamed(self, rid: str, now: float) -> None:
+        """Tokens of ``rid``'s running slice arrived at ``now``: its first token's time."""
+        if (r := self.live.get(rid)) is not None and r.first_token is None:
+            r.first_token = now
+
+    def settled(self, rid: str, k: int) -> None:
+        """``rid``'s batch ended without a result: the ``k`` tokens streamed count."""
+        if (r := self.live.get(rid)) is not None:
+            r.num_generated += k
 
     def cancel(self, rid: str, now: float, reason: FinishReason = "cancelled") -> Cancelled | None:
         """End a live request now (None: it is not live). A batch holding it still runs; its
@@ -289,9 +298,7 @@ class SchedulerMechanism(Generic[StatsT]):
         self.counts.requeued += 1
 
     def _finish(self, r: Request, now: float, reason: FinishReason, state: State) -> Request:
-        r.state = state
-        r.finish_reason = reason
-        r.finished_at = now
+        r.state, r.finish_reason, r.finished_at = state, reason, now
         self.live.pop(r.rid, None)
         if state is State.FAILED:
             self.counts.failed += 1
@@ -302,8 +309,7 @@ class SchedulerMechanism(Generic[StatsT]):
     # ------------------------------------------------------------------ releases
 
     def _released(self) -> Releases:
-        """The KV given up since the last call, to registered workers: every entry point
-        that may give some up returns this as it ends (none here)."""
+        """KV given up during this call, on registered workers, returned as it ends (none here)."""
         return ()
 
     # ------------------------------------------------------------------ hooks (KV, policy state)

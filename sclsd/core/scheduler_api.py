@@ -166,6 +166,15 @@ class SchedulerInterface(Protocol):
         """Apply a batch's outcome: the requests it ended, those re-queued, the KV released."""
         ...
 
+    # what the daemon saw of a running slice (the result brings the rest)
+    def streamed(self, rid: str, now: float) -> None:
+        """Tokens of ``rid``'s running slice arrived at ``now`` (its first token's time)."""
+        ...
+
+    def settled(self, rid: str, k: int) -> None:
+        """``rid``'s batch ended without a result: the ``k`` tokens streamed count as generated."""
+        ...
+
     # retained KV
     def kv_evicted(self, wid: str, rids: Iterable[str]) -> None:
         """Worker ``wid`` dropped these requests' kept KV by itself (releases nothing)."""

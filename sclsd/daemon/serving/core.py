@@ -67,11 +67,8 @@ class ServingCore:
         self.records = Records()
         self.members = Membership(cfg, sched, cost, tok)
         self.dispatch = DispatchBook(cfg, sched, self.table, self.members, self.records)
-        # Replies and Streaming cancel without effects of their own: their cancels' releases
-        # are owed, sent by dispatch.flush / pay before each entry point returns.
-        port = self.dispatch.port()
-        self.replies = Replies(self.table, port, ClientEvents(tok), self.records)
-        self.streaming = Streaming(port, self.table, self.replies, self.dispatch)
+        self.replies = Replies(self.table, sched, ClientEvents(tok), self.dispatch)
+        self.streaming = Streaming(sched, self.table, self.replies, self.dispatch)
         self.results = Results(sched, self.table, self.replies, self.dispatch, self.streaming, cost)
 
     # ------------------------------------------------------------------ clients
@@ -175,7 +172,6 @@ class ServingCore:
             self.streaming.on_tokens(msg, now, out)
         elif isinstance(msg, P.Result):
             self.results.on_result(msg, now, out)
-        self.dispatch.pay(out)  # a failed batch's requests that its streamed tokens ended
         return out
 
     def decoded(self, job: DecodeJob, texts: list[str] | BaseException, now: float) -> Effects:

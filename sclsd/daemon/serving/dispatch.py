@@ -23,11 +23,7 @@ Dispatch also keeps workers from holding KV nobody will use: when the
 scheduler lets go of a request's retained KV (the request moved to another
 worker, ended, or its batch failed), the call that did so returns it
 (:mod:`sclsd.core.decisions`) and the caller hands it to :meth:`DispatchBook.apply`:
-that worker is told to ``release`` it, once. Cancels made through
-:class:`CancelPort` (by :class:`~.replies.Replies` and
-:class:`~.streaming.Streaming`, which do not see effects of theirs) leave their
-releases owed, sent by :meth:`DispatchBook.flush` before the core's entry point
-returns.
+that worker is told to ``release`` it, once.
 
 A request goes to a worker whole once; later rows of it there are deltas
 (:class:`~sclsd.protocol.ContinueRow`: the budget and the context tokens the
@@ -40,13 +36,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Container, Iterator
-from typing import Any, cast
 
 from ... import protocol as P
 from ...config import Config
 from ...core.batch import Batch
-from ...core.decisions import Cancelled, Release, Releases
-from ...core.request import FinishReason
+from ...core.decisions import Releases
 from ...core.scheduler_api import SchedulerInterface
 from .effects import Effects
 from .records import Records
@@ -54,7 +48,7 @@ from .table import Entry, RequestTable
 
 log = logging.getLogger("sclsd")
 
-__all__ = ["CancelPort", "DispatchBook"]
+__all__ = ["DispatchBook"]
 
 
 class DispatchBook:
@@ -75,13 +69,6 @@ class DispatchBook:
         self.moved: dict[int, tuple[str, float]] = {}
         #: What a grammar row's matcher is built within on the worker ([grammar]).
         self.grammar_limits = P.GrammarLimits(**cfg.grammar.limits())
-        self.owed: list[Release] = []
-        """Releases of cancels made through :class:`CancelPort`, not sent yet."""
-
-    def port(self) -> SchedulerInterface:
-        """The scheduler for parts that cancel without effects of their own (see
-        :class:`CancelPort`)."""
-        return cast(SchedulerInterface, CancelPort(self.sched, self.owed))
 
     def message(self, batch: Batch) -> P.BatchMsg:
         """The wire form of a batch: a request new to the worker whole (its context by token
@@ -126,9 +113,8 @@ class DispatchBook:
         self.moved[batch.bid] = (wid, now)
         log.debug("batch=%d -> worker=%s n=%d L=%d est=%.3fs ids=%s", batch.bid, wid, batch.size,
                   batch.input_len, batch.est_time, ",".join(r.rid for r in batch.requests))
-        # Releases go first (the round's were applied before its batches); records to
+        # Releases went first (the round's were applied before its batches); records to
         # forget ride on the batch for this worker.
-        self.pay(out)
         out.tell(wid, self.message(batch))
         for r in batch.requests:
             e = self.table.get(r.rid)
@@ -150,16 +136,8 @@ class DispatchBook:
         for rel in releases:
             self.release(rel.worker, list(rel.rids), out)
 
-    def pay(self, out: Effects) -> None:
-        """Send the releases owed (cancels made through :class:`CancelPort`)."""
-        if self.owed:
-            owed = self.owed[:]
-            self.owed.clear()
-            self.apply(tuple(owed), out)
-
     def flush(self, out: Effects) -> None:
-        """Send the releases owed, then the records to forget that no batch carried."""
-        self.pay(out)
+        """Send the records to forget that no batch carried."""
         for wid, rids in self.records.take_all().items():
             if wid in self.members:
                 out.tell(wid, P.Forget(rids=rids))
@@ -215,30 +193,3 @@ def _tail(e: Entry, known: int) -> list[int]:
     """The context tokens of ``e`` from ``known`` on (without building the whole context)."""
     p = len(e.prompt_ids)
     return e.out.ids[known - p:] if known >= p else e.prompt_ids[known:] + e.out.ids
-
-
-class CancelPort:
-    """The scheduler as :class:`~.replies.Replies` and :class:`~.streaming.Streaming` use it:
-    the same object, but a cancel's releases go to ``owed`` (sent by
-    :meth:`DispatchBook.flush`), and the :class:`~sclsd.core.decisions.Cancelled` it returns
-    carries none (they are owed already).
-
-    Interim: once they apply a :class:`~sclsd.core.decisions.Cancelled`'s releases
-    themselves, they take the scheduler and this goes.
-    """
-
-    __slots__ = ("_owed", "_sched")
-
-    def __init__(self, sched: SchedulerInterface, owed: list[Release]) -> None:
-        self._sched = sched
-        self._owed = owed
-
-    def cancel(self, rid: str, now: float, reason: FinishReason = "cancelled") -> Cancelled | None:
-        c = self._sched.cancel(rid, now, reason)
-        if c is None or not c.releases:
-            return c
-        self._owed.extend(c.releases)
-        return Cancelled(c.request)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sched, name)

@@ -15,9 +15,9 @@ import logging
 from ... import protocol as P
 from ...core.request import FinishReason
 from ...core.scheduler_api import SchedulerInterface
+from .dispatch import DispatchBook
 from .effects import Client, Effects, Ended
 from .events import ClientEvents
-from .records import Records
 from .table import Entry, RequestTable
 
 log = logging.getLogger("sclsd")
@@ -29,11 +29,12 @@ class Replies:
     """Accepts requests and sends their events (see the module docstring)."""
 
     def __init__(self, table: RequestTable, sched: SchedulerInterface, events: ClientEvents,
-                 records: Records) -> None:
+                 dispatch: DispatchBook) -> None:
         self.table = table
         self.sched = sched
         self.events = events
-        self.records = records
+        self.dispatch = dispatch
+        """Where the KV a cancel lets go of is released, and records forgotten."""
 
     def accept(self, e: Entry, out: Effects) -> None:
         """The request is live, its client hears ``accepted``, the pool has it."""
@@ -72,7 +73,9 @@ class Replies:
         e = self.table.get(rid)
         if e is None:
             return
-        self.sched.cancel(rid, now, "error")
+        cancelled = self.sched.cancel(rid, now, "error")
+        if cancelled is not None:
+            self.dispatch.apply(cancelled.releases, out)
         out.send(e.client, P.Error(code=code, message=message, id=e.client_id))
         self._end(e, "error", self.events.timings(e, now), out, code)
         log.info("error id=%s code=%s", rid, code)
@@ -93,8 +96,10 @@ class Replies:
                notify: bool = True) -> bool:
         """End a live request on the client's wish (``notify=False``: the client is gone)."""
         e = self.table.get(rid)
-        if e is None or self.sched.cancel(rid, now, reason) is None:
+        cancelled = None if e is None else self.sched.cancel(rid, now, reason)
+        if e is None or cancelled is None:
             return False
+        self.dispatch.apply(cancelled.releases, out)
         if notify:
             self.finish(e, reason, now, out)
         else:
@@ -116,7 +121,7 @@ class Replies:
     def _end(self, e: Entry, reason: FinishReason, t: P.Timings, out: Effects,
              code: str | None = None) -> None:
         self.table.remove(e)
-        self.records.ended(e.rid)  # a worker holding its record drops it
+        self.dispatch.records.ended(e.rid)  # a worker holding its record drops it
         out.ended.append(Ended(e.rid, reason, len(e.prompt_ids), len(e.out.ids), t,
                                started=e.started_at is not None, code=code,
                                token_gaps=tuple(e.token_gaps)))

@@ -103,7 +103,7 @@ class Streaming:
             if not ids:
                 continue
             if req.first_token is None:
-                req.first_token = now
+                self.sched.streamed(rid, now)
             e.tokens_at(now, len(ids))
             if e.streams:
                 chunks.append((e, out.stream(ids, row.logprobs, row.finish_reason)))
@@ -133,7 +133,7 @@ class Streaming:
                 continue
             k, reason = e.out.settle()
             r = e.req
-            r.num_generated += k
+            self.sched.settled(r.rid, k)
             if r.state.terminal:
                 continue  # failed for good: its error follows
             if e.out.detok.stopped:
@@ -142,5 +142,8 @@ class Streaming:
                 reason = "length"
             log.info("id=%s keeps %d streamed tokens of a batch that ended without a result%s",
                      r.rid, k, f"; finished ({reason})" if reason else "")
-            if reason is not None and self.sched.cancel(r.rid, now, reason) is not None:
+            cancelled = None if reason is None else self.sched.cancel(r.rid, now, reason)
+            if cancelled is not None:
+                assert reason is not None
+                self.dispatch.apply(cancelled.releases, out)
                 self.replies.finish(e, reason, now, out)

@@ -28,7 +28,7 @@ import logging
 import resource
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from sclsd import models
 from sclsd.protocol import (
@@ -88,6 +88,26 @@ class RowState:
             self.reason = "stop"
         elif len(self.out) >= self.req.max_new_tokens:
             self.reason = "length"
+
+
+class BatchRun(Protocol):
+    """How one batch runs on the model: the eager path (:class:`EagerRun`) or the static
+    cache's (:class:`~worker.engines.static_cache.StaticRun`, a captured graph per step). The
+    engine's loop (sampling, constraints, streaming, kept KV) is the same over either."""
+
+    def prefill(self, reqs: list[BatchRequest], taken: list[Retained | None], used: list[int]) -> Any:
+        """Prefill what the rows' held KV (``taken``, ``used`` tokens each) does not cover;
+        returns the ``[rows, vocab]`` logits of every row's last token."""
+        ...
+
+    def decode(self, tokens: Any, positions: list[int]) -> Any:
+        """Feed every row's latest token (``[rows]``, on the device) at ``positions``; returns
+        the next ``[rows, vocab]`` logits."""
+        ...
+
+    def keep_view(self, fed: int) -> tuple[Any, Any]:
+        """``(cache, 2-D mask)`` to cut the rows' kept KV from, after ``fed`` tokens."""
+        ...
 
 
 class EagerRun:
@@ -454,7 +474,7 @@ class HFEngine(Engine):
         return outputs, stats
 
     def _run_for(self, batch: BatchMsg, taken: list[Retained | None],
-                 used: list[int]) -> tuple[Any, list[Retained | None], list[int]]:
+                 used: list[int]) -> tuple[BatchRun, list[Retained | None], list[int]]:
         """How this batch runs: on the static path when the engine has one and its arena holds
         the batch (with the rows' held KV, else prefilled in full), else eagerly."""
         if self.static is None:

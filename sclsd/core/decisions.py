@@ -10,17 +10,13 @@ timeouts (:class:`Expired`), a worker lost (:class:`Removed`), a worker
 drained (``set_active`` returns :data:`Releases`). A driver applies every
 release it is handed, once: it tells that worker to drop that KV. A release
 names only workers still registered when the call returns.
-
-:class:`Round` and :class:`Applied` are also the sequences of their batches
-and of the requests the result ended, for callers that want only those
-(tests); a driver reads ``releases`` too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, overload
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .batch import Batch
@@ -50,7 +46,7 @@ def releases_of(pairs: Iterable[tuple[str, str]]) -> Releases:
 
 
 @dataclass(frozen=True, slots=True)
-class Round(Sequence["Batch"]):
+class Round:
     """A scheduling round: the batches to send (each with its worker set), in order, and
     the KV to release; release it before sending the batches (a moved request's old worker
     drops its copy first)."""
@@ -58,41 +54,15 @@ class Round(Sequence["Batch"]):
     batches: tuple[Batch, ...] = ()
     releases: Releases = ()
 
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    @overload
-    def __getitem__(self, i: int) -> Batch: ...
-    @overload
-    def __getitem__(self, i: slice) -> tuple[Batch, ...]: ...
-    def __getitem__(self, i: int | slice) -> Batch | tuple[Batch, ...]:
-        return self.batches[i]
-
-    def __iter__(self) -> Iterator[Batch]:
-        return iter(self.batches)
-
 
 @dataclass(frozen=True, slots=True)
-class Applied(Sequence["Request"]):
+class Applied:
     """A batch's outcome, applied: the requests it ended (finished, or failed for good), those
     back in the pool, and the KV to release."""
 
     ended: tuple[Request, ...] = ()
     requeued: tuple[Request, ...] = ()
     releases: Releases = ()
-
-    def __len__(self) -> int:
-        return len(self.ended)
-
-    @overload
-    def __getitem__(self, i: int) -> Request: ...
-    @overload
-    def __getitem__(self, i: slice) -> tuple[Request, ...]: ...
-    def __getitem__(self, i: int | slice) -> Request | tuple[Request, ...]:
-        return self.ended[i]
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self.ended)
 
 
 @dataclass(frozen=True, slots=True)

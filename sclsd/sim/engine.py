@@ -235,7 +235,7 @@ class StaticSimulation:
         self.sched.kv_evicted(w.wid, evicted)
         if w.queue:
             self._start(w, now)
-        return len(done)
+        return len(done.ended)
 
 
 def _policy(cfg: SimConfig) -> Policy:

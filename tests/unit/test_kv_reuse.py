@@ -136,7 +136,7 @@ def test_scheduler_keeps_requests_on_their_kv_worker() -> None:
     s = sched()
     for i in range(4):
         s.add(req(i, 300 + i), 0.0)
-    batches = s.schedule(0.0)
+    batches = s.schedule(0.0).batches
     home = {r.rid: b.worker for b in batches for r in b.requests}
     for b in batches:
         rows = [RowOutcome(r.rid, 32, kv_tokens=r.input_len + 32 - 1) for r in b.requests]
@@ -165,7 +165,7 @@ def test_evictions_and_finished_rows_clear_the_kv() -> None:
     s = sched()
     s.add(req(0, 100), 0.0)
     s.add(req(1, 100), 0.0)
-    (b,) = s.schedule(0.0)
+    (b,) = s.schedule(0.0).batches
     rows = [RowOutcome("r0", 32, kv_tokens=131), RowOutcome("r1", 5, finish_reason="stop", kv_tokens=104)]
     (done,) = s.on_result(BatchOutcome(b.bid, rows), 1.0).ended
     r0 = s.get("r0")
@@ -210,7 +210,7 @@ def test_admission_keeps_in_progress_kv_within_the_fleets_budget() -> None:
     for i in range(30):
         s.add(req(i, 100, t=float(i)), float(i))
     got = s.schedule(30.0)
-    admitted = sorted(int(r.rid[1:]) for b in got for r in b.requests)
+    admitted = sorted(int(r.rid[1:]) for b in got.batches for r in b.requests)
     assert admitted == list(range(15))  # 15 × 132 = 1980 <= 2000; oldest first
     assert all(r.state is State.QUEUED for r in s.pool.values()) and len(s.pool) == 15
     # The oldest is always admitted when nothing is in progress, however large.
@@ -228,8 +228,8 @@ def test_without_kv_reuse_nothing_changes() -> None:
         a.add(req(i, 100 + 50 * i, kv="w0" if i % 2 else None), 0.0)
         b.add(req(i, 100 + 50 * i), 0.0)
     sa, sb = a.schedule(0.0), b.schedule(0.0)
-    assert [(x.worker, [r.rid for r in x.requests], x.est_time) for x in sa] == [
-        (x.worker, [r.rid for r in x.requests], x.est_time) for x in sb
+    assert [(x.worker, [r.rid for r in x.requests], x.est_time) for x in sa.batches] == [
+        (x.worker, [r.rid for r in x.requests], x.est_time) for x in sb.batches
     ]
 
 
@@ -248,12 +248,12 @@ def test_kv_on_a_drained_worker_does_not_hold_a_request_back() -> None:
 def test_kv_on_a_busy_worker_waits_for_it_in_a_work_conserving_round() -> None:
     s = sched(wc=True)
     s.add(req(9, 50), 0.0)
-    (first,) = s.schedule(0.0)
+    (first,) = s.schedule(0.0).batches
     busy = first.worker or ""
     r = req(0, 100, 10, kv=busy)
     s.add(r, 0.1)
     assert s.due(0.1) and s.schedule(0.1).batches == ()  # the other worker is idle, but the KV is here
     assert r.state is State.QUEUED
     s.on_result(BatchOutcome(first.bid, [RowOutcome("r9", 32, "stop")]), 1.0)
-    (b,) = s.schedule(1.0)
+    (b,) = s.schedule(1.0).batches
     assert b.worker == busy and b.requests == [r]

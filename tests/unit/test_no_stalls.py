@@ -41,21 +41,21 @@ def slice_done(s: Scheduler, rid: str, now: float) -> None:
     assert r.batch_id is not None
     batch = s.batches[r.batch_id]
     rows = [RowOutcome(x.rid, 32, None) for x in batch.requests]
-    assert not s.on_result(BatchOutcome(batch.bid, rows, elapsed=1.0), now)
+    assert not s.on_result(BatchOutcome(batch.bid, rows, elapsed=1.0), now).ended
 
 
 def test_a_streaming_request_is_dispatched_at_its_bound_not_at_the_interval() -> None:
     for bound, expect in ((1.0, True), (None, False), (0.0, False)):
         s = sched(bound, wc=False, workers=2)
         s.add(req("a", 100, 0.0), 0.0)
-        assert [b.worker for b in s.schedule(0.0)] == ["w0"] and s.next_at >= 5.0
+        assert [b.worker for b in s.schedule(0.0).batches] == ["w0"] and s.next_at >= 5.0
         slice_done(s, "a", 1.0)
         # The interval (>= Γ = 5 s) holds the paper's next round back; the bound does not.
         assert s.due(1.5) is False
         assert s.due(2.0) is expect
         if expect:
             assert s.next_at == pytest.approx(2.0)
-            (b,) = s.schedule(2.0)
+            (b,) = s.schedule(2.0).batches
             assert [r.rid for r in b.requests] == ["a"]
 
 
@@ -64,11 +64,11 @@ def test_streaming_requests_start_before_newcomers_that_waited_longer() -> None:
     for bound in (1.0, None):
         s = sched(bound, wc=True)
         s.add(req("a", 400, 0.0), 0.0)
-        (b,) = s.schedule(0.0)
+        (b,) = s.schedule(0.0).batches
         s.add(req("n", 450, 0.5), 0.5)  # a newcomer, in the pool longer than "a" will be
         slice_done(s, "a", 1.0)
         assert s.due(1.0)
-        (b,) = s.schedule(1.0)  # one idle worker: one of the two batches starts
+        (b,) = s.schedule(1.0).batches  # one idle worker: one of the two batches starts
         picked[bound] = [r.rid for r in b.requests]
     assert picked == {1.0: ["a"], None: ["n"]}
 
@@ -77,14 +77,14 @@ def test_a_due_request_brings_the_papers_round_forward_streaming_ahead_in_the_qu
     s = sched(0.5, wc=False)
     s.add(req("a", 400, 0.0), 0.0)
     s.add(req("b", 450, 0.0), 0.0)
-    first = s.schedule(0.0)  # the paper's round: both batches queued on w0
+    first = s.schedule(0.0).batches  # the paper's round: both batches queued on w0
     assert sorted(len(b.requests) for b in first) == [1, 1] and {b.worker for b in first} == {"w0"}
     x = first[0].requests[0].rid  # served first; the other batch waits behind it
     slice_done(s, x, 1.0)
     s.add(req("n", 300, 0.9), 0.9)  # a newcomer, in the pool before x came back
     # w0 still holds the other batch for longer than the bound: x is due at once, before Γ.
     assert s.workers["w0"].load > 0.5 and s.due(1.0) and s.next_at <= 1.0
-    batches = s.schedule(1.0)
+    batches = s.schedule(1.0).batches
     assert [[r.rid for r in b.requests] for b in batches] == [[x], ["n"]]  # x first in the queue
     assert not s.pool and s.next_at >= 6.0  # the interval starts again from this round
 

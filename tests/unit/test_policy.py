@@ -69,7 +69,7 @@ def test_policy_drives_the_scheduler(name):
     lens = [10] * 30 + [1000] * 3 + [300] * 5
     add(s, lens, max_tokens=300)
     assert s.due(0.0)
-    batches = s.schedule(0.0)
+    batches = s.schedule(0.0).batches
     S = s.policy.slice_len
     assert sum(b.size for b in batches) == len(lens) and not s.pool
     for b in batches:
@@ -85,7 +85,7 @@ def test_policy_drives_the_scheduler(name):
     stop = {b.requests[0].rid for b in batches}
     done = []
     for b in batches:
-        done += s.on_result(outcome(b, finish_ids=stop), now=5.0)
+        done += s.on_result(outcome(b, finish_ids=stop), now=5.0).ended
     assert all(r.state is State.FINISHED for r in done)
     assert all(v == pytest.approx(0.0, abs=1e-9) for v in s.loads().values())
     if S >= 300:  # sls: one "slice" is the whole generation budget -> nothing re-queued
@@ -98,7 +98,7 @@ def test_policy_drives_the_scheduler(name):
 
     # Round 2: re-queued requests are batched with newcomers by their new context length.
     add(s, [20, 20], max_tokens=300, now=6.0)
-    batches2 = s.schedule(max(6.0, s.next_at))
+    batches2 = s.schedule(max(6.0, s.next_at)).batches
     assert sum(b.size for b in batches2) == len(lens) - len(stop) + 2
     for b in batches2:
         s.on_result(outcome(b), now=20.0)
@@ -110,7 +110,7 @@ def test_fixed_batch_size_caps_sls_so_pm_but_not_ab():
     for name in POLICIES:
         s = make_sched(name, batch_size=16)
         add(s, [20] * 64, max_tokens=100)
-        sizes[name] = max(b.size for b in s.schedule(0.0))
+        sizes[name] = max(b.size for b in s.schedule(0.0).batches)
     assert all(sizes[n] <= 16 for n in ("sls", "so", "pm"))
     assert all(sizes[n] > 16 for n in ("ab", "lb", "scls"))
 
@@ -119,7 +119,7 @@ def test_pm_mitigates_padding_where_so_does_not():
     def padding(name):
         s = make_sched(name, workers=("w0",))
         add(s, [10, 1000] * 8, max_tokens=100)
-        return sum(b.size * b.input_len - sum(r.input_len for r in b.requests) for b in s.schedule(0.0))
+        return sum(b.size * b.input_len - sum(r.input_len for r in b.requests) for b in s.schedule(0.0).batches)
 
     assert padding("pm") < padding("so")
 

@@ -35,10 +35,10 @@ def test_slices_requeue_until_done_and_loads_return_to_zero() -> None:
     while s.live:
         now += 1.0
         assert s.due(now)
-        for b in s.schedule(now):
+        for b in s.schedule(now).batches:
             assert b.worker in ("a", "b") and b.size <= 4
             rows = [RowOutcome(r.rid, min(b.slice_len, r.remaining)) for r in b.requests]
-            finished += s.on_result(BatchOutcome(b.bid, rows, elapsed=1.0), now)
+            finished += s.on_result(BatchOutcome(b.bid, rows, elapsed=1.0), now).ended
     assert sorted(r.rid for r in finished) == [f"r{i}" for i in range(6)]
     assert all(r.num_generated == 6 and r.finish_reason == "length" and r.slices == 2 for r in finished)
     assert s.loads() == {"a": 0.0, "b": 0.0}
@@ -48,10 +48,10 @@ def test_slices_requeue_until_done_and_loads_return_to_zero() -> None:
 def test_input_len_grows_with_generated_tokens() -> None:
     s = make(batch_size=1)
     s.add(req(0, plen=10, max_tokens=20), 0.0)
-    (b,) = s.schedule(0.0)
+    (b,) = s.schedule(0.0).batches
     assert b.input_len == 10
     s.on_result(BatchOutcome(b.bid, [RowOutcome("r0", 4)]), 1.0)
-    (b,) = s.schedule(5.0)
+    (b,) = s.schedule(5.0).batches
     assert b.input_len == 14
 
 
@@ -59,7 +59,7 @@ def test_cancel_while_running_ignores_its_row() -> None:
     s = make()
     s.add(req(0), 0.0)
     s.add(req(1), 0.0)
-    (b,) = s.schedule(0.0)
+    (b,) = s.schedule(0.0).batches
     c = s.cancel("r0", 0.5)
     assert c is not None and c.request.state is State.CANCELLED and c.releases == ()
     done = s.on_result(BatchOutcome(b.bid, [RowOutcome("r0", 4, "stop"), RowOutcome("r1", 4, "stop")]), 1.0)
@@ -81,7 +81,7 @@ def test_worker_loss_requeues_without_partial_tokens() -> None:
     s = make(batch_size=2)
     for i in range(4):
         s.add(req(i), 0.0)
-    batches = s.schedule(0.0)
+    batches = s.schedule(0.0).batches
     lost = [b for b in batches if b.worker == "a"]
     removed = s.remove_worker("a", 1.0)
     back = removed.requeued
@@ -92,13 +92,13 @@ def test_worker_loss_requeues_without_partial_tokens() -> None:
     late = s.on_result(BatchOutcome(lost[0].bid, [RowOutcome(r.rid, 3) for r in lost[0].requests]), 2.0)
     assert late.ended == late.requeued == late.releases == ()
     assert all(r.num_generated == 0 for r in back)
-    assert all(b.worker == "b" for b in s.schedule(10.0))
+    assert all(b.worker == "b" for b in s.schedule(10.0).batches)
 
 
 def test_failed_batch_retries_then_fails() -> None:
     s = make()
     s.add(req(0), 0.0)
-    (b,) = s.schedule(0.0)
+    (b,) = s.schedule(0.0).batches
     again = s.on_result(BatchOutcome(b.bid, ok=False), 1.0)
     assert again.ended == () and [r.rid for r in again.requeued] == ["r0"]
     (b,) = s.schedule(5.0).batches
@@ -111,7 +111,7 @@ def test_drained_worker_gets_no_batches() -> None:
     s.set_active("a", False)
     for i in range(3):
         s.add(req(i), 0.0)
-    assert {b.worker for b in s.schedule(0.0)} == {"b"}
+    assert {b.worker for b in s.schedule(0.0).batches} == {"b"}
     s.set_active("b", False)
     s.add(req(9), 0.0)
     assert not s.due(100.0) and s.schedule(100.0).batches == ()
@@ -121,11 +121,11 @@ def test_early_return_only_when_every_row_ends_before_the_slice() -> None:
     s = make(batch_size=2, slice_len=4)
     s.add(req(0), 0.0)
     s.add(req(1), 0.0)
-    (b,) = s.schedule(0.0)
+    (b,) = s.schedule(0.0).batches
     s.on_result(BatchOutcome(b.bid, [RowOutcome("r0", 4, "stop"), RowOutcome("r1", 2, "stop")]), 1.0)
     assert s.stats().early_returns == 0  # a row ran all 4 iterations
     s.add(req(2), 2.0)
     s.add(req(3), 2.0)
-    (b,) = s.schedule(5.0)
+    (b,) = s.schedule(5.0).batches
     s.on_result(BatchOutcome(b.bid, [RowOutcome("r2", 3, "stop"), RowOutcome("r3", 1, "stop")]), 6.0)
     assert s.stats().early_returns == 1

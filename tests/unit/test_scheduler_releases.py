@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from sclsd.core.batch import BatchOutcome, RowOutcome
-from sclsd.core.decisions import Applied, Release, Releases, Round, releases_of
+from sclsd.core.decisions import Release, Releases, releases_of
 from sclsd.core.estimator import Estimator
 from sclsd.core.grant_scheduler import SliceGrantScheduler
 from sclsd.core.memory import KVMemory
@@ -51,17 +51,6 @@ def test_release_groups_keep_the_order_of_decision() -> None:
     got = releases_of([("w1", "a"), ("w0", "b"), ("w1", "c")])
     assert got == (Release("w1", ("a", "c")), Release("w0", ("b",)))
     assert releases_of([]) == ()
-
-
-def test_a_round_and_an_outcome_are_also_their_batches_and_ended_requests() -> None:
-    s = slices()
-    s.add_worker("w0")
-    s.add(req(0), 0.0)
-    rnd = s.schedule(0.0)
-    assert isinstance(rnd, Round) and list(rnd) == list(rnd.batches) and len(rnd) == 1
-    (b,) = rnd
-    applied = s.on_result(BatchOutcome(b.bid, [RowOutcome("r0", 5, "stop")]), 1.0)
-    assert isinstance(applied, Applied) and [r.rid for r in applied] == ["r0"] and applied[0].rid == "r0"
 
 
 # --------------------------------------------------------------------------- slice scheduler

@@ -65,7 +65,7 @@ def test_scheduler_reports_each_request_finished_exactly_once() -> None:
 
     def spy(outcome, now):  # type: ignore[no-untyped-def]
         done = orig(outcome, now)
-        seen.extend(r.rid for r in done)
+        seen.extend(r.rid for r in done.ended)
         return done
 
     sim.sched.on_result = spy  # type: ignore[method-assign]

@@ -75,7 +75,7 @@ def test_every_request_completes_exactly_once_under_every_switch(
 
     def spy(outcome, now):  # type: ignore[no-untyped-def]
         done = orig(outcome, now)
-        finished.extend(r.rid for r in done)
+        finished.extend(r.rid for r in done.ended)
         return done
 
     sim.sched.on_result = spy  # type: ignore[method-assign]

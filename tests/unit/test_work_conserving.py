@@ -42,7 +42,7 @@ def test_idle_worker_makes_a_round_due_at_once() -> None:
     s = sched(wc=True)
     s.add(req(0), 0.0)
     assert s.due(0.0)
-    (b,) = s.schedule(0.0)
+    (b,) = s.schedule(0.0).batches
     s.add(req(1, t=0.5), 0.5)
     # Before the interval ends: due only because two workers are idle.
     assert s.next_at > 0.5 and s.due(0.5)
@@ -57,7 +57,7 @@ def test_no_early_round_when_every_worker_is_busy() -> None:
     s = sched(wc=True, workers=2)
     for i in range(2):
         s.add(req(i, plen=100 + 300 * i), 0.0)
-    batches = s.schedule(0.0)
+    batches = s.schedule(0.0).batches
     assert {b.worker for b in batches} == {"w0", "w1"}  # spread: one batch each
     s.add(req(9, t=0.1), 0.1)
     assert not s.idle_workers() and not s.due(0.1)
@@ -68,11 +68,11 @@ def test_one_big_batch_is_split_over_idle_workers() -> None:
     s = sched(wc=True, workers=4)
     for i in range(12):
         s.add(req(i, plen=100 + i), 0.0)
-    batches = s.schedule(0.0)
+    batches = s.schedule(0.0).batches
     paper = sched(wc=False, workers=4)
     for i in range(12):
         paper.add(req(i, plen=100 + i), 0.0)
-    (one,) = paper.schedule(0.0)  # the DP's choice: all twelve together
+    (one,) = paper.schedule(0.0).batches  # the DP's choice: all twelve together
     assert one.size == 12
     assert len({b.worker for b in batches}) == len(batches) == 4  # one per idle worker
     assert max(b.est_time for b in batches) < one.est_time
@@ -98,14 +98,14 @@ def test_rest_of_the_pool_waits_for_the_next_idle_worker() -> None:
     s = sched(wc=True, workers=2)
     for i in range(2):
         s.add(req(i, plen=100 + 400 * i), 0.0)
-    first = s.schedule(0.0)
+    first = s.schedule(0.0).batches
     assert len(first) == 2
     for i in range(2, 8):
         s.add(req(i, plen=60, t=0.2), 0.2)
     b = first[0]
     s.on_result(BatchOutcome(b.bid, [RowOutcome(r.rid, 32) for r in b.requests]), 1.0)
     assert s.due(1.0)
-    (nxt,) = s.schedule(1.0)  # one idle worker: one batch
+    (nxt,) = s.schedule(1.0).batches  # one idle worker: one batch
     assert nxt.worker == b.worker
     assert not s.workers[first[1].worker or ""].batches - {first[1].bid}  # nothing queued behind
 
@@ -130,7 +130,7 @@ def test_saturation_reduces_to_the_paper_exactly(lens: list[int], gens: list[int
         assert s.due(0.0) == (s.next_at <= 0.0)
         now = max(t, s.next_at)
         assert s.due(now)
-        got = s.schedule(now)
+        got = s.schedule(now).batches
         runs.append(
             (
                 [(b.worker, [r.rid for r in b.requests], b.slice_len, b.est_time) for b in got],
@@ -156,6 +156,6 @@ def test_a_deep_backlog_is_placed_in_one_round() -> None:
     assert n > BACKLOG_BATCHES_PER_IDLE * 2
     for i in range(n):
         s.add(req(i, plen=1000), 0.0)
-    placed = s.schedule(0.0)
+    placed = s.schedule(0.0).batches
     assert len(placed) > BACKLOG_BATCHES_PER_IDLE * 2 and not s.pool
     assert {b.worker for b in placed} == {"w0", "w1"}

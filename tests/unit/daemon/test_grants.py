@@ -9,6 +9,7 @@ import pytest
 
 from sclsd import protocol as P
 from sclsd.config import ConfigError, from_dict
+from sclsd.core.decisions import Round
 from sclsd.core.grant_scheduler import SliceGrantScheduler
 from sclsd.daemon.admission import daemon_id
 
@@ -92,7 +93,7 @@ def test_reserved_kv_never_exceeds_the_budget(daemon) -> None:
         seen: list[int] = []
         schedule = sched.schedule
 
-        def checked(now: float) -> list[Any]:
+        def checked(now: float) -> Round:
             out = schedule(now)
             for w in sched.workers:
                 seen.append(sched.grants.reserved(w))

@@ -1,5 +1,8 @@
-"""The serving core driven synchronously for timing tests: :class:`TimedDriver` is
-:class:`~.test_core.Driver` plus what measuring durations on the fake clock takes.
+"""The serving core driven synchronously: :class:`TimedDriver` is
+:class:`~.test_core.Driver` plus what measuring durations on the fake clock takes;
+:class:`WorkerDriver` (at the end) is :class:`~.test_core.Driver` plus what the streaming
+and KV-reuse tests need of a worker (held results, releases and evictions reaching the
+engine, any engine).
 
 - A worker's queue: a batch waits from its arrival until the test serves it, and its
   result reports that wait as ``queue_wait_s`` (as a real worker does, and as the
@@ -17,6 +20,8 @@ fractions (0.125, 0.25, ...) asserts them exactly, not as lower bounds.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +31,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sclsd import protocol as P
 from sclsd.daemon.metrics import Metrics, model_label
 from sclsd.daemon.serving.effects import Effects, Ended
+from worker.engines.fake import FakeEngine
+from worker.rows import RowBook
 
 from .scrape import Samples
 from .test_core import Driver
@@ -89,3 +96,88 @@ def exported(metrics: Metrics) -> Samples:
         for s in fam.samples:
             out[(s.name, frozenset(s.labels.items()))] = s.value
     return out
+
+
+class WorkerDriver(Driver):
+    """A :class:`Driver` whose workers do what the in-process transport's workers do
+    beyond serving, for the streaming and KV-reuse tests:
+
+    - a worker's engine may be any :class:`FakeEngine` (``join(wid, engine=...)``);
+    - ``release`` reaches the engine (its kept KV dropped), and a result reports the KV
+      its engine evicted (``kv_evicted``), as a worker's does;
+    - ``serve(..., hold=True)`` streams a batch's tokens and keeps its result until
+      :meth:`finish`, as if the slice were still running;
+    - :meth:`counters` are the status's counters (scheduler and engines).
+    """
+
+    def __init__(self, tmp: Path, **sections: dict[str, Any]) -> None:
+        self.held_results: dict[str, list[P.Result]] = {}
+        """Per worker, the results ``serve(..., hold=True)`` kept back, in order."""
+        self._holding = False
+        super().__init__(tmp, **sections)
+
+    def join(self, wid: str, engine: FakeEngine | None = None, **opts: Any) -> Effects:
+        """As :meth:`Driver.join`; ``engine`` (its info registers) instead of ``FakeEngine(**opts)``."""
+        if engine is None:
+            return super().join(wid, **opts)
+        eng = engine
+        self.engines[wid] = eng
+        self.rows[wid] = RowBook()
+        info = eng.info()
+        reg = P.Register(worker_id=wid, engine=info.engine, model=info.model, device=info.device,
+                         kv_bytes_per_token=info.kv_bytes_per_token, mem_available=info.mem_available,
+                         pid=os.getpid(), eos_token_ids=list(info.eos_token_ids),
+                         vocab_size=info.vocab_size, caps=info.caps)
+        assert self.core.join_refusal(reg) is None
+        return self.run(self.core.worker_joined(reg, self.now))
+
+    def run(self, eff: Effects) -> Effects:
+        """As :meth:`Driver.run`; a ``release`` also drops the KV its worker's engine kept."""
+        for wid, msg in eff.to_workers:
+            if isinstance(msg, P.Release) and wid in self.engines:
+                self.engines[wid].release(msg.rids)
+        return super().run(eff)
+
+    def serve(self, wid: str, *, stream: bool = False, result: bool = True,
+              hold: bool = False) -> list[P.BatchMsg]:
+        """As :meth:`Driver.serve`; with ``hold`` the tokens stream and the results wait in
+        :attr:`held_results` for :meth:`finish`."""
+        self._holding = hold
+        try:
+            return super().serve(wid, stream=stream or hold, result=result)
+        finally:
+            self._holding = False
+
+    def message(self, wid: str, msg: P.WorkerMsg) -> Effects:
+        if isinstance(msg, P.Result) and wid in self.engines and not msg.kv_evicted:
+            evicted = self.engines[wid].take_evicted()
+            if evicted:
+                msg = msgspec.structs.replace(msg, kv_evicted=evicted)
+        if isinstance(msg, P.Result) and self._holding:
+            self.held_results.setdefault(wid, []).append(msg)
+            return Effects()
+        return super().message(wid, msg)
+
+    def finish(self, wid: str, n: int | None = None) -> int:
+        """Deliver up to ``n`` of ``wid``'s held results (all by default); returns how many."""
+        held = self.held_results.get(wid, [])
+        take = held[: n if n is not None else len(held)]
+        del held[: len(take)]
+        for res in take:
+            self.message(wid, res)
+        return len(take)
+
+    def until_done(self, client: Hashable, *rids: str, wid: str = "w0", rounds: int = 50,
+                   stream: bool = False) -> None:
+        """As :meth:`Driver.until_done`, the worker streaming its tokens with ``stream``."""
+        for _ in range(rounds):
+            if all(self.terminal(client, r) for r in rids):
+                return
+            self.now += 1.0
+            self.step()
+            self.serve(wid, stream=stream)
+        raise AssertionError(f"not done after {rounds} rounds: {rids}")
+
+    def counters(self) -> dict[str, int]:
+        """The daemon's counters as its status shows them (scheduler and engines)."""
+        return {**self.core.sched.stats().as_counters(), **self.core.results.engines.as_counters()}

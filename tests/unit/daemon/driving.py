@@ -20,7 +20,6 @@ fractions (0.125, 0.25, ...) asserts them exactly, not as lower bounds.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
@@ -31,8 +30,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from sclsd import protocol as P
 from sclsd.daemon.metrics import Metrics, model_label
 from sclsd.daemon.serving.effects import Effects, Ended
-from worker.engines.fake import FakeEngine
-from worker.rows import RowBook
 
 from .scrape import Samples
 from .test_core import Driver
@@ -115,21 +112,6 @@ class WorkerDriver(Driver):
         """Per worker, the results ``serve(..., hold=True)`` kept back, in order."""
         self._holding = False
         super().__init__(tmp, **sections)
-
-    def join(self, wid: str, engine: FakeEngine | None = None, **opts: Any) -> Effects:
-        """As :meth:`Driver.join`; ``engine`` (its info registers) instead of ``FakeEngine(**opts)``."""
-        if engine is None:
-            return super().join(wid, **opts)
-        eng = engine
-        self.engines[wid] = eng
-        self.rows[wid] = RowBook()
-        info = eng.info()
-        reg = P.Register(worker_id=wid, engine=info.engine, model=info.model, device=info.device,
-                         kv_bytes_per_token=info.kv_bytes_per_token, mem_available=info.mem_available,
-                         pid=os.getpid(), eos_token_ids=list(info.eos_token_ids),
-                         vocab_size=info.vocab_size, caps=info.caps)
-        assert self.core.join_refusal(reg) is None
-        return self.run(self.core.worker_joined(reg, self.now))
 
     def run(self, eff: Effects) -> Effects:
         """As :meth:`Driver.run`; a ``release`` also drops the KV its worker's engine kept."""

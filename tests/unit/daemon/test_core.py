@@ -136,8 +136,9 @@ class Driver:
 
     # ------------------------------------------------------------------ workers
 
-    def join(self, wid: str, **engine: Any) -> Effects:
-        eng = self.engines[wid] = FakeEngine(**engine)
+    def join(self, wid: str, engine: FakeEngine | None = None, **opts: Any) -> Effects:
+        """Register worker ``wid``: ``engine`` (any fake engine), else ``FakeEngine(**opts)``."""
+        eng = self.engines[wid] = engine if engine is not None else FakeEngine(**opts)
         self.rows[wid] = RowBook()
         info = eng.info()
         reg = P.Register(worker_id=wid, engine=info.engine, model=info.model, device=info.device,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from sclsd import protocol as P
 from sclsd.daemon.serving.records import Records
 
@@ -79,8 +81,12 @@ def test_a_row_the_worker_holds_no_record_of_is_sent_whole_next_and_not_charged(
     assert sent[:3] == [(["a"], []), ([], ["a"]), (["a"], [])]
 
 
-def test_a_request_ended_by_the_daemon_is_forgotten_on_the_worker(tmp_path: Path) -> None:
-    drv = Driver(tmp_path, scheduler={"slice_len": 4})
+@pytest.mark.parametrize(("kv_reuse", "told"), [(True, P.Release), (False, P.Forget)])
+def test_a_request_ended_by_the_daemon_is_forgotten_on_the_worker(tmp_path: Path, kv_reuse: bool,
+                                                                   told: type) -> None:
+    """Told once: with kept KV, the release drops the record too (no forget follows);
+    without, a forget."""
+    drv = Driver(tmp_path, scheduler={"slice_len": 4, "kv_reuse": kv_reuse})
     drv.join("w0")
     drv.submit("c", "a", max_tokens=40, ignore_eos=True)
     drv.step()
@@ -89,21 +95,8 @@ def test_a_request_ended_by_the_daemon_is_forgotten_on_the_worker(tmp_path: Path
     drv.run(drv.core.cancel("a", drv.now, requester="c"))
     drv.now += 1.0
     drv.step()
-    # Told once: the release of the KV it kept drops the record too, so no forget follows.
-    told = [m for m in drv.to_worker["w0"] if isinstance(m, (P.Forget, P.Release))]
-    assert [(type(m), m.rids) for m in told] == [(P.Release, ["a"])] and "a" not in drv.rows["w0"]
-
-
-def test_a_request_ended_by_the_daemon_without_kept_kv_is_forgotten_on_the_worker(tmp_path: Path) -> None:
-    drv = Driver(tmp_path, scheduler={"slice_len": 4, "kv_reuse": False})
-    drv.join("w0")
-    drv.submit("c", "a", max_tokens=40, ignore_eos=True)
-    drv.step()
-    drv.serve("w0")
-    assert "a" in drv.rows["w0"]
-    drv.run(drv.core.cancel("a", drv.now, requester="c"))
-    told = [m for m in drv.to_worker["w0"] if isinstance(m, (P.Forget, P.Release))]
-    assert [(type(m), m.rids) for m in told] == [(P.Forget, ["a"])] and "a" not in drv.rows["w0"]
+    sent = [m for m in drv.to_worker["w0"] if isinstance(m, (P.Forget, P.Release))]
+    assert [(type(m), m.rids) for m in sent] == [(told, ["a"])] and "a" not in drv.rows["w0"]
 
 
 def test_a_forget_behind_a_queued_delta_does_not_unmake_it(daemon, caplog) -> None:  # noqa: ANN001

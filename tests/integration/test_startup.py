@@ -150,37 +150,6 @@ def test_daemon_serves_a_hub_id_from_the_local_cache_offline(tmp_path: Path) -> 
         assert set(done.text.split()) <= set(WORDS)
 
 
-@pytest.mark.slow  # dequantises the default model's GGUF twice (about 30 s)
-def test_default_model_from_the_cache_equals_the_gguf(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    import logging
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    caplog.set_level(logging.INFO, "sclsd.models")
-    ms = models.resolve("default")
-    assert ms.path is not None and ms.gguf_file is not None
-    built = models.load_model(ms, cache_dir=tmp_path)  # builds the entry, then reads it
-    assert "dequantising" in caplog.text and "from the cache" in caplog.text
-    caplog.clear()
-    cached = models.load_model(ms, cache_dir=tmp_path)
-    assert "dequantising" not in caplog.text and "loading the model of" in caplog.text
-    direct = AutoModelForCausalLM.from_pretrained(str(ms.path), gguf_file=ms.gguf_file, local_files_only=True,
-                                                  dtype=torch.float32)
-    want = direct.state_dict()
-    for got in (built.state_dict(), cached.state_dict()):
-        assert got.keys() == want.keys()
-        assert all(torch.equal(got[k], want[k]) for k in want)
-    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356]])
-    with torch.no_grad():
-        assert torch.equal(cached(ids).logits, direct(ids).logits)
-    def facts(config: Any) -> dict[str, Any]:
-        return {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "quantization_config")}
-
-    # The cached entry's config is the GGUF's, less the quantisation the weights no longer have.
-    assert facts(cached.config) == facts(direct.config)
-
-
 @pytest.mark.slow  # converts the default model's tokenizer (a few seconds)
 def test_default_tokenizer_from_the_cache_equals_the_converted_one(tmp_path: Path) -> None:
     gguf = models.smollm2_gguf_path()
@@ -197,9 +166,18 @@ def test_default_tokenizer_from_the_cache_equals_the_converted_one(tmp_path: Pat
         assert cached.encode(text) == fresh.encode(text)
 
 
-@pytest.mark.slow  # starts the daemon with two workers on the default model twice (about 40 s)
-def test_default_model_is_converted_once_and_the_second_start_reads_the_cache(tmp_path: Path) -> None:
-    sections = {"model": {"name": "smollm2-135m-instruct", "cache_dir": str(tmp_path / "cache")},
+@pytest.mark.slow  # two daemon starts with two workers on the default model, a GGUF load (about 60 s)
+def test_default_model_is_converted_once_and_the_second_start_reads_the_cache(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The first start dequantises the GGUF once for both workers, the second reads the cache,
+    and what the cache holds is the GGUF's model, weights, logits and config."""
+    import logging
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cache = tmp_path / "cache"
+    sections = {"model": {"name": "smollm2-135m-instruct", "cache_dir": str(cache)},
                 "workers": {"spawn": 2, "engine": "hf", "threads": 1}, "scheduler": {"policy": "scls"}}
     took = []
     for run in ("first", "second"):
@@ -209,6 +187,26 @@ def test_default_model_is_converted_once_and_the_second_start_reads_the_cache(tm
         log = (tmp_path / f"{run}.log").read_text()
         built = log.count("building the model cache")
         assert built == (1 if run == "first" else 0), log  # two workers, one conversion
+        assert log.count("dequantising its weights") == built, log
         assert log.count("loading the model of SmolLM2-135M-Instruct.Q4_1.gguf from the cache") == 2
     print(f"ready with 2 workers: first start {took[0]:.1f}s, second start {took[1]:.1f}s")
     assert took[1] < took[0]
+
+    caplog.set_level(logging.INFO, "sclsd.models")
+    ms = models.resolve("default")
+    assert ms.path is not None and ms.gguf_file is not None
+    cached = models.load_model(ms, cache_dir=cache)
+    assert "dequantising" not in caplog.text and "loading the model of" in caplog.text
+    direct = AutoModelForCausalLM.from_pretrained(str(ms.path), gguf_file=ms.gguf_file, local_files_only=True,
+                                                  dtype=torch.float32)
+    want, got = direct.state_dict(), cached.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356]])
+    with torch.no_grad():
+        assert torch.equal(cached(ids).logits, direct(ids).logits)
+
+    def facts(config: Any) -> dict[str, Any]:
+        return {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "quantization_config")}
+
+    # The cached entry's config is the GGUF's, less the quantisation the weights no longer have.
+    assert facts(cached.config) == facts(direct.config)

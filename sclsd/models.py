@@ -479,6 +479,9 @@ def load_model(spec: str | ModelSpec, device: str = "cpu", dtype: Any = None,
             model = AutoModelForCausalLM.from_pretrained(str(ms.path), **kwargs)
     model = model.to(device)
     model.eval()
+    # Weights are never trained here. Leaves that require grad make any step run outside
+    # no_grad/inference_mode fail in place (transformers' graph captures did, on CUDA).
+    model.requires_grad_(False)
     return model
 
 

@@ -65,14 +65,18 @@ def test_buckets_warmed():
     assert kv_buckets(2048, 3000) == [2048]
 
 
-def fake_manager(varlen: bool = True) -> tuple[Any, list[tuple[int, int]], list[int]]:
+def fake_manager(varlen: bool = True, fail: int = 0) -> tuple[Any, list[tuple[int, int]], list[int]]:
+    """A manager whose runner records each capture, and fails the first ``fail`` of them (or
+    any with grad on) as transformers does: a warning and a duration of 0."""
+    import torch
+
     calls: list[tuple[int, int]] = []
     resets: list[int] = []
 
     def run_one_warmup(model: Any, num_q_tokens: int, max_kv_read: int) -> float:
         assert model == "model"
         calls.append((num_q_tokens, max_kv_read))
-        return 0.0
+        return 0.0 if torch.is_grad_enabled() or len(calls) <= fail else 0.01
 
     runner = SimpleNamespace(use_cuda_graph_varlen=varlen, run_one_warmup=run_one_warmup)
     cache = SimpleNamespace(max_batch_tokens=256, max_tokens_read=5000, reset=lambda: resets.append(1))
@@ -90,3 +94,15 @@ def test_warm_up_captures_every_common_query_and_kv_bucket():
     assert resets == [1] and steps and "8/8" in steps[-1]
     mgr, calls, resets = fake_manager(varlen=False)
     assert warm_graphs(mgr) == 0 and calls == [] and resets == []
+
+
+def test_warm_up_runs_without_grad_and_counts_the_shapes_that_failed(caplog):
+    """With grad on every capture failed on a GPU (the weights are leaves that require grad),
+    and the engine still said it had warmed them all."""
+    import torch
+
+    assert torch.is_grad_enabled()
+    mgr, calls, resets = fake_manager(fail=3)
+    with caplog.at_level("WARNING"):
+        assert warm_graphs(mgr) == 8 - 3 and len(calls) == 8 and resets == [1]
+    assert "3 of 8 step shapes failed" in caplog.text

@@ -97,6 +97,7 @@ def test_tiny_random_is_deterministic():
         assert torch.equal(pa.half(), pb), name
     assert models.kv_bytes_per_token(a.config, torch.float32) == 512
     assert not a.training
+    assert not any(p.requires_grad for p in a.parameters())  # inference only: no grad leaves
 
 
 def test_import_is_light():

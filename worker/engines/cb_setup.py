@@ -151,7 +151,13 @@ def warm_graphs(mgr: Any, progress: Callable[[str], None] | None = None) -> int:
     warm-up (which captures only the largest), so that they are not captured while serving
     (a spike in the first-token and inter-token times). Uses the manager's model runner (no
     public hook for this in transformers); returns the shapes warmed, 0 when graphs are off
-    or the runner is not the one this was written for."""
+    or the runner is not the one this was written for.
+
+    Runs under ``torch.no_grad()`` as transformers' own warm-up does: with grad on, every
+    capture fails on the weights (leaves that require grad). transformers logs such a failure
+    and returns a duration of 0; the shapes that failed are counted and logged here."""
+    import torch
+
     proc = getattr(mgr, "batch_processor", None)
     runner = getattr(proc, "model_runner", None)
     if runner is None or not getattr(runner, "use_cuda_graph_varlen", False) \
@@ -160,9 +166,14 @@ def warm_graphs(mgr: Any, progress: Callable[[str], None] | None = None) -> int:
     cfg, cache = mgr.continuous_batching_config, mgr.batch_processor.cache
     shapes = [(q, kv) for q in query_buckets(cfg.q_padding_interval_size, cache.max_batch_tokens)
               for kv in kv_buckets(cfg.kv_padding_interval_size, cache.max_tokens_read)]
-    for i, (q, kv) in enumerate(shapes, 1):
-        runner.run_one_warmup(model=mgr.model, num_q_tokens=q, max_kv_read=kv)
-        if progress is not None and (i == len(shapes) or i % 8 == 0):
-            progress(f"warming: captured {i}/{len(shapes)} step shapes (query {q}, KV {kv})")
+    warmed = 0
+    with torch.no_grad():
+        for i, (q, kv) in enumerate(shapes, 1):
+            warmed += runner.run_one_warmup(model=mgr.model, num_q_tokens=q, max_kv_read=kv) > 0
+            if progress is not None and (i == len(shapes) or i % 8 == 0):
+                progress(f"warming: captured {warmed}/{len(shapes)} step shapes (query {q}, KV {kv})")
     cache.reset()  # as transformers' own warm-up: the fake requests' blocks back to the pool
-    return len(shapes)
+    if warmed < len(shapes):
+        log.warning("hf-cb warm-up: %d of %d step shapes failed to capture (transformers' warning "
+                    "above says why); they will be captured while serving", len(shapes) - warmed, len(shapes))
+    return warmed

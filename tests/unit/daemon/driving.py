@@ -104,14 +104,29 @@ class WorkerDriver(Driver):
       its engine evicted (``kv_evicted``), as a worker's does;
     - ``serve(..., hold=True)`` streams a batch's tokens and keeps its result until
       :meth:`finish`, as if the slice were still running;
+    - :attr:`taken` keeps every batch as its worker's engine took it (rows whole);
+    - ``submit(..., prompt_ids=[...])`` submits token ids rather than a prompt's text;
+    - :meth:`until_done` serves one worker or several;
     - :meth:`counters` are the status's counters (scheduler and engines).
     """
 
     def __init__(self, tmp: Path, **sections: dict[str, Any]) -> None:
         self.held_results: dict[str, list[P.Result]] = {}
         """Per worker, the results ``serve(..., hold=True)`` kept back, in order."""
+        self.taken: dict[str, list[P.BatchMsg]] = {}
+        """Per worker, every batch its engine served, as it took it (rows whole), in order."""
         self._holding = False
         super().__init__(tmp, **sections)
+
+    def submit(self, client: Hashable, rid: str, prompt: str = "hello", *,
+               prompt_ids: list[int] | None = None, **fields: Any) -> Effects:
+        """As :meth:`Driver.submit`; with ``prompt_ids`` the request is those token ids."""
+        if prompt_ids is None:
+            return super().submit(client, rid, prompt, **fields)
+        fields.setdefault("max_tokens", 16)
+        fields.setdefault("stream", False)
+        gen = P.Generate(id=rid, prompt_ids=prompt_ids, temperature=0.0, **fields)
+        return self.run(self.core.submit(client, 1000, gen, rid, list(prompt_ids), self.now))
 
     def run(self, eff: Effects) -> Effects:
         """As :meth:`Driver.run`; a ``release`` also drops the KV its worker's engine kept."""
@@ -125,6 +140,10 @@ class WorkerDriver(Driver):
         """As :meth:`Driver.serve`; with ``hold`` the tokens stream and the results wait in
         :attr:`held_results` for :meth:`finish`."""
         self._holding = hold
+        for b in self.batches(wid):
+            whole = self.whole.get(b.batch_id)
+            if isinstance(whole, P.BatchMsg):
+                self.taken.setdefault(wid, []).append(whole)
         try:
             return super().serve(wid, stream=stream or hold, result=result)
         finally:
@@ -149,15 +168,18 @@ class WorkerDriver(Driver):
             self.message(wid, res)
         return len(take)
 
-    def until_done(self, client: Hashable, *rids: str, wid: str = "w0", rounds: int = 50,
-                   stream: bool = False) -> None:
-        """As :meth:`Driver.until_done`, the worker streaming its tokens with ``stream``."""
+    def until_done(self, client: Hashable, *rids: str, wid: str | tuple[str, ...] = "w0",
+                   rounds: int = 50, stream: bool = False) -> None:
+        """As :meth:`Driver.until_done`, serving the worker ``wid`` (or each of several, in
+        order, every round), streaming its tokens with ``stream``."""
+        wids = (wid,) if isinstance(wid, str) else wid
         for _ in range(rounds):
             if all(self.terminal(client, r) for r in rids):
                 return
             self.now += 1.0
             self.step()
-            self.serve(wid, stream=stream)
+            for w in wids:
+                self.serve(w, stream=stream)
         raise AssertionError(f"not done after {rounds} rounds: {rids}")
 
     def counters(self) -> dict[str, int]:

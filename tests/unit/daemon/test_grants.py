@@ -1,8 +1,12 @@
-"""``scheduler.policy = "scls-cb"`` in the daemon: slice grants through the in-process
-transport (fake engines, which keep KV across slices like hf-cb does)."""
+"""``scheduler.policy = "scls-cb"`` in the daemon: slice grants on the serving core driven
+synchronously with a fake clock (:class:`~.driving.WorkerDriver`; ``fake`` engines with
+continuous batching, which keep KV across slices like hf-cb does). What a worker's
+registration on its connection and admission do runs the whole server over the
+in-process transport."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,154 +15,132 @@ from sclsd import protocol as P
 from sclsd.config import ConfigError, from_dict
 from sclsd.core.decisions import Round
 from sclsd.core.grant_scheduler import SliceGrantScheduler
-from sclsd.daemon.admission import daemon_id
+from sclsd.core.policy import GRANT_POLICIES
 
-from .conftest import Harness, RecConn, held, until
+from .conftest import Harness, RecConn, until
+from .driving import WorkerDriver
 
 CB = {"policy": "scls-cb", "slice_len": 8}
+#: How the daemon spawns fake workers under ``scls-cb`` (a static engine may not join).
+CONTINUOUS: dict[str, Any] = {"batching": "continuous"}
 
 
-def _outputs(conn: RecConn, rids: list[str]) -> dict[str, list[int]]:
-    return {rid: list(conn.terminal(rid)[0].token_ids or []) for rid in rids}
+def _serve(tmp: Path, scheduler: dict[str, Any], n: int = 12) -> tuple[dict[str, list[int]], dict[str, int]]:
+    drv = WorkerDriver(tmp, scheduler=scheduler)
+    engine = CONTINUOUS if scheduler["policy"] in GRANT_POLICIES else {}
+    drv.join("w0", **engine)
+    drv.join("w1", **engine)
+    rids = [f"r{i}" for i in range(n)]
+    for i, rid in enumerate(rids):
+        drv.submit("c", rid, prompt=f"prompt {i} " * (1 + i % 3), max_tokens=10 + 7 * i)
+    drv.until_done("c", *rids, wid=("w0", "w1"))
+    for rid in rids:
+        (done,) = drv.terminal("c", rid)
+        assert isinstance(done, P.Done), done
+        assert len([e for e in drv.events("c", P.Accepted) if e.id == rid]) == 1
+    assert not drv.core.sched.live and not drv.core.sched.batches
+    return {rid: list(drv.terminal("c", rid)[0].token_ids or []) for rid in rids}, drv.counters()
 
 
-def _serve(daemon: Any, scheduler: dict[str, Any], n: int = 12) -> tuple[dict[str, list[int]], dict[str, int]]:
-    out: dict[str, Any] = {}
-
-    async def body(h: Harness) -> None:
-        h.worker("w0")
-        h.worker("w1")
-        await h.registered("w0", "w1")
-        conn = RecConn()
-        rids = [f"r{i}" for i in range(n)]
-        for i, rid in enumerate(rids):
-            await h.submit(conn, id=rid, prompt=f"prompt {i} " * (1 + i % 3), max_tokens=10 + 7 * i)
-        await h.finished(conn, *rids)
-        for rid in rids:
-            (done,) = conn.terminal(rid)
-            assert isinstance(done, P.Done), done
-            assert len(conn.events(rid, P.Accepted)) == 1
-        out["tokens"] = _outputs(conn, rids)
-        out["counters"] = h.counters()
-        assert not h.server.sched.live and not h.server.sched.batches
-
-    daemon(body, scheduler=scheduler)
-    return out["tokens"], out["counters"]
-
-
-def test_grants_serve_the_same_tokens_as_slice_rounds(daemon) -> None:
-    got, counters = _serve(daemon, CB)
-    want, _ = _serve(daemon, {"policy": "scls", "slice_len": 8})
+def test_grants_serve_the_same_tokens_as_slice_rounds(tmp_path: Path) -> None:
+    got, counters = _serve(tmp_path, CB)
+    want, _ = _serve(tmp_path, {"policy": "scls", "slice_len": 8})
     assert got == want
     # Long requests came back after S = 8 tokens and were granted again.
     assert counters["grants"] > len(got)
     assert counters["finished"] == len(got)
 
 
-def test_grant_scheduler_is_built_for_scls_cb(daemon) -> None:
-    async def body(h: Harness) -> None:
-        s = h.server.sched
-        assert isinstance(s, SliceGrantScheduler)
-        assert s.policy.kv_reuse and s.grants.S == 8
-
-    daemon(body, scheduler=CB)
+def test_grant_scheduler_is_built_for_scls_cb(tmp_path: Path) -> None:
+    s = WorkerDriver(tmp_path, scheduler=CB).core.sched
+    assert isinstance(s, SliceGrantScheduler)
+    assert s.policy.kv_reuse and s.grants.S == 8
 
 
-def test_a_request_stays_on_the_worker_holding_its_kv(daemon) -> None:
-    async def body(h: Harness) -> None:
-        w0 = h.worker("w0")
-        await h.registered("w0")
-        conn = RecConn()
-        await h.submit(conn, id="r", max_tokens=40, ignore_eos=True)
-        await h.finished(conn, "r")
-        batches = w0.served  # as the engine took them: rows whole
-        assert len(batches) == 5 and all(b.slice_len == 8 and b.kv_reuse for b in batches)
-        # Every grant after the first resumed the KV its predecessor kept: no re-prefill.
-        assert [len(b.requests[0].token_ids) for b in batches] == [5 + 8 * k for k in range(5)]
-        assert h.counters()["migrations"] == 0
-        # On the wire the request went whole once; each later grant is its budget alone.
-        sent = w0.batches()
-        assert [len(b.requests) for b in sent] == [1, 0, 0, 0, 0]
-        assert [(c.known, c.tail, c.max_new_tokens) for b in sent[1:] for c in b.cont] == [
-            (5 + 8 * k, [], 40 - 8 * k) for k in range(1, 5)]
-
-    daemon(body, scheduler=CB)
+def test_a_request_stays_on_the_worker_holding_its_kv(tmp_path: Path) -> None:
+    drv = WorkerDriver(tmp_path, scheduler=CB)
+    drv.join("w0", **CONTINUOUS)
+    drv.submit("c", "r", max_tokens=40, ignore_eos=True)
+    drv.until_done("c", "r")
+    batches = drv.taken["w0"]  # as the engine took them: rows whole
+    assert len(batches) == 5 and all(b.slice_len == 8 and b.kv_reuse for b in batches)
+    # Every grant after the first resumed the KV its predecessor kept: no re-prefill.
+    assert [len(b.requests[0].token_ids) for b in batches] == [5 + 8 * k for k in range(5)]
+    assert drv.counters()["migrations"] == 0
+    # On the wire the request went whole once; each later grant is its budget alone.
+    sent = [m for m in drv.to_worker["w0"] if isinstance(m, P.BatchMsg)]
+    assert [len(b.requests) for b in sent] == [1, 0, 0, 0, 0]
+    assert [(c.known, c.tail, c.max_new_tokens) for b in sent[1:] for c in b.cont] == [
+        (5 + 8 * k, [], 40 - 8 * k) for k in range(1, 5)]
 
 
-def test_reserved_kv_never_exceeds_the_budget(daemon) -> None:
+def test_reserved_kv_never_exceeds_the_budget(tmp_path: Path) -> None:
     """A budget of ~100 tokens per worker: grants queue for room instead of overcommitting."""
-    async def body(h: Harness) -> None:
-        sched = h.server.sched
-        assert isinstance(sched, SliceGrantScheduler)
-        seen: list[int] = []
-        schedule = sched.schedule
+    drv = WorkerDriver(tmp_path, scheduler=CB)
+    sched = drv.core.sched
+    assert isinstance(sched, SliceGrantScheduler)
+    seen: list[int] = []
+    schedule = sched.schedule
 
-        def checked(now: float) -> Round:
-            out = schedule(now)
-            for w in sched.workers:
-                seen.append(sched.grants.reserved(w))
-                assert sched.grants.reserved(w) <= sched.token_budget()
-            return out
+    def checked(now: float) -> Round:
+        out = schedule(now)
+        for w in sched.workers:
+            seen.append(sched.grants.reserved(w))
+            assert sched.grants.reserved(w) <= sched.token_budget()
+        return out
 
-        sched.schedule = checked  # type: ignore[method-assign]
-        for w in ("w0", "w1"):
-            h.worker(w, mem_budget=100 * 512, kv_bytes_per_token=512)
-        await h.registered("w0", "w1")
-        assert sched.token_budget() <= 100
-        conn = RecConn()
-        rids = [f"r{i}" for i in range(10)]
-        for rid in rids:
-            await h.submit(conn, id=rid, prompt="0123456789" * 2, max_tokens=30, ignore_eos=True)
-        await h.finished(conn, *rids, timeout=10)
-        assert all(isinstance(conn.terminal(r)[0], P.Done) for r in rids)
-        assert max(seen) > 0.5 * sched.token_budget()  # the budget was the binding limit
-        assert all(sched.grants.reserved(w) == 0 for w in sched.workers)
-
-    daemon(body, scheduler=CB)
+    sched.schedule = checked  # type: ignore[method-assign]
+    for w in ("w0", "w1"):
+        drv.join(w, mem_budget=100 * 512, kv_bytes_per_token=512, **CONTINUOUS)
+    assert sched.token_budget() <= 100
+    rids = [f"r{i}" for i in range(10)]
+    for rid in rids:
+        drv.submit("c", rid, prompt="0123456789" * 2, max_tokens=30, ignore_eos=True)
+    drv.until_done("c", *rids, wid=("w0", "w1"))
+    assert all(isinstance(drv.terminal("c", r)[0], P.Done) for r in rids)
+    assert max(seen) > 0.5 * sched.token_budget()  # the budget was the binding limit
+    assert all(sched.grants.reserved(w) == 0 for w in sched.workers)
 
 
-def test_worker_death_during_a_grant_loses_nothing(daemon) -> None:
-    async def body(h: Harness) -> None:
-        w0 = h.worker("w0", hold=True)
-        await h.registered("w0")
-        conn = RecConn()
-        await h.submit(conn, id="a", max_tokens=20, ignore_eos=True)
-        await h.submit(conn, id="b", max_tokens=20, ignore_eos=True)
-        await held(w0, 2)
-        w0.kill()
-        h.tick(h.server.clock() + 60)
-        assert "w0" not in h.members()
-        assert h.server.sched.grants.queued == 2  # both wait again, first in line
-        h.worker("w1")
-        await h.finished(conn, "a", "b")
-        for rid in ("a", "b"):
-            (done,) = conn.terminal(rid)
-            assert isinstance(done, P.Done) and done.worker == "w1"
-            assert done.usage.completion_tokens == 20
+def test_worker_death_during_a_grant_loses_nothing(tmp_path: Path) -> None:
+    drv = WorkerDriver(tmp_path, scheduler=CB)
+    drv.join("w0", **CONTINUOUS)
+    drv.submit("c", "a", max_tokens=20, ignore_eos=True)
+    drv.submit("c", "b", max_tokens=20, ignore_eos=True)
+    drv.step()
+    assert len(drv.batches("w0")) == 2  # a grant each, never served: w0 goes silent
+    drv.now += 60.0
+    eff = drv.run(drv.core.tick(drv.now))
+    assert [(x.wid, x.reason) for x in eff.lost] == [("w0", "silent")]
+    assert "w0" not in drv.core.members
+    sched = drv.core.sched
+    assert isinstance(sched, SliceGrantScheduler) and sched.grants.queued == 2  # both wait again, first in line
+    drv.join("w1", **CONTINUOUS)
+    drv.until_done("c", "a", "b", wid="w1")
+    for rid in ("a", "b"):
+        (done,) = drv.terminal("c", rid)
+        assert isinstance(done, P.Done) and done.worker == "w1"
+        assert done.usage.completion_tokens == 20
 
-    daemon(body, scheduler=CB)
 
-
-def test_cancel_frees_the_grant_and_releases_kept_kv(daemon) -> None:
-    async def body(h: Harness) -> None:
-        w0 = h.worker("w0", hold=True)
-        await h.registered("w0")
-        conn = RecConn()
-        await h.submit(conn, id="a", max_tokens=40, ignore_eos=True)
-        await held(w0, 1)
-        w0.release()  # first grant served: its KV is kept on w0
-        await until(w0.got, lambda: len(w0.held) >= 1)
-        h.server.on_client(conn, P.Cancel(id="a"))
-        await conn.wait_for(lambda: bool(conn.terminal("a")))
-        assert conn.terminal("a")[0].finish_reason == "cancelled"
-        w0.release()  # the running grant's result comes back: the policy forgets "a"
-        sched = h.server.sched
-        a = daemon_id(conn, "a")  # what the daemon and its workers call it
-        await until(h.wake, lambda: a not in sched.grants.grants_on("w0"))
-        await until(w0.got, lambda: any(isinstance(m, P.Release) and a in m.rids for m in w0.received))
-        assert sched.grants.reserved("w0") == 0 and sched.grants.queued == 0
-
-    daemon(body, scheduler=CB)
+def test_cancel_frees_the_grant_and_releases_kept_kv(tmp_path: Path) -> None:
+    drv = WorkerDriver(tmp_path, scheduler=CB)
+    sched = drv.core.sched
+    assert isinstance(sched, SliceGrantScheduler)
+    drv.join("w0", **CONTINUOUS)
+    drv.submit("c", "a", max_tokens=40, ignore_eos=True)
+    drv.step()
+    drv.serve("w0")  # first grant served: its KV is kept on w0
+    drv.now += 1.0
+    drv.step()
+    assert len(drv.batches("w0")) == 1  # the second grant, running
+    drv.run(drv.core.cancel("a", drv.now, requester="c"))
+    assert drv.terminal("c", "a")[0].finish_reason == "cancelled"
+    assert "a" in sched.grants.grants_on("w0")  # the running grant holds its reservation
+    drv.serve("w0")  # the running grant's result comes back: the policy forgets "a"
+    assert "a" not in sched.grants.grants_on("w0")
+    assert any(isinstance(m, P.Release) and "a" in m.rids for m in drv.to_worker["w0"])
+    assert sched.grants.reserved("w0") == 0 and sched.grants.queued == 0
 
 
 def test_config_refuses_scls_cb_with_a_static_engine(tmp_path) -> None:

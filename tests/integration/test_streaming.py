@@ -1,9 +1,11 @@
-"""Tokens streamed as generated, and KV kept across slices, through real daemons and workers.
+"""Tokens streamed as generated, through real daemons and workers.
 
 * Fake workers at 20 ms per iteration, S = 64: a 64-token answer's first token
   reaches the client well before its slice (about 1.3 s) ends.
-* Two hf tiny-random workers: greedy output served with KV kept across slices
-  equals output served with full re-prefills, token for token.
+
+Greedy output with KV kept across slices equals output with full re-prefills: in
+process with the counters in tests/unit/daemon/test_kv_identity.py; through real
+workers against one pass in test_daemon_hf.py (hf) and test_daemon_scls_cb.py (hf-cb).
 """
 
 from __future__ import annotations
@@ -71,34 +73,3 @@ def test_streamed_and_whole_outputs_agree(fake_daemon) -> None:
         whole = c.complete(prompt="agree", max_tokens=150, ignore_eos=True, temperature=0.0, stream=False)
     assert done.timings.slices == 3  # 64 + 64 + 22
     assert streamed == whole.token_ids and len(streamed) == 150
-
-
-def test_greedy_output_is_the_same_with_and_without_kept_kv(tmp_path_factory) -> None:
-    prompts = ["The capital of France is", "One, two, three,", "Hello", "def main():",
-               "A long time ago in a galaxy far, far away", "1 2 3 4 5 6 7 8 9"]
-
-    def serve(reuse: bool) -> tuple[list[list[int]], dict[str, int]]:
-        d = start_daemon(tmp_path_factory.mktemp(f"kv{int(reuse)}"), engine="hf", model="tiny-random",
-                         workers=2, slice_len=4, scheduler={"kv_reuse": reuse}, ready_timeout=180)
-        try:
-            async def run() -> list[Done]:
-                async with AsyncClient(d.sock) as c:
-                    return list(await asyncio.gather(*[
-                        c.complete(prompt=p, max_tokens=11 + 2 * i, temperature=0.0, ignore_eos=True)
-                        for i, p in enumerate(prompts)]))
-
-            done = asyncio.run(run())
-            counters = d.status().counters
-        finally:
-            assert d.stop() == 0, d.log_text()
-        assert all(x.finish_reason == "length" for x in done)
-        return [x.token_ids or [] for x in done], counters
-
-    with_kv, on = serve(True)
-    without, off = serve(False)
-    assert with_kv == without
-    assert on.get("reused_tokens", 0) > 0 and off.get("reused_tokens", 0) == 0
-    # Most of the context was reused rather than prefilled. (The two runs' totals need not
-    # match: with reuse a newcomer's first slice may be cut short, Policy.first_slice_len,
-    # so requests may be served in a different number of slices.)
-    assert on["prefill_tokens"] < off["prefill_tokens"] / 2

@@ -63,6 +63,9 @@ class ResultJob:
     seqs: list[list[int]]
     keep_special: list[bool]
     snaps: list[tuple[int, int, int, int]]
+    stray: list[str]
+    """Rows whose requests ended before the result came (a cancel mid-slice) but whose KV the
+    worker kept: released when the result is applied, unless the scheduler releases them."""
 
 
 def is_out_of_memory(error: str) -> bool:
@@ -140,14 +143,14 @@ class Results:
         if gaps:
             log.warning("worker=%s batch=%d: tokens missing from its stream: %s", res.worker_id,
                         res.batch_id, "; ".join(gaps))
+            self.dispatch.release(res.worker_id, stray, out)
             self.fail_batch(res.batch_id, now, out, why=f"worker {res.worker_id}: tokens missing from its "
                             f"stream ({gaps[0]})")
             return
-        self.dispatch.release(res.worker_id, stray, out)
         wins = [r.entry.out.detok.window(r.entry.out.context() + list(r.output.token_ids)) for r in rows]
         keep = [not r.entry.gen.skip_special_tokens for r in rows]
         out.decode.append(ResultJob(res, rows, [w[0] for w in wins] + [w[1] for w in wins], keep + keep,
-                                    [w[2] for w in wins]))
+                                    [w[2] for w in wins], stray))
 
     def _batch(self, wid: str, bid: int) -> Batch | None:
         batch = self.sched.batches.get(bid)
@@ -170,6 +173,7 @@ class Results:
         if isinstance(texts, BaseException):
             log.error("detokenizing batch=%d failed: %r; ids=%s", res.batch_id, texts, ids,
                       exc_info=texts)
+            self.dispatch.release(res.worker_id, job.stray, out)
             self.fail_batch(res.batch_id, now, out)
             return
         if res.batch_id not in self.sched.batches:
@@ -177,7 +181,7 @@ class Results:
         try:
             k = len(job.rows)
             pairs = [(snap, texts[i], texts[k + i]) for i, snap in enumerate(job.snaps)]
-            self._apply_rows(res, job.rows, pairs, now, out)
+            self._apply_rows(res, job.rows, pairs, job.stray, now, out)
         except Exception:
             # A bug here must not leave requests hanging: log it with the ids, fail the
             # batch (its requests are re-queued, up to scheduler.max_failures).
@@ -213,11 +217,11 @@ class Results:
             self.engines.kv_evicted += len(res.kv_evicted)
 
     def _apply_rows(self, res: P.Result, rows: list[Row],
-                    texts: list[tuple[tuple[int, int, int, int], str, str]], now: float,
+                    texts: list[tuple[tuple[int, int, int, int], str, str]], stray: list[str], now: float,
                     out: Effects) -> None:
         outcomes: list[RowOutcome] = []
         deltas: list[tuple[Entry, list[int], str]] = []
-        stray: list[str] = []
+        stray = list(stray)
         errors: dict[str, str] = {}
         for row, full in zip(rows, texts, strict=True):
             e, o, k = row.entry, row.output, row.streamed
@@ -252,7 +256,9 @@ class Results:
         elapsed = stats.prefill_s + stats.decode_s
         applied = self.sched.on_result(BatchOutcome(res.batch_id, outcomes, elapsed=elapsed), now)
         self._evicted(res)  # after the rows: a row kept early in the batch may be evicted later
-        self.dispatch.release(res.worker_id, stray, out)
+        # A request cancelled while its row ran is released by the scheduler too: tell once.
+        told = {rid for rel in applied.releases if rel.worker == res.worker_id for rid in rel.rids}
+        self.dispatch.release(res.worker_id, [rid for rid in stray if rid not in told], out)
         self.dispatch.apply(applied.releases, out)
         self.dispatch.flush(out)
         out.batch_seconds.append(elapsed)

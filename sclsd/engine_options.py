@@ -4,11 +4,12 @@ type and range, checked when the config loads; and the constraints (:class:`Rang
 fields (``Annotated[int, Range(ge=1)]``).
 
 The daemon passes each ``key = value`` to the workers it spawns as the flag
-``--key value``; ``sclsd-worker`` takes any key of :data:`OPTIONS` that way and hands it
-to the engine's constructor. A key no engine knows, a value of the wrong type, a number
-out of range or not finite (TOML allows ``inf`` and ``nan``), or a key the configured
-engine does not take is refused here, with the key and the reason, instead of making
-every worker fail at start or every batch fail later.
+``--key value`` (the value as ``str()`` writes it: ``True``, ``[1, 2, 4]``);
+``sclsd-worker`` has one flag per key of :data:`OPTIONS`, made from its declaration, and
+hands the engine's constructor the value :func:`parse_option` typed. A key no engine knows,
+a value of the wrong type, a number out of range or not finite (TOML allows ``inf`` and
+``nan``), or a key the configured engine does not take is refused here, with the key and
+the reason, instead of making every worker fail at start or every batch fail later.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["OPTIONS", "Choice", "Option", "Range", "check_option", "check_options"]
+__all__ = ["OPTIONS", "Choice", "Option", "Range", "check_option", "check_options", "parse_option"]
 
 TORCH = ("hf", "hf-cb", "deepspeed")
 STATIC = ("hf", "deepspeed")
@@ -107,25 +108,37 @@ OPTIONS: dict[str, Option] = {
     "max_natural": Option(("fake",), "int", Range(ge=1), help="longest natural output before EOS"),
     "kv_bytes_per_token": Option(("fake",), "int", Range(ge=1), help="Δ it reports"),
     "batching": Option(("fake",), "choice", Choice("static", "continuous"),
-                       help="static: one batch at a time; continuous: grants share a running set of rows"),
+                       help="static: one batch at a time; continuous: grants share a running set of rows "
+                            "(it takes slice grants under scls-cb)"),
     "grammar": Option(("fake",), "bool", help="enforce structured-output grammars (needs llguidance)"),
     "max_rows": Option(("fake",), "int", Range(ge=1),
                        help="continuous batching: most rows running at once (default 64)"),
     # KV kept across slices
-    "kv_reuse": Option(("hf", "deepspeed", "fake"), "bool", help="keep unfinished requests' KV across slices"),
-    "kv_retain_bytes": Option(("hf", "deepspeed", "fake"), "int", Range(ge=0), help="most bytes of kept KV"),
-    "kv_host_bytes": Option(STATIC, "int", Range(ge=0), help="host bytes for kept KV"),
+    "kv_reuse": Option(("hf", "deepspeed", "fake"), "bool",
+                       help="keep unfinished requests' KV across slices (default true)"),
+    "kv_retain_bytes": Option(("hf", "deepspeed", "fake"), "int", Range(ge=0),
+                              help="most bytes of kept KV (default: the memory budget)"),
+    "kv_host_bytes": Option(STATIC, "int", Range(ge=0),
+                            help="host bytes for kept KV that does not fit beside a batch (default: none "
+                                 "on the CPU; on CUDA the KV memory, at most 16 GiB and a quarter of RAM)"),
     # the static-cache path
-    "static_cache": Option(STATIC, "switch", help="serve slices from a static KV cache"),
-    "cuda_graphs": Option(TORCH, "switch", help="capture decode steps as CUDA graphs"),
-    "static_share": Option(STATIC, "float", Range(gt=0.0, le=1.0), help="the arena's share of KV memory"),
+    "static_cache": Option(STATIC, "switch",
+                           help="serve slices from a static KV cache allocated once (auto: on with CUDA "
+                                "for hf, off for deepspeed)"),
+    "cuda_graphs": Option(TORCH, "switch", help="capture decode steps as CUDA graphs (auto: with CUDA)"),
+    "static_share": Option(STATIC, "float", Range(gt=0.0, le=1.0),
+                           help="the static cache's share of KV memory, the rest keeping KV across slices "
+                                "(default 0.5)"),
     "static_buckets": Option(STATIC, "bool", help="pad batches to bucket shapes without graphs too"),
     "graph_batch_sizes": Option(STATIC, "sizes", help="batch-size buckets"),
     "graph_cache_tokens": Option(STATIC, "sizes", help="cache-length buckets"),
-    "prefill_chunk_tokens": Option(STATIC, "int", Range(ge=0), help="most tokens per prefill pass"),
+    "prefill_chunk_tokens": Option(STATIC, "int", Range(ge=0),
+                                   help="most tokens per prefill pass on the static path (0: no chunks; "
+                                        "default 8192 on CUDA)"),
     # hf-cb
     # On by default: OpenAI clients send temperature 1 unless told otherwise.
-    "sampling": Option(("hf-cb",), "bool", help="per-request sampling (default true; false: greedy only)",
+    "sampling": Option(("hf-cb",), "bool", help="per-request sampling (default true; false: greedy only, "
+                                                "which saves a sort of the vocabulary per row and step)",
                        always=True, default=True),
     "page_size": Option(("hf-cb",), "int", Range(ge=1), help="tokens per KV page"),
     "num_blocks": Option(("hf-cb",), "int", Range(ge=1), help="pages of the paged cache"),
@@ -135,7 +148,8 @@ OPTIONS: dict[str, Option] = {
     "kv_padding_tokens": Option(("hf-cb",), "int", Range(ge=1),
                                 help="captured steps pad KV reads to a multiple of this (CUDA graphs)"),
     # deepspeed
-    "kernel_inject": Option(("deepspeed",), "bool", help="DeepSpeed kernel injection (refused)", always=True),
+    "kernel_inject": Option(("deepspeed",), "bool", help="DeepSpeed kernel injection (true is refused, with "
+                                                         "the reason)", always=True),
     # every torch engine (model.dtype is the place for it now)
     "dtype": Option(TORCH, "choice", Choice(of=dtypes), help="weights dtype"),
 }
@@ -166,7 +180,7 @@ def check_option(engine: str | None, key: str, value: Any) -> str | None:
     if opt.kind == "sizes":
         parts = value.replace(" ", "").split(",") if isinstance(value, str) else value
         if not isinstance(parts, list) or not parts or not all(
-                (isinstance(p, int) and not isinstance(p, bool) and p >= 1) or (isinstance(p, str) and p.isdigit()
+                (isinstance(p, int) and not isinstance(p, bool) and p >= 1) or (isinstance(p, str) and p.isdecimal()
                                                                                  and int(p) >= 1)
                 for p in parts):
             return "must be a list of positive integers (or their comma-separated text)"
@@ -178,6 +192,50 @@ def check_option(engine: str | None, key: str, value: Any) -> str | None:
         if opt.rule is not None:
             return opt.rule.why(value)
     return None
+
+
+def _from_text(kind: str, text: str) -> Any:
+    """``text`` as the TOML value it stands for, where it reads as one (else ``text``
+    itself, for :func:`check_option` to refuse): what ``str()`` makes of a TOML value
+    reads back (``True``, ``[1, 2, 4]``)."""
+    low = text.strip().lower()
+    if kind in ("bool", "switch") and low in ("true", "false"):
+        return low == "true"
+    if kind == "switch" and low == "auto":
+        return "auto"
+    if kind in ("int", "float"):
+        try:
+            return (int if kind == "int" else float)(text.strip())
+        except ValueError:
+            return text
+    if kind == "sizes":
+        inner = low[1:-1] if low.startswith("[") and low.endswith("]") else low
+        return [int(p) if p.strip().isdecimal() else p for p in inner.split(",")]
+    return text
+
+
+def parse_option(key: str, value: Any) -> Any:
+    """``key``'s value typed by its declared kind: a TOML value, or text from a command
+    line (``"1,2,4"``, ``"auto"``, ``"false"``, ``"0.5"``). ``bool``: True or False;
+    ``switch``: True, False or ``"auto"``; ``int``; ``float`` (an int too); ``sizes``: a
+    tuple of ints, ascending and unique; ``choice``: the string. A value already typed
+    (or a tuple of sizes) is checked the same way. ``ValueError`` naming the key and why
+    (:func:`check_option`'s reasons) when the key is unknown or the value does not fit."""
+    opt = OPTIONS.get(key)
+    typed = value
+    if opt is not None and isinstance(value, str):
+        typed = _from_text(opt.kind, value)
+    elif opt is not None and opt.kind == "sizes" and isinstance(value, tuple):
+        typed = list(value)
+    why = check_option(None, key, typed)
+    if why is not None:
+        raise ValueError(f"{key}: {why}, got {value!r}")
+    assert opt is not None  # an unknown key has a reason
+    if opt.kind == "sizes":
+        return tuple(sorted({int(p) for p in typed}))
+    if opt.kind == "float":
+        return float(typed)
+    return typed
 
 
 def check_options(engine: str | None, options: dict[str, Any],

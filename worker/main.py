@@ -5,11 +5,15 @@
     sclsd-worker --connect ENDPOINT --id ID [--engine hf-cb|hf|deepspeed|fake] [--model SPEC]
                  [--device cpu] [--threads N] [--mem-budget BYTES] [--heartbeat S]
                  [--dtype auto|float32|bfloat16|float16] [--cache-dir DIR] [--progress-file FILE]
-                 [--decode-s S] [--prefill-s-per-token S] [--vocab N]
-                 [--opt KEY=VALUE ...] [--profile FILE] [--log-level info]
+                 [--ENGINE-OPTION VALUE ...] [--opt KEY=VALUE ...] [--profile FILE] [--log-level info]
                  [--secret-file FILE] [--daemon-timeout S] [--parent-pid PID]
                  [--curve-server-key KEY | --curve-server-key-file FILE] [--curve-keypair FILE]
     sclsd-worker profile ...      (see worker.profile)
+
+Each engine option of :data:`sclsd.engine_options.OPTIONS` is a flag (``decode_s`` is
+``--decode-s``, ``--graph-batch-sizes 1,2,4``, ``--static-cache auto``, ``--kv-reuse=false``),
+made from its declaration and typed by :func:`sclsd.engine_options.parse_option`, as is
+``--opt KEY=VALUE``; a bad value stops the worker at its command line.
 
 Start-up order: tie the process's life to ``--parent-pid`` (the daemon that
 spawned it), read the worker secret, load the engine (model), then register;
@@ -41,6 +45,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from sclsd.engine_options import OPTIONS, Choice, parse_option
 
 log = logging.getLogger("worker")
 
@@ -133,7 +139,9 @@ def secret_path(args: argparse.Namespace) -> Path | None:
 
 
 def parse_value(text: str) -> Any:
-    """Type an ``--opt`` value: int, float, true/false, none, else the string itself."""
+    """Type a value without knowing its option: int, float, true/false, none, else the string
+    itself (for :mod:`sclsd.bench.gpu_stages`' lists of options; this command line types
+    each engine option by its declaration, :func:`option_value`)."""
     low = text.strip().lower()
     if low in ("true", "false"):
         return low == "true"
@@ -147,11 +155,54 @@ def parse_value(text: str) -> Any:
     return text
 
 
+def option_value(key: str, text: str) -> Any:
+    """Engine option ``key``'s value typed by its declaration (:func:`parse_option`); a bad
+    one is the command line's error, with the key and why."""
+    try:
+        return parse_option(key, text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def option_type(key: str) -> Any:
+    """The argparse ``type`` of engine option ``key``'s flag."""
+
+    def typed(text: str) -> Any:
+        return option_value(key, text)
+
+    typed.__name__ = key
+    return typed
+
+
 def parse_opt(text: str) -> tuple[str, Any]:
+    """``--opt KEY=VALUE``: any engine option (``-`` or ``_`` in its key), typed as its flag is."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key.strip().replace("-", "_"), parse_value(value)
+    key = key.strip().replace("-", "_")
+    return key, option_value(key, value)
+
+
+#: Engine options with a flag of their own in :func:`build_parser`, not made from
+#: :data:`OPTIONS`: ``--dtype`` takes ``auto``, resolved where the device is known.
+OWN_FLAGS = ("dtype",)
+
+#: What each kind of engine option's flag takes, for its help.
+KIND_METAVAR = {"bool": "true|false", "switch": "true|false|auto", "int": "N", "float": "X",
+                "sizes": "N,N,..."}
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """One flag per engine option of :data:`OPTIONS` (but :data:`OWN_FLAGS`): ``--key-name``,
+    its value typed by :func:`parse_option`, its help the declaration's."""
+    group = p.add_argument_group("engine options", "sclsd.engine_options.OPTIONS; [workers.options] in the config")
+    for key, opt in OPTIONS.items():
+        if key in OWN_FLAGS:
+            continue
+        choice = opt.rule if isinstance(opt.rule, Choice) and opt.rule.of is None else None
+        metavar = "|".join(choice.values) if choice is not None else KIND_METAVAR.get(opt.kind, "VALUE")
+        group.add_argument(f"--{key.replace('_', '-')}", dest=key, type=option_type(key), default=None,
+                           metavar=metavar, help=f"{', '.join(opt.engines)}: {opt.help}".replace("%", "%%"))
 
 
 def non_negative(text: str) -> float:
@@ -210,87 +261,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="keep the latest loading step in this file (for the daemon's status)",
     )
-    p.add_argument("--decode-s", type=float, default=None, help="fake: seconds per iteration")
-    p.add_argument(
-        "--prefill-s-per-token", type=float, default=None, help="fake: prefill seconds per token"
-    )
-    p.add_argument("--vocab", type=int, default=None, help="fake: vocabulary size")
-    p.add_argument(
-        "--batching",
-        choices=["static", "continuous"],
-        default=None,
-        help="fake: the batching it reports (continuous: it takes slice grants under scls-cb)",
-    )
-    p.add_argument(
-        "--kv-reuse",
-        type=parse_value,
-        default=None,
-        help="hf, fake: keep unfinished requests' KV across slices (true/false; default true)",
-    )
-    p.add_argument(
-        "--kv-retain-bytes",
-        type=int,
-        default=None,
-        help="hf, fake: most bytes of KV kept across slices (default: the memory budget)",
-    )
-    p.add_argument(
-        "--kv-host-bytes",
-        type=int,
-        default=None,
-        help="hf: bytes of host memory for kept KV that does not fit beside a batch "
-        "(default: the memory budget on CUDA, 0 on the CPU)",
-    )
-    p.add_argument(
-        "--kernel-inject",
-        type=parse_value,
-        default=None,
-        help="deepspeed: DeepSpeed kernel injection (true/false; true is refused, with the reason)",
-    )
-    p.add_argument(
-        "--sampling",
-        type=parse_value,
-        default=None,
-        help="hf-cb: per-request sampling (true/false, default true; false: greedy only, which saves "
-        "a sort of the vocabulary per row and step)",
-    )
-    p.add_argument(
-        "--static-cache",
-        type=parse_value,
-        default=None,
-        help="hf: serve slices from a static KV cache allocated once (true/false/auto; auto: on "
-        "with CUDA)",
-    )
-    p.add_argument(
-        "--cuda-graphs",
-        type=parse_value,
-        default=None,
-        help="hf: capture the static path's decode step as CUDA graphs at start (true/false/auto)",
-    )
-    p.add_argument(
-        "--static-share",
-        type=float,
-        default=None,
-        help="hf: part of the KV memory the static cache takes; the rest keeps KV across slices "
-        "(default 0.5)",
-    )
-    p.add_argument("--graph-batch-sizes", default=None,
-                   help="hf: batch-size buckets of the static path, comma-separated")
-    p.add_argument("--graph-cache-tokens", default=None,
-                   help="hf: cache-length buckets of the static path, comma-separated")
-    p.add_argument(
-        "--prefill-chunk-tokens",
-        type=int,
-        default=None,
-        help="hf: most tokens per prefill forward pass on the static path (0: no chunks; "
-        "default 8192 on CUDA)",
-    )
+    add_engine_options(p)
     p.add_argument(
         "--opt",
         action="append",
         type=parse_opt,
         default=[],
         metavar="KEY=VALUE",
-        help="extra engine option (repeatable)",
+        help="an engine option as KEY=VALUE (repeatable; over its flag)",
     )
     p.add_argument("--profile", type=Path, default=None, help="estimator profile JSON to report")
     p.add_argument(
@@ -335,25 +313,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def engine_flags(extra: list[str]) -> list[tuple[str, Any]]:
-    """Engine options given as ``--key value`` (or ``--key=value``) beyond the flags above: any
-    key of :data:`sclsd.engine_options.OPTIONS` (how the daemon passes ``[workers.options]``)."""
-    from sclsd.engine_options import OPTIONS
-
-    out: list[tuple[str, Any]] = []
-    items = iter(extra)
-    for token in items:
-        name, eq, text = token.partition("=")
-        key = name.removeprefix("--").replace("-", "_")
-        if not name.startswith("--") or key not in OPTIONS:
-            raise ValueError(f"unrecognized argument {token!r}")
-        value: str | None = text if eq else next(items, None)
-        if value is None:
-            raise ValueError(f"{name} needs a value")
-        out.append((key, parse_value(value)))
-    return out
-
-
 #: hf-cb on a CPU, unless ``max_batch_tokens`` is given: the most tokens one step computes
 #: (transformers' default is 8192). A newcomer's prefill is then split over steps beside the
 #: running rows' decodes instead of stalling every stream on the worker for all of it at
@@ -363,13 +322,11 @@ CPU_CB_MAX_BATCH_TOKENS = 128
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Constructor options for the engine: the explicit flags given, then ``--opt``s, then
+    """Constructor options for the engine: ``--threads`` and ``--mem-budget``, the engine
+    options of :data:`OPTIONS` given as flags (``--dtype`` among them), then ``--opt``s, then
     :data:`CPU_CB_MAX_BATCH_TOKENS` for hf-cb on a CPU where neither set it."""
     opts: dict[str, Any] = {}
-    for name in ("threads", "mem_budget", "dtype", "decode_s", "prefill_s_per_token", "vocab",
-                 "kernel_inject", "kv_reuse", "kv_retain_bytes", "kv_host_bytes", "sampling",
-                 "batching", "static_cache", "cuda_graphs", "static_share", "graph_batch_sizes",
-                 "graph_cache_tokens", "prefill_chunk_tokens"):
+    for name in ("threads", "mem_budget", *OPTIONS):
         value = getattr(args, name)
         if value is not None:
             opts[name] = value
@@ -450,11 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     # bars (GGUF dequantisation) in worker logs.
     os.environ.setdefault("TQDM_DISABLE", "1")
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    try:
-        args.opt.extend(engine_flags(extra))
-    except ValueError as exc:
-        parser.error(str(exc))
+    args = parser.parse_args(argv)
     setup_logging(args.worker_id, args.log_level)
     # First of all: a worker whose daemon is gone must not load a model for nobody.
     if args.parent_pid is not None and not die_with_parent(args.parent_pid):

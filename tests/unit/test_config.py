@@ -298,20 +298,19 @@ def test_engine_options_are_checked_at_load(engine, options, key, why) -> None:
 
 
 def test_good_engine_options_pass_and_reach_the_worker_as_flags() -> None:
-    from worker.main import build_parser, engine_flags
+    from worker.main import build_parser
 
     C.from_dict({"scheduler": {"policy": "scls"}, "workers": {"engine": "hf", "options": {
         "static_cache": "auto", "cuda_graphs": False, "static_share": 0.25, "graph_batch_sizes": "1,2,4",
         "graph_cache_tokens": [256, 512], "prefill_chunk_tokens": 0, "kv_reuse": True}}})
     C.from_dict({"workers": {"engine": "hf-cb", "options": {"num_blocks": 128, "memory_share": 0.8,
                                                             "page_size": 64}}})
-    assert engine_flags(["--num-blocks", "128", "--memory-share=0.8"]) == [("num_blocks", 128),
-                                                                           ("memory_share", 0.8)]
-    for bad in (["--warp-speed", "9"], ["--num-blocks"], ["stray"]):
-        with pytest.raises(ValueError):
-            engine_flags(bad)
-    args, extra = build_parser().parse_known_args(["--connect", "ipc:///x", "--id", "w", "--page-size", "64"])
-    assert engine_flags(extra) == [("page_size", 64)]
+    head = ["--connect", "ipc:///x", "--id", "w"]
+    args = build_parser().parse_args([*head, "--num-blocks", "128", "--memory-share=0.8", "--page-size", "64"])
+    assert (args.num_blocks, args.memory_share, args.page_size) == (128, 0.8, 64)
+    for bad in (["--warp-speed", "9"], ["--num-blocks"], ["stray"], ["--num-blocks", "0"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*head, *bad])
 
 
 def test_the_daemon_ends_each_of_the_last_gaps_in_one_line_and_exit_2(tmp_path: Path) -> None:

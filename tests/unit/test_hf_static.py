@@ -182,7 +182,8 @@ def test_options_are_checked():
         with pytest.raises(ValueError, match=match):
             StaticOptions.parse("cpu", True, kw["static_cache"], kw["graphs"], kw["share"], kw["sizes"],
                                 None, kw["chunk"])
-    assert parse_sizes([8, 2, 2], "x") == (2, 8)
+    assert parse_sizes([8, 2, 2], "graph_batch_sizes") == (2, 8)
+    assert parse_sizes((4, 1), "graph_cache_tokens") == (1, 4)  # as sclsd-worker passes it
 
 
 def test_activation_reserve_of_a_7b_model():

@@ -22,12 +22,12 @@ def test_parse_value(text, value):
 def test_engine_options_merge_flags_and_opts():
     args = wm.build_parser().parse_args(
         ["--connect", "ipc:///x", "--id", "w", "--engine", "fake", "--decode-s", "0.1",
-         "--mem-budget", "5", "--opt", "vocab=50", "--opt", "max-natural=9"]
+         "--mem-budget", "5", "--opt", "vocab=300", "--opt", "max-natural=9"]
     )  # fmt: skip
     assert wm.engine_options(args) == {
         "decode_s": 0.1,
         "mem_budget": 5,
-        "vocab": 50,
+        "vocab": 300,
         "max_natural": 9,
     }
 

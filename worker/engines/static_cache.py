@@ -41,6 +41,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sclsd.engine_options import parse_option
+
 log = logging.getLogger("worker")
 
 #: Batch-size buckets captured by default (those the arena can hold with the smallest cache).
@@ -59,33 +61,18 @@ RESERVE_ROWS = 512
 
 
 def parse_sizes(value: Any, name: str) -> tuple[int, ...]:
-    """A bucket list from an engine option: ``"1,2,4"``, a list, or one int; ascending, unique."""
-    if isinstance(value, str):
-        parts = [p for p in value.replace(" ", "").split(",") if p]
-    elif isinstance(value, int):
-        parts = [str(value)]
-    else:
-        parts = [str(v) for v in value]
-    try:
-        sizes = sorted({int(p) for p in parts})
-    except ValueError:
-        raise ValueError(f"{name}: expected comma-separated positive integers, got {value!r}") from None
-    if not sizes or sizes[0] < 1:
-        raise ValueError(f"{name}: expected comma-separated positive integers, got {value!r}")
-    return tuple(sizes)
+    """Bucket list option ``name`` (a ``sizes`` kind) as :func:`parse_option` types it:
+    ascending, unique. ``sclsd-worker`` passes it typed; text (``"1,2,4"``, from an engine
+    built directly or ``sclsd-worker profile --opt``) is parsed there too."""
+    sizes: tuple[int, ...] = parse_option(name, value)
+    return sizes
 
 
 def as_switch(name: str, value: Any, auto: bool) -> bool:
-    """An on/off engine option: true/false (or their text), or ``"auto"`` for ``auto``."""
-    if isinstance(value, str):
-        low = value.strip().lower()
-        if low == "auto":
-            return auto
-        if low in ("true", "false"):
-            return low == "true"
-    elif isinstance(value, bool):
-        return value
-    raise ValueError(f"{name}: expected true, false or auto, got {value!r}")
+    """On/off option ``name`` (a ``bool`` or ``switch`` kind) as :func:`parse_option` types
+    it, ``"auto"`` meaning ``auto``; text is parsed there, as for :func:`parse_sizes`."""
+    on = parse_option(name, value)
+    return auto if on == "auto" else bool(on)
 
 
 def activation_reserve(config: Any, dtype: Any, tokens: int, rows: int) -> int:
@@ -135,23 +122,17 @@ class StaticOptions:
         whose ``default`` is on); ``share``: the part of the KV memory the arena takes, the
         rest keeping KV across slices; the bucket lists; ``prefill_chunk_tokens``: most tokens
         per prefill forward pass (0: no chunks; default 8192 on CUDA, none on the CPU);
-        ``buckets``: pad batches to the bucket shapes even without graphs (None: with them)."""
+        ``buckets``: pad batches to the bucket shapes even without graphs (None: with them).
+        Each is checked and typed by :func:`~sclsd.engine_options.parse_option` (typed
+        values as ``sclsd-worker`` passes them, or their text)."""
         cuda = device_type == "cuda"
         on = as_switch("static_cache", static_cache, default and cuda)
         graphs = as_switch("cuda_graphs", cuda_graphs, cuda)
-        if graphs and not cuda:
-            if cuda_graphs is True or str(cuda_graphs).lower() == "true":
-                raise ValueError("cuda_graphs: CUDA graphs need a CUDA device")
-            graphs = False
-        try:
-            frac = float(share)
-        except (TypeError, ValueError):
-            frac = float("nan")
-        if not 0.0 < frac <= 1.0:
-            raise ValueError(f"static_share: expected a number in (0, 1], got {share!r}")
-        chunk = (8192 if cuda else 0) if prefill_chunk_tokens is None else int(prefill_chunk_tokens)
-        if chunk < 0:
-            raise ValueError(f"prefill_chunk_tokens: expected a number >= 0, got {prefill_chunk_tokens!r}")
+        if graphs and not cuda:  # asked for: auto is off without CUDA
+            raise ValueError("cuda_graphs: CUDA graphs need a CUDA device")
+        frac: float = parse_option("static_share", share)
+        chunk: int = (8192 if cuda else 0) if prefill_chunk_tokens is None else parse_option(
+            "prefill_chunk_tokens", prefill_chunk_tokens)
         sizes = DEFAULT_BATCH_SIZES if batch_sizes is None else parse_sizes(batch_sizes, "graph_batch_sizes")
         lens = DEFAULT_CACHE_TOKENS if cache_tokens is None else parse_sizes(cache_tokens, "graph_cache_tokens")
         pad = None if buckets is None else as_switch("static_buckets", buckets, False)

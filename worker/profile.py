@@ -278,20 +278,30 @@ def profile_engine(
 
 
 def _parse_opts(pairs: list[str]) -> dict[str, Any]:
+    """``--opt KEY=VALUE`` pairs: an engine option typed by its declaration (as
+    ``sclsd-worker``'s flags: ``kv_reuse=false`` is False, not the text), another key by
+    the look of its value."""
+    from sclsd.engine_options import OPTIONS, parse_option
+
     out: dict[str, Any] = {}
     for p in pairs:
         key, sep, val = p.partition("=")
         if not sep:
             raise SystemExit(f"--opt wants KEY=VALUE, got {p!r}")
-        for conv in (int, float):
-            try:
-                out[key] = conv(val)
-                break
-            except ValueError:
-                continue
-        else:
-            out[key] = val
+        try:
+            out[key] = parse_option(key, val) if key in OPTIONS else _number_or_text(val)
+        except ValueError as exc:
+            raise SystemExit(f"--opt {p!r}: {exc}") from None
     return out
+
+
+def _number_or_text(val: str) -> Any:
+    for conv in (int, float):
+        try:
+            return conv(val)
+        except ValueError:
+            continue
+    return val
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -124,3 +124,16 @@ def test_cli_defaults_follow_the_device(tmp_path, monkeypatch):
     monkeypatch.setattr("worker.profile.profile_engine", fake_profile)
     assert main(["--engine", "fake", "--out", str(tmp_path / "p.json")]) == 1
     assert (seen["warm_shapes"], seen["repeats"], seen["decode_steps"]) == (False, 2, 8)
+
+
+def test_profile_opts_are_typed_by_their_declaration() -> None:
+    """``--opt kv_reuse=false`` reached the engine as the text "false", which is true."""
+    from worker.profile import _parse_opts
+
+    got = _parse_opts(["kv_reuse=false", "graph_batch_sizes=4,1,2", "static_cache=auto", "dtype=float16",
+                       "threads=2"])
+    assert got == {"kv_reuse": False, "graph_batch_sizes": (1, 2, 4), "static_cache": "auto",
+                   "dtype": "float16", "threads": 2}
+    assert got["kv_reuse"] is False
+    with pytest.raises(SystemExit, match="static_share"):
+        _parse_opts(["static_share=2"])

@@ -2,7 +2,7 @@
 
 Layout (paper section 4.1, docs/design.md section 2)::
 
-    daemon ROUTER <──DEALER── receive thread ──local queue──▶ serve thread ── engine.serve
+    daemon ROUTER <──DEALER── receive thread ──local queue──▶ serve thread ── engine.submit / poll
                                    ▲                                 │
                                    └──────── inproc PAIR ◀───────────┘ (encoded Result)
 
@@ -12,8 +12,8 @@ the receive thread (the caller of :meth:`WorkerRuntime.run`), the sending end
 of the PAIR to the serve thread. The PAIR wakes the receive thread's poll the
 moment a result is ready, so a result is never delayed by a poll timeout.
 
-Tokens stream while a batch runs: the engine hands each step's new tokens to a
-:class:`~worker.serve.TokenStream`, which coalesces them into :class:`~sclsd.protocol.Tokens`
+Tokens stream while a batch runs: each poll's new tokens (the engine's
+:class:`~worker.engines.base.NewTokens` events) go to a :class:`~worker.serve.TokenStream`, which coalesces them into :class:`~sclsd.protocol.Tokens`
 messages (the first at once, then at most one per ``STREAM_INTERVAL_S``) sent
 through the same PAIR, so they always precede the batch's Result. Retained KV
 is the engine's: a :class:`~sclsd.protocol.Release` from the daemon drops some

@@ -1,13 +1,14 @@
-"""The worker's serve thread: the engine's loop over the local queue, and what it sends.
+"""The worker's serve thread: the loop that drives the engine, and what it sends.
 
 The receive thread (:mod:`worker.runtime`) queues each batch as it arrives, its
 continued rows already turned back into whole rows from the worker's records
 (:class:`~worker.rows.RowBook`), in order with the ``release`` and ``forget`` messages
-that drop records; the engine's :meth:`~worker.engines.base.Engine.run` takes them
-through :meth:`ServeLoop.take`. Tokens the engine emits are coalesced into
-:class:`~sclsd.protocol.Tokens` messages (:class:`TokenStream`); each batch's outcome
-becomes a :class:`~sclsd.protocol.Result`, and its rows' tokens grow their records. Both
-go out through the PAIR the receive thread reads, so they keep their order.
+that drop records. :class:`ServeLoop` owns the engine's loop: it submits queued batches
+while the engine has room (:meth:`~worker.engines.base.Engine.submit`), polls it
+(:meth:`~worker.engines.base.Engine.poll`) and dispatches each event by type. New tokens
+are coalesced into :class:`~sclsd.protocol.Tokens` messages (:class:`TokenStream`); each
+batch's end becomes a :class:`~sclsd.protocol.Result`, and its rows' tokens grow their
+records. Both go out through the PAIR the receive thread reads, so they keep their order.
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final
 
 import msgspec
 
 from sclsd import protocol as P
-from worker.engines.base import EMPTY, Empty, Engine
+from worker.engines.base import BatchDone, Engine, Event, NewTokens
 from worker.rows import RowBook
 
-__all__ = ["MAX_ERROR_CHARS", "STREAM_INTERVAL_S", "Holding", "ServeLoop", "State", "TokenStream", "result_rows"]
+__all__ = ["MAX_ERROR_CHARS", "NOTHING", "POLL_S", "STREAM_INTERVAL_S", "Holding", "ServeLoop", "State", "Take",
+           "TokenStream", "drive", "result_rows"]
 
 log = logging.getLogger("worker")
 
@@ -35,10 +37,15 @@ log = logging.getLogger("worker")
 MAX_ERROR_CHARS = 2000
 #: Least time between two Tokens messages of one batch.
 STREAM_INTERVAL_S = 0.02
+#: Longest a busy continuous engine waits for tokens before the loop looks at the queue again.
+POLL_S = 0.005
+#: What :meth:`ServeLoop.take` returns when no batch came within its timeout.
+NOTHING: Final = object()
 
 
 class TokenStream:
-    """Coalesces the engine's ``emit`` calls of every running batch into
+    """Coalesces the engine's new tokens (its :class:`~worker.engines.base.NewTokens` events) of
+    every running batch into
     :class:`~sclsd.protocol.Tokens` messages: a batch's first tokens go at once (with
     whatever else is pending), the rest at most every ``interval`` seconds, all batches in
     one message. Each row's part says where it starts in the slice
@@ -153,6 +160,34 @@ class Holding:
             return held, (max(0.0, self.clock() - self._progress_at) if held else 0.0)
 
 
+#: ``take(timeout)``: the next batch; :data:`NOTHING` when none came within ``timeout`` seconds
+#: (None: wait for one); None to stop once every batch taken has ended.
+Take = Callable[[float | None], "P.BatchMsg | object | None"]
+
+
+def drive(engine: Engine, take: Take, on_event: Callable[[Event], None]) -> None:
+    """The engine's loop: submit batches from ``take`` while the engine has room, poll it while
+    it is busy and hand each event to ``on_event``; returns once ``take`` said stop (None) and
+    every batch taken has ended. An idle engine waits in ``take``; a busy one only looks."""
+    stopping = False
+    while True:
+        while not stopping and engine.has_room():
+            item = take(0.0 if engine.busy() else None)
+            if item is NOTHING:
+                break
+            if item is None:
+                stopping = True
+                break
+            assert isinstance(item, P.BatchMsg)
+            engine.submit(item)
+        if not engine.busy():
+            if stopping:
+                return
+            continue
+        for ev in engine.poll(POLL_S):
+            on_event(ev)
+
+
 class ServeLoop:
     """The serve thread's work (see the module docstring); ``send`` takes encoded messages."""
 
@@ -172,9 +207,10 @@ class ServeLoop:
         """Per batch in flight, its time in the local queue."""
 
     def run(self) -> None:
-        """The engine's loop until it stops; an engine failure ends the process."""
+        """The engine's loop until a stop is queued and every batch taken has ended; an engine
+        failure ends the process."""
         try:
-            self.engine.run(self.take, self.done, self.stream)
+            self.loop()
         except Exception:
             # Admitted requests cannot be answered any more: exit, and the daemon re-queues
             # them when it sees the process (or its heartbeats) gone.
@@ -183,12 +219,26 @@ class ServeLoop:
         finally:
             self.state.busy = False
 
-    def take(self, timeout: float | None) -> P.BatchMsg | Literal[Empty.EMPTY] | None:
-        """The next batch (rows whole); :data:`EMPTY` when none came in time, None to stop."""
+    def loop(self) -> None:
+        """:func:`drive` over the local queue, the events to :meth:`stream` and :meth:`done`."""
+        drive(self.engine, self.take, self.on_event)
+
+    def on_event(self, ev: Event) -> None:
+        """Dispatch one engine event by its type."""
+        if isinstance(ev, NewTokens):
+            self.stream(ev.batch_id, ev.outputs)
+        elif isinstance(ev, BatchDone):
+            self.done(ev.batch, ev.outputs, ev.stats, None)
+        else:
+            self.done(ev.batch, None, None, ev.error)
+
+    def take(self, timeout: float | None) -> P.BatchMsg | object | None:
+        """The next batch (rows whole); :data:`NOTHING` when none came in time (None: wait for
+        one), None to stop."""
         try:
             item = self.batches.get(timeout=timeout) if timeout != 0.0 else self.batches.get_nowait()
         except queue.Empty:
-            return EMPTY
+            return NOTHING
         if item is None:
             return None
         batch, queued_at = item

@@ -118,7 +118,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model spec; auto: the 7B architecture on cards under 100 GiB, the 13B above "
                         "(tiny-random with --smoke)")  # fmt: skip
     p.add_argument("--dtype", default="auto", help="auto: float16 on CUDA, float32 on the CPU")
-    p.add_argument("--bundle", default="", help="a prepare.sh bundle to install first (default: .gpu-bundle if present)")
+    p.add_argument("--bundle", default="",
+                   help="a prepare.sh bundle to install first (default: .gpu-bundle if present, except with --smoke: "
+                        "its wheels are the GPU box's)")
     p.add_argument("--trace", default="", help="trace CSV (arrival_s,input_tokens,output_tokens); default: synthetic")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
     p.add_argument("--deadline", type=float, default=DEADLINE_S, help="seconds for the whole check (default %(default)s)")
@@ -447,7 +449,9 @@ def run(args: argparse.Namespace) -> int:
     parse_stages(args.stages)  # refuse a bad list before anything runs
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
-    bundle = Path(args.bundle) if args.bundle else (Path(".gpu-bundle") if Path(".gpu-bundle").is_dir() else None)
+    # A smoke run rehearses on this machine: the bundle's wheels are built for the GPU box's Python.
+    default = Path(".gpu-bundle") if Path(".gpu-bundle").is_dir() and not args.smoke else None
+    bundle = Path(args.bundle) if args.bundle else default
     runner = Runner(out, args.deadline, on_row=_progress, on_stage_end=lambda _end: write_summary(out))
     write_summary(out)
     table = SMOKE_CAPS if args.smoke else CAPS

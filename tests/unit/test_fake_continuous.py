@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 
 from sclsd import protocol as P
-from worker.engines.base import EMPTY, queue_take
+from unit.engine_loop import queue_take, run
 from worker.engines.fake import FakeEngine
 from worker.engines.fake_cb import ContinuousRows
 from worker.engines.kvstore import Retained
+from worker.serve import NOTHING
 
 
 def req(rid: str, ids: list[int], max_new: int = 200, **kw: Any) -> P.BatchRequest:
@@ -43,7 +44,8 @@ class Clock:
 
 
 class Run:
-    """Drive :class:`ContinuousRows`: batches handed over at given steps, then stop; what
+    """Drive the engine's :class:`ContinuousRows` through the worker's loop: batches handed over at
+    given steps, then stop; what
     ``stream`` and ``done`` heard, with the step each came in."""
 
     def __init__(self, eng: FakeEngine, plan: list[tuple[int, P.BatchMsg]]) -> None:
@@ -51,7 +53,8 @@ class Run:
         self.plan = sorted(plan, key=lambda x: x[0])
         self.streamed: list[tuple[int, int, P.RequestOutput]] = []
         self.done: list[tuple[int, P.BatchMsg, Any, Any, str | None]] = []
-        ContinuousRows(eng, clock=self.clock, sleep=self.clock.sleep).run(self.take, self.on_done, self.on_stream)
+        eng.continuous = ContinuousRows(eng, clock=self.clock, sleep=self.clock.sleep)
+        run(eng, self.take, self.on_done, self.on_stream)
 
     def take(self, timeout: float | None) -> Any:
         if not self.plan:
@@ -60,7 +63,7 @@ class Run:
         if step <= self.clock.steps or timeout is None:  # an idle engine waits for it
             self.plan.pop(0)
             return b
-        return EMPTY
+        return NOTHING
 
     def on_stream(self, bid: int, outs: list[P.RequestOutput]) -> None:
         self.streamed += [(self.clock.steps, bid, o) for o in outs]
@@ -209,7 +212,8 @@ def test_a_batch_that_finds_no_place_stays_in_the_workers_queue() -> None:
     def on_stream(bid: int, outs: list[P.RequestOutput]) -> None:
         left.append(q.qsize())
 
-    ContinuousRows(eng, clock=clock, sleep=clock.sleep).run(queue_take(q), lambda *a: None, on_stream)
+    eng.continuous = ContinuousRows(eng, clock=clock, sleep=clock.sleep)
+    run(eng, queue_take(q), lambda *a: None, on_stream)
     # While "a" runs, "b" (and the stop) wait in the queue; "b" is taken once "a" is done.
     assert left == [2, 2, 2, 1, 1, 1] and clock.steps == 6
 
@@ -226,14 +230,14 @@ def test_a_bad_batch_fails_alone_and_an_empty_one_is_done_at_once() -> None:
 
 
 def test_the_worker_loop_takes_a_real_queue() -> None:
-    """FakeEngine.run with batching continuous runs this loop over the worker's queue."""
+    """A FakeEngine with batching continuous runs its rows in the worker's loop over a real queue."""
     eng = FakeEngine(batching="continuous")
     q: queue.Queue[Any] = queue.Queue()
     for b in (batch(1, 3, req("a", [5], 9, ignore_eos=True)), batch(2, 3, req("b", [6], 2, ignore_eos=True))):
         q.put(b)
     q.put(None)
     done: list[tuple[int, list[int]]] = []
-    eng.run(queue_take(q), lambda b, outs, st, err: done.append((b.batch_id, [len(o.token_ids) for o in outs or []])))
+    run(eng, queue_take(q), lambda b, outs, st, err: done.append((b.batch_id, [len(o.token_ids) for o in outs or []])))
     assert done == [(2, [2]), (1, [3])]
 
 

@@ -5,7 +5,6 @@ and the batch itself does not fail (so the daemon neither retries it nor drops t
 from __future__ import annotations
 
 import json
-import queue
 from typing import Any
 
 import pytest
@@ -14,8 +13,8 @@ llguidance = pytest.importorskip("llguidance")
 
 from sclsd import protocol as P  # noqa: E402
 from sclsd.structured import grammar_text  # noqa: E402
+from unit.engine_loop import run_batches  # noqa: E402
 from worker.engines import grammar as G  # noqa: E402
-from worker.engines.base import queue_take  # noqa: E402
 from worker.engines.fake import FakeEngine  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"a": {"enum": [1, 2]}, "b": {"type": "string", "maxLength": 5}},
@@ -40,12 +39,7 @@ def rows() -> list[P.BatchRequest]:
 
 def run_one(engine: Any, batch: P.BatchMsg) -> tuple[list[P.RequestOutput] | None, str | None]:
     """``batch`` through the engine's own loop (what the worker runs): (outputs, error)."""
-    q: queue.Queue[Any] = queue.Queue()
-    q.put(batch)
-    q.put(None)
-    got: list[tuple[Any, Any]] = []
-    engine.run(queue_take(q), lambda b, outs, stats, err: got.append((outs, err)))
-    ((outs, err),) = got
+    ((_, outs, _, err),) = run_batches(engine, [batch])
     return outs, err
 
 

@@ -7,6 +7,7 @@ import queue
 import pytest
 
 from sclsd import protocol as P
+from unit.engine_loop import queue_take, run
 
 pytest.importorskip("torch")
 
@@ -38,6 +39,17 @@ def test_greedy_matches_static_engine(engines) -> None:
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.finish_reason for o in got] == ["length"] * 3
     assert stats.pad_tokens == 0 and stats.invalid_tokens == 0 and stats.batch_size == 3
+
+
+def test_it_shares_the_model_with_hf_not_its_serving(engines) -> None:
+    from worker.engines.base import SliceEngine
+    from worker.engines.hf import HFEngine
+    from worker.engines.hf_model import TransformersModel
+
+    cb, hf = engines
+    assert isinstance(cb, TransformersModel) and not isinstance(cb, (HFEngine, SliceEngine))
+    assert cb.info().vocab_size == hf.info().vocab_size and cb.info().kv_bytes_per_token == hf.delta
+    assert cb.info().caps.batching == "continuous" and cb.has_room() and not cb.busy()
 
 
 def test_slice_cap_leaves_request_unfinished(engines) -> None:
@@ -80,8 +92,6 @@ def test_sampling_is_per_request_and_seeds_are_served(engines) -> None:
 
 
 def test_continuous_admits_batches_while_others_run(engines) -> None:
-    from worker.engines.base import queue_take
-
     cb, hf = engines
     q: queue.Queue = queue.Queue()
     long = P.BatchMsg(batch_id=10, slice_len=64, requests=rows([[3, 4, 5]], 40, ignore_eos=True))
@@ -107,7 +117,7 @@ def test_continuous_admits_batches_while_others_run(engines) -> None:
             q.put(short)  # arrives while the long request generates
         return item
 
-    cb.run(take_then_add, emit)
+    run(cb, take_then_add, emit)
     assert order == [11, 10]  # the short request left before the long one finished
     want, _ = hf.serve(short)
     assert outs[11] == want[0].token_ids
@@ -185,3 +195,19 @@ def test_min_tokens_and_logit_bias_are_served(engines) -> None:
     for extra in (dict(min_tokens=3), dict(logit_bias={5: 1.0})):
         (out,), _ = cb.serve(P.BatchMsg(batch_id=9, slice_len=4, requests=rows([[5, 6]], 4, **extra)))
         assert out.token_ids
+
+
+def test_a_dead_generation_thread_fails_the_poll_not_the_batch(engines) -> None:
+    """The engine itself broke: poll raises (the worker exits and the daemon serves the batch
+    elsewhere) instead of ending the batch as if its rows had failed. The next batch starts a
+    new manager."""
+    cb, hf = engines
+    cb.submit(P.BatchMsg(batch_id=40, slice_len=64, requests=rows([[3, 4, 5]], 60, ignore_eos=True)))
+    assert cb.busy()
+    cb._mgr.stop(block=True, timeout=30, hard_stop=True)
+    with pytest.raises(RuntimeError, match="stopped unexpectedly"):
+        for _ in range(1000):
+            cb.poll(0.01)
+    assert not cb.busy() and cb._mgr is None
+    batch = P.BatchMsg(batch_id=41, slice_len=4, requests=rows(PROMPTS[:1], 4, ignore_eos=True))
+    assert cb.serve(batch)[0][0].token_ids == hf.serve(batch)[0][0].token_ids

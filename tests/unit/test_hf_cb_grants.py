@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from sclsd import protocol as P
+from unit.engine_loop import queue_take, run
 
 pytest.importorskip("torch")
 
@@ -117,8 +118,6 @@ def test_stop_token_across_grants(engines) -> None:
 
 
 def test_interleaved_grants_admitted_while_others_run(engines) -> None:
-    from worker.engines.base import queue_take
-
     cb, _, hf = engines
     plan = {"x": ([3, 4, 5], 14, 2), "y": ([7, 7, 9, 11], 9, 3), "z": ([20] * 12, 11, 5)}
     want = {rid: one_pass(hf, p, n) for rid, (p, n, _) in plan.items()}
@@ -155,7 +154,7 @@ def test_interleaved_grants_admitted_while_others_run(engines) -> None:
             put("z")
         return item
 
-    cb.run(take_and_admit, emit)
+    run(cb, take_and_admit, emit)
     assert got == want
     assert len(reused) == sum(-(-n // s) - 1 for _, n, s in plan.values())
 
@@ -224,7 +223,7 @@ def test_release_while_running_applies_at_its_end(engines) -> None:
         cb.release(None)  # e.g. the daemon re-registered while the grant runs
         return None  # stop once the running row ends
 
-    cb.run(take, lambda b, o, stats, error: outs.append(o[0]))
+    run(cb, take, lambda b, o, stats, error: outs.append(o[0]))
     (out,) = outs
     assert len(out.token_ids) == 30 and out.finish_reason is None and out.kv_tokens == 0
     assert cb.kept() == {}

@@ -68,7 +68,11 @@ def test_sampled_rows_follow_their_grammar_too(engine) -> None:
         assert set(json.loads(text(o.token_ids))) == {"ok", "n"}
 
 
-def test_a_bad_grammar_fails_the_batch_with_the_reason(engine) -> None:
+def test_a_bad_grammar_fails_its_row_with_the_reason(engine) -> None:
     bad = BatchRequest(rid="b", token_ids=[5], max_new_tokens=4, grammar='{"grammars": [{"json_schema": 7}]}')
-    with pytest.raises(ValueError, match="grammar"):
-        engine.serve(BatchMsg(batch_id=5, slice_len=4, requests=[bad]))
+    good = BatchRequest(rid="g", token_ids=[6], max_new_tokens=4, ignore_eos=True, temperature=0.0)
+    outs, stats = engine.serve(BatchMsg(batch_id=5, slice_len=4, requests=[bad, good]))
+    assert {o.rid for o in outs} == {"b", "g"} and stats.batch_size == 1
+    (failed,) = [o for o in outs if o.rid == "b"]
+    assert failed.error is not None and "grammar" in failed.error and failed.token_ids == []
+    assert len(next(o for o in outs if o.rid == "g").token_ids) == 4

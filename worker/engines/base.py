@@ -1,63 +1,97 @@
 """The Engine interface every worker engine implements (hf, hf-cb, deepspeed, fake).
 
+An engine is driven from outside; the worker's serve thread owns the loop
+(:class:`worker.serve.ServeLoop`)::
+
+    while running:
+        while engine.has_room():      # a batch waiting in the worker's queue
+            engine.submit(batch)      # rows whole; never raises for the batch's content
+        for event in engine.poll(t):  # advance the work (at most ``t`` s of waiting)
+            NewTokens   -> a Tokens message (coalesced)
+            BatchDone   -> a Result with the rows' outputs and stats
+            BatchFailed -> a Result with the error
+    engine.release(rids)              # from the receive thread, at any time
+
+Every submitted batch ends with exactly one :class:`BatchDone` or :class:`BatchFailed`,
+after the :class:`NewTokens` events of its rows. A static engine
+(:class:`SliceEngine`) holds one batch at a time and runs one decoding iteration per
+:meth:`Engine.poll`; a continuous one (``caps.batching == "continuous"``) takes batches
+while earlier ones generate and says how long it may wait for tokens.
+
 Two optional capabilities beyond serving a batch:
 
-* **Streaming.** ``serve(batch, emit)`` calls ``emit(outputs)`` from its decode
-  loop with the tokens generated since the previous call, one
-  :class:`~sclsd.protocol.RequestOutput` per row that has new tokens
-  (:class:`TokenCursor` does that bookkeeping). The returned outputs still hold
-  every token of the slice: the worker sends the daemon only those its stream
-  did not carry (:func:`worker.serve.result_rows`).
+* **Streaming.** :class:`NewTokens` holds the tokens generated since the batch's previous
+  event, one :class:`~sclsd.protocol.RequestOutput` per row that has new ones
+  (:class:`TokenCursor` does that bookkeeping). :class:`BatchDone` still holds every token
+  of the slice: the worker sends the daemon only those its stream did not carry
+  (:func:`worker.serve.result_rows`).
 * **Retained KV.** An engine may keep an unfinished request's KV after its slice
-  (reported per row as ``RequestOutput.kv_tokens``); :meth:`Engine.release` drops
-  it on the daemon's word and :meth:`Engine.take_evicted` lists what the engine
-  dropped by itself to make room.
-
-The worker drives every engine the same way, through :meth:`Engine.run`: batches come
-from a ``take`` function and each one's outcome goes to ``done``. A static engine serves
-them one at a time (the default :meth:`Engine.run`, over :meth:`Engine.serve`); a
-continuous engine (``caps.batching == "continuous"``) overrides :meth:`Engine.run` to
-admit new batches while earlier ones still generate.
+  (reported per row as ``RequestOutput.kv_tokens``); :meth:`Engine.release` drops it on
+  the daemon's word and :meth:`Engine.take_evicted` lists what the engine dropped by
+  itself to make room.
 
 A row the engine cannot serve fails alone: its grammar matcher cannot be built
 (:class:`~worker.engines.grammar.GrammarError`) and the row's output carries the error
 (``RequestOutput.error``) while the others are served; the daemon ends that request and
-retries it nowhere (:meth:`Engine.serve_rows` for static engines).
+retries it nowhere.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
-import queue
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any
 
 import msgspec
 
 from sclsd.protocol import BatchMsg, BatchStats, EngineCaps, RequestOutput
 from worker.engines.grammar import GrammarError, row_error
 
+__all__ = ["BatchDone", "BatchFailed", "Emit", "Engine", "EngineInfo", "Event", "NewTokens", "SliceEngine",
+           "Steps", "TokenCursor"]
+
 log = logging.getLogger("worker")
 
-#: Receives the tokens a running batch generated since the last call (see the module docstring).
+#: Hears the new tokens of the batch :meth:`Engine.serve` runs (one output per row that has some).
 Emit = Callable[[list[RequestOutput]], None]
-class Empty(enum.Enum):
-    """What ``take`` returns when no batch came within its timeout (one value: :data:`EMPTY`)."""
-
-    EMPTY = "empty"
 
 
-EMPTY: Final = Empty.EMPTY
-#: ``take(timeout)``: the next batch; :data:`EMPTY` when none came within ``timeout`` seconds
-#: (None: wait for one); None to stop once every admitted batch is done.
-Take = Callable[[float | None], "BatchMsg | Literal[Empty.EMPTY] | None"]
-#: ``done(batch, outputs, stats, error)``: a batch's outcome, outputs and stats or an error text.
-Done = Callable[[BatchMsg, "list[RequestOutput] | None", "BatchStats | None", "str | None"], None]
-#: ``stream(batch_id, outputs)``: a running batch's new tokens.
-Stream = Callable[[int, "list[RequestOutput]"], None]
+@dataclass(frozen=True, slots=True)
+class NewTokens:
+    """Tokens a running batch generated since its previous event, one output per row with new ones
+    (``finish_reason`` set on a row's last part when it finished)."""
+
+    batch_id: int
+    outputs: list[RequestOutput]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchDone:
+    """A batch ended: one output per row, in the batch's order, with every token of the slice."""
+
+    batch: BatchMsg
+    outputs: list[RequestOutput]
+    stats: BatchStats
+
+
+@dataclass(frozen=True, slots=True)
+class BatchFailed:
+    """A batch could not be served (none of its rows' outputs count): ``error`` says why."""
+
+    batch: BatchMsg
+    error: str
+    exc: BaseException | None = None
+    """The exception behind ``error``, when there was one (:meth:`Engine.serve` raises it)."""
+
+
+#: What :meth:`Engine.poll` returns.
+Event = NewTokens | BatchDone | BatchFailed
+#: A static engine's batch, one decoding iteration per step: each ``next`` yields the
+#: outputs with new tokens (possibly none), and the generator returns every row's output
+#: and the batch's stats (:meth:`SliceEngine.steps`).
+Steps = Generator[list[RequestOutput], None, tuple[list[RequestOutput], BatchStats]]
 
 
 @dataclass
@@ -82,10 +116,12 @@ class EngineInfo:
 
 
 class Engine(ABC):
-    """Serves one batch at a time, for at most ``batch.slice_len`` decoding iterations.
+    """Serves batches, each for at most ``batch.slice_len`` decoding iterations (see the module
+    docstring). Each row stops at EOS (unless ignore_eos), at a stop token, or after its
+    ``max_new_tokens``.
 
-    ``serve`` is called from the worker's serve thread only; engines need not
-    be thread-safe.
+    :meth:`submit` and :meth:`poll` are called from the worker's serve thread only;
+    :meth:`release` may come from another thread while a batch runs.
     """
 
     name: str = "base"
@@ -95,16 +131,25 @@ class Engine(ABC):
         """Describe the loaded model and the memory it leaves for KV cache."""
 
     @abstractmethod
-    def serve(
-        self, batch: BatchMsg, emit: Emit | None = None
-    ) -> tuple[list[RequestOutput], BatchStats]:
-        """Run the batch; return one output per request (same order) and stats.
+    def has_room(self) -> bool:
+        """Whether :meth:`submit` may take another batch now (a batch that finds no room waits
+        in the worker's queue, where its wait is measured as ``queue_wait_s``)."""
 
-        Each row stops at EOS (unless ignore_eos), at a stop token, or after
-        its ``max_new_tokens``; the batch stops after ``slice_len`` iterations
-        or when every row has stopped. ``emit``, when given, hears new tokens as
-        they are generated (an engine may also call it never, or only at the end).
-        """
+    @abstractmethod
+    def submit(self, batch: BatchMsg) -> None:
+        """Take ``batch`` (its rows whole). What is wrong with it (an empty context, ids
+        outside the vocabulary) comes back from :meth:`poll` as :class:`BatchFailed`."""
+
+    @abstractmethod
+    def busy(self) -> bool:
+        """Whether a submitted batch has not ended yet (its end not returned by :meth:`poll`)."""
+
+    @abstractmethod
+    def poll(self, timeout: float) -> list[Event]:
+        """Advance the submitted batches and return what happened since the last call,
+        waiting at most ``timeout`` seconds for it when nothing is ready (a static engine runs
+        one iteration instead). Raises only when the engine itself broke: the worker then exits
+        and the daemon serves its requests elsewhere."""
 
     @staticmethod
     def check_batch(batch: BatchMsg, vocab: int | None = None) -> None:
@@ -117,50 +162,26 @@ class Engine(ABC):
                 if bad:
                     raise ValueError(f"request {r.rid!r}: token id {bad[0]} outside vocab {vocab}")
 
+    def serve(self, batch: BatchMsg, emit: Emit | None = None) -> tuple[list[RequestOutput], BatchStats]:
+        """Serve ``batch`` alone to its end (blocking) and return its outputs and stats; ``emit``
+        hears its new tokens as they come. For an idle engine (the profiler, benchmarks,
+        tests); a batch that fails raises its error."""
+        if self.busy():
+            raise RuntimeError(f"{self.name}: serve() needs an idle engine")
+        self.submit(batch)
+        while True:
+            for ev in self.poll(0.05):
+                if isinstance(ev, NewTokens):
+                    if emit is not None:
+                        emit(ev.outputs)
+                elif isinstance(ev, BatchDone):
+                    return ev.outputs, ev.stats
+                else:
+                    raise ev.exc if ev.exc is not None else RuntimeError(ev.error)
+
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:  # noqa: B027 - optional
         """Before the worker registers: whatever makes the first batches as fast as the later
         ones (capturing graphs, first calls of kernels); ``progress`` hears each step."""
-
-    def run(self, take: Take, done: Done, stream: Stream | None = None) -> None:
-        """Serve batches from ``take`` until it returns None, reporting each to ``done``.
-
-        Static engines serve one batch at a time; a batch that raises is reported with the
-        error text and the engine goes on with the next. Continuous engines override this.
-        """
-        while True:
-            batch = take(None)
-            if batch is None:
-                return
-            if batch is EMPTY:
-                continue
-            emit: Emit | None = None
-            if stream is not None:
-                def emit(outputs: list[RequestOutput], bid: int = batch.batch_id) -> None:
-                    stream(bid, outputs)
-            try:
-                outputs, stats = self.serve_rows(batch, emit)
-            except Exception as exc:  # the worker outlives a failing batch
-                log.exception("batch=%d failed", batch.batch_id)
-                done(batch, None, None, f"{type(exc).__name__}: {exc}")
-                continue
-            done(batch, outputs, stats, None)
-
-    def serve_rows(self, batch: BatchMsg, emit: Emit | None = None) -> tuple[list[RequestOutput], BatchStats]:
-        """:meth:`serve`, failing rows alone: a row whose grammar cannot be built
-        (:class:`~worker.engines.grammar.GrammarError`, raised before any token) is left out
-        and answered with its error (``RequestOutput.error``), and the rest is served."""
-        failed: list[RequestOutput] = []
-        while True:
-            try:
-                outputs, stats = self.serve(batch, emit)
-            except GrammarError as exc:
-                if not any(r.rid == exc.rid for r in batch.requests):
-                    raise
-                log.warning("batch=%d: %s; the rest of the batch is served", batch.batch_id, exc)
-                failed.append(row_error(exc))
-                batch = msgspec.structs.replace(batch, requests=[r for r in batch.requests if r.rid != exc.rid])
-                continue
-            return outputs + failed, stats
 
     def profile(self) -> dict[str, Any] | None:
         """An estimator profile (``sclsd.core.profiles.Profile.to_dict()``) this engine knows
@@ -179,25 +200,95 @@ class Engine(ABC):
         """Release resources (optional)."""
 
 
+class SliceEngine(Engine):
+    """Static batching: one batch at a time, one decoding iteration per :meth:`poll`.
+
+    Subclasses write a batch's service as a generator (:meth:`steps`); this class runs it a
+    step per poll and turns what it yields, returns or raises into events. A row whose grammar
+    cannot be built (:class:`~worker.engines.grammar.GrammarError`, raised before any token)
+    is answered with its error and the batch starts again without it; any other exception
+    fails the batch, and the engine goes on with the next.
+    """
+
+    _batch: BatchMsg | None = None
+    """The batch submitted, as given (None: idle)."""
+    _rows: BatchMsg | None = None
+    """The rows being served: ``_batch`` less those that failed alone."""
+    _gen: Steps | None = None
+    """The running batch's steps (None: not started, or started again without a failed row)."""
+    _failed: list[RequestOutput]
+
+    @abstractmethod
+    def steps(self, batch: BatchMsg) -> Steps:
+        """Serve ``batch`` for at most ``slice_len`` iterations, yielding after each the rows'
+        new tokens (:class:`TokenCursor`); returns one output per row (same order) and stats."""
+
+    def has_room(self) -> bool:
+        """Room for a batch while none is running."""
+        return self._batch is None
+
+    def busy(self) -> bool:
+        """Whether a batch is running."""
+        return self._batch is not None
+
+    def submit(self, batch: BatchMsg) -> None:
+        """Start ``batch`` (its first step runs at the next :meth:`poll`)."""
+        if self._batch is not None:
+            raise RuntimeError(f"{self.name}: batch {self._batch.batch_id} is still running")
+        self._batch = self._rows = batch
+        self._gen, self._failed = None, []
+
+    def poll(self, timeout: float) -> list[Event]:
+        """Run one step of the running batch (``timeout`` is not needed: a step is work)."""
+        batch, rows = self._batch, self._rows
+        if batch is None or rows is None:
+            return []
+        try:
+            if self._gen is None:
+                self._gen = self.steps(rows)
+            new = next(self._gen)
+        except StopIteration as stop:
+            outputs, stats = stop.value
+            return [BatchDone(batch, outputs + self._end(), stats)]
+        except GrammarError as exc:
+            if not any(r.rid == exc.rid for r in rows.requests):
+                return [self._fail(batch, exc)]
+            log.warning("batch=%d: %s; the rest of the batch is served", batch.batch_id, exc)
+            self._failed.append(row_error(exc))
+            self._rows = msgspec.structs.replace(rows, requests=[r for r in rows.requests if r.rid != exc.rid])
+            self._gen = None
+            return []
+        except Exception as exc:  # noqa: BLE001 - the worker outlives a failing batch
+            return [self._fail(batch, exc)]
+        return [NewTokens(batch.batch_id, new)] if new else []
+
+    def _end(self) -> list[RequestOutput]:
+        """The running batch ended: the rows that failed alone."""
+        failed = self._failed
+        self._batch = self._rows = self._gen = None
+        self._failed = []
+        return failed
+
+    def _fail(self, batch: BatchMsg, exc: BaseException) -> BatchFailed:
+        log.error("batch=%d failed", batch.batch_id, exc_info=exc)
+        self._end()
+        return BatchFailed(batch, f"{type(exc).__name__}: {exc}", exc)
+
+
 class TokenCursor:
-    """Turns a batch's growing per-row outputs into ``emit`` calls of only the new tokens."""
+    """Turns a batch's growing per-row outputs into the new tokens of each step."""
 
-    __slots__ = ("rids", "emit", "sent")
+    __slots__ = ("rids", "sent")
 
-    def __init__(self, rids: list[str], emit: Emit | None) -> None:
+    def __init__(self, rids: list[str]) -> None:
         self.rids = rids
-        self.emit = emit
         self.sent = [0] * len(rids)
 
-    def push(
+    def new(
         self, outs: list[list[int]], reasons: list[Any], logprobs: list[list[Any]] | None = None
-    ) -> None:
-        """Emit what each row generated beyond what was already emitted (no call if nothing).
-
-        ``logprobs``: per row, aligned with ``outs`` (rows that asked for them).
-        """
-        if self.emit is None:
-            return
+    ) -> list[RequestOutput]:
+        """What each row generated beyond what an earlier call returned (rows with nothing new
+        are left out). ``logprobs``: per row, aligned with ``outs`` (rows that asked for them)."""
         new: list[RequestOutput] = []
         for i, toks in enumerate(outs):
             k = self.sent[i]
@@ -206,17 +297,4 @@ class TokenCursor:
                 new.append(RequestOutput(rid=self.rids[i], token_ids=toks[k:],
                                          finish_reason=reasons[i], logprobs=lps))  # fmt: skip
                 self.sent[i] = len(toks)
-        if new:
-            self.emit(new)
-
-
-def queue_take(q: queue.Queue[BatchMsg | None]) -> Take:
-    """A ``take`` over a queue of batches (None in the queue: stop)."""
-
-    def take(timeout: float | None) -> BatchMsg | Literal[Empty.EMPTY] | None:
-        try:
-            return q.get(timeout=timeout) if timeout != 0.0 else q.get_nowait()
-        except queue.Empty:
-            return EMPTY
-
-    return take
+        return new

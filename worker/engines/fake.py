@@ -19,7 +19,7 @@ from the one it would have taken (token ``i`` stands for the byte ``i % 256``, a
 fake model's tokenizer reads it), and a row whose grammar cannot be built fails alone
 (:mod:`worker.engines.grammar`).
 
-Like ``hf`` it hands each iteration's tokens to ``emit`` as they come (after that
+Like ``hf`` it yields each iteration's tokens as they come, one poll each (after that
 iteration's sleep, so time to first token is measurable) and, with ``kv_reuse``
 (on by default), models KV kept across slices: unfinished rows' context sizes
 are retained (:class:`~worker.engines.kvstore.KVStore`, LRU within the memory
@@ -42,7 +42,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, EngineCaps, RequestOutput
-from worker.engines.base import Done, Emit, Engine, EngineInfo, Stream, Take, TokenCursor
+from worker.engines.base import EngineInfo, Event, SliceEngine, Steps, TokenCursor
 from worker.engines.constraints import RowConstraints, first_allowed
 from worker.engines.fake_cb import ContinuousRows
 from worker.engines.grammar import byte_grammar_tokenizer, row_matcher
@@ -114,7 +114,7 @@ class FakeRow:
         return tok
 
 
-class FakeEngine(Engine):
+class FakeEngine(SliceEngine):
     """A stand-in engine for tests and load tests (see the module docstring)."""
 
     name = "fake"
@@ -163,6 +163,8 @@ class FakeEngine(Engine):
         del threads  # accepted for CLI symmetry with the torch engines
         budget = self.mem_budget if kv_retain_bytes is None else int(kv_retain_bytes)
         self.kv = KVReuse(KVStore(budget), self.kv_bytes, self.mem_budget) if kv_reuse else None
+        self.continuous = ContinuousRows(self) if batching == "continuous" else None
+        """Continuous batching's running set of rows (None: static batching)."""
 
     def info(self) -> EngineInfo:
         """Configured Δ and budget; EOS is id 2 (SmolLM2's ``<|im_end|>``)."""
@@ -193,10 +195,8 @@ class FakeEngine(Engine):
         """Tokens after which a request with this prompt emits EOS (EOS included)."""
         return 1 + _hash_ids(prompt) % self.max_natural
 
-    def serve(
-        self, batch: BatchMsg, emit: Emit | None = None
-    ) -> tuple[list[RequestOutput], BatchStats]:
-        """Generate deterministic tokens for at most ``slice_len`` iterations."""
+    def steps(self, batch: BatchMsg) -> Steps:
+        """Generate deterministic tokens for at most ``slice_len`` iterations, one per step."""
         reqs = batch.requests
         if not reqs:
             return [], BatchStats()
@@ -206,22 +206,34 @@ class FakeEngine(Engine):
                 raise ValueError(f"request {r.rid!r}: generated exceeds its context")
 
         n = len(reqs)
-        # Before any KV is taken: a GrammarError fails that row alone (Engine.serve_rows).
+        # Before any KV is taken: a GrammarError fails that row alone (SliceEngine.poll).
         matchers = self._matchers(reqs)
         used = self.kv.take(batch)[1] if self.kv is not None else [0] * n
         try:
-            return self._serve(batch, emit, used, matchers)
+            return (yield from self._steps(batch, used, matchers))
         finally:
             if self.kv is not None:
                 self.kv.store.done(r.rid for r in reqs)
 
-    def run(self, take: Take, done: Done, stream: Stream | None = None) -> None:
-        """Static batching: one batch at a time (:meth:`Engine.run`); continuous: batches join
-        and leave one running set of rows (:class:`~worker.engines.fake_cb.ContinuousRows`)."""
-        if self.batching != "continuous":
-            return super().run(take, done, stream)
-        ContinuousRows(self).run(take, done, stream)
-        return None
+    # Continuous batching hands the four to the running set of rows (fake_cb.ContinuousRows).
+
+    def has_room(self) -> bool:
+        """Static: while no batch runs; continuous: while fewer than ``max_rows`` rows run or wait."""
+        return self.continuous.has_room() if self.continuous is not None else super().has_room()
+
+    def busy(self) -> bool:
+        """Whether a batch taken has not ended."""
+        return self.continuous.busy() if self.continuous is not None else super().busy()
+
+    def submit(self, batch: BatchMsg) -> None:
+        """Static: start ``batch``; continuous: queue its rows to join the running set."""
+        if self.continuous is not None:
+            return self.continuous.submit(batch)
+        return super().submit(batch)
+
+    def poll(self, timeout: float) -> list[Event]:
+        """One iteration: of the running batch, or of every running row."""
+        return self.continuous.poll(timeout) if self.continuous is not None else super().poll(timeout)
 
     def row(self, r: BatchRequest) -> FakeRow:
         """Row ``r``'s token source, its grammar's matcher built (GrammarError if it cannot be)."""
@@ -245,9 +257,7 @@ class FakeEngine(Engine):
         pick = first_allowed(int.from_bytes(m.compute_bitmask(), "little"), tok, FIRST_ORDINARY_ID, self.vocab)
         return EOS_ID if pick is None else pick
 
-    def _serve(
-        self, batch: BatchMsg, emit: Emit | None, used: list[int], matchers: dict[int, Any]
-    ) -> tuple[list[RequestOutput], BatchStats]:
+    def _steps(self, batch: BatchMsg, used: list[int], matchers: dict[int, Any]) -> Steps:
         reqs = batch.requests
         n = len(reqs)
         width = max(len(r.token_ids) for r in reqs)
@@ -259,7 +269,7 @@ class FakeEngine(Engine):
         t1 = time.perf_counter()
 
         rows = [FakeRow(self, r, matchers.get(i)) for i, r in enumerate(reqs)]
-        cursor = TokenCursor([r.rid for r in reqs], emit)
+        cursor = TokenCursor([r.rid for r in reqs])
         iterations = invalid = 0
         while iterations < batch.slice_len and any(row.reason is None for row in rows):
             if iterations:  # the first token comes from the prefill
@@ -270,7 +280,7 @@ class FakeEngine(Engine):
             for row in rows:
                 if row.reason is None:
                     row.step()
-            cursor.push([row.out for row in rows], [row.reason for row in rows], [row.lps for row in rows])
+            yield cursor.new([row.out for row in rows], [row.reason for row in rows], [row.lps for row in rows])
         t2 = time.perf_counter()
         outs = [row.out for row in rows]
         reasons = [row.reason for row in rows]

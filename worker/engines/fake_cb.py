@@ -1,23 +1,22 @@
 """The ``fake`` engine's continuous batching: grants join and leave one running set of rows.
 
 With ``batching = "continuous"`` (what a fake worker reports under ``scls-cb``) the fake
-engine serves as ``hf-cb`` does (:meth:`worker.engines.hf_cb.HFCBEngine.run`), not one
-batch at a time: batches are admitted while earlier ones generate, and each step of the loop
+engine serves as ``hf-cb`` does (:class:`worker.engines.hf_cb.HFCBEngine`), not one
+batch at a time: batches are submitted while earlier ones generate (while fewer than
+``max_rows`` rows run or wait: the rows of a batch beyond that wait for a place, and a
+batch that finds no place stays in the worker's queue), and each poll runs one step, which
 
-* takes batches while fewer than ``max_rows`` rows run or wait (the rows of a batch
-  beyond that wait for a place, and a batch that finds no place stays in the worker's
-  queue);
 * sleeps ``decode_s`` once for every running row, plus ``prefill_s_per_token`` times the
   context tokens that rows joining in this step do not hold KV for (a step lasts that long
   from the previous step's end, however long the bookkeeping between took, as a device
   step would: the host's work overlaps it);
 * gives every running row one token (:class:`~worker.engines.fake.FakeRow`: the same
   tokens as static batching, a function of the context) and hands each batch's new tokens
-  to ``stream``;
+  as :class:`~worker.engines.base.NewTokens`;
 * ends the rows that stopped (EOS, a stop token), reached their budget or their slice
-  (``min(max_new_tokens, slice_len)``), and reports a batch to ``done`` once all its rows
-  ended, with the same outputs and KV accounting as :meth:`FakeEngine.serve
-  <worker.engines.fake.FakeEngine.serve>`.
+  (``min(max_new_tokens, slice_len)``), and ends a batch (:class:`~worker.engines.base.BatchDone`)
+  once all its rows ended, with the same outputs and KV accounting as static batching
+  (:meth:`FakeEngine.steps <worker.engines.fake.FakeEngine.steps>`).
 
 KV (modelled, with ``kv_reuse``): a joining row checks out what the store keeps for its
 request (the prefix it shares with the row's context), an unfinished row's context is kept
@@ -26,9 +25,9 @@ reservations (context + slice each), least recently used first (``take_evicted``
 ``release`` from the receive thread applies at once, or when a running row ends.
 
 A row whose grammar cannot be built fails alone (``RequestOutput.error``), as on ``hf-cb``,
-and whatever was kept for it is dropped; a malformed batch is reported to ``done`` with its
-error before any row runs; a row that fails while generating fails its batch (its other
-rows leave the running set).
+and whatever was kept for it is dropped; a malformed batch fails with its error
+(:class:`~worker.engines.base.BatchFailed`) before any row runs; a row that fails
+while generating fails its batch (its other rows leave the running set).
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, RequestOutput
-from worker.engines.base import EMPTY, Done, Stream, Take
+from worker.engines.base import BatchDone, BatchFailed, Event, NewTokens
 from worker.engines.grammar import GrammarError, row_error
 from worker.engines.kvstore import KVReuse, Retained
 
@@ -62,7 +61,7 @@ class Row(Protocol):
 
 
 class RowEngine(Protocol):
-    """What the loop reads of its engine (:class:`worker.engines.fake.FakeEngine`)."""
+    """What the running set reads of its engine (:class:`worker.engines.fake.FakeEngine`)."""
 
     decode_s: float
     prefill_s_per_token: float
@@ -105,11 +104,11 @@ class _Live:
     used: int = 0
     """Context tokens taken from kept KV when it joined."""
     sent: int = 0
-    """Tokens already handed to ``stream``."""
+    """Tokens already in a :class:`~worker.engines.base.NewTokens` event."""
 
 
 class ContinuousRows:
-    """The continuous fake engine's loop (see the module docstring); one per :meth:`run`."""
+    """The continuous fake engine's running set of rows (see the module docstring)."""
 
     def __init__(self, eng: RowEngine, clock: Any = time.perf_counter, sleep: Any = time.sleep) -> None:
         self.eng = eng
@@ -117,38 +116,25 @@ class ContinuousRows:
         self.sleep = sleep
         self.waiting: deque[_Live] = deque()
         self.running: list[_Live] = []
+        self.events: list[Event] = []
+        """What the next :meth:`poll` returns."""
         self.step_at = float("-inf")
         """When the last step's tokens were ready (the next step lasts from there)."""
 
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ the engine's four
 
-    def run(self, take: Take, done: Done, stream: Stream | None) -> None:
-        """Admit batches from ``take`` while rows run; returns once ``take`` said stop (None)
-        and every admitted row ended."""
-        stopping = False
-        while True:
-            if not stopping and self._has_room():
-                item = take(None if not self.running and not self.waiting else 0.0)
-                while item is not EMPTY:
-                    if item is None:
-                        stopping = True
-                        break
-                    self.admit(item, done)
-                    item = take(0.0) if self._has_room() else EMPTY
-            if not self.running and not self.waiting:
-                if stopping:
-                    return
-                continue
-            self.step(done, stream)
-
-    def _has_room(self) -> bool:
+    def has_room(self) -> bool:
         """Whether another batch may come in: a batch that finds every place taken waits in
         the worker's queue (its wait counts there, ``queue_wait_s``), not in the engine."""
         return len(self.running) + len(self.waiting) < self.eng.max_rows
 
-    def admit(self, batch: BatchMsg, done: Done) -> None:
-        """Check ``batch`` and queue its rows; a batch that cannot be served goes to ``done``
-        with its error, a row whose grammar cannot be built ends alone."""
+    def busy(self) -> bool:
+        """Whether rows run or wait, or events wait for :meth:`poll`."""
+        return bool(self.running or self.waiting or self.events)
+
+    def submit(self, batch: BatchMsg) -> None:
+        """Check ``batch`` and queue its rows; a batch that cannot be served fails with its
+        error, a row whose grammar cannot be built ends alone."""
         eng = self.eng
         try:
             eng.check_batch(batch, eng.vocab)
@@ -156,7 +142,7 @@ class ContinuousRows:
                 if r.generated > len(r.token_ids):
                     raise ValueError(f"request {r.rid!r}: generated exceeds its context")
         except ValueError as exc:
-            done(batch, None, None, str(exc))
+            self.events.append(BatchFailed(batch, str(exc), exc))
             return
         g = _Grant(batch, self.clock(), len(batch.requests))
         rows: list[_Live] = []
@@ -169,11 +155,19 @@ class ContinuousRows:
                 g.left -= 1
                 eng.release([r.rid])
         if g.left == 0:  # no rows, or every row failed
-            self._finish(g, done)
+            self._finish(g)
             return
         self.waiting.extend(rows)
 
-    def step(self, done: Done, stream: Stream | None) -> None:
+    def poll(self, timeout: float) -> list[Event]:
+        """One step of every running row (when rows run or wait), and what happened since the
+        last poll."""
+        if self.running or self.waiting:
+            self.step()
+        events, self.events = self.events, []
+        return events
+
+    def step(self) -> None:
         """One iteration of every running row (rows that find a place join first)."""
         joined = self._join()
         fresh = sum(len(lv.row.req.token_ids) - lv.used for lv in joined)
@@ -188,7 +182,7 @@ class ContinuousRows:
         # loop came back later than that: the host's bookkeeping overlaps the device's step.
         start = self.step_at if now - self.step_at < self.eng.decode_s else now
         self.step_at = start + self.eng.decode_s + prefill
-        failed: dict[int, tuple[_Grant, str]] = {}
+        failed: dict[int, tuple[_Grant, BaseException]] = {}
         for lv in self.running:
             if lv.grant.batch.batch_id in failed:
                 continue
@@ -196,22 +190,21 @@ class ContinuousRows:
                 lv.row.step()
             except Exception as exc:  # noqa: BLE001 - the batch fails, the engine goes on
                 log.exception("batch=%d failed", lv.grant.batch.batch_id)
-                failed[lv.grant.batch.batch_id] = (lv.grant, f"{type(exc).__name__}: {exc}")
+                failed[lv.grant.batch.batch_id] = (lv.grant, exc)
         self._track_peak()
         wait = self.step_at - self.clock()
         if wait > 0:
             self.sleep(wait)
-        for g, error in failed.values():
-            self._fail(g, error, done)
-        if stream is not None:
-            for bid, outs in self._new_tokens():
-                stream(bid, outs)
+        for g, why in failed.values():
+            self._fail(g, why)
+        for bid, outs in self._new_tokens():
+            self.events.append(NewTokens(bid, outs))
         ended = [lv for lv in self.running if lv.row.reason is not None or len(lv.row.out) >= lv.cap]
         if ended:
             gone = {id(lv) for lv in ended}
             self.running = [lv for lv in self.running if id(lv) not in gone]
             for lv in ended:
-                self._end(lv, done)
+                self._end(lv)
 
     # ------------------------------------------------------------------ rows
 
@@ -244,7 +237,7 @@ class ContinuousRows:
                 lv.sent = len(row.out)
         yield from by_batch.items()
 
-    def _end(self, lv: _Live, done: Done) -> None:
+    def _end(self, lv: _Live) -> None:
         """A running row ended: keep its KV when it may go on, record its output."""
         row, r, g = lv.row, lv.row.req, lv.grant
         kept = 0
@@ -259,19 +252,19 @@ class ContinuousRows:
                                          logprobs=row.lps, kv_tokens=kept, reused_tokens=lv.used)
         g.left -= 1
         if g.left == 0:
-            self._finish(g, done)
+            self._finish(g)
 
-    def _fail(self, g: _Grant, error: str, done: Done) -> None:
-        """``g``'s batch failed: its rows leave (nothing kept) and ``done`` hears the error."""
+    def _fail(self, g: _Grant, exc: BaseException) -> None:
+        """``g``'s batch failed: its rows leave (nothing kept) and it ends with the error."""
         mine = [lv for lv in self.running if lv.grant is g]
         self.running = [lv for lv in self.running if lv.grant is not g]
         self.waiting = deque(lv for lv in self.waiting if lv.grant is not g)
         rids = [lv.row.req.rid for lv in mine]
         if self.eng.kv is not None:
             self.eng.kv.store.done(rids)
-        done(g.batch, None, None, error)
+        self.events.append(BatchFailed(g.batch, f"{type(exc).__name__}: {exc}", exc))
 
-    def _finish(self, g: _Grant, done: Done) -> None:
+    def _finish(self, g: _Grant) -> None:
         outs = [g.outputs[r.rid] for r in g.batch.requests]
         elapsed = self.clock() - g.started
         reqs: list[BatchRequest] = g.batch.requests
@@ -285,7 +278,7 @@ class ContinuousRows:
                            * self.eng.kv_bytes,
                            batch_size=len(outs), input_len=width, prefill_tokens=g.prefill_tokens,
                            reused_tokens=g.reused_tokens, kv_peak_tokens=self.eng.kv_peak_tokens)
-        done(g.batch, outs, stats, None)
+        self.events.append(BatchDone(g.batch, outs, stats))
 
     def _track_peak(self) -> None:
         """KV tokens held once this step ran: the running rows' contexts and what is kept."""

@@ -18,14 +18,13 @@ kept after its slice (:mod:`worker.engines.kvstore`), within ``kv_retain_bytes``
 shrunk before a batch to what fits beside it; what does not fit waits in host
 memory, within ``kv_host_bytes`` (default on CUDA: the memory budget, at most 16 GiB and
 a quarter of RAM; none on the CPU), and is copied back when its request returns. A batch whose rows' KV is held
-prefills only the tokens beyond it. New tokens are handed to ``emit`` after the
-prefill and after every decode step.
+prefills only the tokens beyond it. New tokens are yielded after the prefill and after
+every decode step, one step per poll (:class:`~worker.engines.base.SliceEngine`).
 """
 
 from __future__ import annotations
 
 import logging
-import resource
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
@@ -39,11 +38,12 @@ from sclsd.protocol import (
     RequestOutput,
     TokenLogprobs,
 )
-from worker.engines.base import Emit, Engine, EngineInfo, TokenCursor
+from worker.engines.base import EngineInfo, SliceEngine, Steps, TokenCursor
 from worker.engines.constraints import stop_ids
 from worker.engines.grammar import batch_grammar
 from worker.engines.grammar import supported as grammar_supported
 from worker.engines.graph_check import check_graphs
+from worker.engines.hf_model import TransformersModel, peak_memory
 from worker.engines.kvstore import KVReuse, KVStore, Retained, assemble_past, supports_reuse
 from worker.engines.sampling import BatchSampler, Draw, random_seed
 from worker.engines.static_cache import (
@@ -51,15 +51,10 @@ from worker.engines.static_cache import (
     StaticOptions,
     StaticRun,
     StaticRunner,
-    activation_reserve,
     attention_kind,
 )
 
 log = logging.getLogger(__name__)
-
-#: M_ava on the CPU when no budget is configured.
-DEFAULT_CPU_BUDGET = 4 * 1024**3
-
 
 class RowState:
     """Per-row bookkeeping of one batch on the host: output, finish reason, log-probabilities."""
@@ -215,43 +210,7 @@ def default_host_bytes(device_type: str, kv_limit: int, ram: int | None = None) 
     return max(0, min(int(kv_limit), DEFAULT_HOST_KV_BYTES, int(ram) // 4))
 
 
-def vocab_size(spec: models.ModelSpec, config: Any) -> int:
-        """``len(tokenizer)`` (added tokens included), as the daemon's tokenizer counts it.
-
-        Capped at the config's ``vocab_size``: a model whose embedding is smaller than
-        its tokenizer cannot take every id, and the daemon's check should see that.
-        Loaded here, with the model, so that registering never waits on it.
-        ``tiny-random`` is built with exactly the SmolLM2 tokenizer's size, so its
-        config answers without the seconds a GGUF tokenizer takes to load. Without a
-        tokenizer the config's ``vocab_size`` is the best guess.
-        """
-        config_vocab = int(getattr(config, "vocab_size", 0) or 0)
-        if spec.kind == "tiny":
-            return config_vocab
-        try:
-            tok_vocab = len(models.load_tokenizer(spec))
-        except Exception as exc:  # a model may come without any tokenizer: still servable
-            log.warning("no tokenizer for %s (%s): reporting the config's vocab_size %d",
-                        spec.name, exc, config_vocab)  # fmt: skip
-            return config_vocab
-        if config_vocab and tok_vocab > config_vocab:
-            log.warning("%s: tokenizer has %d tokens, the model only %d",
-                        spec.name, tok_vocab, config_vocab)  # fmt: skip
-            return config_vocab
-        return tok_vocab
-
-
-def peak_memory(device: Any) -> int:
-    """CUDA: max allocated bytes since the last reset; CPU: the process's peak RSS."""
-    import torch
-
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    # ru_maxrss is in KiB on Linux.
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-class HFEngine(Engine):
+class HFEngine(TransformersModel, SliceEngine):
     """Static-batching transformers engine (see the module docstring)."""
 
     name = "hf"
@@ -276,29 +235,11 @@ class HFEngine(Engine):
         prefill_chunk_tokens: int | None = None,
         static_buckets: Any = None,
     ) -> None:
-        import torch
-
-        if threads:
-            torch.set_num_threads(int(threads))
-        self.spec = models.resolve(model)
-        self.device = torch.device(device)
-        self.dtype = models.resolve_dtype(dtype)
-        self.mem_budget = mem_budget
-        t0 = time.perf_counter()
-        self.model = models.load_model(self.spec, device=str(self.device), dtype=self.dtype)
-        self.load_s = time.perf_counter() - t0
-        self.config = self.model.config
-        self.eos = models.eos_token_ids(self.model)
-        pad = getattr(self.config, "pad_token_id", None)
-        # Pad id only fills masked slots; any valid id works.
-        self.pad_id = int(pad) if isinstance(pad, int) else (self.eos[0] if self.eos else 0)
-        self.delta = models.kv_bytes_per_token(self.config, self.dtype)
-        self.vocab_size = vocab_size(self.spec, self.config)
-        log.info("loaded %s on %s in %.1f s", self.spec.name, self.device, self.load_s)
+        self.load(model, device, dtype, mem_budget, threads)
         opts = StaticOptions.parse(self.device.type, self.static_default, static_cache, cuda_graphs,
                                    static_share, graph_batch_sizes, graph_cache_tokens, prefill_chunk_tokens,
                                    static_buckets)
-        self.kv_limit = self._kv_memory(opts)
+        self.kv_limit = self.kv_memory(opts.reserve_tokens, opts.reserve_rows)
         """Bytes of KV the batches and the retained caches share, measured once."""
         self.static: StaticRunner | None = None
         """The static-cache path (None: every batch runs eagerly)."""
@@ -320,36 +261,12 @@ class HFEngine(Engine):
 
     # ------------------------------------------------------------------ facts
 
-    def _kv_memory(self, opts: StaticOptions) -> int:
-        """Bytes for KV: on CUDA the free memory once the weights are resident, less what the
-        forward passes need beside it (:func:`activation_reserve`); on the CPU ``mem_budget``
-        (4 GiB by default)."""
-        import torch
-
-        if self.device.type != "cuda":
-            return int(self.mem_budget or DEFAULT_CPU_BUDGET)
-        free, _total = torch.cuda.mem_get_info(self.device)
-        reserve = activation_reserve(self.config, self.dtype, opts.reserve_tokens, opts.reserve_rows)
-        log.info("KV memory: %.2f GiB free after the weights, %.2f GiB kept for activations",
-                 free / 2**30, reserve / 2**30)
-        return max(0, int(free) - reserve)
-
     def info(self) -> EngineInfo:
         """Δ from the config; M_ava: the static cache's size on the static path, else the KV
-        memory measured at start (:meth:`_kv_memory`)."""
+        memory measured at start (:meth:`~worker.engines.hf_model.TransformersModel.kv_memory`)."""
         static: StaticRunner | None = getattr(self, "static", None)  # unset during __init__
         mem = static.arena.nbytes if static is not None else self.kv_limit
-        return EngineInfo(
-            engine=self.name,
-            model=self.spec.name,
-            device=str(self.device),
-            kv_bytes_per_token=self.delta,
-            mem_available=int(mem),
-            eos_token_ids=list(self.eos),
-            vocab_size=self.vocab_size,
-            caps=self.caps(),
-            extra={"dtype": str(self.dtype).removeprefix("torch."), "load_s": round(self.load_s, 3)},
-        )
+        return self.model_info(int(mem), self.caps())
 
     def caps(self) -> EngineCaps:
         """Static batches, per-request sampling with seeds, the model's context length, and the
@@ -377,17 +294,10 @@ class HFEngine(Engine):
         log.info("warm-up done in %.1f s: %d decode graphs captured", time.perf_counter() - t0,
                  len(self.static.captured()))
 
-    @property
-    def max_context(self) -> int:
-        """The model's longest context (``max_position_embeddings``; 0: unknown)."""
-        return int(getattr(self.config, "max_position_embeddings", 0) or 0)
-
     # ------------------------------------------------------------------ serving
 
-    def serve(
-        self, batch: BatchMsg, emit: Emit | None = None
-    ) -> tuple[list[RequestOutput], BatchStats]:
-        """Serve one batch for at most ``batch.slice_len`` iterations."""
+    def steps(self, batch: BatchMsg) -> Steps:
+        """Serve one batch for at most ``batch.slice_len`` iterations, one per step."""
         import torch
 
         reqs = batch.requests
@@ -395,15 +305,16 @@ class HFEngine(Engine):
             return [], BatchStats()
         self.check_batch(batch)
         try:
+            # Held across the steps: the serve thread runs no autograd work between them.
             with torch.inference_mode():
-                return self._serve(batch, emit)
+                return (yield from self._steps(batch))
         except torch.OutOfMemoryError:
             # The batch's cache is garbage now; hand its blocks back before the next batch.
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             raise
 
-    def _serve(self, batch: BatchMsg, emit: Emit | None) -> tuple[list[RequestOutput], BatchStats]:
+    def _steps(self, batch: BatchMsg) -> Steps:
         import torch
 
         dev = self.device
@@ -415,14 +326,14 @@ class HFEngine(Engine):
             torch.cuda.reset_peak_memory_stats(dev)
         vocab = int(self.config.vocab_size)
         # Before any KV is taken: a row whose grammar cannot be built (GrammarError) fails
-        # alone, and the batch is served again without it (Engine.serve_rows).
+        # alone, and the batch is served again without it (SliceEngine.poll).
         grammar = batch_grammar(reqs, self.spec, vocab, self.eos, dev)
         taken, used = self._take_kv(batch)
         try:
             run, taken, used = self._run_for(batch, taken, used)
             sampler = BatchSampler(reqs, [r.seed for r in rows], vocab, dev, steps=batch.slice_len,
                                    eos=self.eos, grammar=grammar)
-            cursor = TokenCursor([r.rid for r in reqs], emit)
+            cursor = TokenCursor([r.rid for r in reqs])
             t0 = time.perf_counter()
             draw = sampler.sample(run.prefill(reqs, taken, used))
             del taken  # the batch cache holds their KV now
@@ -439,9 +350,9 @@ class HFEngine(Engine):
                 for r, tok, lp in zip(rows, tokens, lps, strict=True):
                     if not r.done:
                         r.push(tok, lp)
-                cursor.push([r.out for r in rows], [r.reason for r in rows], [r.logprobs for r in rows])
                 if iterations == 1:
                     t1 = time.perf_counter()
+                yield cursor.new([r.out for r in rows], [r.reason for r in rows], [r.logprobs for r in rows])
                 if iterations >= batch.slice_len or all(r.done for r in rows):
                     break
                 invalid += sum(r.done for r in rows)
@@ -534,12 +445,8 @@ class HFEngine(Engine):
     def close(self) -> None:
         """Drop the model, the static path (its arena and captured graphs) and the kept KV,
         and give cached CUDA memory back."""
-        import torch
-
-        self.model = None
         self.static = None
         if self.kv is not None:
             self.kv.store.release()
             self.kv = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.unload()

@@ -5,9 +5,10 @@ transformers' ``ContinuousBatchingManager`` (paged KV cache, a background
 generation thread that admits new requests at every iteration), so a request
 joins the running batch as soon as it arrives and leaves it as soon as it
 finishes: no padding, no invalid tokens. The manager lives as long as the engine
-(:meth:`HFCBEngine.close` stops it), so KV can outlive a batch. The worker runtime
-drives it through :meth:`HFCBEngine.run` (batches admitted while
-earlier ones generate); :meth:`serve` is the blocking one-batch form (profiler, tests).
+(:meth:`HFCBEngine.close` stops it), so KV can outlive a batch. Batches are submitted
+while earlier ones generate, and each poll collects the tokens transformers streamed
+(:class:`~worker.engines.base.Engine`). It shares the model's loading and facts with
+``hf`` (:class:`~worker.engines.hf_model.TransformersModel`), not its serving.
 
 A row generates at most ``min(max_new_tokens, slice_len)`` tokens in its batch
 (finish_reason None when the slice ended first). **Grants** (``scls-cb``,
@@ -51,6 +52,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from sclsd import models
 from sclsd.protocol import (
     BatchMsg,
     BatchRequest,
@@ -59,7 +61,7 @@ from sclsd.protocol import (
     RequestOutput,
     TokenLogprobs,
 )
-from worker.engines.base import EMPTY, Done, Emit, EngineInfo, Stream, Take
+from worker.engines.base import BatchDone, BatchFailed, Engine, EngineInfo, Event, NewTokens
 from worker.engines.cb_constraints import RequestRules, RowRules
 from worker.engines.cb_grants import Allowance, GrantControl, register, unregister
 from worker.engines.cb_select import RowPick
@@ -75,7 +77,8 @@ from worker.engines.cb_setup import (  # noqa: F401 - GPU_GRAPHS_MEMORY_SHARE: p
 from worker.engines.constraints import stop_ids
 from worker.engines.grammar import GrammarError, row_error
 from worker.engines.grammar import supported as grammar_supported
-from worker.engines.hf import HFEngine, peak_memory
+from worker.engines.hf_model import TransformersModel, peak_memory
+from worker.engines.static_cache import EAGER_RESERVE_TOKENS, RESERVE_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -147,15 +150,6 @@ class _Row:
 def _pick_of(rules: RowRules | None) -> RowPick | None:
     """The engine's own picks among ``rules`` (a request's), if any."""
     return rules.pick if rules is not None else None
-
-
-def _stream_new(row: _Row, toks: list[int], stream: Stream | None) -> None:
-    """Hand ``stream`` the tokens ``row`` generated since the last call (the Result still
-    carries all of them)."""
-    if stream is not None and len(toks) > row.sent:
-        stream(row.batch_id, [RequestOutput(rid=row.req.rid, token_ids=toks[row.sent:],
-                                            logprobs=row.logprobs(toks, row.sent))])
-        row.sent = len(toks)
 
 
 @dataclass(frozen=True)
@@ -275,22 +269,20 @@ def _rules_or_errors(engine: HFCBEngine, batch: BatchMsg,
     return todo
 
 
-class HFCBEngine(HFEngine):
+class HFCBEngine(TransformersModel, Engine):
     """Continuous-batching engine over transformers' ``init_continuous_batching``."""
 
     name = "hf-cb"
-    continuous = True
-    static_default = False
 
-    def __init__(self, *args: Any, poll_s: float = 0.005, page_size: int | None = None,
-                 num_blocks: int | None = None, sampling: bool = True, cuda_graphs: Any = "auto",
-                 memory_share: float | None = None, max_batch_tokens: int | None = None,
-                 kv_padding_tokens: int | None = None,
-                 **kwargs: Any) -> None:
-        # transformers' paged cache owns the KV here: HFEngine's own store and static cache stay off.
-        kwargs["kv_reuse"] = False
-        kwargs["static_cache"] = False
-        super().__init__(*args, **kwargs)
+    def __init__(self, model: str = models.DEFAULT_MODEL, device: str = "cpu", dtype: Any = None,
+                 mem_budget: int | None = None, threads: int | None = None, poll_s: float = 0.005,
+                 page_size: int | None = None, num_blocks: int | None = None, sampling: bool = True,
+                 cuda_graphs: Any = "auto", memory_share: float | None = None,
+                 max_batch_tokens: int | None = None, kv_padding_tokens: int | None = None) -> None:
+        self.load(model, device, dtype, mem_budget, threads)
+        # transformers' paged cache owns the KV here; the reserve is the eager path's.
+        self.kv_limit = self.kv_memory(EAGER_RESERVE_TOKENS, RESERVE_ROWS)
+        """Bytes of KV the paged cache may take, measured once."""
         self.poll_s = poll_s
         self.sampling = bool(sampling)
         self.gen_config = generation_config(self.sampling, self.pad_id, self.eos)
@@ -303,21 +295,26 @@ class HFCBEngine(HFEngine):
         self.cache_tokens = num_blocks * page_size if num_blocks is not None else 0
         """Tokens the paged cache holds (0 until transformers has sized it: :meth:`warm_up`)."""
         self._mgr: Any = None
-        self._stream: Stream | None = None
         self._control = GrantControl()  # replaced with the manager's own; never None
         self._scheduler_name = ""
         self._tids = itertools.count()
         self._paused = PausedRequests()
         self._rules = RequestRules(1, "cpu")  # replaced with the manager's own; never None
         """The running manager's per-request rules (min_tokens, logit_bias, grammars)."""
+        self._pending: dict[int, _Pending] = {}
+        """The batches in flight, by id."""
+        self._owner: dict[str, _Row] = {}
+        """transformers request id -> the row it serves now."""
+        self._events: list[Event] = []
+        """What the next :meth:`poll` returns."""
 
     def info(self) -> EngineInfo:
-        """HFEngine's, with M_ava what the paged cache holds (known once it exists)."""
-        info = super().info()
-        if tokens := getattr(self, "cache_tokens", 0):
-            info.mem_available = tokens * self.delta if self.device.type != "cpu" else \
-                min(info.mem_available, tokens * self.delta)
-        return info
+        """The model's facts; M_ava: what the paged cache holds once it exists (on the CPU at most
+        the memory budget), else the KV memory measured at start."""
+        mem = self.kv_limit
+        if tokens := self.cache_tokens:
+            mem = tokens * self.delta if self.device.type != "cpu" else min(mem, tokens * self.delta)
+        return self.model_info(mem, self.caps())
 
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
         """Start the manager before registering: transformers sizes and allocates its cache (and
@@ -330,8 +327,8 @@ class HFCBEngine(HFEngine):
     def caps(self) -> EngineCaps:
         """Continuous batching; sampling when started with it, seeded; whole pages (the daemon's
         grants reserve them); min_tokens, logit_bias, grammars and log-probabilities per request."""
-        page = getattr(self, "cache_opts", {}).get("page_size", 1) or 1
-        return EngineCaps(batching="continuous", sampling=getattr(self, "sampling", False),
+        page = self.cache_opts.get("page_size", 1) or 1
+        return EngineCaps(batching="continuous", sampling=self.sampling,
                           seeded=True, max_context=self.max_context, kv_page_tokens=page,
                           min_tokens=True, logit_bias=True, grammar=grammar_supported())
 
@@ -387,62 +384,44 @@ class HFCBEngine(HFEngine):
     def close(self) -> None:
         """Stop the generation thread, then drop the model."""
         self._drop_manager()
-        super().close()
+        self.unload()
 
-    # ------------------------------------------------------------------ one batch
+    # ------------------------------------------------------------------ the engine's four
 
-    def serve(
-        self, batch: BatchMsg, emit: Emit | None = None
-    ) -> tuple[list[RequestOutput], BatchStats]:
-        """Serve one batch to completion (blocking); ``emit`` hears tokens as they come."""
-        done: list[tuple[Any, Any, str | None]] = []
-        items: list[Any] = [batch, None]
-        self.run(lambda timeout: items.pop(0) if items else None,
-                 lambda b, outs, stats, error: done.append((outs, stats, error)),
-                 (lambda bid, outs: emit(outs)) if emit is not None else None)
-        outs, stats, error = done[0]
-        if error is not None:
-            raise RuntimeError(error)
-        assert outs is not None and stats is not None
-        return outs, stats
+    def has_room(self) -> bool:
+        """Always: transformers queues the rows the cache cannot take yet (the daemon's grants
+        reserve the pages they need)."""
+        return True
 
-    # ------------------------------------------------------------------ continuous
+    def busy(self) -> bool:
+        """Whether a batch is in flight, or events wait for :meth:`poll`."""
+        return bool(self._pending or self._events)
 
-    def run(self, take: Take, done: Done, stream: Stream | None = None) -> None:
-        """Admit batches from ``take`` and report each one's outputs to ``done`` when all its rows end;
-        ``stream`` hears each row's tokens as they come.
+    def submit(self, batch: BatchMsg) -> None:
+        """Add ``batch``'s rows to the running manager (started on first use): each resumes its
+        kept request or starts fresh; a batch that cannot be served fails with its error."""
+        self._admit(self._manager(), batch)
 
-        ``take(timeout)`` returns a :class:`BatchMsg`, :data:`EMPTY` when none
-        came within ``timeout`` (None: wait), or None to stop once every
-        admitted row has ended. Returns after that stop, the manager (and any kept
-        KV) still up; raises if the generation thread dies (the worker exits and
-        the daemon re-queues), the manager then stopped.
-        """
-        mgr, self._stream, emit = self._manager(), stream, done
-        pending: dict[int, _Pending] = {}
-        owner: dict[str, _Row] = {}
-        stopping = False
-        try:
-            while True:
-                if not stopping:
-                    item = take(None if not owner else 0.0)
-                    while item is not EMPTY:
-                        if item is None:
-                            stopping = True
-                            break
-                        self._admit(mgr, item, pending, owner, emit)
-                        item = take(0.0)
-                if stopping and not owner:
-                    return
-                self._collect(mgr, pending, owner, emit)
-        except BaseException:
-            self._drop_manager()  # its requests' owners are lost with this frame
-            raise
+    def poll(self, timeout: float) -> list[Event]:
+        """The rows' tokens that came within ``timeout`` (at most ``poll_s``), the batches whose
+        rows all ended, and those that failed. Raises if the generation thread died (the worker
+        exits and the daemon re-queues), the manager then stopped."""
+        if self._owner:
+            try:
+                self._collect(self._manager(), min(timeout, self.poll_s))
+            except BaseException:
+                # The engine is broken: the worker exits, and the daemon serves these elsewhere.
+                self._pending.clear()
+                self._owner.clear()
+                self._events.clear()
+                self._drop_manager()
+                raise
+        events, self._events = self._events, []
+        return events
 
-    def _admit(self, mgr: Any, batch: BatchMsg, pending: dict[int, _Pending],
-               owner: dict[str, _Row], emit: Done) -> None:
+    def _admit(self, mgr: Any, batch: BatchMsg) -> None:
         if why := sampling_refusal(batch, self.sampling):
-            emit(batch, None, None, why)
+            self._events.append(BatchFailed(batch, why))
             return
         p = _Pending(batch, time.perf_counter())
         try:
@@ -450,7 +429,7 @@ class HFCBEngine(HFEngine):
             # Rules for the rows to start; a row whose grammar cannot be built fails alone.
             todo = _rules_or_errors(self, batch, p)
         except ValueError as exc:
-            emit(batch, None, None, str(exc))
+            self._events.append(BatchFailed(batch, str(exc), exc))
             return
         started: list[_Row] = []
         for r, rr in todo:
@@ -460,13 +439,14 @@ class HFCBEngine(HFEngine):
                 self._paused.end_unstarted(r.rid)
                 for row in started:
                     self._paused.end(row, None, self._control)
-                return emit(batch, None, None, str(exc))
+                self._events.append(BatchFailed(batch, str(exc), exc))
+                return
         if not started:  # no rows, or every row failed
-            self._emit_done(p, emit)
+            self._end(p)
             return
-        pending[batch.batch_id] = p
+        self._pending[batch.batch_id] = p
         for row in started:
-            owner[row.tid] = row
+            self._owner[row.tid] = row
 
     def _resumable(self, batch: BatchMsg, r: BatchRequest) -> bool:
         """Whether ``r`` will resume its kept request (unless evicted meanwhile)."""
@@ -504,35 +484,34 @@ class HFCBEngine(HFEngine):
         p.prefill_tokens += len(ctx)
         return _Row(batch.batch_id, r, tid, cap, 0, len(ctx), stops, keep, pick=_pick_of(rules))
 
-    def _collect(self, mgr: Any, pending: dict[int, _Pending], owner: dict[str, _Row],
-                 emit: Done) -> None:
-        res = mgr.get_result(timeout=self.poll_s)
+    def _collect(self, mgr: Any, timeout: float) -> None:
+        res = mgr.get_result(timeout=timeout)
         while res is not None:
-            row = owner.get(res.request_id)
-            if row is not None and row.batch_id in pending:
-                self._on_output(row, res, pending, owner, emit)
+            row = self._owner.get(res.request_id)
+            if row is not None and row.batch_id in self._pending:
+                self._on_output(row, res)
             res = mgr.get_result(timeout=0)
         self._paused.note_evictions(self._control)
         if not mgr.is_running():
             raise RuntimeError("continuous batching generation thread stopped unexpectedly")
 
-    def _on_output(self, row: _Row, res: Any, pending: dict[int, _Pending],
-                   owner: dict[str, _Row], emit: Done) -> None:
+    def _on_output(self, row: _Row, res: Any) -> None:
         """One streamed output of ``row``'s request: end the row at its cap or a stop token."""
-        p = pending[row.batch_id]
+        p = self._pending[row.batch_id]
         if res.error is not None:  # fail the whole batch: its other rows are dropped
-            del pending[row.batch_id]
-            for other in [o for o in owner.values() if o.batch_id == row.batch_id]:
-                del owner[other.tid]
+            del self._pending[row.batch_id]
+            for other in [o for o in self._owner.values() if o.batch_id == row.batch_id]:
+                del self._owner[other.tid]
                 self._paused.end(other, None, self._control)
-            emit(p.batch, None, None, f"transformers failed request {row.req.rid}: {res.error}")
+            self._events.append(BatchFailed(p.batch, f"transformers failed request {row.req.rid}: {res.error}"))
             return
         toks = [int(t) for t in res.generated_tokens[row.base :]]
         finished = res.is_finished()
         if not finished and len(toks) < row.cap:
-            return _stream_new(row, toks, self._stream)
+            self._stream_new(row, toks)
+            return
         toks = toks[: row.cap]
-        del owner[row.tid]
+        del self._owner[row.tid]
         if finished and toks and toks[-1] in row.stops:
             reason: str | None = "stop"
         elif len(toks) >= row.req.max_new_tokens:
@@ -544,10 +523,18 @@ class HFCBEngine(HFEngine):
             rid=row.req.rid, token_ids=toks, finish_reason=reason, kv_tokens=kept,  # type: ignore[arg-type]
             reused_tokens=row.reused, logprobs=row.logprobs(toks))
         if len(p.outputs) == len(p.batch.requests):
-            del pending[row.batch_id]
-            self._emit_done(p, emit)
+            del self._pending[row.batch_id]
+            self._end(p)
 
-    def _emit_done(self, p: _Pending, emit: Done) -> None:
+    def _stream_new(self, row: _Row, toks: list[int]) -> None:
+        """The tokens ``row`` generated since the last call, as an event (the batch's end still
+        carries all of them)."""
+        if len(toks) > row.sent:
+            self._events.append(NewTokens(row.batch_id, [RequestOutput(
+                rid=row.req.rid, token_ids=toks[row.sent:], logprobs=row.logprobs(toks, row.sent))]))
+            row.sent = len(toks)
+
+    def _end(self, p: _Pending) -> None:
         outs = [p.outputs[r.rid] for r in p.batch.requests]
         elapsed = time.perf_counter() - p.started
         c = self._control
@@ -559,7 +546,7 @@ class HFCBEngine(HFEngine):
                            input_len=max((len(r.token_ids) for r in p.batch.requests), default=0),
                            prefill_tokens=p.prefill_tokens, reused_tokens=p.reused_tokens,
                            preemptions=preemptions, kv_peak_tokens=kv_peak)
-        emit(p.batch, outs, stats, None)
+        self._events.append(BatchDone(p.batch, outs, stats))
 
     # ------------------------------------------------------------------ kept KV
 

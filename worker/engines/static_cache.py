@@ -58,6 +58,8 @@ DEFAULT_CACHE_TOKENS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 
 #: Rows whose sampling logits the activation reserve covers at least: the arena admits far
 #: more rows than the largest bucket (hundreds of short rows), all sampled in one step.
 RESERVE_ROWS = 512
+#: Prefill tokens the activation reserve covers on an eager path, which does not chunk (a guess).
+EAGER_RESERVE_TOKENS = 16384
 
 
 def parse_sizes(value: Any, name: str) -> tuple[int, ...]:
@@ -105,8 +107,8 @@ class StaticOptions:
     @property
     def reserve_tokens(self) -> int:
         """Prefill tokens one forward pass may hold (the activation reserve's size): a chunk
-        on the static path, a guess for the eager one, which does not chunk."""
-        return self.prefill_chunk_tokens if self.on and self.prefill_chunk_tokens > 0 else 16384
+        on the static path, :data:`EAGER_RESERVE_TOKENS` for the eager one."""
+        return self.prefill_chunk_tokens if self.on and self.prefill_chunk_tokens > 0 else EAGER_RESERVE_TOKENS
 
     @property
     def reserve_rows(self) -> int:

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from sclsd.protocol import BatchMsg, BatchStats, RequestOutput
-from worker.engines.base import TokenCursor
+from worker.engines.base import Steps, TokenCursor
 from worker.engines.fake import FakeEngine
 
 from .conftest import Front, serve_front
@@ -55,12 +55,11 @@ class ScriptEngine(FakeEngine):
         super().__init__(vocab=vocab)
         self.script = [*script, EOS]
 
-    def _serve(self, batch: BatchMsg, emit: Any, used: list[int],
-               matchers: Any = None) -> tuple[list[RequestOutput], BatchStats]:
+    def _steps(self, batch: BatchMsg, used: list[int], matchers: Any = None) -> Steps:
         reqs = batch.requests
         outs: list[list[int]] = [[] for _ in reqs]
         reasons: list[str | None] = [None] * len(reqs)
-        cursor = TokenCursor([r.rid for r in reqs], emit)
+        cursor = TokenCursor([r.rid for r in reqs])
         for _ in range(batch.slice_len):
             for i, r in enumerate(reqs):
                 if reasons[i] is not None:
@@ -71,7 +70,7 @@ class ScriptEngine(FakeEngine):
                     reasons[i] = "stop"
                 elif len(outs[i]) >= r.max_new_tokens:
                     reasons[i] = "length"
-            cursor.push(outs, reasons)
+            yield cursor.new(outs, reasons)
             if all(x is not None for x in reasons):
                 break
         return ([RequestOutput(rid=r.rid, token_ids=outs[i], finish_reason=reasons[i])  # type: ignore[arg-type]

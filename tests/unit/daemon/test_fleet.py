@@ -1,13 +1,17 @@
-"""Worker membership and nothing lost: deaths, refused sends, unacknowledged and overdue
-batches, registration checks, drain, and the status snapshot, all in-process."""
+"""Worker membership and nothing lost: deaths, unacknowledged and overdue batches on the
+serving core driven synchronously with a fake clock (:class:`.test_core.Driver`); refused
+sends, registration on a connection, drain and the status snapshot through the shell,
+in-process."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from sclsd import protocol as P
 
 from .conftest import Harness, RecConn, held, until
+from .test_core import Driver
 
 
 async def _turn() -> None:
@@ -20,21 +24,87 @@ async def _one_batch_on(h: Harness, wid: str, conn: RecConn, rid: str = "r") -> 
     await held(h.transport.workers[h.members()[wid]])
 
 
-def test_dead_worker_gives_its_requests_back(daemon) -> None:
-    async def body(h: Harness) -> None:
-        w0 = h.worker("w0", hold=True)
-        await h.registered("w0")
-        conn = RecConn()
-        await _one_batch_on(h, "w0", conn)
-        w0.kill()
-        h.tick(h.server.clock() + 60)  # heartbeats long overdue
-        assert "w0" not in h.members() and h.server.sched.pool  # back in the pool
-        h.worker("w1")
-        await h.finished(conn, "r")
-        (done,) = conn.terminal("r")
-        assert isinstance(done, P.Done) and done.worker == "w1"
+def test_dead_worker_gives_its_requests_back(tmp_path: Path) -> None:
+    drv = Driver(tmp_path)
+    drv.join("w0")
+    drv.submit("c", "r", max_tokens=32)
+    drv.step()
+    assert drv.batches("w0")  # sent, never answered: w0 died with it
+    drv.now += 60.0  # heartbeats long overdue
+    drv.run(drv.core.tick(drv.now))
+    assert "w0" not in drv.core.members and drv.lost == ["w0"] and drv.core.sched.pool  # back in the pool
+    drv.join("w1")
+    drv.until_done("c", "r", wid="w1")
+    (done,) = drv.terminal("c", "r")
+    assert isinstance(done, P.Done) and done.worker == "w1" and done.usage.completion_tokens == 32
 
-    daemon(body)
+
+def _sent_unacked(drv: Driver) -> int:
+    drv.join("w0")
+    drv.submit("c", "r", max_tokens=32)
+    drv.step()
+    (bid,) = list(drv.core.dispatch.unacked)
+    return bid
+
+
+def test_a_batch_the_worker_never_got_drops_it_without_a_kill(tmp_path: Path) -> None:
+    drv = Driver(tmp_path, daemon={"heartbeat_timeout_s": 60.0})
+    bid = _sent_unacked(drv)
+    ack = drv.core.cfg.daemon.batch_ack_timeout_s
+    drv.now += ack + 1
+    drv.run(drv.core.tick(drv.now))  # no ack: the tick alone judges nothing
+    assert "w0" in drv.core.members
+    drv.message("w0", P.Heartbeat(worker_id="w0", batches=[]))  # past its ack time, and not named
+    assert "w0" not in drv.core.members and drv.lost == ["w0"]
+    losses = drv.core.members.losses["w0"]
+    assert losses.last_reason == "lost_batch" and f"batch={bid}" in losses.last_why
+    drv.join("w1")
+    drv.until_done("c", "r", wid="w1")
+    assert drv.terminal("c", "r")[0].worker == "w1"
+
+
+def test_a_heartbeat_before_the_ack_time_judges_nothing(tmp_path: Path) -> None:
+    drv = Driver(tmp_path, daemon={"heartbeat_timeout_s": 60.0})
+    bid = _sent_unacked(drv)
+    drv.now += drv.core.cfg.daemon.batch_ack_timeout_s / 2  # the batch may still be on its way
+    drv.message("w0", P.Heartbeat(worker_id="w0", batches=[]))
+    assert "w0" in drv.core.members and bid in drv.core.dispatch.unacked
+
+
+def test_a_heartbeat_that_names_the_batch_stands_for_its_ack(tmp_path: Path) -> None:
+    drv = Driver(tmp_path, daemon={"heartbeat_timeout_s": 60.0})
+    bid = _sent_unacked(drv)
+    drv.message("w0", P.Heartbeat(worker_id="w0", batches=[bid]))
+    assert not drv.core.dispatch.unacked
+    drv.now += 3 * drv.core.cfg.daemon.batch_ack_timeout_s
+    drv.message("w0", P.Heartbeat(worker_id="w0", batches=[bid]))
+    drv.run(drv.core.tick(drv.now))
+    assert "w0" in drv.core.members and bid in drv.core.sched.batches
+
+
+def test_a_slow_batch_that_moves_is_never_dropped_and_one_that_stalls_is(tmp_path: Path) -> None:
+    # The tick also loses workers silent past the heartbeat timeout: let only progress count.
+    drv = Driver(tmp_path, daemon={"batch_stall_timeout_s": 20.0, "heartbeat_timeout_s": 1000.0})
+    bid = _sent_unacked(drv)
+    drv.message("w0", P.BatchAck(worker_id="w0", batch_id=bid))
+    stall = drv.core.cfg.daemon.batch_stall_timeout_s
+    t0 = drv.now
+    # Far past any estimate of the batch, but the worker keeps saying it moves.
+    for k in range(1, 6):
+        drv.now = t0 + k * (stall - 1)
+        drv.message("w0", P.Heartbeat(worker_id="w0", batches=[bid], stalled_s=0.5))
+        drv.run(drv.core.tick(drv.now + 0.5))
+        assert "w0" in drv.core.members
+    # Then it holds the batch and says its engine has not moved since.
+    last = t0 + 5 * (stall - 1)
+    drv.now = last + stall / 2
+    drv.message("w0", P.Heartbeat(worker_id="w0", batches=[bid], stalled_s=stall / 2))
+    drv.run(drv.core.tick(last + stall - 1))
+    assert "w0" in drv.core.members
+    drv.run(drv.core.tick(last + stall + 1))
+    assert "w0" not in drv.core.members
+    losses = drv.core.members.losses["w0"]
+    assert losses.last_reason == "stalled" and losses.count == 1 and f"batch={bid}" in losses.last_why
 
 
 def test_refused_send_requeues_instead_of_losing(daemon) -> None:
@@ -51,79 +121,6 @@ def test_refused_send_requeues_instead_of_losing(daemon) -> None:
         assert isinstance(conn.terminal("r")[0], P.Done)
 
     daemon(body)
-
-
-def test_a_batch_the_worker_never_got_drops_it_without_a_kill(daemon) -> None:
-    async def body(h: Harness) -> None:
-        w0 = h.worker("w0", ack=False, hold=True)
-        await h.registered("w0")
-        conn = RecConn()
-        await _one_batch_on(h, "w0", conn)
-        ack = h.server.cfg.daemon.batch_ack_timeout_s
-        h.tick(h.server.clock() + ack + 1)  # no ack: the tick alone judges nothing
-        assert "w0" in h.members()
-        w0.held.clear()  # the batch never reached the engine: the heartbeat does not name it
-        sent = h.core.dispatch.unacked
-        (bid,) = list(sent)
-        sent[bid] = ("w0", h.server.clock() - 0.1)  # its acknowledgement time is past
-        w0.heartbeat()
-        await _turn()  # the heartbeat goes through the loop
-        assert "w0" not in h.members()
-        losses = h.core.members.losses["w0"]
-        assert losses.last_reason == "lost_batch" and f"batch={bid}" in losses.last_why
-        h.worker("w1")
-        await h.finished(conn, "r")
-        assert conn.terminal("r")[0].worker == "w1"
-
-    daemon(body, daemon={"heartbeat_timeout_s": 60.0})
-
-
-def test_a_heartbeat_that_names_the_batch_stands_for_its_ack(daemon) -> None:
-    async def body(h: Harness) -> None:
-        w0 = h.worker("w0", ack=False, hold=True)
-        await h.registered("w0")
-        conn = RecConn()
-        await _one_batch_on(h, "w0", conn)
-        (bid,) = list(h.core.dispatch.unacked)
-        w0.heartbeat()
-        await _turn()
-        assert not h.core.dispatch.unacked
-        h.tick(h.server.clock() + 3 * h.server.cfg.daemon.batch_ack_timeout_s)
-        assert "w0" in h.members() and bid in h.server.sched.batches
-
-    daemon(body, daemon={"heartbeat_timeout_s": 60.0})
-
-
-def test_a_slow_batch_that_moves_is_never_dropped_and_one_that_stalls_is(daemon) -> None:
-    async def body(h: Harness) -> None:
-        w0 = h.worker("w0", hold=True)
-        await h.registered("w0")
-        conn = RecConn()
-        await _one_batch_on(h, "w0", conn)
-        d = h.core.dispatch
-        await conn.wait_for(lambda: not d.unacked)  # the ack went through the loop
-        stall = h.server.cfg.daemon.batch_stall_timeout_s
-        t0 = h.server.clock()
-        # Far past any estimate of the batch, but the worker keeps saying it moves.
-        for k in range(1, 6):
-            now = t0 + k * (stall - 1)
-            h.deliver(h.core.worker_message("w0", P.Heartbeat(worker_id="w0", batches=[
-                b.batch_id for b in w0.held], stalled_s=0.5), now))
-            h.tick(now + 0.5)
-            assert "w0" in h.members()
-        # Then it holds the batch and says its engine has not moved since.
-        last = t0 + 5 * (stall - 1)
-        h.deliver(h.core.worker_message("w0", P.Heartbeat(worker_id="w0", batches=[
-            b.batch_id for b in w0.held], stalled_s=stall / 2), last + stall / 2))
-        h.tick(last + stall - 1)
-        assert "w0" in h.members()
-        h.tick(last + stall + 1)
-        assert "w0" not in h.members()
-        losses = h.core.members.losses["w0"]
-        assert losses.last_reason == "stalled" and losses.count == 1
-
-    # The tick also loses workers silent past the heartbeat timeout: let only progress count.
-    daemon(body, daemon={"batch_stall_timeout_s": 20.0, "heartbeat_timeout_s": 1000.0})
 
 
 def test_a_member_registering_again_on_its_connection_is_welcomed_not_dropped(daemon) -> None:

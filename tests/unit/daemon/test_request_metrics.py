@@ -1,8 +1,8 @@
 """The daemon's request metrics: through the in-process transport, the ``model_name``
-label, how requests end (completed, cancelled, failed) and refusals by reason; on the
-serving core driven synchronously with a fake clock (:mod:`.driving`), the durations: the
-queue time counting the time a batch waits in its worker's queue, and the longest gap
-between a stream's deltas, each exact."""
+label and refusals by reason (the shell's); on the serving core driven synchronously with
+a fake clock (:mod:`.driving`), how requests end (completed, cancelled, failed) and the
+durations: the queue time counting the time a batch waits in its worker's queue, and the
+longest gap between a stream's deltas, each exact."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from sclsd.daemon.server import Server
 from sclsd.tokenizer import ByteTokenizer
 from unit.inproc import InprocTransport
 
-from .conftest import Harness, RecConn, held, make_config
+from .conftest import Harness, RecConn, make_config
 from .driving import TimedDriver, exported
 from .scrape import scrape, value
 
@@ -53,33 +53,35 @@ def test_the_model_name_defaults_to_the_daemons_model(daemon) -> None:
     daemon(body)
 
 
-def test_cancelled_and_failed_requests_are_not_successes(daemon) -> None:
-    async def body(h: Harness) -> None:
-        w = h.worker("w0", hold=True)
-        await h.registered("w0")
-        conn = RecConn()
-        await h.submit(conn, id="c", max_tokens=100)
-        await held(w)
-        h.server.on_client(conn, P.Cancel(id="c"))
-        await h.submit(conn, id="t", max_tokens=100, timeout=0.05)
-        await h.finished(conn, "c", "t")
-        await h.submit(conn, id="f", max_tokens=100)
-        h.server.fail_all("shutdown", "test")
-        w.hold = False
-        w.release()
-        await h.submit(conn, id="ok", max_tokens=8, ignore_eos=True)
-        await h.finished(conn, "f", "ok")
-        s = scrape(h.server)
-        assert value(s, "sclsd:request_success_total", finished_reason="length") == 1
-        assert value(s, "sclsd:request_success_total", finished_reason="cancelled") == 0
-        assert value(s, "sclsd:request_cancelled_total", reason="cancelled") == 1
-        assert value(s, "sclsd:request_cancelled_total", reason="timeout") == 1
-        assert value(s, "sclsd:request_failed_total", reason="shutdown") == 1
-        # Latency and size histograms count the completed request alone.
-        assert value(s, "sclsd:e2e_request_latency_seconds_count") == 1
-        assert value(s, "sclsd:request_generation_tokens_count") == 1
-
-    daemon(body)
+def test_cancelled_and_failed_requests_are_not_successes(tmp_path: Path) -> None:
+    drv = TimedDriver(tmp_path)
+    drv.join("w0")
+    drv.submit("k", "c", max_tokens=100)
+    drv.step()
+    assert drv.batches("w0")  # on the worker, not served
+    drv.run(drv.core.cancel("c", drv.now, requester="k"))
+    drv.submit("k", "t", max_tokens=100, timeout=0.05)
+    drv.now += 0.05
+    drv.step()  # its deadline: it ends where it waits
+    drv.submit("k", "f", max_tokens=100)
+    drv.run(drv.core.fail_all("shutdown", "test", drv.now))
+    drv.serve("w0")  # the cancelled request's late result changes nothing
+    drv.submit("k", "ok", max_tokens=8, ignore_eos=True)
+    drv.until_done("k", "ok")
+    assert [drv.terminal("k", r)[0].__class__.__name__ for r in ("c", "t", "f", "ok")] == [
+        "Done", "Done", "Error", "Done"]
+    s = exported(drv.metrics)
+    assert value(s, "sclsd:request_success_total", finished_reason="length") == 1
+    assert value(s, "sclsd:request_success_total", finished_reason="cancelled") == 0
+    assert value(s, "sclsd:request_cancelled_total", reason="cancelled") == 1
+    assert value(s, "sclsd:request_cancelled_total", reason="timeout") == 1
+    assert value(s, "sclsd:request_failed_total", reason="shutdown") == 1
+    # Each request in one series: two cancelled, one failed, one completed.
+    assert sum(v for (n, _), v in s.items() if n == "sclsd:request_failed_total") == 1
+    assert sum(v for (n, _), v in s.items() if n == "sclsd:request_success_total") == 1
+    # Latency and size histograms count the completed request alone.
+    assert value(s, "sclsd:e2e_request_latency_seconds_count") == 1
+    assert value(s, "sclsd:request_generation_tokens_count") == 1
 
 
 def test_refusals_are_counted_by_code_and_the_bound_that_refused(daemon) -> None:

@@ -99,25 +99,25 @@ def test_a_request_ended_by_the_daemon_is_forgotten_on_the_worker(tmp_path: Path
     assert [(type(m), m.rids) for m in sent] == [(told, ["a"])] and "a" not in drv.rows["w0"]
 
 
-def test_a_forget_behind_a_queued_delta_does_not_unmake_it(daemon, caplog) -> None:  # noqa: ANN001
+def test_a_forget_behind_a_queued_delta_does_not_unmake_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A request cancelled while its next grant waits in the worker's queue: the ``forget``
     comes after the delta, which was made whole on arrival, so the batch is served."""
-    from .conftest import Harness, RecConn, held, until
-
-    async def body(h: Harness) -> None:
-        w = h.worker("w0", hold=True)
-        await h.registered("w0")
-        conn = RecConn()
-        await h.submit(conn, id="k", max_tokens=40, ignore_eos=True, stream=True)
-        await held(w)
-        w.release(1)  # the first grant, whole
-        await held(w)  # the second, a delta, waits in the worker's queue
-        assert w.batches()[-1].cont and not w.batches()[-1].requests
-        h.server.on_client(conn, P.Cancel(id="k"))
-        await until(w.got, lambda: any(isinstance(m, (P.Forget, P.Release)) for m in w.received))
-        w.release()  # served whole all the same
-        await h.finished(conn, "k")
-        assert not [r for r in caplog.records if r.levelname == "ERROR"]
-        assert not [m for m in w.served if m.cont]  # the engine only ever saw whole rows
-
-    daemon(body)
+    drv = Driver(tmp_path, scheduler={"slice_len": 4})
+    drv.join("w0")
+    drv.submit("c", "k", max_tokens=40, ignore_eos=True, stream=True)
+    drv.step()
+    (first,) = drv.serve("w0", stream=True)  # the first grant, whole
+    assert rows(first) == (["k"], [])
+    drv.now += 1.0
+    drv.step()
+    (delta,) = drv.batches("w0")  # the second, a delta, waits in the worker's queue
+    assert rows(delta) == ([], ["k"])
+    drv.run(drv.core.cancel("k", drv.now, requester="c"))
+    told = [m for m in drv.to_worker["w0"] if isinstance(m, (P.Forget, P.Release))]
+    assert told and "k" not in drv.rows["w0"]  # the record is gone, after the delta came
+    whole = drv.whole[delta.batch_id]
+    assert isinstance(whole, P.BatchMsg) and [r.rid for r in whole.requests] == ["k"]
+    drv.serve("w0", stream=True)  # served whole all the same: no unknown row
+    (done,) = drv.terminal("c", "k")
+    assert isinstance(done, P.Done) and done.finish_reason == "cancelled"
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]

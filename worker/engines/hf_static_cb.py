@@ -176,6 +176,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
     def submit(self, batch: BatchMsg) -> None:
         """Queue ``batch``'s rows; a malformed batch fails, a row whose grammar cannot be built
         ends alone with its error."""
+        self._apply_releases()  # releases received before this batch are not for its rows
         try:
             self.check_batch(batch, self.vocab_size or None)
             grant, rows = self._rows(batch)
@@ -381,9 +382,10 @@ class HFStaticCBEngine(TransformersModel, Engine):
                     self._waiting.popleft()
                     self._too_large(head)
                     continue
-                if not head.waited:
-                    head.waited = True
-                    self.waited_rows += 1
+                for row in self._waiting:  # the head blocks every row behind it
+                    if not row.waited:
+                        row.waited = True
+                        self.waited_rows += 1
                 break
             self._waiting.popleft()
             entry = self._take_kv(head)

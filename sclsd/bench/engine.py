@@ -2,7 +2,7 @@
 
 ::
 
-    sclsd-bench engine [--engines hf,hf-eager,hf-cb,deepspeed,generate] [--device auto]
+    sclsd-bench engine [--engines hf,hf-eager,hf-static-cb,hf-cb,deepspeed,generate] [--device auto]
                        [--model auto] [--shapes 1x128,16x128,32x256] [--gen 64] [--out DIR]
 
 For every engine variant and shape ``N x P`` (N rows of P-token prompts, ``--gen`` new
@@ -20,7 +20,7 @@ would serve. Variants:
 - ``hf``: the engine as a worker runs it (on CUDA: static cache, captured decode graphs);
 - ``hf-eager``: ``hf`` with ``static_cache = false`` (transformers' DynamicCache, eager);
 - ``hf-static``: the static cache without graphs (what the CPU can check of the graph path);
-- ``hf-cb``, ``deepspeed``: those engines with their defaults;
+- ``hf-cb``, ``hf-static-cb``, ``deepspeed``: those engines with their defaults;
 - ``generate``: transformers' own ``generate`` with ``cache_implementation="static"``
   (on CUDA it compiles the forward and captures graphs itself): the in-library reference.
 
@@ -47,6 +47,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "hf-eager": ("hf", {"static_cache": False}),
     "hf-static": ("hf", {"static_cache": True, "cuda_graphs": False}),
     "hf-cb": ("hf-cb", {}),
+    "hf-static-cb": ("hf-static-cb", {}),
     "deepspeed": ("deepspeed", {}),
     "generate": ("hf", {"static_cache": False, "kv_reuse": False}),
 }
@@ -56,8 +57,8 @@ KNOWN_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100": 3.35e12, "H200": 4.8e12, "
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engines", default="", help="variants (default: hf,hf-eager,hf-cb,deepspeed,generate "
-                   "on CUDA; hf,hf-static,hf-cb,generate on the CPU)")
+    p.add_argument("--engines", default="", help="variants (default: hf,hf-eager,hf-static-cb,hf-cb,deepspeed,"
+                   "generate on CUDA; hf,hf-static,hf-static-cb,hf-cb,generate on the CPU)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     p.add_argument("--model", default="auto", help="model spec; auto: the largest random Llama that fits "
                    "the card (gpu-check's choice), tiny-random on the CPU")
@@ -252,8 +253,8 @@ def run(args: argparse.Namespace) -> int:
     device = args.device if args.device.startswith("cuda") else facts["device"]
     model = args.model if args.model != "auto" else (choose_model(facts["mem_total"]) if gpu else "tiny-random")
     dtype = args.dtype if args.dtype != "auto" else ("float16" if gpu else "float32")
-    variants = [v for v in (args.engines or ("hf,hf-eager,hf-cb,deepspeed,generate" if gpu else
-                                            "hf,hf-static,hf-cb,generate")).split(",") if v]
+    variants = [v for v in (args.engines or ("hf,hf-eager,hf-static-cb,hf-cb,deepspeed,generate" if gpu else
+                                            "hf,hf-static,hf-static-cb,hf-cb,generate")).split(",") if v]
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         print(f"sclsd-bench engine: unknown variant {bad}; choose from {', '.join(VARIANTS)}", file=sys.stderr)

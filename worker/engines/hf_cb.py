@@ -295,6 +295,8 @@ class HFCBEngine(TransformersModel, Engine):
         self.cache_tokens = num_blocks * page_size if num_blocks is not None else 0
         """Tokens the paged cache holds (0 until transformers has sized it: :meth:`warm_up`)."""
         self._mgr: Any = None
+        self.warmed_shapes: int | None = None
+        """Step shapes captured by :func:`~worker.engines.cb_setup.warm_graphs` (None: not run)."""
         self._control = GrantControl()  # replaced with the manager's own; never None
         self._scheduler_name = ""
         self._tids = itertools.count()
@@ -360,7 +362,8 @@ class HFCBEngine(TransformersModel, Engine):
 
             with torch.cuda.device(self.device):
                 mgr.warmup()  # builds the cache (sized by transformers) and captures its largest graphs
-                warm_graphs(mgr, progress)  # and the common shapes, not met first while serving
+                # and the common shapes, not met first while serving
+                self.warmed_shapes = warm_graphs(mgr, progress)
             self.cache_tokens = cache_tokens(mgr)
         # mgr.start() without its non-daemon thread: kept KV keeps the manager alive between
         # batches, and a process that forgot close() must still be able to exit.

@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "1x16,8x32,32x64 on the CPU)")
     p.add_argument("--gen", type=int, default=0, help="new tokens per row (0: 64 on CUDA, 16 on the CPU)")
     p.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every variant this many times in turn and keep each cell's fastest (a machine "
+                        "whose cores other jobs share)")
     p.add_argument("--out", default="out/engine", help="directory for engine.json and engine.md")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
 
@@ -233,9 +236,12 @@ def markdown(rows: list[dict[str, Any]], floor_ms: float | None) -> str:
     for v in dict.fromkeys(r["variant"] for r in rows if "n" in r):
         cells = []
         for n, p in shapes:
-            got = {r["call"]: r for r in rows if r["variant"] == v and r.get("n") == n and r.get("p") == p}
-            parts = [("err" if "error" in got[c] else f"{got[c]['ms_per_step']:.1f}") if c in got else "-"
-                     for c in ("cold", "warm")]
+            parts = []
+            for c in ("cold", "warm"):
+                got = [r for r in rows if r["variant"] == v and r.get("n") == n and r.get("p") == p
+                       and r.get("call") == c]
+                ok = [r["ms_per_step"] for r in got if "error" not in r]
+                parts.append(f"{min(ok):.1f}" if ok else "err" if got else "-")  # the fastest round
             cells.append(" / ".join(parts))
         lines.append(f"| {v} | " + " | ".join(cells) + " |")
     if floor_ms is not None:
@@ -266,14 +272,16 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     rc = 0
-    for v in variants:
-        print(f"== {v}: {model} ({dtype}) on {device}", file=sys.stderr, flush=True)
+    rounds = max(1, getattr(args, "rounds", 1))
+    for rnd, v in ((r, v) for r in range(rounds) for v in variants):
+        print(f"== {v}: {model} ({dtype}) on {device}" + (f", round {rnd + 1}/{rounds}" if rounds > 1 else ""),
+              file=sys.stderr, flush=True)
         cmd = [sys.executable, "-m", "sclsd.bench.cli", "engine", "--child", v, "--model", model, "--device",
                device, "--dtype", dtype, "--shapes", shapes, "--gen", str(gen), "--threads", str(args.threads)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=offline_env())
         assert proc.stdout is not None
         for line in proc.stdout:
-            row = json.loads(line)
+            row = {**json.loads(line), "round": rnd}
             rows.append(row)
             if "graphs_kept" in row:
                 kept = row["graphs_kept"]
@@ -293,7 +301,8 @@ def run(args: argparse.Namespace) -> int:
     table = markdown(rows, floor)
     header = (f"`{model}` in {dtype} on {facts.get('gpu') or 'the CPU'}; prefill until every row streamed "
               f"its first token, then ms per step over the other {gen - 1} of {gen} new tokens; cold "
-              f"(first call of the shape) / warm (second).")
+              f"(first call of the shape) / warm (second)"
+              + (f", each the fastest of {rounds} rounds." if rounds > 1 else "."))
     graphs = [f"{r['variant']}: {len(r['graphs_kept'])} decode graphs kept" for r in rows if "graphs_kept" in r]
     problems = [p for p in (graph_problem(r) for r in rows) if p]
     if graphs:

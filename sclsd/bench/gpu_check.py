@@ -34,8 +34,8 @@ A stage that overruns its cap is killed (it, and every process it started) and r
 as timed out; the others still run. All of them live inside one deadline
 (``--deadline``, from the start): a stage whose minimum no longer fits is skipped and
 recorded. ``--preset arena`` is the call that judges ``hf-static-cb``: stages ``hf``,
-``arena``, ``cb``, ``sat`` and ``live`` (``scls-cb`` on ``hf-static-cb`` at 4 req/s, for its
-first tokens), within the same deadline. Results are appended to ``OUT/results.jsonl`` as they come, and
+``arena``, ``cb``, ``sat``, ``live`` (``scls-cb`` on ``hf-static-cb`` at 4 req/s, for its
+first tokens) and, when time is left, ``tests`` (its CUDA test), within the same deadline. Results are appended to ``OUT/results.jsonl`` as they come, and
 ``OUT/summary.md`` (each target: met, missed or not measured, and why) is rewritten after
 every stage, so a call cut short loses nothing it measured. Logs go to ``OUT/*.log``.
 
@@ -75,7 +75,8 @@ SAT = "scls-cb@hf-static-cb,ils@hf-static-cb,scls-cb@hf-cb"
 #: Named sets of options: ``arena`` measures hf-static-cb against hf's graphs and hf-cb (step
 #: times, saturation, first tokens at 4 req/s, start to ready) in one call.
 PRESETS: dict[str, dict[str, str]] = {
-    "arena": {"stages": "hf,arena,cb,sat,live", "live": "scls-cb", "cb_engine": "hf-static-cb"},
+    "arena": {"stages": "hf,arena,cb,sat,live,tests", "live": "scls-cb", "cb_engine": "hf-static-cb",
+              "tests_k": "arena"},
 }
 #: Cards with less memory than this run the 7B architecture, the model the targets are set
 #: for (an 80 GB H100 included); larger cards the 13B.
@@ -157,6 +158,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cb-engine", default=None, choices=CB_ENGINES,
                    help="engine of the live ils and scls-cb replays (default hf-cb)")
     p.add_argument("--sat", default=SAT, help="saturation replays, policy@engine, in order")
+    p.add_argument("--tests-k", default=None, help="pytest -k of the tests stage (default: not deepspeed)")
     p.add_argument("--sat-rate", type=float, default=0.0, help="saturation arrivals, req/s (0: 8, 4 with --smoke)")
     p.add_argument("--sat-num", type=int, default=0, help="requests per saturation replay (0: 80, 6 with --smoke)")
     p.add_argument("--cap", action="append", default=[], metavar="STAGE=SECONDS",
@@ -326,6 +328,8 @@ class CheckPlan:
     """Why no measuring stage can run (no CUDA device), or None."""
     cb_engine: str = "hf-cb"
     """The engine of the live ``ils`` and ``scls-cb`` replays."""
+    tests_k: str = "not deepspeed"
+    """pytest ``-k`` of the ``tests`` stage."""
     sat: tuple[tuple[str, str], ...] = ()
     """The saturation replays, (policy, engine) each."""
 
@@ -368,7 +372,8 @@ def parse_sat(text: str) -> tuple[tuple[str, str], ...]:
 def apply_preset(args: argparse.Namespace) -> None:
     """``--preset``'s values, then the defaults, for the options not given."""
     preset = PRESETS[args.preset] if args.preset else {}
-    defaults = {"stages": ",".join(DEFAULT_STAGES), "live": ",".join(LIVE_POLICIES), "cb_engine": "hf-cb"}
+    defaults = {"stages": ",".join(DEFAULT_STAGES), "live": ",".join(LIVE_POLICIES), "cb_engine": "hf-cb",
+                "tests_k": "not deepspeed"}
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, preset.get(key, value))
@@ -397,7 +402,7 @@ def make_plan(args: argparse.Namespace, facts: dict[str, Any], bundle: Path | No
     if bad:
         raise SystemExit(f"sclsd-bench gpu-check: --live: unknown {sorted(bad)}; choose from {','.join(LIVE_POLICIES)}")
     return CheckPlan(device, model, dtype, smoke, sizes, parse_stages(args.stages), policies, trace, trace_kind,
-                     args.deadline, skip, args.cb_engine, parse_sat(args.sat))  # fmt: skip
+                     args.deadline, skip, args.cb_engine, args.tests_k, parse_sat(args.sat))  # fmt: skip
 
 
 def cap_of(name: str, plan: CheckPlan, caps: dict[str, float]) -> tuple[float, float]:
@@ -460,7 +465,7 @@ def measuring_stages(plan: CheckPlan, out: Path, work: Path, env: dict[str, str]
                 eng = plan.cb_engine if policy in ("ils", "scls-cb") else "hf"
                 out_stages.append(replay(f"live-{policy}", policy, eng, s.rate, s.num))
         elif name == "tests":
-            out_stages.append(stage("tests", ["tests"], "tests-gpu.log"))
+            out_stages.append(stage("tests", ["tests", "-k", plan.tests_k], "tests-gpu.log"))
     return out_stages
 
 

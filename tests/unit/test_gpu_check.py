@@ -159,14 +159,15 @@ def test_the_arena_preset_measures_hf_static_cb_against_hf_and_hf_cb(tmp_path: P
     """``--preset arena``: the step of hf-static-cb beside hf's graphs and hf-cb, three
     saturation replays at 8 req/s (80 requests), scls-cb on hf-static-cb at 4 req/s."""
     plan = G.make_plan(args("--preset", "arena"), cuda_facts(79.2), None, "/t.csv", "file")
-    assert plan.stages == ("hf", "arena", "cb", "sat", "live") and plan.policies == ("scls-cb",)
-    assert plan.cb_engine == "hf-static-cb"
+    assert plan.stages == ("hf", "arena", "cb", "sat", "live", "tests") and plan.policies == ("scls-cb",)
+    assert plan.cb_engine == "hf-static-cb" and plan.tests_k == "arena"
     assert plan.sat == (("scls-cb", "hf-static-cb"), ("ils", "hf-static-cb"), ("scls-cb", "hf-cb"))
     stages = G.measuring_stages(plan, tmp_path / "out", tmp_path, {}, {}, "", "kv_padding_tokens=1024",
                                 "static_share=0.6")
     by = {s.name: s for s in stages}
     assert list(by) == ["hf", "arena", "cb", "sat-scls-cb-hf-static-cb", "sat-ils-hf-static-cb", "sat-scls-cb-hf-cb",
-                        "live-scls-cb"]
+                        "live-scls-cb", "tests"]
+    assert by["tests"].argv[-3:] == ["tests", "-k", "arena"]  # its CUDA test only, last, if time is left
     arena = by["arena"].argv
     assert arena[arena.index("--variant") + 1] == "hf-static-cb" and "--ab" in arena
     assert arena[arena.index("--shapes") + 1] == "32x256,64x256" and arena[arena.index("--opts") + 1] == "static_share=0.6"

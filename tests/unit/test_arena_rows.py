@@ -117,7 +117,7 @@ def test_rows_wait_for_room_and_a_row_that_never_fits_fails_alone(hf) -> None:
     ctxs = contexts(8, 20, 21)
     outs, _ = serve(eng, [req(f"w{i}", c, 10) for i, c in enumerate(ctxs)], 10)
     assert [o.token_ids for o in outs] == one_pass(hf, ctxs, 10)
-    assert eng.waited_rows >= 2
+    assert eng.rows.waited_rows >= 2
     big = req("big", [7] * 195, 10)
     outs, _ = serve(eng, [req("small", ctxs[0], 10), big], 10)
     assert outs[0].token_ids == one_pass(hf, ctxs[:1], 10)[0]

@@ -3,7 +3,8 @@
 The engine of slice grants (``scls-cb``) with ``hf``'s decode step: the same arena
 (:class:`~worker.engines.static_cache.KVArena`), buckets and CUDA graphs, with rows that
 join and leave between steps (:mod:`worker.engines.arena_rows`: each row writes its own
-column, so rows of any lengths run side by side). One poll is one turn:
+column, so rows of any lengths run side by side; :mod:`worker.engines.arena_set`: which rows
+wait, run and leave). One poll is one turn:
 
 1. rows that ended leave: an unfinished row's KV (its slice ended first) is cut out to
    the kept-KV store (:class:`~worker.engines.kvstore.KVStore`: device memory beside the
@@ -39,22 +40,22 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from sclsd import models
 from sclsd.protocol import BatchMsg, EngineCaps, RequestOutput
-from worker.engines.arena_cb import Grant, Releases, Row, grant_stats
-from worker.engines.arena_rows import Geometry, RowRunner
+from worker.engines.arena_cb import Grant, Row, grant_stats
+from worker.engines.arena_rows import RowRunner
+from worker.engines.arena_set import ArenaRows
 from worker.engines.base import BatchDone, BatchFailed, Engine, EngineInfo, Event, NewTokens
 from worker.engines.grammar import BatchGrammar, GrammarError, grammar_for, row_error, row_matcher
 from worker.engines.grammar import supported as grammar_supported
 from worker.engines.graph_check import check_graphs
 from worker.engines.hf import default_host_bytes, to_host
 from worker.engines.hf_model import TransformersModel, peak_memory
-from worker.engines.kvstore import KVStore, Retained, supports_reuse
+from worker.engines.kvstore import KVStore, supports_reuse
 from worker.engines.sampling import BatchSampler, Draw, PendingDraw
 from worker.engines.static_cache import STATIC_ATTENTION, StaticOptions, attention_kind
 
@@ -111,25 +112,16 @@ class HFStaticCBEngine(TransformersModel, Engine):
         self.read_behind = self.device.type == "cuda"
         """Queue step k+1 before reading step k's tokens (on CUDA, where kernels run async)."""
         self.vocab = int(self.config.vocab_size)
-        self._waiting: deque[Row] = deque()
-        self._slots: list[Row] = []
-        """The running rows, by slot (slots ``[0, len)``)."""
-        self._ended: list[Row] = []
-        """Rows read as ended whose slots still hold their KV (they leave at the next turn)."""
-        self._geometry: Geometry | None = None
+        self.rows = ArenaRows(self.static, self.kv, self.device, self._row_done)
+        """The rows waiting, running and ended, and their geometry."""
         self._sampler: BatchSampler | None = None
         self._grammar: BatchGrammar | None = None
-        self._dirty = True
-        """The running rows changed since the step's inputs and the sampler were set."""
         self._last: Any = None
         """The last step's tokens, on the device (the next step's inputs when nothing changed)."""
         self._flight: _Flight | None = None
         self._events: list[Event] = []
-        self._releases = Releases()
         self.kv_peak_tokens = 0
         """Most KV tokens held at once: the running rows' and the kept."""
-        self.waited_rows = 0
-        """Rows that waited for arena room while others ran (since the engine started)."""
 
     # ------------------------------------------------------------------ facts
 
@@ -160,7 +152,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
                 log.warning("warming: serving with the captured decode steps failed (%s: %s); "
                             "dropping them, decode runs eagerly", type(exc).__name__, exc)
                 self.static.drop_graphs()
-                self._reset()
+                self.rows.reset()
         log.info("warm-up done in %.1f s: %d decode graphs captured", time.perf_counter() - t0,
                  len(self.static.captured()))
 
@@ -168,15 +160,15 @@ class HFStaticCBEngine(TransformersModel, Engine):
 
     def has_room(self) -> bool:
         """While no row waits for arena room (a batch that would wait waits in the worker's queue)."""
-        return not self._waiting
+        return not self.rows.waiting
 
     def busy(self) -> bool:
-        return bool(self._slots or self._waiting or self._ended or self._flight or self._events)
+        return bool(self.rows.busy() or self._flight or self._events)
 
     def submit(self, batch: BatchMsg) -> None:
         """Queue ``batch``'s rows; a malformed batch fails, a row whose grammar cannot be built
         ends alone with its error."""
-        self._apply_releases()  # releases received before this batch are not for its rows
+        self.rows.apply_releases()  # releases received before this batch are not for its rows
         try:
             self.check_batch(batch, self.vocab_size or None)
             grant, rows = self._rows(batch)
@@ -186,14 +178,14 @@ class HFStaticCBEngine(TransformersModel, Engine):
         if grant.left == 0:  # no rows, or every row failed
             self._finish(grant)
             return
-        self._waiting.extend(rows)
+        self.rows.waiting.extend(rows)
 
     def poll(self, timeout: float) -> list[Event]:
         """One turn (module docstring); ``timeout`` is not needed: a turn is work. A turn that
         fails fails every grant in flight; the engine goes on with the next."""
         del timeout
-        self._apply_releases()
-        if self._slots or self._waiting or self._ended or self._flight is not None:
+        self.rows.apply_releases()
+        if self.rows.busy() or self._flight is not None:
             import torch
 
             try:
@@ -208,10 +200,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
     def release(self, rids: Iterable[str] | None = None) -> None:
         """Drop kept KV (the daemon's ``release``; None: all of it) at once; a waiting or running
         row of a released request keeps nothing when it ends. Any thread."""
-        rids = None if rids is None else list(rids)
-        if self.kv is not None:
-            self.kv.release(rids)
-        self._releases.add(rids)
+        self.rows.release(rids)
 
     def take_evicted(self) -> list[str]:
         """Requests whose kept KV was evicted since the last call."""
@@ -239,35 +228,30 @@ class HFStaticCBEngine(TransformersModel, Engine):
                 self._read(fl)
                 return
             self._read(fl)
-        self._retire()
-        self._admit()
-        if self._slots:
+        self.rows.retire()
+        self.rows.admit()
+        if self.rows.slots:
             fl = self._launch()
             if self.read_behind and self._grammar is None:
                 self._flight = fl
             else:
                 self._read(fl)
-                self._retire()
+                self.rows.retire()
 
     def _must_drain(self) -> bool:
         """Whether the rows change before the next step (or a grammar needs this step's tokens)."""
-        if self._ended or self._grammar is not None:
-            return True
-        if not self._waiting:
-            return False
-        need = max([self._waiting[0].need, *(r.need for r in self._slots)])
-        return self.static.geometry(len(self._slots) + 1, need) is not None
+        return bool(self.rows.ended) or self._grammar is not None or self.rows.joinable()
 
     def _launch(self) -> _Flight:
         """Queue one decode step of the running rows and the pick of their tokens."""
         import torch
 
-        geo = self._geometry
+        geo = self.rows.geometry
         assert geo is not None
         step = self.static.step_for(geo.plan)
-        rows = list(self._slots)
+        rows = list(self.rows.slots)
         k, n = len(rows), geo.plan.n
-        if self._dirty:
+        if self.rows.dirty:
             pad = [self.pad_id] * (n - k)
             ids = torch.tensor([r.next_input() for r in rows] + pad, dtype=torch.long)
             pos = torch.tensor([r.fed for r in rows] + [geo.c - 1] * (n - k), dtype=torch.long)
@@ -278,7 +262,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
             steps = min(DRAWS_AHEAD, max(r.cap - len(r.state.out) for r in rows))
             self._sampler = BatchSampler([r.now() for r in rows], [r.state.seed for r in rows], self.vocab,
                                          self.device, steps=max(1, steps), eos=self.eos, grammar=self._grammar)
-            self._dirty = False
+            self.rows.dirty = False
         else:
             step.ids[:k, 0].copy_(self._last)
         assert self._sampler is not None
@@ -302,147 +286,9 @@ class HFStaticCBEngine(TransformersModel, Engine):
             if part is not None:
                 new.setdefault(row.grant.batch_id, []).append(part)
             if row.ended:
-                self._ended.append(row)
+                self.rows.ended.append(row)
         for bid, outs in new.items():
             self._events.append(NewTokens(bid, outs))
-
-    # ------------------------------------------------------------------ rows leaving
-
-    def _retire(self) -> None:
-        """Rows read as ended leave: kept KV cut out, outputs recorded, the last rows moved into
-        the free slots."""
-        if not self._ended:
-            return
-        ended, self._ended = self._ended, []
-        kept = self._keep(ended)
-        for row in ended:
-            if self.kv is not None:
-                self.kv.done([row.rid])
-            self._row_done(row, row.output(kept.get(id(row), 0)))
-        gone = {id(r) for r in ended}
-        alive = [r for r in self._slots if id(r) not in gone]
-        self._compact(alive)
-        self._dirty = True
-
-    def _keep(self, ended: list[Row]) -> dict[int, int]:
-        """Cut the KV of the rows that keep it into the store: id(row) -> tokens kept."""
-        rows = [r for r in ended if r.keeps()] if self.kv is not None else []
-        if not rows or self._geometry is None:
-            return {}
-        assert self.kv is not None
-        tokens = [r.kept_tokens() for r in rows]
-        cuts = self.static.cut([r.slot for r in rows], [len(t) for t in tokens], len(self._slots), self._geometry.c)
-        out: dict[int, int] = {}
-        for r, toks, (kv, nbytes) in zip(rows, tokens, cuts, strict=True):
-            if self.kv.put(r.rid, Retained(toks, nbytes, kv)):
-                out[id(r)] = len(toks)
-        return out
-
-    def _compact(self, alive: list[Row]) -> None:
-        """Slots ``[0, len(alive))`` for the rows left: those above move into the holes."""
-        k = len(alive)
-        holes = sorted(set(range(k)) - {r.slot for r in alive})
-        movers = [r for r in alive if r.slot >= k]
-        c = self._geometry.c if self._geometry is not None else 0
-        for row, hole in zip(movers, holes, strict=True):
-            self.static.move(row.slot, hole, row.fed, c)
-            row.slot = hole
-        self._slots = sorted(alive, key=lambda r: r.slot)
-        if not self._slots:
-            self._geometry = None
-        elif self._geometry is not None:
-            need = max(r.need for r in self._slots)
-            self._regeometry(self.static.geometry(k, need))
-
-    def _regeometry(self, geo: Geometry | None) -> None:
-        """Run the rows in ``geo`` (moving them when its columns differ)."""
-        if geo is None:
-            raise RuntimeError("the running rows no longer fit the arena")
-        old = self._geometry
-        if old is not None and old.c != geo.c and self._slots:
-            self.static.relayout([r.fed for r in self._slots], old.c, geo.c)
-        self._geometry = geo
-
-    # ------------------------------------------------------------------ rows joining
-
-    def _admit(self) -> None:
-        """Waiting rows join while they fit (first come first served; a turn takes at most one
-        prefill chunk's worth of their tokens, at least one row)."""
-        budget = self.static.prefill_chunk_tokens or float("inf")
-        k = len(self._slots)
-        need = max((r.need for r in self._slots), default=0)
-        joined: list[tuple[Row, Retained | None]] = []
-        geo: Geometry | None = None
-        spent = 0
-        while self._waiting and spent < budget:
-            head = self._waiting[0]
-            g = self.static.geometry(k + len(joined) + 1, max(need, head.need))
-            if g is None:
-                if k + len(joined) == 0:
-                    self._waiting.popleft()
-                    self._too_large(head)
-                    continue
-                for row in self._waiting:  # the head blocks every row behind it
-                    if not row.waited:
-                        row.waited = True
-                        self.waited_rows += 1
-                break
-            self._waiting.popleft()
-            entry = self._take_kv(head)
-            head.grant.prefill_tokens += head.prefill_tokens()
-            head.grant.reused_tokens += head.used
-            spent += head.length - 1 - head.used
-            need = max(need, head.need)
-            geo = g
-            joined.append((head, entry))
-        if geo is None:
-            return
-        self._regeometry(geo)
-        self._join(joined)
-
-    def _take_kv(self, row: Row) -> Retained | None:
-        """What the store kept for ``row``'s request, checked out (``row.used``: the tokens of
-        it the row uses)."""
-        if self.kv is None:
-            return None
-        entry, used = self.kv.take(row.rid, list(row.req.token_ids))
-        if entry is None or not row.grant.batch.kv_reuse or row.released:
-            return None
-        row.used = used
-        return entry
-
-    def _join(self, joined: list[tuple[Row, Retained | None]]) -> None:
-        """Place ``joined`` after the running rows: kept KV copied in, the rest prefilled."""
-        geo = self._geometry
-        assert geo is not None
-        lo = len(self._slots)
-        # Rows with tokens to prefill first: the prefill runs over their slots only.
-        joined.sort(key=lambda j: j[0].used >= j[0].length - 1)
-        for i, (row, entry) in enumerate(joined):
-            row.slot = lo + i
-            if entry is not None:
-                self.static.load(row.slot, geo.c, entry.kv, row.used)
-            self._slots.append(row)
-        t0 = time.perf_counter()
-        parts = [(row.req.token_ids[row.used:row.length - 1], row.used) for row, _ in joined]
-        self.static.prefill(lo, geo.c, [p for p in parts if p[0]])
-        if self.device.type == "cuda" and any(p for p, _ in parts):
-            import torch
-
-            torch.cuda.synchronize(self.device)  # the prefill's time is its grants'
-        spent = time.perf_counter() - t0
-        total = sum(len(p) for p, _ in parts) or 1
-        for (row, _), (p, _) in zip(joined, parts, strict=True):
-            row.grant.prefill_s += spent * len(p) / total
-        self._dirty = True
-
-    def _too_large(self, row: Row) -> None:
-        msg = (f"request {row.rid!r} needs {row.need} KV columns (context {row.length} + slice {row.cap}); "
-               f"the arena holds {self.static.arena.tokens} token slots")
-        log.warning("%s: %s", self.name, msg)
-        if self.kv is not None:
-            self.kv.release([row.rid])
-        self._row_done(row, RequestOutput(rid=row.rid, token_ids=[], error=msg))
 
     # ------------------------------------------------------------------ grants
 
@@ -462,7 +308,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
                     log.warning("batch=%d: %s; the rest of the batch is served", batch.batch_id, exc)
                     g.outputs[r.rid] = row_error(exc)
                     g.left -= 1
-                    self.release([r.rid])
+                    self.rows.release([r.rid])
                     continue
             rows.append(row)
         return g, rows
@@ -481,11 +327,12 @@ class HFStaticCBEngine(TransformersModel, Engine):
     def _fail_all(self, exc: BaseException) -> None:
         """Every grant with a row in the engine fails; the arena starts empty."""
         grants: dict[int, Grant] = {}
-        for row in [*self._slots, *self._waiting, *self._ended, *(self._flight.rows if self._flight else [])]:
+        for row in [*self.rows.every_row(), *(self._flight.rows if self._flight else [])]:
             grants.setdefault(id(row.grant), row.grant)
             if self.kv is not None:
                 self.kv.done([row.rid])
-        self._reset()
+        self.rows.reset()
+        self._flight = None
         if self.device.type == "cuda":
             import torch
 
@@ -493,22 +340,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
         for g in grants.values():
             self._events.append(BatchFailed(g.batch, f"{type(exc).__name__}: {exc}", exc))
 
-    def _reset(self) -> None:
-        self._slots, self._ended, self._waiting = [], [], deque()
-        self._flight = None
-        self._geometry = None
-        self._dirty = True
-
-    # ------------------------------------------------------------------ releases and memory
-
-    def _apply_releases(self) -> None:
-        """The serve thread's side of :meth:`release`: rows of released requests keep nothing."""
-        rids, every = self._releases.take()
-        if not rids and not every:
-            return
-        for row in [*self._waiting, *self._slots, *self._ended]:
-            if every or row.rid in rids:
-                row.released = True
+    # ------------------------------------------------------------------ memory
 
     def _kv_store(self, reuse: bool, retain: int | None, host: int | None) -> KVStore | None:
         """Kept KV's store: the KV memory the arena leaves (or ``kv_retain_bytes``), and host
@@ -522,7 +354,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
         return KVStore(budget, host, to_host)
 
     def _track_peak(self) -> None:
-        held = sum(r.fed + 1 for r in self._slots)
+        held = sum(r.fed + 1 for r in self.rows.slots)
         if self.kv is not None:
             held += (self.kv.nbytes + self.kv.host_nbytes) // max(1, self.delta)
         self.kv_peak_tokens = max(self.kv_peak_tokens, held)

@@ -131,26 +131,30 @@ def _generate_call(engine: Any, n: int, p: int, gen: int, bid: int) -> tuple[flo
     return prefill, 1000 * max(0.0, whole - prefill) / max(1, gen - 1)
 
 
-def _serve_call(engine: Any, batch: Any) -> tuple[float, float]:
-    """(prefill s, decode ms/step) of one served batch, from when its tokens stream out."""
+def _serve_call(engine: Any, batch: Any, cpu: list[float] | None = None) -> tuple[float, float]:
+    """(prefill s, decode ms/step) of one served batch, from when its tokens stream out;
+    ``cpu`` (given) gets the process's CPU ms per decode step too (every thread of it: on a
+    machine whose cores other jobs share, the work of a step rather than its wait)."""
     rows = len(batch.requests)
     gen = batch.slice_len
     seen: set[str] = set()
-    first: list[float] = []
+    first: list[tuple[float, float]] = []
 
     def emit(outputs: list[Any]) -> None:
         for o in outputs:
             if o.token_ids:
                 seen.add(o.rid)
         if not first and len(seen) == rows:
-            first.append(time.perf_counter())
+            first.append((time.perf_counter(), time.process_time()))
 
     t0 = time.perf_counter()
     outs, _ = engine.serve(batch, emit)
-    end = time.perf_counter()
+    end, cpu_end = time.perf_counter(), time.process_time()
     if any(len(o.token_ids) != gen for o in outs):
         raise RuntimeError(f"rows generated {[len(o.token_ids) for o in outs]} tokens, not {gen}")
-    t1 = first[0] if first else end
+    t1, c1 = first[0] if first else (end, cpu_end)
+    if cpu is not None:
+        cpu.append(1000 * (cpu_end - c1) / max(1, gen - 1))
     return t1 - t0, 1000 * (end - t1) / max(1, gen - 1)
 
 
@@ -202,7 +206,11 @@ def child(args: argparse.Namespace) -> int:
                     if name == "generate":
                         row["prefill_s"], row["ms_per_step"] = _generate_call(engine, n, p, args.gen, bid)
                     else:
-                        row["prefill_s"], row["ms_per_step"] = _serve_call(engine, _batch(bid, n, p, args.gen, vocab))
+                        cpu: list[float] = []
+                        row["prefill_s"], row["ms_per_step"] = _serve_call(engine, _batch(bid, n, p, args.gen, vocab),
+                                                                           cpu if args.device == "cpu" else None)
+                        if cpu:
+                            row["cpu_ms_per_step"] = cpu[0]
                 except Exception as exc:  # noqa: BLE001 - a failing shape is a result, not a crash
                     row["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 print(json.dumps(row), flush=True)
@@ -229,9 +237,12 @@ def bandwidth_floor_ms(facts: dict[str, Any], model: str, dtype: str) -> float |
     return 1000 * weights / bw
 
 
-def markdown(rows: list[dict[str, Any]], floor_ms: float | None) -> str:
+def markdown(rows: list[dict[str, Any]], floor_ms: float | None, key: str = "ms_per_step") -> str:
+    """The table of ``key`` (ms per decode step, or the CPU ms of it) per variant and shape,
+    cold / warm, each the fastest of its rounds."""
     shapes = sorted({(r["n"], r["p"]) for r in rows if "n" in r})
-    head = "| variant | " + " | ".join(f"N={n}, P={p} cold / warm ms" for n, p in shapes) + " |"
+    unit = "CPU ms" if key == "cpu_ms_per_step" else "ms"
+    head = "| variant | " + " | ".join(f"N={n}, P={p} cold / warm {unit}" for n, p in shapes) + " |"
     lines = [head, "|---|" + "---:|" * len(shapes)]
     for v in dict.fromkeys(r["variant"] for r in rows if "n" in r):
         cells = []
@@ -240,7 +251,7 @@ def markdown(rows: list[dict[str, Any]], floor_ms: float | None) -> str:
             for c in ("cold", "warm"):
                 got = [r for r in rows if r["variant"] == v and r.get("n") == n and r.get("p") == p
                        and r.get("call") == c]
-                ok = [r["ms_per_step"] for r in got if "error" not in r]
+                ok = [r[key] for r in got if key in r]
                 parts.append(f"{min(ok):.1f}" if ok else "err" if got else "-")  # the fastest round
             cells.append(" / ".join(parts))
         lines.append(f"| {v} | " + " | ".join(cells) + " |")
@@ -299,6 +310,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"   {v} failed (exit status {proc.returncode})", file=sys.stderr, flush=True)
     floor = bandwidth_floor_ms(facts, model, dtype) if gpu else None
     table = markdown(rows, floor)
+    if any("cpu_ms_per_step" in r for r in rows):
+        table += ("\n\nThe process's CPU time per decode step (all its threads; the work of a step, whatever "
+                  "else the cores ran):\n\n" + markdown(rows, None, "cpu_ms_per_step"))
     header = (f"`{model}` in {dtype} on {facts.get('gpu') or 'the CPU'}; prefill until every row streamed "
               f"its first token, then ms per step over the other {gen - 1} of {gen} new tokens; cold "
               f"(first call of the shape) / warm (second)"

@@ -48,5 +48,6 @@ def test_a_run_on_the_cpu_measures_every_shape_twice(tmp_path) -> None:
     data = json.loads((tmp_path / "engine.json").read_text())
     calls = [r for r in data["rows"] if "n" in r]
     assert [(r["variant"], r["call"]) for r in calls] == [("hf-static", "cold"), ("hf-static", "warm")]
-    assert all(r["ms_per_step"] > 0 and r["prefill_s"] > 0 for r in calls)
-    assert "| hf-static |" in (tmp_path / "engine.md").read_text()
+    assert all(r["ms_per_step"] > 0 and r["prefill_s"] > 0 and r["cpu_ms_per_step"] > 0 for r in calls)
+    md = (tmp_path / "engine.md").read_text()
+    assert "| hf-static |" in md and "cold / warm CPU ms |" in md

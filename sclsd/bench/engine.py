@@ -317,7 +317,8 @@ def run(args: argparse.Namespace) -> int:
               f"its first token, then ms per step over the other {gen - 1} of {gen} new tokens; cold "
               f"(first call of the shape) / warm (second)"
               + (f", each the fastest of {rounds} rounds." if rounds > 1 else "."))
-    graphs = [f"{r['variant']}: {len(r['graphs_kept'])} decode graphs kept" for r in rows if "graphs_kept" in r]
+    graphs = list(dict.fromkeys(f"{r['variant']}: {len(r['graphs_kept'])} decode graphs kept"
+                                for r in rows if "graphs_kept" in r))
     problems = [p for p in (graph_problem(r) for r in rows) if p]
     if graphs:
         header += " " + "; ".join(graphs) + "."

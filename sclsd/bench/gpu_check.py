@@ -76,7 +76,7 @@ SAT = "scls-cb@hf-static-cb,ils@hf-static-cb,scls-cb@hf-cb"
 #: times, saturation, first tokens at 4 req/s, start to ready) in one call.
 PRESETS: dict[str, dict[str, str]] = {
     "arena": {"stages": "hf,arena,cb,sat,live,tests", "live": "scls-cb", "cb_engine": "hf-static-cb",
-              "tests_k": "arena"},
+              "tests_k": "arena", "model": "random:llama2-7b"},
 }
 #: Cards with less memory than this run the 7B architecture, the model the targets are set
 #: for (an 80 GB H100 included); larger cards the 13B.
@@ -373,7 +373,7 @@ def apply_preset(args: argparse.Namespace) -> None:
     """``--preset``'s values, then the defaults, for the options not given."""
     preset = PRESETS[args.preset] if args.preset else {}
     defaults = {"stages": ",".join(DEFAULT_STAGES), "live": ",".join(LIVE_POLICIES), "cb_engine": "hf-cb",
-                "tests_k": "not deepspeed"}
+                "tests_k": "not deepspeed"}  # the preset's model: make_plan (it depends on the card)
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, preset.get(key, value))
@@ -390,6 +390,9 @@ def make_plan(args: argparse.Namespace, facts: dict[str, Any], bundle: Path | No
     if cuda and not facts.get("cuda_available"):
         skip = "no CUDA device (see facts): give --smoke for the CPU plumbing run"
     model = args.model
+    preset_model = PRESETS[args.preset].get("model") if args.preset else None
+    if model == "auto" and preset_model and cuda and not smoke:
+        model = bundled(preset_model, bundle)  # the preset's targets are stated for this model, on any card
     if model == "auto":
         model = "tiny-random" if smoke or not cuda else bundled(choose_model(int(facts.get("mem_total") or 80 * 2**30)), bundle)
     dtype = args.dtype if args.dtype != "auto" else ("float16" if cuda else "float32")

@@ -158,7 +158,10 @@ def test_check_profile_judges_each_kind_at_its_own_limit(tmp_path: Path) -> None
 def test_the_arena_preset_measures_hf_static_cb_against_hf_and_hf_cb(tmp_path: Path) -> None:
     """``--preset arena``: the step of hf-static-cb beside hf's graphs and hf-cb, three
     saturation replays at 8 req/s (80 requests), scls-cb on hf-static-cb at 4 req/s."""
-    plan = G.make_plan(args("--preset", "arena"), cuda_facts(79.2), None, "/t.csv", "file")
+    plan = G.make_plan(args("--preset", "arena"), cuda_facts(139.8), None, "/t.csv", "file")
+    assert plan.model == "random:llama2-7b"  # the targets' model, on an H200 too
+    assert G.make_plan(args("--preset", "arena", "--model", "random:llama2-13b"), cuda_facts(139.8), None, "/t",
+                       "file").model == "random:llama2-13b"
     assert plan.stages == ("hf", "arena", "cb", "sat", "live", "tests") and plan.policies == ("scls-cb",)
     assert plan.cb_engine == "hf-static-cb" and plan.tests_k == "arena"
     assert plan.sat == (("scls-cb", "hf-static-cb"), ("ils", "hf-static-cb"), ("scls-cb", "hf-cb"))

@@ -266,3 +266,17 @@ def test_graph_check_drops_the_wrong_replays_and_the_rest_serve(hf) -> None:
     ctxs = contexts(5, 15, 30, seed=6)
     outs, _ = serve(eng, [req(f"g{i}", c, 10) for i, c in enumerate(ctxs)], 10, kv_reuse=False)
     assert [o.token_ids for o in outs] == one_pass(hf, ctxs, 10)
+
+
+def test_close_lets_go_of_the_arena_and_the_kept_kv() -> None:
+    import gc
+    import weakref
+
+    eng = make()
+    outs, _ = serve(eng, [req(f"c{i}", c, 12) for i, c in enumerate(contexts(2, 4, 9))], 4)
+    assert all(o.kv_tokens > 0 for o in outs) and eng.kv is not None and eng.kv.nbytes > 0
+    arena = weakref.ref(eng.static.arena.kv[0][0])
+    store = eng.kv
+    eng.close()
+    gc.collect()
+    assert arena() is None and store.nbytes == 0 and store.held() == {}

@@ -211,8 +211,11 @@ class HFStaticCBEngine(TransformersModel, Engine):
         return self.kv.held() if self.kv is not None else {}
 
     def close(self) -> None:
-        """Drop the arena, its graphs and the kept KV, then the model."""
+        """Drop the arena, its graphs, the rows and the kept KV, then the model."""
+        self.rows.reset()
+        self.rows.runner = None  # type: ignore[assignment]
         self.static = None  # type: ignore[assignment]
+        self._flight = self._sampler = self._grammar = self._last = None
         if self.kv is not None:
             self.kv.release()
         self.unload()

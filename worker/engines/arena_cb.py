@@ -46,7 +46,7 @@ class Row:
     Its KV occupies the first :attr:`fed` columns of its slot: every context token but the
     last (prefilled, or copied in from kept KV) and one more per decode step."""
 
-    __slots__ = ("grant", "state", "cap", "keep", "used", "sent", "slot", "matcher", "released", "waited")
+    __slots__ = ("grant", "state", "cap", "keep", "used", "sent", "slot", "matcher", "released", "waited", "_ctx")
 
     def __init__(self, grant: Grant, req: BatchRequest, eos: list[int]) -> None:
         self.grant = grant
@@ -67,6 +67,8 @@ class Row:
         """The daemon released the request while this row was in the engine: nothing is kept."""
         self.waited = False
         """It waited for arena room while other rows ran."""
+        self._ctx: list[int] | None = None
+        """Its context and this grant's tokens so far, grown as they come (:meth:`now`)."""
 
     @property
     def req(self) -> BatchRequest:
@@ -110,7 +112,10 @@ class Row:
         r, out = self.state.req, self.state.out
         if not out:
             return r
-        return msgspec.structs.replace(r, token_ids=[*r.token_ids, *out], generated=r.generated + len(out))
+        if self._ctx is None:
+            self._ctx = list(r.token_ids)
+        self._ctx += out[len(self._ctx) - len(r.token_ids):]  # the new tokens only: rows change often
+        return msgspec.structs.replace(r, token_ids=self._ctx, generated=r.generated + len(out))
 
     def kept_tokens(self) -> list[int]:
         """The tokens whose KV it holds at the end of its slice (the last sampled one was never fed)."""

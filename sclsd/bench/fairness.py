@@ -11,7 +11,7 @@ from this process: the bystander. The cases:
 * ``256-groups``: the burst over one connection, each request naming its own group;
 * ``hang-up``: the burst (over 64 connections) hangs up ``--after`` seconds in; the
   bystander is sent one second later. Also reported: how long after the hang-up the
-  workers had nothing in flight (the cancels reached the engines);
+  workers first had nothing in flight (the cancels reached the engines);
 * ``throughput``: the burst alone, over 8 connections, served to its end: output tokens/s,
   and the share of the workers' row-steps it used (``--max-rows`` rows per worker, each
   giving a token per ``--decode-s``: what work conservation keeps near 1).
@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..client import AsyncClient
@@ -73,6 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burst-tokens", type=int, default=64)
     p.add_argument("--decode-s", type=float, default=0.02)
     p.add_argument("--after", type=float, default=1.0, help="seconds between the burst and the bystander")
+    p.add_argument("--grant-lookahead", type=float, default=None,
+                   help="scheduler.grant_lookahead (default: the daemon's own)")
     p.add_argument("--cases", default="one-connection,64-connections,256-groups,hang-up,throughput",
                    help="comma-separated cases to run (see the module docstring)")
 
@@ -139,10 +142,11 @@ def _hang_up_case(d: DaemonProcess, args: argparse.Namespace) -> dict[str, Any]:
     time.sleep(max(0.0, args.after - (time.monotonic() - t_acc)))
     burst.hang_up()
     gone = time.monotonic()
-    time.sleep(1.0)
-    waited = asyncio.run(_one(d.sock))
-    idle = _idle_after(d, gone)
-    return {"bystander_s": waited, "idle_s": idle}
+    with ThreadPoolExecutor(1) as pool:  # watched from the hang-up on, beside the bystander
+        idle = pool.submit(_idle_after, d, gone)
+        time.sleep(max(0.0, gone + 1.0 - time.monotonic()))
+        waited = asyncio.run(_one(d.sock))
+        return {"bystander_s": waited, "idle_s": idle.result()}
 
 
 def _throughput_case(d: DaemonProcess, args: argparse.Namespace) -> dict[str, Any]:
@@ -161,7 +165,8 @@ def _throughput_case(d: DaemonProcess, args: argparse.Namespace) -> dict[str, An
 def run(args: argparse.Namespace) -> int:
     sections: dict[str, dict[str, Any]] = {
         "model": {"name": "fake"},
-        "scheduler": {"policy": "scls-cb"},
+        "scheduler": {"policy": "scls-cb", **({} if args.grant_lookahead is None
+                                              else {"grant_lookahead": args.grant_lookahead})},
         "workers": {"spawn": args.workers, "engine": "fake",
                     "options": {"decode_s": args.decode_s, "max_rows": args.max_rows}},
     }

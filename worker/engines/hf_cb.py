@@ -295,7 +295,8 @@ class HFCBEngine(TransformersModel, Engine):
                  mem_budget: int | None = None, threads: int | None = None, poll_s: float = 0.005,
                  page_size: int | None = None, num_blocks: int | None = None, sampling: bool = True,
                  cuda_graphs: Any = "auto", memory_share: float | None = None,
-                 max_batch_tokens: int | None = None, kv_padding_tokens: int | None = None) -> None:
+                 max_batch_tokens: int | None = None, kv_padding_tokens: int | None = None,
+                 max_rows: int | None = None) -> None:
         self.load(model, device, dtype, mem_budget, threads)
         # transformers' paged cache owns the KV here; the reserve is the eager path's.
         self.kv_limit = self.kv_memory(EAGER_RESERVE_TOKENS, RESERVE_ROWS)
@@ -309,6 +310,10 @@ class HFCBEngine(TransformersModel, Engine):
                                           memory_share, max_batch_tokens)
         self.cache_opts |= graph_padding(self.device.type, bool(self.cache_opts.get("use_cuda_graph")),
                                          kv_padding_tokens)
+        self.max_rows = int(max_rows or 0)
+        """Most rows a step runs (0: as many as the cache holds); the daemon's grants follow it."""
+        if self.max_rows:
+            self.cache_opts["max_requests_per_batch"] = self.max_rows
         self.cache_tokens = num_blocks * page_size if num_blocks is not None else 0
         """Tokens the paged cache holds (0 until transformers has sized it: :meth:`warm_up`)."""
         self._mgr: Any = None
@@ -346,7 +351,7 @@ class HFCBEngine(TransformersModel, Engine):
         grants reserve them); min_tokens, logit_bias, grammars and log-probabilities per request."""
         page = self.cache_opts.get("page_size", 1) or 1
         return EngineCaps(batching="continuous", sampling=self.sampling,
-                          seeded=True, max_context=self.max_context, kv_page_tokens=page,
+                          seeded=True, max_context=self.max_context, kv_page_tokens=page, max_rows=self.max_rows,
                           min_tokens=True, logit_bias=True, grammar=grammar_supported())
 
     # ------------------------------------------------------------------ the manager

@@ -149,7 +149,7 @@ class Server:
         # One budget for the half-sent frames of both sockets.
         self.frame_budget = frame_budget(d.max_partial_frame_bytes, d.max_partial_frame_bytes_per_uid)
         common: dict[str, Any] = dict(max_frame=d.max_frame_bytes, max_buffer=d.max_conn_buffer_bytes,
-                                      mode=d.socket_mode, group=d.socket_group, backlog=d.listen_backlog,
+                                      mode=d.client_socket_mode, group=d.socket_group, backlog=d.listen_backlog,
                                       frame_timeout=d.frame_timeout_s, budget=self.frame_budget)
         self.api = FrameServer("api", d.socket, P.client_decoder, self.on_client,
                                on_close=self.on_client_close, allowed_uids=d.allowed_uids, **common)

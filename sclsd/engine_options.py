@@ -115,9 +115,10 @@ OPTIONS: dict[str, Option] = {
                        help="static: one batch at a time; continuous: grants share a running set of rows "
                             "(it takes slice grants under scls-cb)"),
     "grammar": Option(("fake",), "bool", help="enforce structured-output grammars (needs llguidance)"),
-    "max_rows": Option(("fake", "hf-cb"), "int", Range(ge=1),
+    "max_rows": Option(("fake", "hf-cb", "hf-static-cb"), "int", Range(ge=1),
                        help="continuous batching: most rows running at once (fake: default 64; hf-cb: "
-                            "default as many as its KV cache holds, else transformers' max_requests_per_batch); "
+                            "default as many as its KV cache holds, else transformers' max_requests_per_batch; "
+                            "hf-static-cb: default, and at most, 512 or the largest graph bucket if larger); "
                             "the daemon sends no more grants than this and a lookahead"),
     # KV kept across slices
     "kv_reuse": Option((*KEEP, "fake"), "bool",

@@ -280,3 +280,34 @@ def test_close_lets_go_of_the_arena_and_the_kept_kv() -> None:
     eng.close()
     gc.collect()
     assert arena() is None and store.nbytes == 0 and store.held() == {}
+
+
+@pytest.mark.parametrize("read_behind", [False, True])
+def test_a_cancelled_row_leaves_at_the_next_step_keeping_nothing(read_behind: bool) -> None:
+    """:meth:`Engine.cancel`: the row stops (a token of a step already queued is dropped), ends
+    ``cancelled`` with nothing kept; its neighbour goes on and keeps its KV; a row of another
+    batch of the same id is untouched."""
+    from unit.test_cancel_rows import cancel_one_of_two
+
+    eng = make()
+    eng.read_behind = read_behind
+    cancel_one_of_two(eng, kept=True)
+    assert "a" not in eng.kept() and "b" in eng.kept()
+
+
+def test_cancels_reach_waiting_rows_and_whole_batches() -> None:
+    from unit.test_cancel_rows import batch, done_of, run_until, tokens_of
+
+    eng = make(mem_budget=400 * DELTA)  # 200 token slots: a second 150-column row must wait
+    eng.submit(batch(1, req("a", [5] * 120, 30), slice_len=30))
+    eng.submit(batch(2, req("w", [6] * 120, 30), slice_len=30))
+    seen = run_until(eng, lambda s: len(tokens_of(s, "a")) >= 1)
+    assert [r.rid for r in eng.rows.waiting] == ["w"]
+    eng.cancel([(2, "w")])
+    seen = run_until(eng, lambda s: len(done_of(s)) >= 1, limit=3)
+    (end,) = done_of(seen)
+    assert end.batch.batch_id == 2 and end.outputs[0].finish_reason == "cancelled" and end.outputs[0].token_ids == []
+    eng.cancel([(1, "a")])
+    (end,) = done_of(run_until(eng, done_of, limit=3))
+    assert end.outputs[0].finish_reason == "cancelled" and 1 <= len(end.outputs[0].token_ids) < 30
+    assert not eng.busy() and eng.kept() == {}

@@ -254,6 +254,7 @@ def test_caps_and_memory_are_the_arena(cb) -> None:
     caps = info.caps
     assert caps.batching == "continuous" and caps.kv_page_tokens == 1 and caps.sampling and caps.seeded
     assert caps.min_tokens and caps.logit_bias and caps.graph_batch_sizes == []
+    assert caps.max_rows == 512 and make(max_rows=48).caps().max_rows == 48  # what one step may run
     assert info.engine == "hf-static-cb" and info.kv_bytes_per_token == 512
     assert info.mem_available == cb.static.arena.nbytes == (BUDGET // 2 // 512) * 512
     assert cb.poll(0.0) == [] and not cb.busy()

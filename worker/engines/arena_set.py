@@ -73,7 +73,23 @@ class ArenaRows:
         self.geometry = None
         self.dirty = True
 
-    # ------------------------------------------------------------------ releases
+    # ------------------------------------------------------------------ cancels and releases
+
+    def cancel(self, marks: set[tuple[int, str]]) -> None:
+        """End the rows named (batch id, request id) before they get another token, ``cancelled``
+        and keeping nothing: a waiting row at once, a running one at the next turn (it is read as
+        ended: a token of a step already queued is dropped)."""
+        def hit(row: Row) -> bool:
+            return (row.grant.batch_id, row.rid) in marks
+
+        for row in [r for r in self.waiting if hit(r)]:
+            self.waiting.remove(row)
+            row.state.reason = "cancelled"
+            self.done(row, row.output(0))
+        for row in self.slots:
+            if hit(row) and not row.ended:
+                row.state.reason = "cancelled"
+                self.ended.append(row)
 
     def release(self, rids: Iterable[str] | None) -> None:
         """Any thread: drop kept KV at once; rows of these requests keep nothing (next turn)."""

@@ -33,7 +33,9 @@ fails, and one that cannot fit even alone fails alone with the reason.
 
 :meth:`release` comes from the receive thread: it drops kept KV at once (the store's lock)
 and marks the request for the serve thread's next turn (:class:`~worker.engines.arena_cb.Releases`),
-where a row of it that is waiting or running will keep nothing when it ends.
+where a row of it that is waiting or running will keep nothing when it ends; rows
+:meth:`~worker.engines.base.Engine.cancel` names end there, ``cancelled``: a waiting one at
+once, a running one before it gets another token.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
                  kv_retain_bytes: int | None = None, kv_host_bytes: int | None = None,
                  cuda_graphs: Any = "auto", static_share: float = 0.5, graph_batch_sizes: Any = None,
                  graph_cache_tokens: Any = None, prefill_chunk_tokens: int | None = None,
-                 static_buckets: Any = None) -> None:
+                 static_buckets: Any = None, max_rows: int | None = None) -> None:
         self.load(model, device, dtype, mem_budget, threads)
         opts = StaticOptions.parse(self.device.type, True, True, cuda_graphs, static_share, graph_batch_sizes,
                                    graph_cache_tokens, prefill_chunk_tokens, static_buckets)
@@ -105,7 +107,8 @@ class HFStaticCBEngine(TransformersModel, Engine):
             raise ValueError(f"{self.name}: no memory for the arena ({self.kv_limit} bytes of KV memory)")
         self.static = RowRunner(self.model, self.config, self.device, self.dtype, tokens, self.pad_id,
                                 opts.batch_sizes, opts.cache_tokens, opts.graphs, opts.prefill_chunk_tokens,
-                                self.max_context, opts.buckets, max_rows=opts.reserve_rows)
+                                self.max_context, opts.buckets, max_rows=min(int(max_rows or opts.reserve_rows),
+                                                                             opts.reserve_rows))
         log.info("arena: %d token slots (%.2f GiB of %.2f GiB for KV), CUDA graphs %s", tokens,
                  self.static.arena.nbytes / 2**30, self.kv_limit / 2**30, "on" if self.static.graphs_on else "off")
         self.kv = self._kv_store(kv_reuse, kv_retain_bytes, kv_host_bytes)
@@ -136,6 +139,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
         static: RowRunner | None = getattr(self, "static", None)
         graphs = static.captured() if static is not None else []
         return EngineCaps(batching="continuous", sampling=True, seeded=True, max_context=self.max_context,
+                          max_rows=static.max_rows if static is not None else 0,
                           graph_batch_sizes=sorted({n for n, _ in graphs}),
                           graph_cache_tokens=sorted({c for _, c in graphs}),
                           min_tokens=True, logit_bias=True, grammar=grammar_supported())
@@ -185,6 +189,8 @@ class HFStaticCBEngine(TransformersModel, Engine):
         fails fails every grant in flight; the engine goes on with the next."""
         del timeout
         self.rows.apply_releases()
+        if marks := self.cancels.take():
+            self.rows.cancel(marks)
         if self.rows.busy() or self._flight is not None:
             import torch
 

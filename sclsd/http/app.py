@@ -113,6 +113,8 @@ class Api:
         created = int(time.time())  # the arrival, as OpenAI's ``created`` means it
         self.check_key(request)
         parsed = parse(kind, await self._json(request), self.settings.max_choices)
+        if parsed.ignored:
+            self.metrics.ignore(parsed.ignored, request.url.path)
         name, fingerprint = await self.daemon()
         if parsed.model is not None and name is not None and parsed.model != name:
             raise render.not_found(parsed.model)
@@ -131,6 +133,8 @@ class Api:
             parsed = parse("chat", responses.chat_body(body), self.settings.max_choices)
         except ApiError as exc:
             raise responses.rename(exc) from None
+        if parsed.ignored:
+            self.metrics.ignore(parsed.ignored, request.url.path)
         name, fingerprint = await self.daemon()
         if parsed.model is not None and name is not None and parsed.model != name:
             raise render.not_found(parsed.model)

@@ -33,7 +33,8 @@ access_log = logging.getLogger("sclsd.http.access")
 #: Route templates, for the ``route`` label (anything else is ``other``).
 ROUTES = frozenset({
     "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics",
-    "/tokenize", "/detokenize", "/version", "/docs", "/openapi.json",
+    "/tokenize", "/detokenize", "/version", "/docs", "/openapi.json", "/v1/responses",
+    "/get_load", "/server_info", "/get_server_info", "/model_info", "/get_model_info",
 })
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 #: Distinct ignored parameter names labelled and logged; later ones count as ``other``.

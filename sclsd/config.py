@@ -149,6 +149,18 @@ class SchedulerConfig:
     """Batch requests by the worker keeping their KV and estimate only the uncached prefill."""
     max_slice_gap_s: Annotated[float, Range(ge=0, note="0: off")] = 1.0
     """Bound on the wait between two slices of a stream (0: off); see ``Policy.max_slice_gap_s``."""
+    grant_lookahead: Annotated[float, Range(ge=0, le=1)] = 0.125
+    """Slice grants: a worker whose engine runs at most ``max_rows`` rows holds at most that many
+    grants plus this share of it (at least one; 0: none), so a row that ends is refilled at the
+    engine's next step while the rest of the line waits in the daemon."""
+
+    def grant_rows(self, max_rows: int) -> int:
+        """The most grants a worker whose engine runs ``max_rows`` rows at once may hold (0:
+        unbounded, as its engine is)."""
+        if max_rows <= 0:
+            return 0
+        extra = 0 if self.grant_lookahead == 0 else max(1, math.ceil(self.grant_lookahead * max_rows))
+        return max_rows + extra
 
     def effective_gamma(self, profile_gamma_s: float | None = None) -> float:
         """Γ in effect: ``gamma_s`` if set, else the profile's recommended ``gamma_s``,

@@ -104,11 +104,8 @@ class SliceGrantScheduler:
     def get(self, rid: str) -> Request | None:
         return self.books.get(rid)
 
-    def streamed(self, rid: str, now: float) -> None:
-        self.books.streamed(rid, now)
-
-    def settled(self, rid: str, k: int) -> None:
-        self.books.settled(rid, k)
+    def generated(self, rid: str, k: int, now: float) -> None:
+        self.books.generated(rid, k, now)
 
     def active_workers(self) -> list[str]:
         return self.books.active_workers()
@@ -124,10 +121,11 @@ class SliceGrantScheduler:
 
     # ------------------------------------------------------------------ workers
 
-    def add_worker(self, wid: str) -> None:
-        """A worker (re)joined: no load, no KV, no grant."""
+    def add_worker(self, wid: str, rows: int = 0) -> None:
+        """A worker (re)joined: no load, no KV, no grant; it holds at most ``rows`` grants at
+        once (0: as many as its KV budget takes)."""
         self.books.add_worker(wid)
-        self.grants.add_worker(wid)
+        self.grants.add_worker(wid, rows)
 
     def set_active(self, wid: str, active: bool) -> Releases:
         """Drain a worker or put it back; a drained worker's kept KV waiting for grants there

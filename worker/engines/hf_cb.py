@@ -374,7 +374,9 @@ class HFCBEngine(TransformersModel, Engine):
         mgr, self._mgr = self._mgr, None
         if mgr is not None:
             try:
-                mgr.stop(block=True, timeout=30)
+                # A hard stop: the default flushes, serving every request the manager holds
+                # to its end first, which a worker that is closing or failing has no use for.
+                mgr.stop(block=True, timeout=30, hard_stop=True)
             finally:
                 unregister(self._scheduler_name)
         self._paused.clear()

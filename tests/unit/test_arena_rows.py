@@ -185,15 +185,20 @@ def test_releases_from_another_thread_while_grants_run(hf) -> None:
 
 
 def test_kept_kv_moves_to_host_memory_and_comes_back(hf) -> None:
-    """A store of one entry on the device and room in host memory: the older request's KV goes
-    to the host, and its next grant copies it back instead of prefilling."""
-    eng = make(kv_retain_bytes=40 * DELTA, kv_host_bytes=10**7)
-    a, b = contexts(2, 20, 21, seed=9)
+    """An arena of 40 token slots (one row of 24 columns at a time), a store of one entry on
+    the device and room in host memory: each newcomer spills the paused row before it to the
+    store, the older spilled entry goes on to the host, and its request's next grant copies
+    it back instead of prefilling."""
+    eng = make(mem_budget=80 * DELTA, kv_retain_bytes=40 * DELTA, kv_host_bytes=10**7)
+    a, b, c = contexts(3, 20, 21, seed=9)
     (oa,), _ = serve(eng, [req("a", a, 8)], 4)
-    (ob,), _ = serve(eng, [req("b", b, 8)], 4)
-    assert eng.kv is not None and eng.kv.on_host() == ["a"]
+    assert eng.kept() == {"a": len(a) + 3} and eng.kv is not None and eng.kv.held() == {}  # paused in place
+    serve(eng, [req("b", b, 8)], 4)
+    serve(eng, [req("c", c, 8)], 4)
+    assert eng.kv.on_host() == ["a"] and eng.rows.counts["spilled"] == 2
     (oa2,), stats = serve(eng, [req("a", a + oa.token_ids, 4, generated=4)], 4)
     assert (stats.prefill_tokens, stats.reused_tokens) == (0, len(a) + 3)
+    assert eng.rows.counts["loaded"] == 1
     assert oa.token_ids + oa2.token_ids == one_pass(hf, [a], 8)[0]
 
 
@@ -272,14 +277,15 @@ def test_close_lets_go_of_the_arena_and_the_kept_kv() -> None:
     import gc
     import weakref
 
-    eng = make()
-    outs, _ = serve(eng, [req(f"c{i}", c, 12) for i, c in enumerate(contexts(2, 4, 9))], 4)
+    eng = make(mem_budget=80 * DELTA)  # one row of 24 columns at a time: the second spills the first
+    outs = [serve(eng, [req(f"c{i}", c, 12)], 4)[0][0] for i, c in enumerate(contexts(2, 20, 21))]
     assert all(o.kv_tokens > 0 for o in outs) and eng.kv is not None and eng.kv.nbytes > 0
+    assert set(eng.kept()) == {"c0", "c1"} and set(eng.rows.paused) == {"c1"}
     arena = weakref.ref(eng.static.arena.kv[0][0])
     store = eng.kv
     eng.close()
     gc.collect()
-    assert arena() is None and store.nbytes == 0 and store.held() == {}
+    assert arena() is None and store.nbytes == 0 and store.held() == {} and eng.rows.paused == {}
 
 
 @pytest.mark.parametrize("read_behind", [False, True])

@@ -164,6 +164,11 @@ class Releases:
             else:
                 self._rids.update(rids)
 
+    def peek(self) -> tuple[set[str], bool]:
+        """(the rids released and not taken yet, whether everything was), left for :meth:`take`."""
+        with self._lock:
+            return set(self._rids), self._all
+
     def take(self) -> tuple[set[str], bool]:
         """(the rids released since the last call, whether everything was)."""
         with self._lock:

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from worker.engines.arena_slots import Op
 from worker.engines.static_cache import DecodeStep, StaticRunner, StepPlan
 
 log = logging.getLogger("worker")
@@ -179,14 +180,16 @@ class RowRunner(StaticRunner):
                 return c
         return -(-need // 64) * 64
 
-    def geometry(self, rows: int, need: int) -> Geometry | None:
-        """Where ``rows`` rows needing at most ``need`` columns each run: columns
-        :meth:`layout_columns` (or ``need`` itself when that does not fit), the smallest
-        prepared bucket of rows at those columns, else the rows' own shape; None when the
-        arena cannot hold them."""
+    def geometry(self, rows: int, need: int, slots: int = 0) -> Geometry | None:
+        """Where ``rows`` rows needing at most ``need`` columns each run, the arena holding
+        ``slots`` rows in all (paused rows beside them): columns :meth:`layout_columns` (or
+        ``need`` itself when that does not fit), the smallest prepared bucket of rows at those
+        columns, else the rows' own shape; None when the arena cannot hold them."""
         if rows > self.max_rows:
             return None
         for c in dict.fromkeys((self.layout_columns(need), need)):
+            if not self.arena.fits(max(rows, slots), c):
+                continue
             if self.bucketing and self.use_graphs:
                 for n, bc in self.buckets():
                     if bc == c and n >= rows:
@@ -242,6 +245,23 @@ class RowRunner(StaticRunner):
         for (sk, sv), (dk, dv) in zip(a, b, strict=True):
             dk[:, :, :length].copy_(sk[:, :, :length])
             dv[:, :, :length].copy_(sv[:, :, :length])
+
+    def permute(self, ops: Sequence[Op], c: int) -> None:
+        """Run :func:`~worker.engines.arena_slots.order_moves`'s copies between slots (``c``
+        columns per slot), layer by layer, with one spare buffer of one row of one layer."""
+        if not ops:
+            return
+        span = max(max(op.src, op.dst) for op in ops) + 1
+        for k, v in self.slot_views(0, span, c):
+            for t in (k, v):
+                spare: Any = None
+                for op in ops:
+                    if op.kind == "move":
+                        t[op.dst, :, :op.length].copy_(t[op.src, :, :op.length])
+                    elif op.kind == "save":
+                        spare = t[op.src, :, :op.length].clone()
+                    else:
+                        t[op.dst, :, :op.length].copy_(spare)
 
     def load(self, slot: int, c: int, kv: Sequence[tuple[Any, Any]], used: int) -> None:
         """Copy a kept entry's first ``used`` tokens (per layer ``[1, heads, T, head_dim]``,

@@ -1,15 +1,26 @@
-"""The rows of ``hf-static-cb``'s arena: which wait, which run in which slot, in what geometry,
-and how they join and leave between decode steps (:mod:`worker.engines.hf_static_cb` runs
-the steps; :mod:`worker.engines.arena_rows` moves the KV).
+"""The rows of ``hf-static-cb``'s arena: which wait, which run in which slot, which are paused
+in place, in what geometry, and how they join and leave between decode steps
+(:mod:`worker.engines.hf_static_cb` runs the steps; :mod:`worker.engines.arena_rows` moves the
+KV; :mod:`worker.engines.arena_join` decides who joins; :mod:`worker.engines.arena_slots` where
+each row goes).
 
-Joining, first come first served: a waiting row joins while one geometry of the arena holds
-the running rows and it (:meth:`~worker.engines.arena_rows.RowRunner.geometry`); the head
-that does not fit blocks the rows behind it until rows leave (a row's grant bounds how long
-that is), and a head that could not fit even alone ends with the reason. A joining row takes
-what the store kept for its request, copied into its slot, and the rest of its context but
-the last token is prefilled there; one turn prefills at most one ``prefill_chunk_tokens``
-chunk's worth of newcomers (at least one row). Leaving: an unfinished row's KV is cut out to
-the store, its output goes to its grant, and the last running rows move into the slots freed.
+**Ending.** A row's end is settled as soon as its last token is read (:meth:`ArenaRows.settle`):
+its output goes to its grant at once. A row whose slice ended first and whose request keeps
+its KV is **paused in place** (:class:`~worker.engines.arena_slots.Paused`): its KV stays in
+its slot, its columns reserved, and the request counts as kept (``kv_tokens``). Until the
+next regroup the ended row stays in the step as a ghost (its tokens dropped, its writes
+past its KV in its own slot): dropping it would change the step's rows, which needs the
+host to know every row's tokens, so a row's end alone does not drain the pipeline.
+
+**Regrouping** (:meth:`ArenaRows.regroup`) happens between steps when the running rows'
+geometry would change (a bucket of rows or the columns per slot), when a waiting row can
+join, or with grammar rows: the ghosts leave, rows join (a request paused here resumes in
+its own slot: no copy and no prefill; one whose KV is in the store has it copied in; the
+rest is prefilled), running rows are compacted into slots ``[0, k)`` and paused rows kept
+after them, out of the step's range. A paused row spills to the kept-KV store (its KV cut
+out, :class:`~worker.engines.kvstore.KVStore`) only when a joining row needs its room, the
+oldest first, or leaves the arena when its request is released or its next row cannot use
+it; a spill the store cannot keep is reported as evicted (:meth:`ArenaRows.take_evicted`).
 """
 
 from __future__ import annotations
@@ -22,7 +33,9 @@ from typing import Any
 
 from sclsd.protocol import RequestOutput
 from worker.engines.arena_cb import Releases, Row
+from worker.engines.arena_join import Choice, Joining
 from worker.engines.arena_rows import Geometry, RowRunner
+from worker.engines.arena_slots import Paused, order_moves, place
 from worker.engines.kvstore import KVStore, Retained
 
 log = logging.getLogger("worker")
@@ -33,9 +46,9 @@ __all__ = ["ArenaRows"]
 Done = Callable[[Row, RequestOutput], None]
 
 
-class ArenaRows:
-    """Waiting and running rows and their geometry (module docstring). The serve thread only,
-    but :meth:`release`, which any thread may call."""
+class ArenaRows(Joining):
+    """Waiting, running and paused rows and their geometry (module docstring). The serve
+    thread only, but :meth:`release` and :meth:`held`, which any thread may call."""
 
     def __init__(self, runner: RowRunner, kv: KVStore | None, device: Any, done: Done) -> None:
         self.runner = runner
@@ -44,195 +57,243 @@ class ArenaRows:
         self.done = done
         self.waiting: deque[Row] = deque()
         self.slots: list[Row] = []
-        """The running rows, by slot (slots ``[0, len)``)."""
-        self.ended: list[Row] = []
-        """Rows read as ended whose slots still hold their KV (they leave at the next turn)."""
+        """The rows of the step, by slot (slots ``[0, len)``): running ones and, until the next
+        regroup, ghosts of rows that ended."""
+        self.paused: dict[str, Paused] = {}
         self.geometry: Geometry | None = None
+        """The step's geometry (None: no row runs)."""
+        self.c = 0
+        """Columns per slot of the rows held now, running or paused (0: none held)."""
         self.dirty = True
         """The running rows changed since the step's inputs and the sampler were set."""
         self.releases = Releases()
+        self.evicted: list[str] = []
+        """Requests reported kept whose KV was lost since the last :meth:`take_evicted`."""
         self.waited_rows = 0
         """Rows that waited for arena room while others ran (since the engine started)."""
+        self.counts = {"resumed": 0, "loaded": 0, "spilled": 0, "moved": 0}
+        """Since the engine started: rows resumed in place, rows whose KV was copied in from
+        the store, paused rows spilled to it, rows copied from one slot to another."""
+        self._version = 0
+        self._due = (-1, False)
+
+    # ------------------------------------------------------------------ state
+
+    def live(self) -> list[Row]:
+        """The running rows (the step's rows but the ghosts)."""
+        return [r for r in self.slots if not r.ended]
 
     def busy(self) -> bool:
-        return bool(self.slots or self.waiting or self.ended)
-
-    def joinable(self) -> bool:
-        """Whether the head of the waiting rows fits beside the running ones now."""
-        if not self.waiting:
-            return False
-        need = max([self.waiting[0].need, *(r.need for r in self.slots)])
-        return self.runner.geometry(len(self.slots) + 1, need) is not None
+        return bool(self.waiting) or any(not r.ended for r in self.slots)
 
     def every_row(self) -> list[Row]:
-        return [*self.waiting, *self.slots, *self.ended]
+        return [*self.waiting, *self.slots]
+
+    def add(self, rows: Iterable[Row]) -> None:
+        """Rows of a new grant wait for their turn."""
+        self.waiting.extend(rows)
+        self._touch()
+
+    def held(self) -> dict[str, int]:
+        """rid -> KV tokens paused in place (less the releases not applied yet). Any thread."""
+        rids, every = self.releases.peek()
+        if every:
+            return {}
+        return {rid: len(p.tokens) for rid, p in list(self.paused.items()) if rid not in rids}
+
+    def take_evicted(self) -> list[str]:
+        out, self.evicted = self.evicted, []
+        return out
 
     def reset(self) -> None:
-        """Forget every row (a failed turn); the arena starts empty."""
-        self.slots, self.ended, self.waiting = [], [], deque()
-        self.geometry = None
+        """Forget every row (a failed turn); the arena starts empty and paused requests are
+        reported evicted."""
+        for rid in self.paused:
+            if self.kv is not None:
+                self.kv.done([rid])
+            self.evicted.append(rid)
+        self.slots, self.waiting, self.paused = [], deque(), {}
+        self.geometry, self.c = None, 0
         self.dirty = True
+        self._touch()
 
-    # ------------------------------------------------------------------ cancels and releases
+    def _touch(self) -> None:
+        self._version += 1
+
+    # ------------------------------------------------------------------ ends, cancels, releases
+
+    def settle(self, rows: Iterable[Row]) -> None:
+        """Rows read as ended: outputs to their grants; a row whose KV is kept pauses in its
+        slot; each stays in the step as a ghost until the next regroup."""
+        for row in rows:
+            kept = 0
+            if self.kv is not None and row.keeps():
+                self.paused.pop(row.rid, None)  # re-inserted: the newest pause is the last
+                self.paused[row.rid] = p = Paused(row.rid, row.slot, row.kept_tokens())
+                kept = len(p.tokens)
+            elif self.kv is not None:
+                self.kv.done([row.rid])
+            self.done(row, row.output(kept))
+        self._touch()
 
     def cancel(self, marks: set[tuple[int, str]]) -> None:
-        """End the rows named (batch id, request id) before they get another token, ``cancelled``
-        and keeping nothing: a waiting row at once, a running one at the next turn (it is read as
-        ended: a token of a step already queued is dropped)."""
+        """End the rows named (batch id, request id) before they get another token,
+        ``cancelled`` and keeping nothing: a waiting one (and what is kept for its request)
+        at once, a running one too (a token of a step already queued is dropped)."""
         def hit(row: Row) -> bool:
             return (row.grant.batch_id, row.rid) in marks
 
         for row in [r for r in self.waiting if hit(r)]:
             self.waiting.remove(row)
             row.state.reason = "cancelled"
+            self._drop(row.rid)
+            if self.kv is not None:
+                self.kv.release([row.rid])
             self.done(row, row.output(0))
-        for row in self.slots:
-            if hit(row) and not row.ended:
-                row.state.reason = "cancelled"
-                self.ended.append(row)
+        ended = [r for r in self.slots if hit(r) and not r.ended]
+        for row in ended:
+            row.state.reason = "cancelled"
+        self.settle(ended)
 
     def release(self, rids: Iterable[str] | None) -> None:
-        """Any thread: drop kept KV at once; rows of these requests keep nothing (next turn)."""
+        """Any thread: drop kept KV in the store at once; paused rows and rows of these
+        requests keep nothing (the serve thread's next turn)."""
         rids = None if rids is None else list(rids)
         if self.kv is not None:
             self.kv.release(rids)
         self.releases.add(rids)
 
     def apply_releases(self) -> None:
-        """The serve thread's side of :meth:`release`: waiting, running and ended rows of the
-        requests released keep nothing when they end."""
+        """The serve thread's side of :meth:`release`: waiting and running rows of the requests
+        released keep nothing when they end, paused ones leave their slots."""
         rids, every = self.releases.take()
         if rids or every:
             for row in self.every_row():
                 if every or row.rid in rids:
                     row.released = True
+            for rid in list(self.paused) if every else [r for r in rids if r in self.paused]:
+                self._drop(rid)
 
-    # ------------------------------------------------------------------ leaving
-
-    def retire(self) -> None:
-        """Rows read as ended leave: kept KV cut out, outputs to their grants, the last rows
-        moved into the free slots."""
-        if not self.ended:
-            return
-        ended, self.ended = self.ended, []
-        kept = self._keep(ended)
-        for row in ended:
+    def _drop(self, rid: str) -> None:
+        """Forget ``rid``'s paused KV (its slot is free from the next regroup)."""
+        if self.paused.pop(rid, None) is not None:
             if self.kv is not None:
-                self.kv.done([row.rid])
-            self.done(row, row.output(kept.get(id(row), 0)))
-        gone = {id(r) for r in ended}
-        self._compact([r for r in self.slots if id(r) not in gone])
-        self.dirty = True
+                self.kv.done([rid])
+            self._touch()
 
-    def _keep(self, ended: list[Row]) -> dict[int, int]:
-        """Cut the KV of the rows that keep it into the store: id(row) -> tokens kept."""
-        rows = [r for r in ended if r.keeps()] if self.kv is not None else []
-        if not rows or self.geometry is None:
-            return {}
-        assert self.kv is not None
-        tokens = [r.kept_tokens() for r in rows]
-        cuts = self.runner.cut([r.slot for r in rows], [len(t) for t in tokens], len(self.slots), self.geometry.c)
-        out: dict[int, int] = {}
-        for r, toks, (kv, nbytes) in zip(rows, tokens, cuts, strict=True):
-            if self.kv.put(r.rid, Retained(toks, nbytes, kv)):
-                out[id(r)] = len(toks)
-        return out
+    # ------------------------------------------------------------------ regrouping
 
-    def _compact(self, alive: list[Row]) -> None:
-        """Slots ``[0, len(alive))`` for the rows left (those above move into the holes), in the
-        geometry they need now."""
-        k = len(alive)
-        holes = sorted(set(range(k)) - {r.slot for r in alive})
-        movers = [r for r in alive if r.slot >= k]
-        c = self.geometry.c if self.geometry is not None else 0
-        for row, hole in zip(movers, holes, strict=True):
-            self.runner.move(row.slot, hole, row.fed, c)
-            row.slot = hole
-        self.slots = sorted(alive, key=lambda r: r.slot)
-        if not self.slots:
-            self.geometry = None
+    def regroup_due(self, strict: bool = False) -> bool:
+        """Whether the step's rows must change before the next step: the running rows'
+        geometry changed, a waiting row fits, or (``strict``: grammar rows) a row ended."""
+        if strict and any(r.ended for r in self.slots):
+            return True
+        if self._due[0] == self._version:
+            return self._due[1]
+        live = self.live()
+        if live:
+            g = self._geometry(len(live), max(r.need for r in live), list(self.paused.values()))
+            cur = self.geometry
+            due = g is None or cur is None or (g.c, g.plan.n) != (cur.c, cur.plan.n)
         else:
-            self._regeometry(self.runner.geometry(k, max(r.need for r in self.slots)))
+            due = bool(self.slots)
+        due = due or self.head_fits(live)
+        self._due = (self._version, due)
+        return due
 
-    def _regeometry(self, geo: Geometry | None) -> None:
-        """Run the rows in ``geo`` (moving them when its columns differ)."""
-        if geo is None:
+    def regroup(self) -> None:
+        """Ghosts leave, waiting rows join (:meth:`~worker.engines.arena_join.Joining.choose`),
+        and the rows take their slots in the new geometry (module docstring)."""
+        live = self.live()
+        choice = self.choose(live)
+        self._layout(live, choice)
+        self._touch()
+
+    def _layout(self, live: list[Row], choice: Choice) -> None:
+        """Move the rows holding KV to their slots in ``choice``'s geometry, then copy in and
+        prefill the joining rows."""
+        joins = choice.joins
+        self.dirty = True
+        if not live and not joins:
+            self.slots, self.geometry = [], None
+            if not self.paused:
+                self.c = 0
+            return  # the paused rows stay where they are
+        g = choice.geometry
+        if g is None:
             raise RuntimeError("the running rows no longer fit the arena")
-        old = self.geometry
-        if old is not None and old.c != geo.c and self.slots:
-            self.runner.relayout([r.fed for r in self.slots], old.c, geo.c)
-        self.geometry = geo
+        quiet = [(r, r.slot, r.fed) for r in live]
+        quiet += [(j.row, j.paused.slot if j.paused else -1, j.row.used if j.paused else 0)
+                  for j in joins if j.prefill <= 0]
+        loud = [(j.row, j.paused.slot if j.paused else -1, j.row.used if j.paused else 0)
+                for j in joins if j.prefill > 0]
+        held = choice.held
+        cap = self.runner.arena.tokens // g.c
+        pl = place([(s, n) for _, s, n in quiet], [(s, n) for _, s, n in loud],
+                   [(p.slot, len(p.tokens)) for p in held], cap)
+        old, new = self.c or g.c, g.c
+        now = [(s, n) for _, s, n in quiet + loud] + [(p.slot, len(p.tokens)) for p in held]
+        if new < old:  # shrinking: the rows first take the new columns where they are
+            self.runner.relayout(_lens(now), old, new)
+            old = new
+        self.runner.permute(order_moves(pl.moves), old)
+        self.counts["moved"] += len(pl.moves)
+        for (row, _, _), slot in zip(quiet + loud, pl.running, strict=True):
+            row.slot = slot
+        for p, slot in zip(held, pl.paused, strict=True):
+            p.slot = slot
+        if new > old:
+            after = [(r.slot, n) for r, _, n in quiet + loud] + [(p.slot, len(p.tokens)) for p in held]
+            self.runner.relayout(_lens(after), old, new)
+        self.slots = sorted((r for r, _, _ in quiet + loud), key=lambda r: r.slot)
+        self.geometry, self.c = g, new
+        self._bring(joins, len(quiet))
 
-    # ------------------------------------------------------------------ joining
-
-    def admit(self) -> None:
-        """Waiting rows join while they fit (module docstring)."""
-        budget = self.runner.prefill_chunk_tokens or float("inf")
-        k = len(self.slots)
-        need = max((r.need for r in self.slots), default=0)
-        joined: list[tuple[Row, Retained | None]] = []
-        geo: Geometry | None = None
-        spent = 0
-        while self.waiting and spent < budget:
-            head = self.waiting[0]
-            g = self.runner.geometry(k + len(joined) + 1, max(need, head.need))
-            if g is None:
-                if k + len(joined) == 0:
-                    self.waiting.popleft()
-                    self._too_large(head)
-                    continue
-                for row in self.waiting:  # the head blocks every row behind it
-                    if not row.waited:
-                        row.waited = True
-                        self.waited_rows += 1
-                break
-            self.waiting.popleft()
-            entry = self._take_kv(head)
-            head.grant.prefill_tokens += head.prefill_tokens()
-            head.grant.reused_tokens += head.used
-            spent += head.length - 1 - head.used
-            need = max(need, head.need)
-            geo = g
-            joined.append((head, entry))
-        if geo is not None:
-            self._regeometry(geo)
-            self._join(joined)
-
-    def _take_kv(self, row: Row) -> Retained | None:
-        """What the store kept for ``row``'s request, checked out (``row.used``: the tokens of
-        it the row uses)."""
-        if self.kv is None:
-            return None
-        entry, used = self.kv.take(row.rid, list(row.req.token_ids))
-        if entry is None or not row.grant.batch.kv_reuse or row.released:
-            return None
-        row.used = used
-        return entry
-
-    def _join(self, joined: list[tuple[Row, Retained | None]]) -> None:
-        """Place ``joined`` after the running rows: kept KV copied in, the rest prefilled."""
-        geo = self.geometry
-        assert geo is not None
-        lo = len(self.slots)
-        # Rows with tokens to prefill first: the prefill runs over their slots only.
-        joined.sort(key=lambda j: j[0].used >= j[0].length - 1)
-        for i, (row, entry) in enumerate(joined):
-            row.slot = lo + i
-            if entry is not None:
-                self.runner.load(row.slot, geo.c, entry.kv, row.used)
-            self.slots.append(row)
+    def _bring(self, joins: list[Any], lo: int) -> None:
+        """The joining rows' KV: kept KV copied in from the store, the rest prefilled (rows
+        ``[lo, k)``); each grant is charged its rows' share of the prefill's time."""
+        c = self.c
+        for j in joins:
+            g = j.row.grant
+            g.prefill_tokens += j.row.prefill_tokens()
+            g.reused_tokens += j.row.used
+            if j.paused is not None:
+                self.counts["resumed"] += 1
+            elif j.entry is not None:
+                self.runner.load(j.row.slot, c, j.entry.kv, j.row.used)
+                self.counts["loaded"] += 1
+        loud = sorted((j for j in joins if j.prefill > 0), key=lambda j: j.row.slot)
+        if not loud:
+            return
         t0 = time.perf_counter()
-        parts = [(row.req.token_ids[row.used:row.length - 1], row.used) for row, _ in joined]
-        self.runner.prefill(lo, geo.c, [p for p in parts if p[0]])
-        if self.device.type == "cuda" and any(p for p, _ in parts):
+        parts = [(j.row.req.token_ids[j.row.used:j.row.length - 1], j.row.used) for j in loud]
+        self.runner.prefill(lo, c, parts)
+        if self.device.type == "cuda":
             import torch
 
             torch.cuda.synchronize(self.device)  # the prefill's time is its grants'
         spent = time.perf_counter() - t0
         total = sum(len(p) for p, _ in parts) or 1
-        for (row, _), (p, _) in zip(joined, parts, strict=True):
-            row.grant.prefill_s += spent * len(p) / total
-        self.dirty = True
+        for j, (p, _) in zip(loud, parts, strict=True):
+            j.row.grant.prefill_s += spent * len(p) / total
+
+    def _spill(self, entries: list[Paused]) -> None:
+        """Cut paused rows' KV out to the store (their slots are free from now on); one the
+        store does not keep is reported evicted (unless released meanwhile)."""
+        if not entries:
+            return
+        assert self.kv is not None
+        span = max(p.slot for p in entries) + 1
+        cuts = self.runner.cut([p.slot for p in entries], [len(p.tokens) for p in entries], span, self.c)
+        pending, every = self.releases.peek()
+        for p, (kv, nbytes) in zip(entries, cuts, strict=True):
+            kept = self.kv.put(p.rid, Retained(p.tokens, nbytes, kv))
+            self.kv.done([p.rid])
+            del self.paused[p.rid]
+            if not kept and not every and p.rid not in pending:
+                self.evicted.append(p.rid)
+            self.counts["spilled"] += 1
+        self._touch()
 
     def _too_large(self, row: Row) -> None:
         msg = (f"request {row.rid!r} needs {row.need} KV columns (context {row.length} + slice {row.cap}); "
@@ -241,3 +302,12 @@ class ArenaRows:
         if self.kv is not None:
             self.kv.release([row.rid])
         self.done(row, RequestOutput(rid=row.rid, token_ids=[], error=msg))
+
+
+def _lens(rows: list[tuple[int, int]]) -> list[int]:
+    """Per slot from 0 to the last one named, the KV columns its row holds (0: none)."""
+    rows = [(s, n) for s, n in rows if s >= 0]
+    out = [0] * (max((s for s, _ in rows), default=-1) + 1)
+    for s, n in rows:
+        out[s] = n
+    return out

@@ -163,11 +163,14 @@ class HFStaticCBEngine(TransformersModel, Engine):
     # ------------------------------------------------------------------ the engine's four
 
     def has_room(self) -> bool:
-        """While no row waits for arena room (a batch that would wait waits in the worker's queue)."""
-        return not self.rows.waiting
+        """While fewer rows wait than one step may run: rows that wait do so here, where a
+        returning row goes ahead of newcomers (:mod:`worker.engines.arena_join`)."""
+        return len(self.rows.waiting) < self.static.max_rows
 
     def busy(self) -> bool:
-        return bool(self.rows.busy() or self._flight or self._events)
+        """Whether rows wait or run, or events wait for :meth:`poll` (a step still in flight
+        whose rows all ended is read at the next turn: it holds nobody's tokens)."""
+        return bool(self.rows.busy() or self._events)
 
     def submit(self, batch: BatchMsg) -> None:
         """Queue ``batch``'s rows; a malformed batch fails, a row whose grammar cannot be built
@@ -182,7 +185,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
         if grant.left == 0:  # no rows, or every row failed
             self._finish(grant)
             return
-        self.rows.waiting.extend(rows)
+        self.rows.add(rows)
 
     def poll(self, timeout: float) -> list[Event]:
         """One turn (module docstring); ``timeout`` is not needed: a turn is work. A turn that
@@ -209,12 +212,13 @@ class HFStaticCBEngine(TransformersModel, Engine):
         self.rows.release(rids)
 
     def take_evicted(self) -> list[str]:
-        """Requests whose kept KV was evicted since the last call."""
-        return self.kv.take_evicted() if self.kv is not None else []
+        """Requests whose kept KV was evicted since the last call (from the store, or paused
+        rows whose spill the store could not keep, or lost with a failed turn)."""
+        return [*self.rows.take_evicted(), *(self.kv.take_evicted() if self.kv is not None else [])]
 
     def kept(self) -> dict[str, int]:
-        """rid -> KV tokens kept for it now (for tests and status)."""
-        return self.kv.held() if self.kv is not None else {}
+        """rid -> KV tokens kept for it now, paused in place or in the store (for tests and status)."""
+        return {**(self.kv.held() if self.kv is not None else {}), **self.rows.held()}
 
     def close(self) -> None:
         """Drop the arena, its graphs, the rows and the kept KV, then the model."""
@@ -237,19 +241,20 @@ class HFStaticCBEngine(TransformersModel, Engine):
                 self._read(fl)
                 return
             self._read(fl)
-        self.rows.retire()
-        self.rows.admit()
-        if self.rows.slots:
+        if self.rows.regroup_due(strict=self._grammar is not None):
+            self.rows.regroup()
+        if self.rows.live():
             fl = self._launch()
             if self.read_behind and self._grammar is None:
                 self._flight = fl
             else:
                 self._read(fl)
-                self.rows.retire()
 
     def _must_drain(self) -> bool:
-        """Whether the rows change before the next step (or a grammar needs this step's tokens)."""
-        return bool(self.rows.ended) or self._grammar is not None or self.rows.joinable()
+        """Whether the step's rows change before the next step (a row joins, the running rows'
+        geometry changes) or a grammar needs this step's tokens; a row's end alone does not
+        drain (it stays in the step as a ghost: :mod:`worker.engines.arena_set`)."""
+        return self._grammar is not None or self.rows.regroup_due()
 
     def _launch(self) -> _Flight:
         """Queue one decode step of the running rows and the pick of their tokens."""
@@ -287,6 +292,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
         if fl.grammar is not None:
             fl.grammar.advance(tokens, done)
         new: dict[int, list[RequestOutput]] = {}
+        ended: list[Row] = []
         for row, was, tok, lp in zip(fl.rows, done, tokens, lps, strict=True):
             if was:
                 continue
@@ -295,9 +301,11 @@ class HFStaticCBEngine(TransformersModel, Engine):
             if part is not None:
                 new.setdefault(row.grant.batch_id, []).append(part)
             if row.ended:
-                self.rows.ended.append(row)
+                ended.append(row)
         for bid, outs in new.items():
             self._events.append(NewTokens(bid, outs))
+        if ended:
+            self.rows.settle(ended)
 
     # ------------------------------------------------------------------ grants
 
@@ -337,7 +345,8 @@ class HFStaticCBEngine(TransformersModel, Engine):
         """Every grant with a row in the engine fails; the arena starts empty."""
         grants: dict[int, Grant] = {}
         for row in [*self.rows.every_row(), *(self._flight.rows if self._flight else [])]:
-            grants.setdefault(id(row.grant), row.grant)
+            if row.grant.left > 0:  # not the grants whose rows all ended already
+                grants.setdefault(id(row.grant), row.grant)
             if self.kv is not None:
                 self.kv.done([row.rid])
         self.rows.reset()
@@ -363,7 +372,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
         return KVStore(budget, host, to_host)
 
     def _track_peak(self) -> None:
-        held = sum(r.fed + 1 for r in self.rows.slots)
+        held = sum(r.fed + 1 for r in self.rows.live()) + sum(len(p.tokens) for p in self.rows.paused.values())
         if self.kv is not None:
             held += (self.kv.nbytes + self.kv.host_nbytes) // max(1, self.delta)
         self.kv_peak_tokens = max(self.kv_peak_tokens, held)

@@ -125,6 +125,13 @@ class KVStore:
         used = common_prefix(e.tokens, context, len(context) - 1)
         return (e, used) if used > 0 else (None, 0)
 
+    def usable(self, rid: str, context: list[int]) -> int:
+        """How many tokens of ``rid``'s entry a row with ``context`` could use (as :meth:`take`
+        counts them), the entry left where it is."""
+        with self._lock:
+            e = self._entries.get(rid)
+        return 0 if e is None else common_prefix(e.tokens, context, len(context) - 1)
+
     def make_room(self, limit: int) -> None:
         """Move to host memory, or evict, least recently used entries until at most
         ``limit`` bytes are held on the device (the running batch needs the rest)."""

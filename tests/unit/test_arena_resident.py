@@ -19,7 +19,7 @@ from worker.engines.arena_slots import Move, order_moves, place
 
 torch = pytest.importorskip("torch")
 
-from sclsd.protocol import BatchMsg, BatchRequest  # noqa: E402
+from sclsd.protocol import BatchMsg  # noqa: E402
 from unit.engine_loop import queue_take, run  # noqa: E402
 from unit.test_arena_rows import DELTA, contexts, make, one_pass, req, runner, serve  # noqa: E402
 from unit.test_cancel_rows import done_of, run_until, tokens_of  # noqa: E402

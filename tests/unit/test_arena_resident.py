@@ -205,7 +205,7 @@ def test_a_row_ending_beside_others_does_not_drain_the_pipeline(hf, monkeypatch)
     """Rows in a bucket of 8: one ends (paused) while the other runs on; the step's rows stay
     as they are (no regroup, the ended row a ghost whose tokens are dropped) until the bucket
     or the columns change; its grant still ends as soon as its last token is read."""
-    eng = make(static_buckets=True, graph_batch_sizes="8", graph_cache_tokens="64")
+    eng = make(static_buckets=True, graph_batch_sizes="8", graph_cache_tokens="64", prefill_chunk_tokens=64)
     eng.read_behind = True
     regroups = [0]
     real = eng.rows.regroup
@@ -309,3 +309,19 @@ def test_new_tokens_come_before_the_grant_ends() -> None:
     last = max(i for i, ev in enumerate(seen) if isinstance(ev, NewTokens))
     assert seen.index(done_of(seen)[0]) > last and len(tokens_of(seen, "x")) == 3
     assert done_of(seen)[0].outputs[0].kv_tokens == 5 and not eng.busy()
+
+
+def test_without_chunks_a_turn_prefills_one_grant_and_returning_rows_come_with_it(hf) -> None:
+    """No ``prefill_chunk_tokens`` (the CPU): a turn prefills the newcomers of one grant only, so
+    a burst of grants is not one long stall; a returning row needs no prefill and joins at once."""
+    eng = make()
+    r, n1, n2 = contexts(3, 20, 21, seed=15)
+    (o,), _ = serve(eng, [req("r", r, 8)], 4)
+    for rows in ([req("n1", n1, 4), req("n1b", n2, 4)], [req("n2", n2, 4)],
+                 [req("r", r + o.token_ids, 4, generated=4)]):
+        eng.submit(BatchMsg(batch_id=next(_bids), slice_len=4, requests=rows))
+    first = eng.poll(0.0)
+    assert [len(tokens_of(first, x)) for x in ("r", "n1", "n1b", "n2")] == [1, 1, 1, 0]
+    seen = first + run_until(eng, lambda s: len(done_of(s)) == 3)
+    assert tokens_of(seen, "n2") == one_pass(hf, [n2], 4)[0]
+    assert o.token_ids + tokens_of(seen, "r") == one_pass(hf, [r], 8)[0]

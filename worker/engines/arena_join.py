@@ -6,7 +6,8 @@ Order: rows whose request's KV covers their whole context but the last token com
 (returning rows: resumed in place from a paused slot, or copied in from the kept-KV store),
 in arrival order; then the others, first come first served. A returning row costs no
 prefill, so it neither waits for nor takes a prefill turn; the others share one turn's
-``prefill_chunk_tokens`` (at least one row per turn). A row joins while one geometry holds
+``prefill_chunk_tokens`` (at least one row per turn; without chunks, on the CPU, a turn
+prefills the rows of one grant, so that a burst of arrivals is not one long stall). A row joins while one geometry holds
 the running rows, it and the paused rows that stay (:meth:`~worker.engines.arena_rows.RowRunner.geometry`);
 where it fits only without some paused rows, the oldest of them spill to the store (those no
 waiting row is about to resume first). The first row that does not fit even with every
@@ -96,16 +97,18 @@ class Joining:
             if p is not None and self._usable(row) == 0:
                 self._drop(row.rid)
         budget = self.runner.prefill_chunk_tokens or float("inf")
+        unchunked = not self.runner.prefill_chunk_tokens  # then a turn prefills one grant's rows
         out = Choice(held=list(self.paused.values()))
         claimed = {r.rid for r in self.waiting}
         k, need, spent = len(live), max((r.need for r in live), default=0), 0
         first = [r for r in self.waiting if self.returning(r)]
         ahead = {id(r) for r in first}
         order = first + [r for r in self.waiting if id(r) not in ahead]
+        fresh: set[int] = set()  # grants whose rows prefill in this turn
         for row in order:
             used = self._usable(row)
             cost = row.length - 1 - used
-            if cost > 0 and spent >= budget:
+            if cost > 0 and (spent >= budget or (unchunked and fresh and id(row.grant) not in fresh)):
                 break
             own = self.paused.get(row.rid) if used else None
             held = [p for p in out.held if p is not own]
@@ -131,6 +134,8 @@ class Joining:
             out.held = held
             out.joins.append(self._join(row, own))
             k, need, spent = k + 1, max(need, row.need), spent + out.joins[-1].prefill
+            if out.joins[-1].prefill > 0:
+                fresh.add(id(row.grant))
         # The running rows, those joining and the paused rows that stay (fewer than or as
         # many as each join was fitted with: a row too large alone let its own go).
         out.held = list(self.paused.values())

@@ -222,6 +222,10 @@ class HFStaticCBEngine(TransformersModel, Engine):
 
     def close(self) -> None:
         """Drop the arena, its graphs, the rows and the kept KV, then the model."""
+        c = self.rows.counts
+        log.info("%s: rows resumed in place %d, copied in from the store %d, paused rows spilled %d, "
+                 "rows moved between slots %d, rows that waited for room %d", self.name, c["resumed"], c["loaded"],
+                 c["spilled"], c["moved"], self.rows.waited_rows)
         self.rows.reset()
         self.rows.runner = None  # type: ignore[assignment]
         self.static = None  # type: ignore[assignment]

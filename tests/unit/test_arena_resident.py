@@ -325,3 +325,10 @@ def test_without_chunks_a_turn_prefills_one_grant_and_returning_rows_come_with_i
     seen = first + run_until(eng, lambda s: len(done_of(s)) == 3)
     assert tokens_of(seen, "n2") == one_pass(hf, [n2], 4)[0]
     assert o.token_ids + tokens_of(seen, "r") == one_pass(hf, [r], 8)[0]
+
+
+def test_a_lone_row_too_large_for_the_arena_ends_on_an_idle_engine() -> None:
+    eng = make(mem_budget=80 * DELTA)  # 40 token slots
+    eng.submit(BatchMsg(batch_id=next(_bids), slice_len=8, requests=[req("big", [7] * 60, 8)]))
+    (end,) = done_of(run_until(eng, done_of, limit=3))
+    assert end.outputs[0].error is not None and "arena holds 40" in end.outputs[0].error and not eng.busy()

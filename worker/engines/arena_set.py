@@ -197,7 +197,8 @@ class ArenaRows(Joining):
             due = g is None or cur is None or (g.c, g.plan.n) != (cur.c, cur.plan.n)
         else:
             due = bool(self.slots)
-        due = due or self.head_fits(live)
+        # With nothing running, a waiting row joins or, fitting not even alone, ends.
+        due = due or (bool(self.waiting) and not live) or self.head_fits(live)
         self._due = (self._version, due)
         return due
 

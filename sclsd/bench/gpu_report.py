@@ -370,19 +370,24 @@ def _live(rows: Rows) -> list[str]:
     reps = [r for r in rows.rows if str(r.get("stage", "")).startswith(("live-", "sat-")) and r.get("phase") == "replay"]
     if not reps:
         return []
-    out = ["", "## live replays", "", "| policy | engine | rate | done | req/s | out tok/s | avg TTFT s | p95 lat s | "
-           "max gap s | batch | preempt | errors |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["", "## live replays", "", "| policy | engine | rate | done | req/s | out tok/s | avg TTFT s | avg TPOT s | "
+           "p95 lat s | max gap s (p50 / max of requests) | slices | batch | preempt | errors |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in reps:
         out.append(f"| {r.get('policy')} | {r.get('engine')} | {_f(r.get('rate'), '{:g}')} | "
                    f"{r.get('completed')}/{r.get('requests')} | {_f(r.get('throughput_rps'))} | "
-                   f"{_f(r.get('output_tps'), '{:.0f}')} | {_f(r.get('avg_ttft_s'))} | {_f(r.get('p95_latency_s'), '{:.1f}')} | "
-                   f"{_f(r.get('max_gap_s'))} | {_f(r.get('avg_batch_size'), '{:.1f}')} | {r.get('preemptions')} | "
+                   f"{_f(r.get('output_tps'), '{:.0f}')} | {_f(r.get('avg_ttft_s'))} | {_f(r.get('avg_tpot_s'), '{:.3f}')} | "
+                   f"{_f(r.get('p95_latency_s'), '{:.1f}')} | {_f(r.get('p50_gap_s'))} / {_f(r.get('max_gap_s'))} | "
+                   f"{_f(r.get('slices_per_req'))} | {_f(r.get('avg_batch_size'), '{:.1f}')} | {r.get('preemptions')} | "
                    f"{r.get('errors')} |")
     for r in rows.rows:
         if str(r.get("stage", "")).startswith(("live-", "sat-")) and r.get("phase") == "stopped":
+            arena = r.get("arena_rows")
+            rows_of = (f"; arena rows resumed in place {arena['resumed']}, copied in {arena['loaded']}, spilled "
+                       f"{arena['spilled']}, moved {arena['moved']}, waited {arena['waited']}") if arena else ""
             out.append(f"- {r['stage']}: worker ready in {r.get('worker_ready_in_s')} s (its own clock); restarts "
                        f"{r.get('worker_exits')}, graphs dropped {r.get('graphs_dropped')}, tracebacks "
-                       f"{r.get('tracebacks')}; {_f(r.get('total_s'), '{:.0f}')} s in all")
+                       f"{r.get('tracebacks')}{rows_of}; {_f(r.get('total_s'), '{:.0f}')} s in all")
     return out
 
 

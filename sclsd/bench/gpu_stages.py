@@ -390,13 +390,22 @@ def live_sections(policy: str, *, model: str, device: str, dtype: str, slice_len
 
 def log_facts(log: Path) -> dict[str, Any]:
     """What a daemon's log says of its worker: its own start-to-ready times, exits (a
-    restart), graphs dropped, preemptions, tracebacks."""
+    restart), graphs dropped, preemptions, tracebacks, and ``hf-static-cb``'s count of rows
+    resumed in place, copied in from its store, spilled, moved and kept waiting."""
     if not log.is_file():
         return {}
     text = log.read_text(errors="replace")
-    return {"worker_ready_in_s": [float(x) for x in re.findall(r"engine \S+ ready in ([0-9.]+)s", text)],
-            "worker_exits": len(re.findall(r"exited rc=", text)), "graphs_dropped": text.count("dropping"),
-            "preempted": text.count("preempted"), "tracebacks": text.count("Traceback")}  # fmt: skip
+    out: dict[str, Any] = {
+        "worker_ready_in_s": [float(x) for x in re.findall(r"engine \S+ ready in ([0-9.]+)s", text)],
+        "worker_exits": len(re.findall(r"exited rc=", text)), "graphs_dropped": text.count("dropping"),
+        "preempted": text.count("preempted"), "tracebacks": text.count("Traceback")}  # fmt: skip
+    # hf-static-cb's own account at close: how its grants' rows came back and what moved.
+    m = re.search(r"rows resumed in place (\d+), copied in from the store (\d+), paused rows spilled (\d+), "
+                  r"rows moved between slots (\d+), rows that waited for room (\d+)", text)
+    if m:
+        out["arena_rows"] = dict(zip(("resumed", "loaded", "spilled", "moved", "waited"), map(int, m.groups()),
+                                     strict=True))
+    return out
 
 
 #: What the daemon logs when it stops restarting a worker that keeps failing at its start.
@@ -428,7 +437,7 @@ def why_not_ready(text: str) -> str:
 
 #: Replay summary keys kept in the results.
 REPLAY_KEYS = ("requests", "completed", "errors", "duration_s", "throughput_rps", "output_tps", "avg_latency_s",
-               "p95_latency_s", "avg_ttft_s", "p95_ttft_s", "max_gap_s", "p95_gap_s", "goodput_rps",
+               "p95_latency_s", "avg_ttft_s", "p95_ttft_s", "avg_tpot_s", "max_gap_s", "p50_gap_s", "p95_gap_s", "goodput_rps",
                "avg_batch_size", "slices_per_req", "pad_tokens_per_req", "preemptions", "kv_peak_tokens",
                "estimator_mean_abs_error_s", "wall_s")  # fmt: skip
 

@@ -10,9 +10,11 @@ leaving between steps, so here each row has a position of its own:
 views (:class:`~worker.engines.static_cache.KVArena`), ``c`` the geometry's columns. A row's
 KV is left-aligned in its slot, unpadded: column ``j`` holds the KV of its token ``j``, so its
 position id is its column. Row ``i`` starts at the same place whatever ``n`` is, so rows join
-and leave without moving the others; only a change of ``c`` moves them (:meth:`RowRunner.relayout`,
-in chunks ordered so that no row is overwritten before it is read), and a row that leaves
-a hole below the last running row has that row moved into it (:meth:`RowRunner.move`).
+and leave without moving the others; only a change of ``c`` moves them all (:meth:`RowRunner.relayout`,
+in chunks ordered so that no row is overwritten before it is read). Rows paused between grants
+keep their KV in slots after the running ones; when rows leave, join, pause or resume, the
+few that must change slots are copied (:meth:`RowRunner.permute`, in the order
+:func:`~worker.engines.arena_slots.order_moves` gives).
 
 **Per-row writes.** :class:`RowLayer` is transformers' ``StaticLayer`` whose ``update``
 scatters each row's new keys and values to that row's own columns (``cols``, a ``[n, q]``

@@ -33,7 +33,7 @@ from typing import Any
 
 from sclsd.protocol import RequestOutput
 from worker.engines.arena_cb import Releases, Row
-from worker.engines.arena_join import Choice, Joining
+from worker.engines.arena_join import Choice, Join, Joining
 from worker.engines.arena_rows import Geometry, RowRunner
 from worker.engines.arena_slots import Paused, order_moves, place
 from worker.engines.kvstore import KVStore, Retained
@@ -250,7 +250,7 @@ class ArenaRows(Joining):
         self.geometry, self.c = g, new
         self._bring(joins, len(quiet))
 
-    def _bring(self, joins: list[Any], lo: int) -> None:
+    def _bring(self, joins: list[Join], lo: int) -> None:
         """The joining rows' KV: kept KV copied in from the store, the rest prefilled (rows
         ``[lo, k)``); each grant is charged its rows' share of the prefill's time."""
         c = self.c

@@ -4,36 +4,39 @@ The engine of slice grants (``scls-cb``) with ``hf``'s decode step: the same are
 (:class:`~worker.engines.static_cache.KVArena`), buckets and CUDA graphs, with rows that
 join and leave between steps (:mod:`worker.engines.arena_rows`: each row writes its own
 column, so rows of any lengths run side by side; :mod:`worker.engines.arena_set`: which rows
-wait, run and leave). One poll is one turn:
+wait, run, pause and leave). One poll is one turn:
 
-1. rows that ended leave: an unfinished row's KV (its slice ended first) is cut out to
-   the kept-KV store (:class:`~worker.engines.kvstore.KVStore`: device memory beside the
-   arena, then pinned host memory, least recently used first), its output goes to its
-   grant, and the last running row moves into its slot;
-2. waiting rows join, first come first served, while the arena holds the running rows and
-   them in one geometry (``n`` slots of ``c`` columns, ``c`` at least every row's
-   ``context + slice``: slices bound how far a row grows, so a row that joined always
-   finishes its grant); a row whose request's KV is kept has it copied back into its slot,
-   the rest of its context but the last token is prefilled there (in chunks of at most
-   ``prefill_chunk_tokens`` tokens, and no more than one chunk's worth of newcomers per
-   turn), and its last context token is its input to the next step;
-3. one decode step of every running row (a captured graph when its bucket has one), then
-   the rows' tokens are picked by :class:`~worker.engines.sampling.BatchSampler`, the
-   static engines' own (greedy, seeded sampling, penalties, ``logit_bias``, ``min_tokens``,
-   grammars, log-probabilities), streamed (:class:`~worker.engines.base.NewTokens`) and
-   checked for their ends.
+1. the step's tokens are read, streamed (:class:`~worker.engines.base.NewTokens`) and checked
+   for their ends; a row that ended gives its output to its grant at once, and one whose
+   slice ended first, with its request's KV kept, pauses in its slot
+   (:meth:`~worker.engines.arena_set.ArenaRows.settle`): its next grant on this worker resumes
+   it there, with nothing copied or prefilled;
+2. when the running rows' geometry changes, a waiting row can join, or rows have grammars,
+   the rows regroup (:meth:`~worker.engines.arena_set.ArenaRows.regroup`): rows that ended
+   leave the step, waiting rows join (returning rows first, resumed in place or copied in from
+   the kept-KV store, :class:`~worker.engines.kvstore.KVStore`; newcomers' context but the last
+   token prefilled in their slots, in chunks of at most ``prefill_chunk_tokens`` tokens and no
+   more than one chunk's worth of newcomers per turn), paused rows spill to the store only
+   when a joining row needs their room, and the rows take their slots in one geometry (``n``
+   slots of ``c`` columns, ``c`` at least every row's ``context + slice``: slices bound how
+   far a row grows, so a row that joined always finishes its grant);
+3. one decode step of every running row (a captured graph when its bucket has one), the
+   rows' tokens picked by :class:`~worker.engines.sampling.BatchSampler`, the static engines'
+   own (greedy, seeded sampling, penalties, ``logit_bias``, ``min_tokens``, grammars,
+   log-probabilities).
 
 On CUDA the next step is queued before the host reads a step's tokens (``read_behind``),
-while the running rows stay the same and no row has a grammar: a row that ended is then
-computed once more, its token never read. The rows never wait on KV memory: the daemon
-reserves ``context + slice`` per grant against M_ava, which is the arena. Rows of very
-different lengths share one geometry, so the arena may hold fewer of them than the
-reservations allow: a row that does not fit yet waits (its grant's time counts), never
-fails, and one that cannot fit even alone fails alone with the reason.
+while the step's rows stay the same and no row has a grammar: a row that ended stays in the
+step until the next regroup, its tokens never read. The rows never wait on KV memory: the
+daemon reserves ``context + slice`` per grant and a kept request's context against M_ava,
+which is the arena. Rows of very different lengths share one geometry, so the arena may hold
+fewer of them than the reservations allow: a row that does not fit yet waits (its grant's
+time counts), never fails, and one that cannot fit even alone fails alone with the reason.
 
-:meth:`release` comes from the receive thread: it drops kept KV at once (the store's lock)
-and marks the request for the serve thread's next turn (:class:`~worker.engines.arena_cb.Releases`),
-where a row of it that is waiting or running will keep nothing when it ends; rows
+:meth:`release` comes from the receive thread: it drops kept KV in the store at once (the
+store's lock) and marks the request for the serve thread's next turn
+(:class:`~worker.engines.arena_cb.Releases`), where a paused row of it leaves its slot and a
+row of it that is waiting or running will keep nothing when it ends; rows
 :meth:`~worker.engines.base.Engine.cancel` names end there, ``cancelled``: a waiting one at
 once, a running one before it gets another token.
 """

@@ -256,9 +256,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"of a batch missed its measured time by {e.mean_abs_error_s:.2f}s on average over "
                   f"the last {e.batches} (docs/estimator.md)")
             if st.policy in GRANT_POLICIES:
-                print("  (under slice grants a worker serves its grants together: a grant's measured "
-                      "time includes the grants it shared the worker with, while the estimate is the "
-                      "grant's alone)")
+                print("  (under slice grants a worker serves its grants together: a grant's time is "
+                      "weighed against its iterations at the cost of its worker's steps, the grants "
+                      "beside it included)")
         rc = 0 if len(ok) == len(results) else 1
         if st.worker_losses:
             # A healthy demo loses no worker: a drop is a fault to see, not to pass over.

@@ -279,6 +279,8 @@ class Server:
         frontend = Frontend(cfg, self.admission, core, self.clock)
         self.shell = shell = Shell(cfg, core, frontend, self.fleet, self.supervisor, self.metrics,
                                    self.pool, self.idle, self.clock)
+        # A request admitted after its grammar's check is answered from admission's own task.
+        self.admission.deliver = shell.deliver
         self.starting = None
         for peer, msg in self.early.take():
             shell.on_message(peer, msg)
@@ -375,6 +377,8 @@ class Server:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.api.stop()
         await self.status_server.stop()
+        if self.admission is not None:
+            self.admission.close()  # grammar checks nobody can hear any more
         serving = self.core is not None
         self.fleet.shutdown_all()
         # Workers that never registered were told nothing: a failed start kills them now.

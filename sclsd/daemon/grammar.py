@@ -16,10 +16,10 @@ cost the others is bounded:
   ``generate.group``): one group's burst of grammars takes turns with another group's
   single one.
 * **Quick ones first.** A first try still running after ``grammar.quick_s`` goes on only
-  while another slot is left for first tries (with two or more children); else its child
-  is killed and the grammar waits for a second try, from the start and up to
-  ``grammar.timeout_s``, which starts only when no first try waits, and never in the
-  last free slot. So grammars that take seconds (hostile ones take all of
+  while no other first try waits and another slot is left for first tries (with two or
+  more children); else its child is killed and the grammar waits for a second try, from
+  the start and up to ``grammar.timeout_s``, which starts only when no first try waits,
+  and never in the last free slot. So grammars that take seconds (hostile ones take all of
   ``timeout_s``) do not hold up the ones that take milliseconds, whoever sends them.
 * **Stopped when nobody waits.** When every request waiting for a check is gone
   (cancelled, its client disconnected: the waiting coroutine is cancelled), the check
@@ -196,8 +196,10 @@ class GrammarChecks:
             quick = min(cfg.quick_s, cfg.timeout_s)
             out = await att.wait(quick)
             if out is None and quick < cfg.timeout_s:
-                if self.slow >= self.max_slow:
-                    await att.stop()  # every slot for slow checks is taken: after the quick ones
+                if self.slow >= self.max_slow or self.first:
+                    # Other first tries wait, or every slot for slow checks is taken: this one
+                    # goes after them.
+                    await att.stop()
                     return None
                 job.slow = True
                 self.slow += 1

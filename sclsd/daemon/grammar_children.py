@@ -7,8 +7,8 @@ thousands of chained rules overflow its stack) or drive to allocate without boun
 ``allOf`` of patterns), and one request must not end the daemon and everyone's work in
 flight. So:
 
-* children are started on demand with ``python -c`` (nothing of the daemon's memory or
-  threads is forked), each capped at ``grammar.memory_bytes`` of address space beyond
+* children are started with ``python -c`` (nothing of the daemon's memory or threads is
+  forked), up to ``processes`` spares ahead of need, each capped at ``grammar.memory_bytes`` of address space beyond
   its size at start (``RLIMIT_AS``), each checking one grammar at a time with
   llguidance's limits (``[grammar]``);
 * an :class:`Attempt` is one check in one child, waited for in steps (the caller decides
@@ -136,7 +136,7 @@ class Attempt:
         finally:
             self.waited += seconds
         if out is not None and out.cause in (None, "invalid", "limit") and not self.stopped:
-            self.children.idle.append(self.child)  # it answered: ready for the next check
+            self.children.keep(self.child)  # it answered: ready for the next check
         return out
 
     async def stop(self) -> None:
@@ -221,12 +221,26 @@ class Children:
     def attempt(self, s: P.Structured) -> Attempt:
         """A check of ``s`` in an idle child, or a new one (GrammarUnavailable if it cannot
         be started)."""
-        while self.idle:
+        child = None
+        while self.idle and child is None:
             child = self.idle.pop()
-            if child.proc.poll() is None:
-                return Attempt(self, child, s)
-            child.kill()  # ended while idle (killed from outside): reaped, not blamed on this grammar
-        return Attempt(self, self._start(), s)
+            if child.proc.poll() is not None:
+                child.kill()  # ended while idle (killed from outside): reaped, not blamed on this grammar
+                child = None
+        if child is None:
+            child = self._start()
+        if len(self.idle) < self.cfg.processes:
+            # Spares, starting while this check runs: the next checks do not wait for a child
+            # to start (a check stopped or past its time takes its child with it).
+            self.idle.append(self._start())
+        return Attempt(self, child, s)
+
+    def keep(self, child: _Child) -> None:
+        """``child`` answered its check: kept for the next one, unless enough are kept already."""
+        if len(self.idle) < self.cfg.processes:
+            self.idle.append(child)
+        else:
+            child.kill()
 
     def close(self) -> None:
         """End every idle child (the daemon's exit ends the others: they die with it)."""

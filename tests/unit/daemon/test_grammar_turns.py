@@ -163,10 +163,11 @@ def test_a_slow_first_try_does_not_hold_the_last_slot_quick_checks_go_first() ->
         await settle()
         quick = asyncio.create_task(checks.compile(grammar("ok:valid"), "bystander/"))
         assert await asyncio.wait_for(quick, 5.0) == ("compiled ok:valid", None)
-        # One slow check went on past quick_s; the others were stopped for a second try,
-        # which waits for that one: the quick one did not wait for either.
-        assert fake.started[:4] == ["slow:0", "slow:1", "slow:2", "ok:valid"]
-        assert checks.counts["retried"] == 2 and checks.slow == 1
+        # Answered while every slow one still runs or waits: first tries past quick_s were
+        # stopped for a second try while other first tries waited, and at most one check
+        # past quick_s runs at a time, so a slot was free for the quick one.
+        assert not fake.timed_out and not any(t.done() for t in slow)
+        assert checks.counts["retried"] >= 2 and checks.slow == 1
         for i in range(3):
             fake.release(f"slow:{i}")
         results = await asyncio.gather(*slow)

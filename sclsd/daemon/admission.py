@@ -108,6 +108,12 @@ class Admission:
         self.deliver: Callable[[Effects], None] | None = None
         """Delivers the effects of a request admitted after its grammar's check (the shell's)."""
 
+    @property
+    def pending(self) -> int:
+        """Requests between their frame and admission: being checked and tokenized, or
+        waiting for their grammar's check."""
+        return self.admitting + len(self.checking)
+
     def refuse(self, conn: Conn, code: P.ErrorCode, message: str, rid: str | None,
                reason: str | None = None) -> Effects:
         """Answer ``error`` ``code``; ``reason`` names the check that refused, for the metrics
@@ -311,6 +317,9 @@ class Admission:
                 self._release(c)
                 out = (self.refuse(c.conn, "bad_request", f"structured output: {why}", c.g.id, "structured")
                        if why is not None else self._admit_checked(c, grammar))
+        except Exception:  # a bug: logged, and the request still gets its one answer
+            log.exception("id=%s conn=%d admitting after its grammar's check failed", c.g.id, c.conn.cid)
+            out = self.refuse(c.conn, "internal", "internal error admitting the request", c.g.id, "internal")
         finally:
             self._release(c)  # whatever happened, its place is let go
         if not c.conn.closed:
@@ -352,8 +361,7 @@ class Admission:
         self.deliver(out)
 
     def _check_ended(self, task: asyncio.Task[None]) -> None:
-        """A wait ended: an error in it is logged, never lost (its request was answered
-        ``internal`` where its client is still there)."""
+        """A wait ended: an error that escaped it (delivering its answer) is logged, never lost."""
         if task.cancelled():
             return
         exc = task.exception()

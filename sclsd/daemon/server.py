@@ -236,7 +236,7 @@ class Server:
         state = DaemonState(
             draining=self.drain.draining, serving=why is None, why=why, starting=self.core is None,
             metrics_http=self._metrics_http.address if self._metrics_http is not None else None,
-            loading=loading, admitting=self.admission.admitting if self.admission is not None else 0,
+            loading=loading, admitting=self.admission.pending if self.admission is not None else 0,
             counters={"refused": self.metrics.refused_total, "bad_worker_messages": self.transport.bad_messages,
                       "workers_refused": self.fleet.refused, "worker_restarts": self.supervisor.restarts,
                       "partial_frame_closed": self.frame_budget.closed},

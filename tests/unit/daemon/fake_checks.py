@@ -8,6 +8,7 @@ A grammar's ``value`` picks what its check does:
 * ``bad:...`` is refused at once (cause ``invalid``);
 * ``hold:...`` answers only once the test calls :meth:`FakeChecker.release` on it (as a
   check that takes a while; the time waited is not counted);
+* ``boom:...`` fails as a bug would (the checker raises);
 * ``slow:...`` never answers (a hostile grammar): a wait of under a second (``quick_s``)
   is spent in full at once; a longer one (up to ``timeout_s``) once the test calls
   :meth:`FakeChecker.release` on it, and then the check is past its time, with
@@ -95,6 +96,8 @@ class FakeChecker:
 
     def attempt(self, s: P.Structured) -> FakeTry:
         t = FakeTry(self, s)
+        if t.value.startswith("boom:"):
+            raise RuntimeError(f"a bug checking {t.value}")
         self.started.append(t.value)
         self.changed.set()
         return t

@@ -118,3 +118,19 @@ def test_a_client_that_leaves_stops_its_checks(daemon: Callable[..., Any]) -> No
         assert isinstance(other.terminal("c")[0], P.Done) and conn.sent == []
 
     daemon(body, grammar={"processes": 2})
+
+
+def test_a_failing_check_is_logged_and_its_request_answered(daemon: Callable[..., Any],
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    async def body(h: Harness) -> None:
+        await ready(h)
+        conn = RecConn()
+        await h.submit(conn, id="g", structured=schema("boom:g"))
+        await h.submit(conn, id="plain", max_tokens=2)
+        await h.finished(conn, "g", "plain")
+        [err] = conn.terminal("g")
+        assert isinstance(err, P.Error) and err.code == "internal"
+        assert isinstance(conn.terminal("plain")[0], P.Done)  # the connection goes on
+        assert "a bug checking boom:g" in caplog.text
+
+    daemon(body)

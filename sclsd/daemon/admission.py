@@ -68,6 +68,24 @@ class _Checking:
     cancel right after its acceptance would end it."""
 
 
+class _Held:
+    """Requests and their prompt tokens, in all and by client uid (counted in the bounds)."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.tokens = 0
+        self.by_uid: dict[int | None, tuple[int, int]] = {}
+
+    def add(self, uid: int | None, requests: int, tokens: int = 0) -> None:
+        self.requests += requests
+        self.tokens += tokens
+        r, t = self.by_uid.get(uid, (0, 0))
+        if r + requests:
+            self.by_uid[uid] = (r + requests, t + tokens)
+        else:
+            self.by_uid.pop(uid, None)
+
+
 def daemon_id(conn: Conn, client_id: str) -> str:
     """The daemon's id for the request ``conn`` calls ``client_id``: unique among live
     requests, as a client's ids are unique among its own (the connection number has no
@@ -95,17 +113,14 @@ class Admission:
         self.tokenizing = asyncio.Semaphore(d.max_tokenizing)
         #: Requests between frame and admission: counted against the bounds so a flood
         #: of text prompts cannot queue unbounded tokenizer work.
-        self.admitting = 0
+        self.entering = _Held()
         #: Grammars are compiled in child processes, never here (:mod:`.grammar`).
         self.grammars = GrammarChecks(cfg.grammar, metrics.grammar_refused, on_outcome=metrics.grammar_checked)
         self.checking: dict[tuple[Conn, str], _Checking] = {}
         """Requests waiting for their grammar's check, by connection and client id."""
-        self._uid_checking: dict[int | None, tuple[int, int]] = {}
-        """Requests and prompt tokens of ``checking``, by uid (they count in its share)."""
-        self._checking_tokens = 0
-        self._uid_admitting: dict[int | None, int] = {}
-        """Requests between frame and admission, by uid."""
-        self.deliver: Callable[[Effects], None] | None = None
+        self.waiting = _Held()
+        """Requests and prompt tokens of ``checking`` (they count as live ones)."""
+        self.deliver: Callable[[Effects], None] = self._undelivered
         """Delivers the effects of a request admitted after its grammar's check (the shell's)."""
 
     @property
@@ -113,6 +128,11 @@ class Admission:
         """Requests between their frame and admission: being checked and tokenized, or
         waiting for their grammar's check."""
         return self.admitting + len(self.checking)
+
+    @property
+    def admitting(self) -> int:
+        """Requests being checked and tokenized (before their grammar's check)."""
+        return self.entering.requests
 
     def refuse(self, conn: Conn, code: P.ErrorCode, message: str, rid: str | None,
                reason: str | None = None) -> Effects:
@@ -129,11 +149,11 @@ class Admission:
         whose grammar must be checked first returns nothing here and is answered when its
         check ends (:attr:`deliver`)."""
         uid = conn.peer.uid if conn.peer is not None else None
-        self._admitting(uid, 1)
+        self.entering.add(uid, 1)
         try:
             out = await self._admit(conn, g, uid)
         finally:
-            self._admitting(uid, -1)
+            self.entering.add(uid, -1)
         if isinstance(out, _Checking):
             self._check(out)
             return Effects()
@@ -164,14 +184,6 @@ class Admission:
                 checking.task.cancel()
         self.grammars.close()
 
-    def _admitting(self, uid: int | None, n: int) -> None:
-        self.admitting += n
-        left = self._uid_admitting.get(uid, 0) + n
-        if left:
-            self._uid_admitting[uid] = left
-        else:
-            self._uid_admitting.pop(uid, None)
-
     def _overloaded(self, uid: int | None, prompt_tokens: int) -> tuple[str, str] | None:
         """(the bound passed, why) when admitting would pass one. Requests waiting for their
         grammar's check count as live ones."""
@@ -183,15 +195,15 @@ class Admission:
             return "max_queued_requests", (f"{len(live)} requests queued (+{waiting} waiting for a grammar's "
                                            f"check, +{self.admitting - 1} being admitted), the limit is "
                                            f"{d.max_queued_requests}; retry later")
-        queued = live.queued_tokens + self._checking_tokens
+        queued = live.queued_tokens + self.waiting.tokens
         if queued + prompt_tokens > d.max_queued_tokens:
             return "max_queued_tokens", (f"{queued} prompt tokens queued, +{prompt_tokens} "
                                          f"exceeds the limit of {d.max_queued_tokens}; retry later")
         if d.uid_share < 1.0:
             reqs, toks = live.by_uid.get(uid, (0, 0))
-            w_reqs, w_toks = self._uid_checking.get(uid, (0, 0))
+            w_reqs, w_toks = self.waiting.by_uid.get(uid, (0, 0))
             reqs, toks = reqs + w_reqs, toks + w_toks
-            others = self._uid_admitting.get(uid, 1) - 1  # besides this one
+            others = self.entering.by_uid.get(uid, (1, 0))[0] - 1  # besides this one
             cap_r = max(1, int(d.uid_share * d.max_queued_requests))
             cap_t = max(1, int(d.uid_share * d.max_queued_tokens))
             if reqs + others + 1 > cap_r or toks + prompt_tokens > cap_t:
@@ -291,9 +303,7 @@ class Admission:
         """``c`` waits for its grammar's check in a task of its own; its place (id, bounds)
         is held meanwhile."""
         self.checking[(c.conn, c.client_id)] = c
-        reqs, toks = self._uid_checking.get(c.uid, (0, 0))
-        self._uid_checking[c.uid] = (reqs + 1, toks + len(c.ids))
-        self._checking_tokens += len(c.ids)
+        self.waiting.add(c.uid, 1, len(c.ids))
         c.task = asyncio.get_running_loop().create_task(self._checked(c), name="grammar-wait")
         c.task.add_done_callback(self._check_ended)
 
@@ -323,19 +333,14 @@ class Admission:
         finally:
             self._release(c)  # whatever happened, its place is let go
         if not c.conn.closed:
-            self._deliver(out)
+            self.deliver(out)
 
     def _release(self, c: _Checking) -> None:
         """``c`` no longer waits: its id and its part of the bounds are let go (once)."""
         if self.checking.get((c.conn, c.client_id)) is not c:
             return
         del self.checking[(c.conn, c.client_id)]
-        reqs, toks = self._uid_checking[c.uid]
-        if reqs > 1:
-            self._uid_checking[c.uid] = (reqs - 1, toks - len(c.ids))
-        else:
-            del self._uid_checking[c.uid]
-        self._checking_tokens -= len(c.ids)
+        self.waiting.add(c.uid, -1, -len(c.ids))
 
     def _admit_checked(self, c: _Checking, grammar: str | None) -> Effects:
         if c.conn.closed:
@@ -352,13 +357,12 @@ class Admission:
         out = self._admit_checked(c, None)
         if rid not in self.live:
             return out  # refused after all (draining, say)
-        self._deliver(out)
+        self.deliver(out)
         return self.core.cancel(rid, self.clock(), requester=c.conn)
 
-    def _deliver(self, out: Effects) -> None:
-        if self.deliver is None:
-            raise RuntimeError("admission has no deliver: the shell sets it")
-        self.deliver(out)
+    @staticmethod
+    def _undelivered(out: Effects) -> None:
+        raise RuntimeError("admission has no deliver: the shell sets it")
 
     def _check_ended(self, task: asyncio.Task[None]) -> None:
         """A wait ended: an error that escaped it (delivering its answer) is logged, never lost."""

@@ -46,7 +46,7 @@ from ..tokenizer import Tokenizer, max_prompt_chars
 from .grammar import GrammarChecks, GrammarUnavailable
 from .metrics import Metrics
 from .request_checks import feature_refusal, has_chat_template, sampling_refusal
-from .serving.core import ServingCore
+from .serving.core import ServingCore, fair_group
 from .serving.effects import Effects
 from .sockets import Conn
 
@@ -290,7 +290,8 @@ class Admission:
         if g.id is None:  # the id it hears in every event of the request (refusals say None)
             g = msgspec.structs.replace(g, id=client_id)
         rid = daemon_id(conn, client_id)
-        out = self.core.submit(conn, uid, g, rid, ids, self.clock())
+        out = self.core.submit(conn, uid, g, rid, ids, self.clock(),
+                               pid=conn.peer.pid if conn.peer is not None else None)
         entry = self.live.get(rid)
         if entry is not None and entry.gen is g:
             # Before anything can dispatch it (no await since submit): its batches carry this.
@@ -310,7 +311,7 @@ class Admission:
     async def _checked(self, c: _Checking) -> None:
         """Wait for ``c``'s grammar; then admit it, or refuse it (delivered here)."""
         assert c.g.structured is not None
-        group = f"{c.conn.cid}/{c.g.group if c.g.group is not None else c.g.user or ''}"
+        group = fair_group(c.conn, c.uid, c.conn.peer.pid if c.conn.peer is not None else None, c.g)
         try:
             try:
                 # In a child process, within [grammar]'s limits: a hostile grammar costs only this request.

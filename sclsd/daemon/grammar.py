@@ -12,9 +12,10 @@ cost the others is bounded:
   being checked (an HTTP request's ``n`` choices, clients sending the same schema) wait
   for that one check.
 * **Fair turns.** Checks wait for a child in fair turns between the groups asking for
-  them (:mod:`.grammar_turns`; a request's group is its connection and ``user``, or its
-  ``generate.group``): one group's burst of grammars takes turns with another group's
-  single one.
+  them, nested as the line for grants is (:mod:`.grammar_turns`; a request's group is
+  its user, its process, then its connection and ``user`` or its ``generate.group``):
+  one group's burst of grammars takes turns with another group's single one, and one
+  user's many processes and connections with another user's one.
 * **Quick ones first.** A first try still running after ``grammar.quick_s`` goes on only
   while no other first try waits and another slot is left for first tries (with two or
   more children); else its child is killed and the grammar waits for a second try, from
@@ -87,7 +88,7 @@ class _Job:
 
     key: bytes
     s: P.Structured
-    group: str
+    group: tuple[str, ...]
     result: asyncio.Future[Checked]
     waiters: int = 0
     second: bool = False
@@ -132,7 +133,7 @@ class GrammarChecks:
         """Children waiting for a check (none for a fake checker)."""
         return getattr(self.children, "idle", [])
 
-    async def compile(self, s: P.Structured, group: str = "") -> tuple[str | None, str | None]:
+    async def compile(self, s: P.Structured, group: tuple[str, ...] = ()) -> tuple[str | None, str | None]:
         """(grammar text, None) for ``s``, or (None, why it is refused), in ``group``'s turn;
         GrammarUnavailable when no child can be started. Cancelling it lets go of the check
         (stopped when nobody else waits for it)."""

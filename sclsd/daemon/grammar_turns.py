@@ -1,24 +1,29 @@
 """Fair turns between groups for work that waits for a few slots (grammar checks).
 
-:class:`Turns` is a line where each item belongs to the group that asked for it (a
-request's group: its connection and ``user``, or what it names with
-``generate.group``): a newcomer gets a turn one past the later of its group's last turn
-and the turn last served, and items leave in turn order (start-time fair queueing with
-an item as the unit, as the scheduler's line does for requests, :mod:`sclsd.core.grant_queue`).
-So 64 items that one group queues at once take turns with a single item another group
-queues after them, instead of all going first; with one group it is first come, first
-served. An item a second group also asks for (the same grammar) moves up to that
-group's turn where it is earlier, so no group waits behind another's turns for work it
-shares.
+:class:`Turns` is a line where each item belongs to the group that asked for it, and the
+turns are nested as the daemon's line for grants is (:mod:`sclsd.core.grant_queue`): a
+group is a path, for the daemon ``(uid, client process, connection or named group)``
+(:func:`sclsd.daemon.serving.core.fair_group`), and at each level the children of a node
+take turns, start-time fair queueing with an item as the unit: a child that becomes
+active starts at the turn its parent last served, and each item taken moves its child one
+turn on (ties go to the child that became active first). So two users get the same share
+of the slots whatever their numbers of processes and connections, and a single item that
+another group queues after a burst of 64 is taken next, not after the burst. Within a
+group, first come, first served; with one group, first come, first served.
+
+An item a second group also asks for (the same grammar) waits in that group's line too,
+and is taken at whichever of its turns comes first (that group's turn is spent; the
+other lines let it go without spending theirs), so no group waits behind another's turns
+for work it shares.
 
 Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
+from collections import deque
 from collections.abc import Hashable
 from typing import Generic, TypeVar
 
@@ -26,68 +31,110 @@ __all__ = ["Turns"]
 
 T = TypeVar("T", bound=Hashable)
 
+#: The name of a group's own node under its path (a node holds items or has children).
+_LEAF = "\0"
+#: Children of one node past which idle ones are forgotten.
+_SWEEP = 1024
+
+
+class _Node:
+    __slots__ = ("parent", "children", "vtime", "tag", "seq", "count", "items")
+
+    def __init__(self, parent: _Node | None) -> None:
+        self.parent = parent
+        self.children: dict[str, _Node] = {}
+        self.vtime = 0.0
+        """The turn of the child served last (where a child that becomes active starts)."""
+        self.tag = -math.inf
+        """Its next turn among its siblings."""
+        self.seq = 0
+        """When it became active."""
+        self.count = 0
+        """Items waiting under it."""
+        self.items: deque[object] = deque()
+        """A leaf's items, first come, first served."""
+
 
 class Turns(Generic[T]):
-    """Items in fair turns between their groups (see the module docstring)."""
+    """Items in nested fair turns between their groups (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, T]] = []
-        self._turn: dict[T, tuple[float, int]] = {}
-        """Each queued item's place (its turn, then the order it came); the heap may also hold
-        stale places of items that left or moved, skipped when they reach its top."""
-        self._seq = itertools.count()
-        self._served = 0.0
-        """The turn of the latest item taken."""
-        self._last: dict[str, float] = {}
-        """Each group's latest turn."""
+        self._root = _Node(None)
+        self._seq = itertools.count(1)
+        self._leaves: dict[T, list[_Node]] = {}
+        """Each waiting item's lines (the first group's, then those that share it)."""
 
     def __len__(self) -> int:
-        return len(self._turn)
+        return len(self._leaves)
 
     def __contains__(self, item: T) -> bool:
-        return item in self._turn
+        return item in self._leaves
 
-    def _next_turn(self, group: str) -> float:
-        return max(self._served, self._last.get(group, -math.inf)) + 1.0
+    def join(self, item: T, group: tuple[str, ...]) -> None:
+        """``item`` of ``group`` (a path) waits in its group's line (it must not wait already)."""
+        assert item not in self._leaves, "already in line"
+        self._leaves[item] = []
+        self._enter(item, group)
 
-    def join(self, item: T, group: str) -> float:
-        """``item`` of ``group`` takes its turn in line (it must not be in line); the turn."""
-        assert item not in self._turn, "already in line"
-        turn = self._last[group] = self._next_turn(group)
-        self._place(item, turn)
-        if len(self._last) > 4096:  # groups come and go: forget those with nothing left in line
-            self._last = {g: t for g, t in self._last.items() if t > self._served}
-        return turn
-
-    def share(self, item: T, group: str) -> bool:
-        """``group`` asks for ``item`` too (it is in line): it moves up to ``group``'s next
-        turn where that is earlier, which ``group`` then spends. Whether it moved."""
-        turn = self._next_turn(group)
-        if turn >= self._turn[item][0]:
-            return False
-        self._last[group] = turn
-        self._place(item, turn)
-        return True
+    def share(self, item: T, group: tuple[str, ...]) -> None:
+        """``group`` asks for ``item`` too (it waits): it waits in ``group``'s line as well."""
+        leaf = self._leaf(group)
+        if leaf not in self._leaves[item]:
+            self._enter(item, group)
 
     def remove(self, item: T) -> bool:
-        """``item`` leaves the line without its turn (nobody waits for it); whether it was in line."""
-        return self._turn.pop(item, None) is not None
+        """``item`` leaves every line without a turn (nobody waits for it); whether it waited."""
+        leaves = self._leaves.pop(item, None)
+        for leaf in leaves or ():
+            self._out(leaf, item)
+        return leaves is not None
 
     def take(self) -> T | None:
-        """The item whose turn is next leaves the line (None when the line is empty)."""
-        heap = self._heap
-        while heap:
-            turn, seq, item = heapq.heappop(heap)
-            if self._turn.get(item) == (turn, seq):
-                del self._turn[item]
-                self._served = max(self._served, turn)
-                return item
-        return None
+        """The item whose turn is next leaves the lines (None when none waits)."""
+        node = self._root
+        if not node.count:
+            return None
+        while node.children:
+            node = min((c for c in node.children.values() if c.count), key=lambda c: (c.tag, c.seq))
+        item: T = node.items[0]  # type: ignore[assignment]
+        served: _Node | None = node
+        while served is not None and served.parent is not None:
+            served.parent.vtime = served.tag
+            served.tag += 1.0
+            served = served.parent
+        for leaf in self._leaves.pop(item):
+            self._out(leaf, item)
+        return item
 
-    def _place(self, item: T, turn: float) -> None:
-        place = (turn, next(self._seq))
-        self._turn[item] = place
-        heapq.heappush(self._heap, (*place, item))
-        if len(self._heap) > 2 * len(self._turn) + 64:  # stale places: rebuild
-            self._heap = [(t, s, i) for i, (t, s) in self._turn.items()]
-            heapq.heapify(self._heap)
+    # ------------------------------------------------------------------ internals
+
+    def _leaf(self, group: tuple[str, ...]) -> _Node:
+        node = self._root
+        for name in (*group, _LEAF):
+            child = node.children.get(name)
+            if child is None:
+                if len(node.children) >= _SWEEP:
+                    node.children = {k: c for k, c in node.children.items() if c.count}
+                child = node.children[name] = _Node(node)
+            node = child
+        return node
+
+    def _enter(self, item: T, group: tuple[str, ...]) -> None:
+        leaf = self._leaf(group)
+        leaf.items.append(item)
+        self._leaves[item].append(leaf)
+        node: _Node | None = leaf
+        while node is not None and node.parent is not None:
+            if not node.count:  # becomes active: starts at the turn its parent last served
+                node.tag = max(node.tag, node.parent.vtime)
+                node.seq = next(self._seq)
+            node.count += 1
+            node = node.parent
+        self._root.count += 1
+
+    def _out(self, leaf: _Node, item: T) -> None:
+        leaf.items.remove(item)
+        node: _Node | None = leaf
+        while node is not None:
+            node.count -= 1
+            node = node.parent

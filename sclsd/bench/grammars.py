@@ -12,8 +12,12 @@ One daemon (``--engine hf-cb`` on ``--model tiny-random`` by default, the defaul
   it (p50), and how long the attack took to be refused.
 * **unix**: ``--hostile`` clients on the Unix socket each send one hostile grammar at
   once (distinct schemas, so no check is shared or cached), then a bystander sends one
-  small request under a valid schema ``--after`` seconds later. Reported: the
-  bystander's end-to-end seconds and when the hostile ones were refused.
+  small request under a valid schema ``--after`` seconds later: first from the hostile
+  clients' own process (each of them is a group of that process: the bystander's turn
+  comes after each one's first try), then from a process of its own (the next turn goes
+  to another process). Reported: the bystander's end-to-end seconds each way, and when
+  the hostile ones were refused (the first way; the second way they disconnect once the
+  bystander is served, which stops their checks).
 
 Progress goes to stderr; the table to stdout.
 """
@@ -130,13 +134,26 @@ def http_case(url: str, args: argparse.Namespace) -> dict[str, Any]:
             "failed": failed[:3], "attack_s": attack_s, "attack_status": statuses}
 
 
-async def unix_case(sock: str, args: argparse.Namespace) -> dict[str, Any]:
+#: The bystander of the Unix case in a process of its own: prints its end-to-end seconds.
+_OTHER_PROCESS = ("import asyncio, json, sys, time; from sclsd.client import AsyncClient; "
+                  "from sclsd import protocol as P\n"
+                  "async def go():\n"
+                  "    async with AsyncClient(sys.argv[1]) as c:\n"
+                  "        t = time.monotonic()\n"
+                  "        await c.complete(prompt='json please', max_tokens=8, temperature=0.0, "
+                  "structured=P.Structured(kind='json_schema', value=sys.argv[2]))\n"
+                  "        print(time.monotonic() - t)\n"
+                  "asyncio.run(go())")
+
+
+async def unix_case(sock: str, args: argparse.Namespace, own_process: bool) -> dict[str, Any]:
     refused: list[float] = []
     t0 = time.monotonic()
+    salt = 2000 if own_process else 1000
 
     async def hostile(i: int) -> None:
         async with AsyncClient(sock) as c:
-            s = P.Structured(kind="json_schema", value=json.dumps(hostile_schema(args.patterns, 1000 + i)))
+            s = P.Structured(kind="json_schema", value=json.dumps(hostile_schema(args.patterns, salt + i)))
             try:
                 await c.complete(prompt="hostile", max_tokens=8, structured=s)
             except RequestError:
@@ -144,12 +161,24 @@ async def unix_case(sock: str, args: argparse.Namespace) -> dict[str, Any]:
 
     tasks = [asyncio.create_task(hostile(i)) for i in range(args.hostile)]
     await asyncio.sleep(args.after)
+    schema = json.dumps({**SCHEMA, "description": f"bystander {salt}"})  # not in the cache
+    if own_process:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _OTHER_PROCESS, sock, schema,
+                                                    stdout=asyncio.subprocess.PIPE)
+        out, _ = await proc.communicate()
+        waited = float(out.decode().split()[-1])
+        _say(f"  valid-schema bystander in its own process: {waited:.2f}s; the hostile clients leave")
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return {"bystander_s": waited}
     async with AsyncClient(sock) as c:
         t1 = time.monotonic()
         done = await c.complete(prompt="json please", max_tokens=8, temperature=0.0,
-                                structured=P.Structured(kind="json_schema", value=json.dumps(SCHEMA)))
+                                structured=P.Structured(kind="json_schema", value=schema))
         waited = time.monotonic() - t1
-    _say(f"  valid-schema bystander: {waited:.2f}s ({done.finish_reason}); waiting for the hostile ones ...")
+    _say(f"  valid-schema bystander in their process: {waited:.2f}s ({done.finish_reason}); waiting for "
+         "the hostile ones ...")
     await asyncio.gather(*tasks)
     _say(f"  {len(refused)}/{args.hostile} hostile refused, the last at {max(refused or [0]):.1f}s")
     return {"bystander_s": waited, "refused": len(refused), "last_refused_s": max(refused or [0.0])}
@@ -173,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
                 stop_http(proc)
         if args.case in ("unix", "both"):
             _say("unix case:")
-            out["unix"] = asyncio.run(unix_case(d.sock, args))
+            out["unix"] = asyncio.run(unix_case(d.sock, args, own_process=False))
+            out["unix_other"] = asyncio.run(unix_case(d.sock, args, own_process=True))
     if "http" in out:
         h = out["http"]
         print(f"| sclsd-http, {args.attackers} × n = {args.n} hostile | |\n|---|---:|\n"
@@ -185,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
     if "unix" in out:
         u = out["unix"]
         print(f"\n| Unix socket, {args.hostile} hostile grammars at once | |\n|---|---:|\n"
-              f"| valid-schema bystander, s | {u['bystander_s']:.2f} |\n"
+              f"| valid-schema bystander in the hostile clients' process, s | {u['bystander_s']:.2f} |\n"
+              f"| valid-schema bystander in a process of its own, s | {out['unix_other']['bystander_s']:.2f} |\n"
               f"| hostile refused | {u['refused']} / {args.hostile} |\n"
               f"| last hostile refused after s | {u['last_refused_s']:.1f} |")
     print(json.dumps(out), file=sys.stderr)

@@ -255,7 +255,7 @@ class Config:
         from .core.policy import GRANT_POLICIES
         if self.workers.engine != defaults.AUTO_ENGINE:
             return self.workers.engine
-        return defaults.auto_engine(self.scheduler.policy in GRANT_POLICIES, self.model.name)
+        return defaults.auto_engine(self.scheduler.policy in GRANT_POLICIES, self.model.name, self.workers.device)
 
 
 _SECTIONS: dict[str, type] = {"daemon": DaemonConfig, "model": ModelConfig, "scheduler": SchedulerConfig,
@@ -480,7 +480,7 @@ def _check_workers(w: WorkersConfig, cfg: Config) -> None:
     need(cfg.scheduler.policy not in GRANT_POLICIES or engine in defaults.GRANT_ENGINES,
          "workers.engine", w.engine,
          f"scheduler.policy = {cfg.scheduler.policy!r} hands out slice grants to continuous-batching "
-         f"workers, which engine {engine!r} is not: use engine 'hf-cb' (or {defaults.AUTO_ENGINE!r}, "
+         f"workers, which engine {engine!r} is not: use engine 'hf-cb' or 'hf-static-cb' (or {defaults.AUTO_ENGINE!r}, "
          f"which picks it), or a static policy such as 'scls' for engine {engine!r}")
     need(w.device == "cpu" or w.device.startswith("cuda"), "workers.device", w.device, "must be cpu or cuda")
     # [workers.options] dtype predates [model] dtype; both set and different is ambiguous.

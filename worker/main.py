@@ -2,7 +2,7 @@
 
 ::
 
-    sclsd-worker --connect ENDPOINT --id ID [--engine hf-cb|hf|deepspeed|fake] [--model SPEC]
+    sclsd-worker --connect ENDPOINT --id ID [--engine hf-cb|hf-static-cb|hf|deepspeed|fake] [--model SPEC]
                  [--device cpu] [--threads N] [--mem-budget BYTES] [--heartbeat S]
                  [--dtype auto|float32|bfloat16|float16] [--cache-dir DIR] [--progress-file FILE]
                  [--ENGINE-OPTION VALUE ...] [--opt KEY=VALUE ...] [--profile FILE] [--log-level info]
@@ -235,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     # hf-cb by default: it joins a daemon of the default policy (scls-cb, slice grants need
     # continuous batching) and serves the static policies' batches too.
     p.add_argument("--engine", default="hf-cb",
-                   help="engine name: hf-cb (default; any policy), hf or deepspeed (static policies), fake")
+                   help="engine name: hf-cb (default; any policy), hf-static-cb (slice grants on hf's static "
+                        "arena), hf or deepspeed (static policies), fake")
     p.add_argument("--model", default=None, help="model spec (default: the engine's default)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")

@@ -222,7 +222,8 @@ def test_the_aiperf_command_runs_as_written(ran: Ran, tmp_path: Path) -> None:
     (records,) = tmp_path.glob("artifacts/*/profile_export.jsonl")
     rows = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
     assert len(rows) == 8 and not any(r.get("error") for r in rows), rows
-    assert all(r["metrics"]["usage_completion_tokens"]["value"] == 32 for r in rows)
+    # --osl 32 is max_completion_tokens (aiperf sends no ignore_eos: an answer may end sooner).
+    assert all(1 <= r["metrics"]["usage_completion_tokens"]["value"] <= 32 for r in rows), rows
 
 
 def test_a_wrong_socket_path_is_named_by_the_python_client(ran: Ran) -> None:

@@ -24,6 +24,8 @@ SUBCOMMANDS = {
     "gpu-check": ("sclsd.bench.gpu_check", "every GPU target in one call under a deadline: hf step, hf-cb, "
                    "profile RMSE, live scls/ils/scls-cb, compiled generate"),
     "engine": ("sclsd.bench.engine", "ms per decode step of each engine, cold and warm"),
+    "arena-grants": ("sclsd.bench.arena_grants", "hf-static-cb serving requests in slice grants against whole: "
+                     "decode steps, rows per step, prefill turns, rows resumed in place"),
     "fairness": ("sclsd.bench.fairness", "how long a bystander waits behind another client's burst"),
     "grammars": ("sclsd.bench.grammars", "what other clients' hostile grammars cost a bystander (sclsd-http "
                  "and the Unix socket)"),

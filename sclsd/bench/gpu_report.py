@@ -385,6 +385,9 @@ def _live(rows: Rows) -> list[str]:
             arena = r.get("arena_rows")
             rows_of = (f"; arena rows resumed in place {arena['resumed']}, copied in {arena['loaded']}, spilled "
                        f"{arena['spilled']}, moved {arena['moved']}, waited {arena['waited']}") if arena else ""
+            if arena and "steps" in arena:
+                rows_of += (f"; {arena['steps']} steps of {arena['rows_per_step']:.1f} rows, "
+                            f"{arena['prefills']} prefill turns")
             out.append(f"- {r['stage']}: worker ready in {r.get('worker_ready_in_s')} s (its own clock); restarts "
                        f"{r.get('worker_exits')}, graphs dropped {r.get('graphs_dropped')}, tracebacks "
                        f"{r.get('tracebacks')}{rows_of}; {_f(r.get('total_s'), '{:.0f}')} s in all")

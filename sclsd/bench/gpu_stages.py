@@ -401,10 +401,12 @@ def log_facts(log: Path) -> dict[str, Any]:
         "preempted": text.count("preempted"), "tracebacks": text.count("Traceback")}  # fmt: skip
     # hf-static-cb's own account at close: how its grants' rows came back and what moved.
     m = re.search(r"rows resumed in place (\d+), copied in from the store (\d+), paused rows spilled (\d+), "
-                  r"rows moved between slots (\d+), rows that waited for room (\d+)", text)
+                  r"rows moved between slots (\d+), rows that waited for room (\d+)"
+                  r"(?:; (\d+) decode steps of ([0-9.]+) rows on average, (\d+) prefill turns)?", text)
     if m:
-        out["arena_rows"] = dict(zip(("resumed", "loaded", "spilled", "moved", "waited"), map(int, m.groups()),
-                                     strict=True))
+        keys = ("resumed", "loaded", "spilled", "moved", "waited", "steps", "rows_per_step", "prefills")
+        out["arena_rows"] = {k: (float(v) if k == "rows_per_step" else int(v))
+                             for k, v in zip(keys, m.groups(), strict=True) if v is not None}
     return out
 
 

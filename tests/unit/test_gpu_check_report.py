@@ -225,12 +225,15 @@ def test_a_replay_shows_its_tpot_gaps_slices_and_the_arena_rows_account(tmp_path
     log = tmp_path / "sat.log"
     log.write_text("... sclsd-worker[w0] INFO worker: engine hf-static-cb ready in 33.1s: registering\n"
                    "... hf-static-cb: rows resumed in place 170, copied in from the store 3, paused rows spilled 4, "
-                   "rows moved between slots 212, rows that waited for room 0\n")
+                   "rows moved between slots 212, rows that waited for room 0; 2105 decode steps of 37.4 rows on "
+                   "average, 81 prefill turns\n")
     facts = log_facts(log)
-    assert facts["arena_rows"] == {"resumed": 170, "loaded": 3, "spilled": 4, "moved": 212, "waited": 0}
+    assert facts["arena_rows"] == {"resumed": 170, "loaded": 3, "spilled": 4, "moved": 212, "waited": 0,
+                                   "steps": 2105, "rows_per_step": 37.4, "prefills": 81}
     assert facts["worker_ready_in_s"] == [33.1] and "arena_rows" not in log_facts(tmp_path / "sat.log.none")
     row = {**sat("scls-cb", "hf-static-cb", 800), "avg_tpot_s": 0.042, "p50_gap_s": 0.31, "max_gap_s": 0.9,
            "slices_per_req": 2.96}
     text = R.render([row, {"stage": "sat-scls-cb-hf-static-cb", "phase": "stopped", "total_s": 60, **facts}])
     assert "| 0.042 |" in text and "| 0.31 / 0.90 | 2.96 |" in text
-    assert "arena rows resumed in place 170, copied in 3, spilled 4, moved 212, waited 0" in text
+    assert "arena rows resumed in place 170, copied in 3, spilled 4, moved 212, waited 0; 2105 steps of 37.4 rows, " \
+        "81 prefill turns" in text

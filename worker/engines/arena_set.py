@@ -71,9 +71,10 @@ class ArenaRows(Joining):
         """Requests reported kept whose KV was lost since the last :meth:`take_evicted`."""
         self.waited_rows = 0
         """Rows that waited for arena room while others ran (since the engine started)."""
-        self.counts = {"resumed": 0, "loaded": 0, "spilled": 0, "moved": 0}
+        self.counts = {"resumed": 0, "loaded": 0, "spilled": 0, "moved": 0, "prefills": 0}
         """Since the engine started: rows resumed in place, rows whose KV was copied in from
-        the store, paused rows spilled to it, rows copied from one slot to another."""
+        the store, paused rows spilled to it, rows copied from one slot to another, turns
+        that prefilled newcomers."""
         self._version = 0
         self._due = (-1, False)
 
@@ -267,6 +268,7 @@ class ArenaRows(Joining):
         if not loud:
             return
         t0 = time.perf_counter()
+        self.counts["prefills"] += 1
         parts = [(j.row.req.token_ids[j.row.used:j.row.length - 1], j.row.used) for j in loud]
         self.runner.prefill(lo, c, parts)
         if self.device.type == "cuda":

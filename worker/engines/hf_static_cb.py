@@ -128,6 +128,10 @@ class HFStaticCBEngine(TransformersModel, Engine):
         self._events: list[Event] = []
         self.kv_peak_tokens = 0
         """Most KV tokens held at once: the running rows' and the kept."""
+        self.steps = 0
+        self.step_rows = 0
+        """Decode steps run, and the running rows they carried in all (ghosts and dummies not
+        counted): for benchmarks and the log at close."""
 
     # ------------------------------------------------------------------ facts
 
@@ -227,8 +231,9 @@ class HFStaticCBEngine(TransformersModel, Engine):
         """Drop the arena, its graphs, the rows and the kept KV, then the model."""
         c = self.rows.counts
         log.info("%s: rows resumed in place %d, copied in from the store %d, paused rows spilled %d, "
-                 "rows moved between slots %d, rows that waited for room %d", self.name, c["resumed"], c["loaded"],
-                 c["spilled"], c["moved"], self.rows.waited_rows)
+                 "rows moved between slots %d, rows that waited for room %d; %d decode steps of %.1f rows "
+                 "on average, %d prefill turns", self.name, c["resumed"], c["loaded"], c["spilled"], c["moved"],
+                 self.rows.waited_rows, self.steps, self.step_rows / max(1, self.steps), c["prefills"])
         self.rows.reset()
         self.rows.runner = None  # type: ignore[assignment]
         self.static = None  # type: ignore[assignment]
@@ -272,6 +277,8 @@ class HFStaticCBEngine(TransformersModel, Engine):
         step = self.static.step_for(geo.plan)
         rows = list(self.rows.slots)
         k, n = len(rows), geo.plan.n
+        self.steps += 1
+        self.step_rows += sum(not r.ended for r in rows)
         if self.rows.dirty:
             pad = [self.pad_id] * (n - k)
             ids = torch.tensor([r.next_input() for r in rows] + pad, dtype=torch.long)

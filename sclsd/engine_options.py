@@ -111,16 +111,18 @@ OPTIONS: dict[str, Option] = {
                        help="static: one batch at a time; continuous: grants share a running set of rows "
                             "(it takes slice grants under scls-cb)"),
     "grammar": Option(("fake",), "bool", help="enforce structured-output grammars (needs llguidance)"),
-    "max_rows": Option(("fake",), "int", Range(ge=1),
-                       help="continuous batching: most rows running at once (default 64)"),
+    "max_rows": Option(("fake", "llama"), "int", Range(ge=1),
+                       help="continuous batching: most rows running at once (default 64 for fake, 8 for "
+                            "llama: rows beyond wait for a place)"),
     # KV kept across slices
     "kv_reuse": Option(("hf", "deepspeed", "fake"), "bool",
                        help="keep unfinished requests' KV across slices (default true)"),
     "kv_retain_bytes": Option(("hf", "deepspeed", "fake"), "int", Range(ge=0),
                               help="most bytes of kept KV (default: the memory budget)"),
-    "kv_host_bytes": Option(STATIC, "int", Range(ge=0),
+    "kv_host_bytes": Option(STATIC + ("llama",), "int", Range(ge=0),
                             help="host bytes for kept KV that does not fit beside a batch (default: none "
-                                 "on the CPU; on CUDA the KV memory, at most 16 GiB and a quarter of RAM)"),
+                                 "on the CPU, 1 GiB for llama; on CUDA the KV memory, at most 16 GiB and a "
+                                 "quarter of RAM)"),
     # the static-cache path
     "static_cache": Option(STATIC, "switch",
                            help="serve slices from a static KV cache allocated once (auto: on with CUDA "
@@ -142,7 +144,13 @@ OPTIONS: dict[str, Option] = {
                        always=True, default=True),
     "page_size": Option(("hf-cb",), "int", Range(ge=1), help="tokens per KV page"),
     "num_blocks": Option(("hf-cb",), "int", Range(ge=1), help="pages of the paged cache"),
-    "max_batch_tokens": Option(("hf-cb",), "int", Range(ge=1), help="most tokens per iteration"),
+    "max_batch_tokens": Option(("hf-cb", "llama"), "int", Range(ge=1),
+                               help="most tokens per iteration (llama: 64 by default, fewer where warm-up "
+                                    "finds the library's large batches wrong on this CPU)"),
+    # llama
+    "context_tokens": Option(("llama",), "int", Range(ge=256),
+                             help="KV cells of the llama.cpp context (default: 1,024 per row of max_rows, at "
+                                  "least 2,048, within the memory budget and the model's window)"),
     "memory_share": Option(("hf-cb",), "float", Range(gt=0.0, le=1.0), help="share of free memory"),
     "poll_s": Option(("hf-cb",), "float", Range(gt=0.0), help="result poll interval"),
     "kv_padding_tokens": Option(("hf-cb",), "int", Range(ge=1),

@@ -81,8 +81,8 @@ class KVSlots:
         """Least recently kept first."""
         self.host_bytes = 0
         self.running: dict[str, int] = {}
-        """Rows running: request id -> how many (a request runs once, but the daemon may send
-        it again before its row here ended)."""
+        """Rows taken and not ended (waiting or running): request id -> how many (a request
+        runs once, but the daemon may send it again before its row here ended)."""
         self.release_at_end: set[str] = set()
         self.dead: list[int] = []
         """Sequences of released kept KV, to remove at the serve thread's next step."""
@@ -122,6 +122,11 @@ class KVSlots:
 
     # ------------------------------------------------------------------ the serve thread
 
+    def take(self, rid: str) -> None:
+        """A row of ``rid`` came in (a release from now on applies when it ends)."""
+        with self.lock:
+            self.running[rid] = self.running.get(rid, 0) + 1
+
     def apply_releases(self) -> None:
         """Remove the KV of the sequences released since the last call."""
         with self.lock:
@@ -131,7 +136,7 @@ class KVSlots:
                 self.free.append(seq)
 
     def start(self, rid: str, tokens: list[int]) -> tuple[int, int] | None:
-        """A row of ``rid`` with context ``tokens`` starts: its sequence and how many of
+        """A row of ``rid`` (:meth:`take`) with context ``tokens`` starts: its sequence and how many of
         ``tokens`` it holds KV for already (kept KV resumed, at most ``len(tokens) - 1``);
         None when no sequence is free (:meth:`spill` frees one)."""
         with self.lock:
@@ -163,12 +168,11 @@ class KVSlots:
                 if not self.free:
                     return None
                 seq = self.free.pop()
-            self.running[rid] = self.running.get(rid, 0) + 1
             return seq, used
 
     def end(self, rid: str, seq: int, tokens: list[int] | None) -> int:
-        """A row of ``rid`` in ``seq`` ended: keep its KV of ``tokens`` (None: drop it).
-        Returns the tokens kept (0 when dropped, or released while it ran)."""
+        """A row of ``rid`` in ``seq`` (-1: it never started) ended: keep its KV of ``tokens``
+        (None: drop it). Returns the tokens kept (0 when dropped, or released since it came in)."""
         with self.lock:
             n = self.running.get(rid, 0) - 1
             if n > 0:
@@ -178,6 +182,8 @@ class KVSlots:
             released = rid in self.release_at_end
             if n <= 0:
                 self.release_at_end.discard(rid)
+            if seq < 0:
+                return 0
             if tokens is None or released or not tokens:
                 self.ctx.seq_rm(seq)
                 self.free.append(seq)

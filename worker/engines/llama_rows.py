@@ -145,6 +145,7 @@ class Running:
                 g.left -= 1
                 self.kv.release([r.rid])
                 continue
+            self.kv.take(r.rid)
             self.waiting.append(_Row(g, r, picks, min(r.max_new_tokens, batch.slice_len),
                                      frozenset(stop_ids(r, self.eos)), list(r.token_ids)))
         if g.left == 0:
@@ -282,7 +283,7 @@ class Running:
 
     def _fail(self, g: _Grant, exc: BaseException) -> None:
         """``g``'s batch failed: its rows leave (nothing kept) and it ends with the error."""
-        for r in [r for r in self.rows if r.grant is g]:
+        for r in [r for r in self.rows + list(self.waiting) if r.grant is g]:
             self.kv.end(r.req.rid, r.seq, None)
         self.rows = [r for r in self.rows if r.grant is not g]
         self.waiting = deque(r for r in self.waiting if r.grant is not g)

@@ -104,7 +104,7 @@ class Supervisor:
         ]
         if self.cfg.engine in TORCH:  # fake has no weights, llama runs the GGUF's as they are
             cmd += ["--dtype", self.cfg.model.dtype]
-        elif self.cfg.scheduler.policy in GRANT_POLICIES and "batching" not in w.options:
+        elif self.cfg.engine == "fake" and self.cfg.scheduler.policy in GRANT_POLICIES and "batching" not in w.options:
             cmd += ["--batching", "continuous"]  # it stands in for hf-cb: it takes grants
         if self.cfg.model.cache_dir:
             cmd += ["--cache-dir", _absolute(self.cfg.model.cache_dir)]

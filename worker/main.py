@@ -322,10 +322,23 @@ def build_parser() -> argparse.ArgumentParser:
 CPU_CB_MAX_BATCH_TOKENS = 128
 
 
+def resolve_engine(args: argparse.Namespace) -> str:
+    """``--engine``, with ``auto`` resolved as the daemon resolves ``workers.engine = "auto"``
+    under its default policy: llama for a GGUF model on the CPU, else hf-cb
+    (:func:`sclsd.defaults.auto_engine`)."""
+    if args.engine == "auto":
+        from sclsd import defaults, models
+
+        spec = args.model or models.DEFAULT_MODEL
+        args.engine = defaults.auto_engine(True, spec, args.device, models.is_gguf(spec))
+    return str(args.engine)
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Constructor options for the engine: ``--threads`` and ``--mem-budget``, the engine
     options of :data:`OPTIONS` given as flags (``--dtype`` among them), then ``--opt``s, then
     :data:`CPU_CB_MAX_BATCH_TOKENS` for hf-cb on a CPU where neither set it."""
+    resolve_engine(args)
     opts: dict[str, Any] = {}
     for name in ("threads", "mem_budget", *OPTIONS):
         value = getattr(args, name)
@@ -386,12 +399,7 @@ def load_engine(args: argparse.Namespace) -> Any:
         from sclsd.modelcache import CACHE_ENV
 
         os.environ[CACHE_ENV] = args.cache_dir
-    if args.engine == "auto":
-        from sclsd import defaults, models
-
-        spec = args.model or models.DEFAULT_MODEL
-        args.engine = defaults.auto_engine(True, spec, args.device, models.is_gguf(spec))
-    if args.dtype == "auto" and args.engine != "llama":
+    if resolve_engine(args) != "llama" and args.dtype == "auto":
         from sclsd import models
 
         args.dtype = models.auto_dtype(args.model or models.DEFAULT_MODEL, args.device)

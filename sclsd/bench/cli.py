@@ -24,6 +24,8 @@ SUBCOMMANDS = {
     "gpu-check": ("sclsd.bench.gpu_check", "every GPU target in one call under a deadline: hf step, hf-cb, "
                    "profile RMSE, live scls/ils/scls-cb, compiled generate"),
     "engine": ("sclsd.bench.engine", "ms per decode step of each engine, cold and warm"),
+    "cpu": ("sclsd.bench.cpu", "sclsd on a CPU (llama engine) through sclsd-http beside llama.cpp's own greedy "
+            "loop: one stream, N streams, time to first token"),
     "fairness": ("sclsd.bench.fairness", "how long a bystander waits behind another client's burst"),
     "detok": ("sclsd.bench.detok", "the daemon's detokenizing cost per streamed message, by output length"),
     "tokenize-memory": ("sclsd.bench.tokmem", "what POST /tokenize of a large prompt costs sclsd-http in memory"),

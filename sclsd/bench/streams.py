@@ -11,9 +11,11 @@ aiperf's synthetic one: prompts of exactly ``--prompt-tokens`` tokens of text, e
 Configurations:
 
 - ``default``: the shipped defaults, nothing set but the model and the number of workers
-  (policy ``scls-cb`` on ``hf-cb`` workers, S = 128, per-request sampling on);
+  (policy ``scls-cb``, S = 128, on the engine ``auto`` picks: ``llama`` for a GGUF such as
+  the default model, ``hf-cb`` for a transformers model);
 - ``scls``: the paper's static policy as the README used to start it (``--policy scls
-  --slice-len 32``: engine ``hf``, work-conserving rounds and KV reuse on);
+  --slice-len 32``, work-conserving rounds and KV reuse on; engine ``llama`` for a GGUF,
+  ``hf`` for a transformers model);
 - ``ils``: iteration-level scheduling, the paper's ILS baseline (``hf-cb`` workers, each
   request dispatched on arrival, round-robin; as ``sclsd-bench live``).
 

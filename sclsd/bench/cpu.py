@@ -75,9 +75,7 @@ def chat_ids(model: str) -> list[int]:
     from ..tokenizer import load as load_tokenizer
 
     force_offline()
-    tok = load_tokenizer(model)
-    return list(tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                        tokenize=True, return_dict=False))
+    return list(load_tokenizer(model).encode_chat([{"role": "user", "content": PROMPT}]))
 
 
 def child(args: argparse.Namespace) -> int:

@@ -267,3 +267,16 @@ def test_rows_ending_before_their_neighbours_change_nothing(llama) -> None:
     assert outs[2].token_ids == alone.token_ids
     assert llama.ctx.compactions > 0
     llama.release()
+
+
+def test_the_default_model_brings_its_measured_profile() -> None:
+    from worker.engines import create_engine
+
+    eng = create_engine("llama", threads=1)
+    try:
+        prof = eng.profile()
+        assert prof is not None and prof["name"] == "cpu-smollm2-135m-llama" and prof["engine"] == "llama"
+        assert prof["kv_bytes_per_token"] == 23040 and prof["mem_available"] == eng.n_ctx * 23040
+    finally:
+        eng.close()
+    assert create_engine("llama", "tiny-random", threads=1).profile() is None

@@ -58,6 +58,8 @@ BATCH_TOKENS = 64
 SAFE_BATCH_TOKENS = (31, 15, 7)
 #: Host memory for kept KV moved out of the context, by default.
 HOST_BYTES = 1 << 30
+#: The built-in profile of the default model on this engine, one thread.
+PROFILE = "cpu-smollm2-135m-llama"
 
 
 def gguf_file(spec: models.ModelSpec) -> str:
@@ -140,6 +142,18 @@ class LlamaEngine(Engine):
         request; grammars where llguidance is installed; KV per token."""
         return EngineCaps(batching="continuous", sampling=True, seeded=True, max_context=self.max_context,
                           kv_page_tokens=1, min_tokens=True, logit_bias=True, grammar=_has_llguidance())
+
+    def profile(self) -> dict[str, Any] | None:
+        """The built-in profile of the default model on one thread (measured with this engine,
+        ``sclsd/data/profiles/cpu-smollm2-135m-llama.json``), with this worker's Δ and M_ava;
+        None for any other model or thread count."""
+        if self.spec.name != models.DEFAULT_MODEL or self.threads != 1:
+            return None
+        from sclsd.core.profiles import load_profile
+
+        d = load_profile(PROFILE).to_dict()
+        d["kv_bytes_per_token"], d["mem_available"] = self.delta, float(self.n_ctx * self.delta)
+        return d
 
     @property
     def max_context(self) -> int:

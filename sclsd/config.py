@@ -51,6 +51,9 @@ MEMORY_MODELS = ("kv", "rules")
 _MODE = Range(ge=0, le=0o777, note="a file mode", octal=True)
 _UIDS = Range(ge=0)  # every uid
 _HTTP_TIMEOUT = Range(gt=0, le=3600, note="seconds")
+#: Every timeout of the daemon: an hour at most (a longer one is a mistake: a worker that
+#: heartbeats but makes no progress would hold its requests that long, their clients told nothing).
+_TIMEOUT = Range(gt=0, le=3600, note="seconds")
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,12 @@ class DaemonConfig:
     status_socket: str = defaults.STATUS_SOCKET
     worker_endpoint: str = defaults.WORKER_ENDPOINT
     socket_mode: Annotated[int, _MODE] = 0o660
+    """Mode of the client and status sockets, for their owner and group only: a mode that
+    opens them to every local user is refused (:attr:`socket_open_to_all_users` says it)."""
     socket_group: str = ""
+    socket_open_to_all_users: bool = False
+    """Let every local user open the client and status sockets (``socket_mode`` plus read and
+    write for others); ``allowed_uids``, the per-uid share and the frame budgets still apply."""
     worker_socket_mode: Annotated[int, _MODE] = 0o600
     worker_secret_file: str = ""
     lock_file: str = ""
@@ -71,7 +79,7 @@ class DaemonConfig:
     max_frame_bytes: Annotated[int, Range(ge=1024)] = defaults.MAX_FRAME_BYTES
     max_conn_buffer_bytes: int = defaults.MAX_CONN_BUFFER_BYTES
     max_worker_msg_bytes: Annotated[int, Range(ge=65536)] = defaults.MAX_WORKER_MSG_BYTES
-    frame_timeout_s: Annotated[float, Range(gt=0)] = 10.0
+    frame_timeout_s: Annotated[float, _TIMEOUT] = 10.0
     max_partial_frame_bytes: int = 256 * 1024**2
     """Bytes all half-sent frames on the client and status sockets may hold together."""
     max_partial_frame_bytes_per_uid: int = 64 * 1024**2
@@ -82,16 +90,22 @@ class DaemonConfig:
     max_queued_tokens: Annotated[int, Range(ge=1)] = 20_000_000
     uid_share: Annotated[float, Range(gt=0, le=1)] = 0.5
     max_tokenizing: Annotated[int, Range(ge=1)] = 64
-    drain_timeout_s: Annotated[float, Range(ge=0)] = 30.0
-    heartbeat_interval_s: Annotated[float, Range(gt=0)] = 1.0
-    heartbeat_timeout_s: float = 10.0
-    batch_ack_timeout_s: Annotated[float, Range(gt=0)] = 5.0
-    batch_stall_timeout_s: float = 300.0
+    drain_timeout_s: Annotated[float, Range(ge=0, le=3600, note="seconds")] = 30.0
+    heartbeat_interval_s: Annotated[float, Range(gt=0, le=60, note="seconds")] = 1.0
+    heartbeat_timeout_s: Annotated[float, _TIMEOUT] = 10.0
+    batch_ack_timeout_s: Annotated[float, _TIMEOUT] = 5.0
+    batch_stall_timeout_s: Annotated[float, _TIMEOUT] = 300.0
     """A batch whose worker shows no progress on it this long drops (and kills) the worker."""
     curve_keypair_file: str = ""
     curve_authorized_keys: str = ""
     metrics_http: str = ""
     log_level: Annotated[str, Choice(*_LOG_LEVELS)] = "info"
+
+    @property
+    def client_socket_mode(self) -> int:
+        """The mode the client and status sockets get (``socket_open_to_all_users`` adds read
+        and write for others)."""
+        return self.socket_mode | (0o006 if self.socket_open_to_all_users else 0)
 
     @property
     def lock_path(self) -> str:
@@ -147,8 +161,20 @@ class SchedulerConfig:
     """An idle worker gets work at once instead of waiting out the interval (docs/design.md §8)."""
     kv_reuse: bool = True
     """Batch requests by the worker keeping their KV and estimate only the uncached prefill."""
-    max_slice_gap_s: Annotated[float, Range(ge=0, note="0: off")] = 1.0
+    max_slice_gap_s: Annotated[float, Range(ge=0, le=3600, note="seconds; 0: off")] = 1.0
     """Bound on the wait between two slices of a stream (0: off); see ``Policy.max_slice_gap_s``."""
+    grant_lookahead: Annotated[float, Range(ge=0, le=1)] = 0.125
+    """Slice grants: a worker whose engine runs at most ``max_rows`` rows holds at most that many
+    grants plus this share of it (at least one; 0: none), so a row that ends is refilled at the
+    engine's next step while the rest of the line waits in the daemon."""
+
+    def grant_rows(self, max_rows: int) -> int:
+        """The most grants a worker whose engine runs ``max_rows`` rows at once may hold (0:
+        unbounded, as its engine is)."""
+        if max_rows <= 0:
+            return 0
+        extra = 0 if self.grant_lookahead == 0 else max(1, math.ceil(self.grant_lookahead * max_rows))
+        return max_rows + extra
 
     def effective_gamma(self, profile_gamma_s: float | None = None) -> float:
         """Γ in effect: ``gamma_s`` if set, else the profile's recommended ``gamma_s``,
@@ -171,11 +197,11 @@ class WorkersConfig:
     device: str = "cpu"
     threads: Annotated[int, Range(ge=1)] = 1
     mem_budget_bytes: Annotated[int, Range(ge=1)] = 4 * 1024**3
-    restart_backoff_s: Annotated[float, Range(ge=0)] = 1.0
-    restart_backoff_max_s: float = 30.0
+    restart_backoff_s: Annotated[float, Range(ge=0, le=3600, note="seconds")] = 1.0
+    restart_backoff_max_s: Annotated[float, Range(ge=0, le=3600, note="seconds")] = 30.0
     max_quick_failures: Annotated[int, Range(ge=1)] = 5
-    quick_failure_s: Annotated[float, Range(ge=0)] = 10.0
-    daemon_timeout_s: float = 30.0
+    quick_failure_s: Annotated[float, Range(ge=0, le=3600, note="seconds")] = 10.0
+    daemon_timeout_s: Annotated[float, Range(ge=0, le=3600, note="seconds; 0: off")] = 30.0
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -335,6 +361,9 @@ def _check_daemon(d: DaemonConfig) -> None:
     need(d.status_socket != d.socket, "daemon.status_socket", d.status_socket, "must differ from daemon.socket")
     need(d.worker_endpoint.startswith(("ipc://", "tcp://")), "daemon.worker_endpoint", d.worker_endpoint,
          "must start with ipc:// or tcp://")
+    need(not d.socket_mode & 0o007, "daemon.socket_mode", oct(d.socket_mode),
+         "must not open the sockets to other users by a mode number: set "
+         "daemon.socket_open_to_all_users = true to let every local user connect")
     need(not d.worker_socket_mode & 0o007, "daemon.worker_socket_mode", oct(d.worker_socket_mode),
          "must not open the worker endpoint to other users (it takes registrations): 0600 or 0660")
     if d.socket_group:

@@ -5,6 +5,7 @@
     sclsctl submit PROMPT [--stream] [--n K] one request (K choices)
     sclsctl status [--json]                workers (and those loading), pool, interval, counters
     sclsctl wait-ready [--timeout S]       exit 0 once the daemon serves with a worker registered
+                                           (saying on stderr what each worker is doing meanwhile)
     sclsctl top [--interval S]             live view of the same, with rates
     sclsctl metrics                        Prometheus text exposition
     sclsctl tokenizer                      the model's tokenizer directory (for load generators)
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -253,11 +255,25 @@ def readiness(st: StatusSnapshot, want: int | None = None) -> tuple[bool | None,
     return False, doing
 
 
+#: While ``wait-ready`` waits, it says what it waits for when that changes and at least
+#: this often (on stderr, from its first second on; ``--quiet`` says nothing).
+PROGRESS_S = 5.0
+
+
 def _wait_ready(args: argparse.Namespace) -> int:
-    """Poll the status socket until :func:`readiness` says ready (0), never (1) or time is up (1)."""
-    deadline = time.monotonic() + args.timeout
+    """Poll the status socket until :func:`readiness` says ready (0), never (1) or time is up
+    (1), saying on stderr what each worker is doing while it waits."""
+    start = time.monotonic()
+    deadline = start + args.timeout
     last = "no answer yet"
+    shown, shown_at = "", start
     while True:
+        now = time.monotonic()
+        # What it waits for, without the ages that change at every poll.
+        what = re.sub(r" \(\d+s\)", "", last)
+        if not args.quiet and now - start >= 1.0 and (what != shown or now - shown_at >= PROGRESS_S):
+            print(f"sclsctl: waiting ({now - start:.0f}s): {last}", file=sys.stderr, flush=True)
+            shown, shown_at = what, now
         try:
             ready, last = readiness(status(args.status_socket, timeout=max(0.5, min(5.0, args.timeout))),
                                     args.workers)
@@ -470,7 +486,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="registered workers to wait for (default: every worker the daemon starts "
                     "(workers.spawn) and any other it has, at least 1)")
     wr.add_argument("--interval", type=float, default=0.2, help="seconds between status polls")
-    wr.add_argument("--quiet", "-q", action="store_true", help="print nothing when ready")
+    wr.add_argument("--quiet", "-q", action="store_true",
+                    help="print nothing while waiting (else a line on stderr when what it waits for "
+                    f"changes and at least every {PROGRESS_S:g}s) nor when ready")
     wr.set_defaults(func=_wait_ready)
     m = command("metrics", "Prometheus text exposition", "the status socket")
     m.set_defaults(func=_metrics)

@@ -22,10 +22,33 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from importlib import resources
+from typing import TypeVar
 
 from .client import AsyncClient, Delta, Done, RequestError
+from .core.policy import GRANT_POLICIES
 from .launch import DaemonProcess, launch
+
+T = TypeVar("T")
+
+
+#: The demo says something at least this often while it waits (a step, or progress).
+PROGRESS_S = 5.0
+
+
+def _waiting(what: str, fn: Callable[[], T], t0: float | None = None) -> T:
+    """``fn()`` in a thread, a line saying it is still ``what`` every PROGRESS_S meanwhile."""
+    start = time.monotonic() if t0 is None else t0
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(fn)
+        while True:
+            try:
+                return fut.result(timeout=PROGRESS_S)
+            except FuturesTimeout:
+                print(f"  {time.monotonic() - start:5.1f}s  still {what}", flush=True)
 
 
 def _prompts() -> list[str]:
@@ -63,6 +86,23 @@ def _openai_default_request(url: str, model: str, timeout: float = 300.0) -> str
 
 
 async def _run_requests(sock: str, prompts: list[str], max_tokens: int) -> list[tuple[str, Done | str]]:
+    t0 = time.monotonic()
+    started: set[int] = set()
+    ended: set[int] = set()
+    first = {"streaming": True, "last": t0}  # the first answer is on the terminal meanwhile
+
+    async def progress() -> None:
+        """Once the first answer is out (or while it has not begun), a line every PROGRESS_S
+        saying how many are done, generating and waiting."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            if (not first["streaming"] or 0 not in started) and now - first["last"] >= PROGRESS_S:
+                first["last"] = now
+                print(f"  {now - t0:5.1f}s  {len(ended)}/{len(prompts)} answered, "
+                      f"{len(started - ended)} generating, {len(prompts) - len(started)} waiting "
+                      "for a worker", flush=True)
+
     async with AsyncClient(sock) as client:
 
         async def one(i: int, prompt: str) -> tuple[str, Done | str]:
@@ -70,25 +110,37 @@ async def _run_requests(sock: str, prompts: list[str], max_tokens: int) -> list[
             try:
                 async for ev in client.stream(messages=[{"role": "user", "content": prompt}],
                                               max_tokens=max_tokens, temperature=0.0, id=f"demo-{i:02d}"):
-                    if isinstance(ev, Delta) and i == 0:
-                        sys.stdout.write(ev.text)
-                        sys.stdout.flush()
+                    if isinstance(ev, Delta):
+                        started.add(i)
+                        if i == 0:
+                            sys.stdout.write(ev.text)
+                            sys.stdout.flush()
+                            first["last"] = time.monotonic()
                     elif isinstance(ev, Done):
                         done = ev
             except RequestError as exc:
                 return prompt, f"error: {exc}"
-            if i == 0:
-                sys.stdout.write("\n")
+            finally:
+                started.add(i)
+                ended.add(i)
+                if i == 0:
+                    sys.stdout.write("\n\n")
+                    first["streaming"] = False
             assert done is not None
             return prompt, done
 
-        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        ticker = asyncio.create_task(progress())
+        try:
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        finally:
+            ticker.cancel()
 
 
 def _wait_ready(d: DaemonProcess, n: int, timeout: float) -> None:
     """Wait for ``n`` registered workers, printing each loading step as the workers report it
     (the first start converts the model once, the later ones read it from the cache)."""
     t0 = time.monotonic()
+    said = t0
     shown: set[tuple[str, str]] = set()
     while time.monotonic() - t0 < timeout:
         if d.proc.poll() is not None:
@@ -104,6 +156,12 @@ def _wait_ready(d: DaemonProcess, n: int, timeout: float) -> None:
             if (wid, step) not in shown:
                 shown.add((wid, step))
                 print(f"  {time.monotonic() - t0:5.1f}s  {wid}: {step}", flush=True)
+                said = time.monotonic()
+        if time.monotonic() - said >= PROGRESS_S:  # a long step: say it is still going
+            said = time.monotonic()
+            doing = ", ".join(f"{w.id}: {w.step or 'starting'} ({w.age_s:.0f}s since it was spawned)"
+                              for w in st.loading) or "waiting for the workers to register"
+            print(f"  {said - t0:5.1f}s  still {doing}", flush=True)
         if len(st.workers) >= n:
             return
         time.sleep(0.2)
@@ -173,12 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     rc = 1
     http: subprocess.Popen[bytes] | None = None
     try:
-        http, url = _start_http(d.sock, d.status_sock, args.http_listen)
+        http, url = _waiting("starting sclsd-http", lambda: _start_http(d.sock, d.status_sock,
+                                                                           args.http_listen), t_start)
         print(f"OpenAI-compatible API: {url}/v1 (sclsd-http)", flush=True)
         _wait_ready(d, args.workers, args.ready_timeout)
         t_ready = time.monotonic()
         print(f"\nsending {len(prompts)} chat prompts; streaming the first answer:\n")
-        print(f"> {prompts[0]}\n")
+        print(f"> {prompts[0]}\n", flush=True)
         results = asyncio.run(_run_requests(d.sock, prompts, args.max_tokens))
         t_served = time.monotonic() - t_ready
         print()
@@ -193,8 +252,13 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{w.id} ({w.engine})" for w in st.workers))
         e = st.estimator_error
         if e.batches and e.mean_abs_error_s is not None:
-            print(f"batches: {st.counters.get('batches', 0)}, estimator mean |error| "
-                  f"{e.mean_abs_error_s:.2f}s over the last {e.batches}")
+            print(f"batches: {st.counters.get('batches', 0)}; the scheduler's serving-time estimate "
+                  f"of a batch missed its measured time by {e.mean_abs_error_s:.2f}s on average over "
+                  f"the last {e.batches} (docs/estimator.md)")
+            if st.policy in GRANT_POLICIES:
+                print("  (under slice grants a worker serves its grants together: a grant's time is "
+                      "weighed against its iterations at the cost of its worker's steps, the grants "
+                      "beside it included)")
         rc = 0 if len(ok) == len(results) else 1
         if st.worker_losses:
             # A healthy demo loses no worker: a drop is a fault to see, not to pass over.
@@ -202,9 +266,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"worker {wl.id} was dropped {wl.count} time(s); last: {wl.last_reason}: "
                       f"{wl.last_why}", file=sys.stderr)
             rc = 1
-        print("\nthrough sclsd-http with the OpenAI SDK's defaults (temperature 1): ", end="", flush=True)
+        print("\nthrough sclsd-http with the OpenAI SDK's defaults (temperature 1):", flush=True)
         try:
-            print(_openai_default_request(url, st.model), flush=True)
+            print("  " + _waiting("waiting for that answer",
+                                 lambda: _openai_default_request(url, st.model)), flush=True)
         except OSError as exc:  # urllib's HTTPError and URLError are OSErrors
             detail = exc.read().decode(errors="replace") if isinstance(exc, urllib.error.HTTPError) else ""
             print(f"failed: {exc} {detail}", flush=True)

@@ -111,9 +111,11 @@ OPTIONS: dict[str, Option] = {
                        help="static: one batch at a time; continuous: grants share a running set of rows "
                             "(it takes slice grants under scls-cb)"),
     "grammar": Option(("fake",), "bool", help="enforce structured-output grammars (needs llguidance)"),
-    "max_rows": Option(("fake", "llama"), "int", Range(ge=1),
-                       help="continuous batching: most rows running at once (default 64 for fake, 8 for "
-                            "llama: rows beyond wait for a place)"),
+    "max_rows": Option(("fake", "hf-cb", "llama"), "int", Range(ge=1),
+                       help="continuous batching: most rows running at once (fake: default 64; hf-cb: "
+                            "default as many as its KV cache holds, else transformers' max_requests_per_batch; "
+                            "llama: default 8, rows beyond wait for a place); the daemon sends no more grants "
+                            "than this and a lookahead"),
     # KV kept across slices
     "kv_reuse": Option(("hf", "deepspeed", "fake"), "bool",
                        help="keep unfinished requests' KV across slices (default true)"),

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.abc
 import json
 import logging
 import os
@@ -405,9 +406,42 @@ def load_engine(args: argparse.Namespace) -> Any:
         args.dtype = models.auto_dtype(args.model or models.DEFAULT_MODEL, args.device)
     log.info("loading engine %s: model %s on %s%s", args.engine, args.model or "(default)",
              args.device, f" in {args.dtype}" if args.dtype else "")
-    from worker.engines import create_engine
+    from worker.engines import create_engine, engine_class
 
+    t0 = time.perf_counter()
+    with ImportSteps(HEAVY_LIBRARIES):
+        engine_class(args.engine)
+    log.info("engine %s's code imported in %.1f s", args.engine, time.perf_counter() - t0)
     return create_engine(args.engine, args.model, args.device, **engine_options(args))
+
+
+#: Libraries whose first import is a step of its own in a worker's start (seconds each on
+#: an idle CPU, a minute on a busy one): logged, so the wait has a name.
+HEAVY_LIBRARIES = ("torch", "transformers", "accelerate", "gguf", "deepspeed", "llama_cpp",
+                   "llguidance", "scipy")
+
+
+class ImportSteps(importlib.abc.MetaPathFinder):
+    """While in effect, logs the first import of each of ``names`` as it begins (a finder
+    that finds nothing: the usual finders still import the module)."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.pending = {n for n in names if n not in sys.modules}
+        self.t0 = time.perf_counter()
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+        if fullname in self.pending:
+            self.pending.discard(fullname)
+            log.info("importing %s (%.1f s into the engine's code)", fullname,
+                     time.perf_counter() - self.t0)
+        return None
+
+    def __enter__(self) -> ImportSteps:
+        sys.meta_path.insert(0, self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.meta_path.remove(self)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -508,10 +542,36 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     stop["runtime"] = runtime
+    rc = 1
     try:
-        return runtime.run()
+        rc = runtime.run()
+    finally:
+        close_engine(engine)
+    exit_now(rc)
+    return rc  # not reached
+
+
+def close_engine(engine: Any) -> None:
+    """Free what the engine holds, whatever it served: every request's kept KV (on the
+    device and in the host tier), then its threads (hf-cb's generation thread, stopped
+    without finishing anything: the daemon has ended or moved every request) and the model."""
+    t0 = time.perf_counter()
+    try:
+        engine.release()
     finally:
         engine.close()
+    log.info("engine closed in %.1f s: kept KV, host tier and model freed", time.perf_counter() - t0)
+
+
+def exit_now(rc: int) -> None:
+    """Exit with ``rc`` once the logs are out, skipping the interpreter's teardown:
+    finalising the ~3,000 modules torch and transformers load (torch's inductor among them)
+    takes seconds of CPU, a minute on a busy machine, and frees nothing the process's exit
+    does not. Everything that matters (sockets, the engine) was closed before."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 if __name__ == "__main__":

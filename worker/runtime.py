@@ -17,7 +17,10 @@ Tokens stream while a batch runs: each poll's new tokens (the engine's
 messages (the first at once, then at most one per ``STREAM_INTERVAL_S``) sent
 through the same PAIR, so they always precede the batch's Result. Retained KV
 is the engine's: a :class:`~sclsd.protocol.Release` from the daemon drops some
-at once (from the receive thread), every new registration drops all of it (the
+at once (from the receive thread), a :class:`~sclsd.protocol.CancelRows` ends rows whose
+requests ended in the daemon (queued ones are dropped when the serve thread takes their
+batch, running ones leave the engine's next step: :meth:`Engine.cancel
+<worker.engines.base.Engine.cancel>`), every new registration drops all of it (the
 daemon has forgotten what this worker held), and each Result lists what the
 engine evicted.
 
@@ -50,7 +53,7 @@ from typing import Any
 import zmq
 
 from sclsd import protocol as P
-from worker.engines.base import Engine
+from worker.engines.base import CancelMarks, Engine
 from worker.link import DaemonLink, RuntimeOptions
 from worker.rows import RowBook, UnknownRows
 from worker.serve import Holding, ServeLoop, State
@@ -75,6 +78,8 @@ class WorkerRuntime:
         self.link = DaemonLink(self.ctx, opts, self._register_msg)
         self.batches: queue.Queue[tuple[P.BatchMsg, float] | None] = queue.Queue()
         self.holding = Holding()
+        self.cancels = CancelMarks()
+        """Rows the daemon cancelled whose batches may still wait in the local queue."""
         self.rows = RowBook()
         """The requests this worker holds records of (later rows come as deltas)."""
         # What the engine is and can do, computed once before the first Register (its first
@@ -103,6 +108,7 @@ class WorkerRuntime:
         # A (re-)registration means the daemon knows nothing of what we hold.
         self.engine.release()
         self.rows.drop()
+        self.cancels.clear()
         if self._register_delay > 0:
             log.warning("%s: building the first register takes %.1fs more", REGISTER_DELAY_ENV,
                         self._register_delay)
@@ -133,7 +139,7 @@ class WorkerRuntime:
         pair.connect(self._inproc)
         try:
             ServeLoop(self.engine, self.batches, self.holding, self.rows, self.state,
-                      self.opts.worker_id, pair.send).run()
+                      self.opts.worker_id, pair.send, self.cancels).run()
         finally:
             pair.close()
 
@@ -205,6 +211,15 @@ class WorkerRuntime:
             self.engine.release(msg.rids)
         elif isinstance(msg, P.Forget):
             self.rows.drop(msg.rids)
+        elif isinstance(msg, P.CancelRows):
+            # Their requests ended in the daemon: a queued row is dropped when the serve thread
+            # takes its batch, a running one leaves the engine's next step; nothing is kept.
+            rows = [(c.batch_id, c.rid) for c in msg.rows]
+            rids = [c.rid for c in msg.rows]
+            self.rows.drop(rids)
+            self.cancels.add(rows)
+            self.engine.cancel(rows)
+            self.engine.release(rids)
         elif isinstance(msg, P.Drain):
             if not st.draining:
                 log.info(

@@ -25,7 +25,7 @@ from typing import Final
 import msgspec
 
 from sclsd import protocol as P
-from worker.engines.base import BatchDone, Engine, Event, NewTokens
+from worker.engines.base import BatchDone, CancelMarks, Engine, Event, NewTokens
 from worker.rows import RowBook
 
 __all__ = ["MAX_ERROR_CHARS", "NOTHING", "POLL_S", "STREAM_INTERVAL_S", "Holding", "ServeLoop", "State", "Take",
@@ -193,8 +193,13 @@ class ServeLoop:
 
     def __init__(self, engine: Engine, batches: queue.Queue[tuple[P.BatchMsg, float] | None],
                  holding: Holding, rows: RowBook, state: State, worker_id: str,
-                 send: Callable[[bytes], None]) -> None:
+                 send: Callable[[bytes], None], cancels: CancelMarks | None = None) -> None:
         self.engine = engine
+        self.cancels = cancels if cancels is not None else CancelMarks()
+        """Rows the daemon cancelled (the receive thread marks them): dropped as their batch is taken."""
+        self.dropped: dict[int, tuple[list[P.RequestOutput], dict[str, int]]] = {}
+        """Per batch in flight, the rows dropped before it started (they join its Result) and
+        their budgets in the slice."""
         self.batches = batches
         self.holding = holding
         self.rows = rows
@@ -233,19 +238,31 @@ class ServeLoop:
             self.done(ev.batch, None, None, ev.error)
 
     def take(self, timeout: float | None) -> P.BatchMsg | object | None:
-        """The next batch (rows whole); :data:`NOTHING` when none came in time (None: wait for
-        one), None to stop."""
-        try:
-            item = self.batches.get(timeout=timeout) if timeout != 0.0 else self.batches.get_nowait()
-        except queue.Empty:
-            return NOTHING
-        if item is None:
-            return None
-        batch, queued_at = item
-        self.waited[batch.batch_id] = time.monotonic() - queued_at
-        self.state.busy = True
-        self.holding.progressed()
-        return batch
+        """The next batch (rows whole) less the rows the daemon cancelled meanwhile (a batch
+        left with none ends here, unserved); :data:`NOTHING` when none came in time (None:
+        wait for one), None to stop."""
+        while True:
+            try:
+                item = self.batches.get(timeout=timeout) if timeout != 0.0 else self.batches.get_nowait()
+            except queue.Empty:
+                return NOTHING
+            if item is None:
+                return None
+            batch, queued_at = item
+            self.waited[batch.batch_id] = time.monotonic() - queued_at
+            self.state.busy = True
+            self.holding.progressed()
+            gone = self.cancels.take_for(batch.batch_id)
+            if not gone:
+                return batch
+            left = [r for r in batch.requests if r.rid not in gone]
+            self.dropped[batch.batch_id] = (
+                [P.RequestOutput(rid=r.rid, token_ids=[], finish_reason="cancelled")
+                 for r in batch.requests if r.rid in gone],
+                {r.rid: min(r.max_new_tokens, batch.slice_len) for r in batch.requests if r.rid in gone})
+            if left:
+                return msgspec.structs.replace(batch, requests=left)
+            self.done(batch, [], P.BatchStats(), None)
 
     def stream(self, batch_id: int, outputs: list[P.RequestOutput]) -> None:
         """A running batch's new tokens."""
@@ -261,6 +278,10 @@ class ServeLoop:
         self.holding.progressed()
         self.holding.discard(batch.batch_id)
         evicted = self.engine.take_evicted()
+        dropped, caps = self.dropped.pop(batch.batch_id, ([], {}))
+        if outputs is not None and stats is not None:
+            outputs = outputs + dropped
+            stats = _with_cancels(batch, outputs, stats, caps)
         if error is not None or outputs is None or stats is None:
             text = (error or "the engine returned no outputs")[:MAX_ERROR_CHARS]
             log.warning("batch=%d failed: %s", batch.batch_id, text)
@@ -274,3 +295,16 @@ class ServeLoop:
             res = P.Result(worker_id=self.wid, batch_id=batch.batch_id, outputs=result_rows(outputs, sent),
                            stats=stats, kv_evicted=evicted)
         self.send(P.encode(res))
+
+
+def _with_cancels(batch: P.BatchMsg, outputs: list[P.RequestOutput], stats: P.BatchStats,
+                  dropped: dict[str, int]) -> P.BatchStats:
+    """``stats`` counting the rows of ``batch`` a cancel ended and the tokens they did not
+    generate (each row's budget in the slice, less what it had made; ``dropped``: the budgets
+    of rows dropped before the batch started)."""
+    cancelled = [o for o in outputs if o.finish_reason == "cancelled"]
+    if not cancelled:
+        return stats
+    caps = {r.rid: min(r.max_new_tokens, batch.slice_len) for r in batch.requests} | dropped
+    saved = sum(max(0, caps.get(o.rid, 0) - len(o.token_ids)) for o in cancelled)
+    return msgspec.structs.replace(stats, cancelled_rows=len(cancelled), saved_tokens=saved)

@@ -209,6 +209,13 @@ class GrantBooks:
         """Seconds to prefill a context of ``tokens`` (eq. 3, one row)."""
         return self._est.t_prefill(1, tokens) if tokens > 0 else 0.0
 
+    def step_cost(self, wid: str) -> float:
+        """Estimated seconds of one iteration of ``wid`` with the grants it runs now (halfway
+        through them): the cost model's step, d1 · Σ contexts + d2 · rows + d4."""
+        e = self._est
+        grants = self._fleet.books[wid].grants.values() if wid in self._fleet else ()
+        return e.d4 + sum(e.d1 * (g.context + g.tokens / 2.0) + e.d2 for g in grants)
+
     def _busy_cost(self) -> float:
         return self._est.d4 * self._S
 

@@ -59,6 +59,12 @@ class WorkerBook:
     grants: dict[str, Grant] = field(default_factory=dict)
     parked: dict[str, int] = field(default_factory=dict)
     """Returning requests waiting here for room, by the KV tokens they keep reserved."""
+    rows: int = 0
+    """The most grants it holds at once: the rows its engine runs plus a lookahead (0: as many
+    as its KV budget takes)."""
+    starved: set[str] = field(default_factory=set)
+    """With ``rows``: returning requests here that found a free row but not their KV room;
+    until they are placed no other request takes its room."""
     active: bool = True
     slot: int = 0
     """Its place in sorted name order (the index's slot)."""
@@ -140,10 +146,36 @@ class GrantFleet:
 
     def touch(self, w: WorkerBook) -> None:
         """Bring ``w``'s slot in the index up to date with its book."""
-        if w.active and not w.parked:
+        if w.active and self.has_row(w) and not self.blocked(w):
             self.index.set(w.slot, self.budget - w.reserved, w.load, len(w.grants))
-        else:  # a worker with parked requests takes no other request (they go first)
+        else:
             self.index.clear(w.slot)
+
+    @staticmethod
+    def has_row(w: WorkerBook) -> bool:
+        """Whether ``w`` may hold another grant (``rows`` not reached)."""
+        return not w.rows or len(w.grants) < w.rows
+
+    @staticmethod
+    def blocked(w: WorkerBook) -> bool:
+        """Whether ``w`` keeps its room for requests parked on it: any of them, where its rows
+        are unbounded (they go first there); with ``rows``, those short of KV room (fair turns
+        decide who gets a free row)."""
+        return bool(w.starved) if w.rows else bool(w.parked)
+
+    def rows_bounded(self) -> bool:
+        """Whether some worker bounds the grants it holds (``rows``)."""
+        return any(w.rows for w in self.books.values())
+
+    def any_row(self) -> bool:
+        """Whether some worker in rotation may hold another grant."""
+        return any(w.active and self.has_row(w) for w in self.books.values())
+
+    def starve(self, w: WorkerBook, rid: str) -> None:
+        """``rid``, parked on ``w``, found a free row there but not its KV room."""
+        if w.rows and rid in w.parked and rid not in w.starved:
+            w.starved.add(rid)
+            self.touch(w)
 
     def holder_of(self, rid: str) -> str | None:
         """The worker ``rid`` holds a grant on, if any."""
@@ -176,8 +208,10 @@ class GrantFleet:
     def unpark(self, w: WorkerBook | None, rid: str) -> None:
         if w is not None and rid in w.parked:
             w.reserved -= w.parked.pop(rid)
+            w.starved.discard(rid)
             self.touch(w)
 
     def fits(self, w: WorkerBook, need: int, rid: str) -> bool:
-        """``need`` more tokens fit on ``w`` beside what it reserves (but ``rid``'s own parked KV)."""
-        return w.reserved - w.parked.get(rid, 0) + need <= self.budget
+        """``need`` more tokens fit on ``w`` beside what it reserves (but ``rid``'s own parked
+        KV), and it has a row for them."""
+        return self.has_row(w) and w.reserved - w.parked.get(rid, 0) + need <= self.budget

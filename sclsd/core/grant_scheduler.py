@@ -51,8 +51,9 @@ class SliceGrantScheduler:
                  history: int = 64, max_worker_losses: int = 0) -> None:
         self.policy = policy
         self.cost = cost
+        # history=0: a grant's time is weighed against its worker's steps here (on_result).
         self.books: SchedulerMechanism[GrantStats] = SchedulerMechanism(
-            policy, max_failures=max_failures, history=history, stats=GrantStats(),
+            policy, max_failures=max_failures, history=0, stats=GrantStats(),
             max_worker_losses=max_worker_losses)
         """Requests, workers, batches and counts, as every scheduler keeps them."""
         self.grants = GrantPolicy(cost.estimator, policy.slice_len, self.token_budget())
@@ -60,8 +61,9 @@ class SliceGrantScheduler:
         self._release: list[tuple[str, str]] = []
         self.interval = self.books.interval  # no interval rule: rounds run on changes
         self.next_at = float("inf")  # rounds run on changes only (see due)
-        self.recent: deque[tuple[float, float]] = self.books.recent
-        """(estimated, measured) serving time of the latest grants (the books fill it)."""
+        self.recent: deque[tuple[float, float]] = deque(maxlen=history)
+        """(estimated, measured) wall time of the latest grants: their iterations at the cost of
+        their worker's steps (the grants beside them), and what the engine measured."""
 
     def token_budget(self) -> int:
         """KV tokens one worker's grants may reserve: ζ · M_ava / Δ of the tightest worker."""
@@ -104,11 +106,8 @@ class SliceGrantScheduler:
     def get(self, rid: str) -> Request | None:
         return self.books.get(rid)
 
-    def streamed(self, rid: str, now: float) -> None:
-        self.books.streamed(rid, now)
-
-    def settled(self, rid: str, k: int) -> None:
-        self.books.settled(rid, k)
+    def generated(self, rid: str, k: int, now: float) -> None:
+        self.books.generated(rid, k, now)
 
     def active_workers(self) -> list[str]:
         return self.books.active_workers()
@@ -124,10 +123,11 @@ class SliceGrantScheduler:
 
     # ------------------------------------------------------------------ workers
 
-    def add_worker(self, wid: str) -> None:
-        """A worker (re)joined: no load, no KV, no grant."""
+    def add_worker(self, wid: str, rows: int = 0) -> None:
+        """A worker (re)joined: no load, no KV, no grant; it holds at most ``rows`` grants at
+        once (0: as many as its KV budget takes)."""
         self.books.add_worker(wid)
-        self.grants.add_worker(wid)
+        self.grants.add_worker(wid, rows)
 
     def set_active(self, wid: str, active: bool) -> Releases:
         """Drain a worker or put it back; a drained worker's kept KV waiting for grants there
@@ -208,6 +208,14 @@ class SliceGrantScheduler:
     def on_result(self, outcome: BatchOutcome, now: float) -> Applied:
         """Apply a grant's outcome to the books, then tell the policy how its request ended."""
         batch = self.books.batches.get(outcome.batch_id)
+        if batch is not None and outcome.ok and outcome.elapsed is not None and batch.worker in self.workers:
+            # A grant's wall time is its iterations on a worker that runs others beside it: it
+            # is weighed against those steps as the cost model prices them (its own share of
+            # them, the grant's estimate, is what loads add up, not what a clock sees).
+            steps = max((row.new_tokens for row in outcome.rows), default=0)
+            mine = self.grants.grants_on(batch.worker)
+            pre = sum(self.grants.prefill_cost(mine[r.rid].prefill) for r in batch.requests if r.rid in mine)
+            self.recent.append((steps * self.grants.step_cost(batch.worker) + pre, outcome.elapsed))
         applied = self.books.on_result(outcome, now)
         if batch is not None:
             self._ended(batch, outcome, applied.ended)

@@ -47,30 +47,17 @@ returns; :meth:`GrantPolicy.take_evictions` says which retained KV to free.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from .estimator import Estimator
-from .grant_books import GrantBooks, GrantRules
+from .grant_books import GrantRules
 from .grant_fleet import Grant, WorkerBook, pages
-from .grant_queue import Pending
+from .grant_place import GrantPlacement, Placement
+from .grant_queue import Group, Pending
 
 __all__ = ["Grant", "GrantPolicy", "GrantRules", "Placement"]
 
 
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Why a returning request went where it went (for tests and traces)."""
-
-    rid: str
-    holder: str
-    worker: str
-    gap: float
-    """load(holder) − load(worker) when decided (0 when it stayed)."""
-    reprefill_cost: float
-    fits_holder: bool
-
-
-class GrantPolicy(GrantBooks):
+class GrantPolicy(GrantPlacement):
     """Grants of at most ``slice_len`` tokens under a per-worker KV budget; see the module docstring.
 
     Incremental: the books of every worker live in a :class:`~sclsd.core.grant_fleet.GrantFleet`
@@ -83,26 +70,23 @@ class GrantPolicy(GrantBooks):
         *, rules: GrantRules | None = None,
     ) -> None:
         super().__init__(est, slice_len, token_budget, rules)
-        self._evict: list[tuple[str, str]] = []
         self._stuck: set[str] = set()
         """Workers left with parked requests and no grant since the last round."""
-        self._after: str | None = None
-        self.migrations = 0
-        """Grants that moved a request away from the worker holding its KV."""
         self.drops = 0
         """Parked KV given up because its idle worker could fit none of its parked requests."""
         self.rounds = 0
         """Calls of :meth:`schedule` that had something to decide (the others return at once)."""
-        self.placements: list[Placement] = []
-        self.record_placements = False
         for w in workers:
             self.add_worker(w)
 
     # ------------------------------------------------------------------ fleet
 
-    def add_worker(self, wid: str) -> None:
-        """``wid`` joins the fleet (or comes back into rotation, if it was drained)."""
-        self._fleet.add(wid)
+    def add_worker(self, wid: str, rows: int = 0) -> None:
+        """``wid`` joins the fleet (or comes back into rotation, if it was drained); it holds at
+        most ``rows`` grants at once (0: as many as its KV budget takes)."""
+        w = self._fleet.add(wid)
+        w.rows = max(0, int(rows))
+        self._fleet.touch(w)
         self._changed()
 
     def set_active(self, wid: str, active: bool) -> None:
@@ -126,27 +110,26 @@ class GrantPolicy(GrantBooks):
             return []
         self._changed()
         lost = list(w.grants)  # the driver re-submits them with arrive()
-        moved = self._q.held_by(wid)
-        for p in moved:
-            self._q.remove_back(p)
-        for p in reversed(moved):
+        for p in reversed(self._q.held_by(wid)):  # at the front, in their order
+            self._q.remove(p)
             p.holder = None
-            self._q.waiting.appendleft(p)
+            self._q.push_front(p)
         return lost
 
     # ------------------------------------------------------------------ events
 
     def arrive(self, rid: str, context: int, remaining: int, *, first: bool = False,
-               group: str = "") -> None:
-        """A new request: ``context`` prompt tokens, at most ``remaining`` to generate, of
-        ``group`` (its turn in line is fair between groups: :class:`~.grant_queue.GrantQueue`).
+               group: tuple[str, ...] = ()) -> None:
+        """A new request: ``context`` tokens of context, at most ``remaining`` to generate, of
+        ``group`` (a path: its turns in line are fair between groups at every level,
+        :class:`~.grant_queue.GrantQueue`).
 
-        ``first``: queue it ahead of the waiting ones (a request whose worker was lost).
+        ``first``: it goes ahead of the line (a request whose worker was lost; its group stays).
         """
         if remaining > 0:
             p = Pending(rid, context, remaining, None)
             if first:
-                self._q.waiting.appendleft(p)
+                self._q.push_front(p)
             else:
                 self._q.join(p, group)
             self._dirty = True
@@ -172,7 +155,9 @@ class GrantPolicy(GrantBooks):
             else:
                 if kept:
                     self._evict.append((w.wid, rid))
-                self._q.waiting.appendleft(Pending(rid, context, remaining, None))
+                self._q.push_front(Pending(rid, context, remaining, None))
+        else:
+            self._q.leave(rid)
         self._changed(w)
         self._check_stuck(w)
         return g
@@ -181,16 +166,17 @@ class GrantPolicy(GrantBooks):
         """``rid`` ended outside a grant's end (cancelled, timed out, failed): drop what the
         policy holds for it (a grant, a parked KV, a queue place); False if nothing."""
         found = self._fleet.ungrant(rid)
+        p = self._q.find(rid)
+        self._q.leave(rid)
         if found is not None:
             self._evict.append((found[0].wid, rid))  # the engine may keep it after the grant
             self._changed(found[0])
             self._check_stuck(found[0])
             return True
-        p = self._q.find_back(rid)
-        if p is not None:
+        if p is not None and p.holder is not None:
             self._drop_holder(p, requeue=False)
             return True
-        if self._q.remove_waiting(rid):
+        if p is not None:
             self._dirty = True  # the next in line may fit where this one did not
             return True
         return False
@@ -206,7 +192,7 @@ class GrantPolicy(GrantBooks):
 
     def _drop_holder(self, p: Pending, *, requeue: bool = True) -> None:
         """Evict ``p``'s parked KV; with ``requeue`` it waits again, first, with no holder."""
-        self._q.remove_back(p)
+        self._q.remove(p)
         holder = p.holder
         w = self._fleet.get(holder)
         self._fleet.unpark(w, p.rid)
@@ -216,19 +202,30 @@ class GrantPolicy(GrantBooks):
             self._evict.append((holder, p.rid))
         p.holder = None
         if requeue:
-            self._q.waiting.appendleft(p)
+            self._q.push_front(p)
 
     # ------------------------------------------------------------------ decisions
 
     def schedule(self) -> list[Grant]:
-        """Grant what fits: returning requests first (largest first), then new ones FCFS.
+        """Grant what fits, groups in their turns (:class:`~.grant_queue.GrantQueue`), each
+        group's returning requests first (largest first), then its others, first come, first
+        served; requests that lost their worker or KV go before the others.
+
+        Where workers' rows are unbounded (their KV budget alone bounds them), returning
+        requests go first, every group's before any newcomer: their KV is reserved already
+        and waiting wastes it. Where workers bound their rows, a free row is what requests
+        wait for, and it goes to the next group in turn, returning or new (else a burst of
+        long requests, coming back slice after slice, would hold every row until it ends).
 
         A returning request that does not fit on the worker holding its KV, and
         that no less loaded worker with room takes, is *parked* there: its KV
-        stays reserved and it goes first when that worker's grants end. A worker
-        with parked requests takes no other new grant. A worker left with no
-        grant and parked requests that cannot fit drops the largest one's KV
-        (it queues again, to re-prefill wherever it goes) until one fits.
+        stays reserved until that worker's grants end. With rows unbounded a worker
+        with parked requests takes no other new grant (they go first there); with rows
+        bounded, only one whose parked request found a free row but not its KV room.
+        A worker left with no grant and parked requests that cannot fit drops the
+        largest one's KV (it queues again, to re-prefill wherever it goes) until one
+        fits. A request holding no KV that fits nowhere stops the line (its turn comes
+        first); a returning one that waits lets its group's next request try.
 
         A parked request is looked at again when the books of the worker holding
         its KV change (a grant there ends or starts, parked KV there goes) or when
@@ -241,24 +238,62 @@ class GrantPolicy(GrantBooks):
         due, self._due = self._due, set()
         every, self._all_due = self._all_due, False
         out: list[Grant] = []
-        for p in list(self._q.back):
-            if not every and p.holder not in due:
-                continue  # nothing changed for it since it was parked, or last passed over
-            g = self._place(p)
-            if g is not None:  # else parked: it waits where its KV is (reserved there since its end)
-                self._q.remove_back(p)
-                out.append(g)
+        q, fleet = self._q, self._fleet
+        rows = fleet.rows_bounded()
+        if not rows:
+            self._turns(out, due, every, held=True, new=False)
         dropped = self._unblock(out)
-        waiting = self._q.waiting
-        while waiting:
-            g = self._place(waiting[0])
+        stuck = False
+        while q.front and not stuck:
+            p = q.front[0]
+            g = self._place(p)
             if g is None:
-                break  # head-of-line: in turn
-            self._q.take()
-            out.append(g)
+                stuck = True  # head of the line: nobody behind it goes first
+            else:
+                q.take(p)
+                out.append(g)
+        self._turns(out, due, every, held=rows, new=not stuck)
         # A grant or a drop can free room for a request that was already passed over.
         self._dirty = bool(out) or dropped
         return out
+
+    def _turns(self, out: list[Grant], due: set[str], every: bool, *, held: bool, new: bool) -> None:
+        """Grant in the groups' turns: each group's returning requests (``held``), then its
+        others (``new``), until nothing more fits."""
+        q, fleet = self._q, self._fleet
+        done: set[int] = set()
+        pos: dict[int, int] = {}
+        blocked = not new
+        while fleet.any_row() and (group := q.next_group(done)) is not None:
+            p, g, blocked = self._next_of(group, pos, due, every, held, blocked)
+            if p is None or g is None:
+                done.add(id(group))
+            else:
+                q.take(p)
+                out.append(g)
+
+    def _next_of(self, group: Group, pos: dict[int, int], due: set[str], every: bool, held: bool,
+                 blocked: bool) -> tuple[Pending | None, Grant | None, bool]:
+        """The next grant of ``group`` this round: (its request, the grant, whether the line is
+        blocked now); (None, None, blocked) when none of its requests can have one.
+        ``pos``: how far into each group's returning requests this round got."""
+        back, k = group.back, pos.get(id(group), len(group.back) if not held else 0)
+        while k < len(back):
+            p = back[k]
+            k += 1
+            if not every and p.holder not in due:
+                continue  # nothing changed for it since it was parked, or last passed over
+            g = self._place(p)
+            if g is not None:  # it leaves the list: the next one takes its place
+                pos[id(group)] = k - 1
+                return p, g, blocked
+            # else parked: it waits where its KV is (reserved there since its end)
+        pos[id(group)] = k
+        if blocked or not group.waiting:
+            return None, None, blocked
+        p = group.waiting[0]
+        g = self._place(p)
+        return (p, g, blocked) if g is not None else (None, None, True)
 
     def _unblock(self, out: list[Grant]) -> bool:
         """Idle workers whose parked requests cannot fit drop KV until one does; True if any did."""
@@ -274,7 +309,7 @@ class GrantPolicy(GrantBooks):
                 for p in mine:
                     g = self._place(p)
                     if g is not None:
-                        self._q.remove_back(p)
+                        self._q.take(p)
                         out.append(g)
                         granted = True
                 if granted or not w.parked:
@@ -283,88 +318,3 @@ class GrantPolicy(GrantBooks):
                 self.drops += 1
                 dropped = True
         return dropped
-
-    def _place(self, p: Pending) -> Grant | None:
-        """Grant ``p`` on the worker where it finishes first (None: wait, parked where it is).
-
-        The holder of its KV always competes (it has room, or will when its grants
-        end) and wins ties; another worker competes only with room (and the headroom
-        of :class:`GrantRules`) and nothing parked, and pays the re-prefill (plus the
-        stall it causes there, for a move). Ties among the others rotate so idle
-        workers share lone requests. A holder short of room for the whole grant
-        gives what fits, if enough (see :class:`GrantRules`).
-        """
-        fleet, rules = self._fleet, self._rules
-        if not fleet.names:
-            return None
-        # A context near the budget gets a shorter grant rather than none.
-        tokens = min(self._S, p.remaining, max(1, fleet.budget - p.context))
-        if rules.short and self._others_wait(p):
-            tokens = min(tokens, rules.tokens(rules.short, self._S))
-        need = pages(p.context + tokens, self._page)
-        busy = self._busy_cost()
-        h = fleet.get(p.holder)
-        if h is not None and not h.active:
-            h = None
-        limit = (h.load + busy) + 0.0 if h is not None else float("inf")
-        # Another worker takes p only with room for its grant and, unless idle, the headroom.
-        headroom = self._headroom(tokens)
-        slot = -1
-        pre = per_row = 0.0
-        index = fleet.index
-        # Cheap bounds first: most rounds no other worker has room, or none is ahead enough.
-        if index.most_free() >= need:
-            pre = self.prefill_cost(p.context)
-            per_row = pre * rules.stall if h is not None else 0.0
-            if index.least_key(busy, pre, per_row) < limit:
-                slot, _ = index.best(need, busy, pre, start=fleet.start_after(self._after),
-                                     limit=limit, per_row=per_row, extra=headroom)
-        fits_holder = h is not None and fleet.fits(h, need, p.rid)
-        if slot >= 0:
-            w = fleet.books[fleet.names[slot]]
-        elif h is not None and not fits_holder and rules.least:
-            room = fleet.budget - (h.reserved - h.parked.get(p.rid, 0))
-            fit = room // self._page * self._page - p.context  # the most whole pages allow
-            if fit < rules.tokens(rules.least, self._S):
-                return None
-            tokens, w = min(tokens, fit), h
-        elif fits_holder and h is not None:
-            w = h
-        else:
-            return None
-        held = w is h
-        if not held and pre == 0.0:
-            pre = self.prefill_cost(p.context)
-        if self.record_placements and h is not None:
-            self.placements.append(Placement(
-                p.rid, h.wid, w.wid, 0.0 if held else (h.load + busy) - (w.load + busy),
-                self.prefill_cost(p.context), fits_holder))
-        hw = fleet.get(p.holder)
-        fleet.unpark(hw, p.rid)
-        cost = self.decode_cost(p.context, tokens) + (0.0 if held else pre)
-        g = Grant(p.rid, w.wid, p.context, tokens, 0 if held else p.context, cost, self._page)
-        if p.holder is not None and not held:
-            self.migrations += 1
-            self._evict.append((p.holder, p.rid))
-        fleet.grant(w, g)
-        if hw is not None:
-            self._changed(hw)  # the holder's other parked requests may fit, or move, now
-        if not held:
-            self._after = w.wid
-        return g
-
-    def _headroom(self, tokens: int) -> int:
-        """KV tokens to leave free beside a grant of ``tokens`` that brings a context in."""
-        rules = self._rules
-        if not rules.headroom or self.rho <= 0.0:
-            return 0
-        cap = int(rules.headroom_cap * self._fleet.budget)
-        if self.rho >= 1.0:
-            return cap
-        return min(cap, int(rules.headroom * tokens * self.rho / (1.0 - self.rho)))
-
-    def _others_wait(self, p: Pending) -> bool:
-        """Requests other than ``p`` wait in line for room."""
-        waiting = self._q.waiting
-        return len(waiting) > (1 if waiting and waiting[0] is p else 0)
-

@@ -76,8 +76,9 @@ class SchedulerMechanism(Generic[StatsT]):
 
     # ------------------------------------------------------------------ workers
 
-    def add_worker(self, wid: str) -> None:
-        """A worker (re)joined: it starts with no load and holds no KV."""
+    def add_worker(self, wid: str, rows: int = 0) -> None:
+        """A worker (re)joined: it starts with no load and holds no KV (``rows``: see
+        :meth:`SchedulerInterface.add_worker <sclsd.core.scheduler_api.SchedulerInterface.add_worker>`)."""
         self.workers[wid] = WorkerState(wid)
         self.changed = True
         self._on_worker_added(wid)
@@ -96,8 +97,8 @@ class SchedulerMechanism(Generic[StatsT]):
         now been on ``max_worker_losses`` workers that died ends instead (state ``FAILED``,
         in ``Removed.ended``: the caller tells its client).
 
-        Tokens of the unfinished slice never reached us, so each request
-        continues from its last completed slice and output stays consistent.
+        Tokens its unfinished slices streamed count already (:meth:`generated`): each request
+        continues after them, its context and budget as its client saw them.
         """
         ws = self.workers.pop(wid, None)
         if ws is None:
@@ -150,15 +151,20 @@ class SchedulerMechanism(Generic[StatsT]):
     def get(self, rid: str) -> Request | None:
         return self.live.get(rid)
 
-    def streamed(self, rid: str, now: float) -> None:
-        """Tokens of ``rid``'s running slice arrived at ``now``: its first token's time."""
-        if (r := self.live.get(rid)) is not None and r.first_token is None:
-            r.first_token = now
-
-    def settled(self, rid: str, k: int) -> None:
-        """``rid``'s batch ended without a result: the ``k`` tokens streamed count."""
+    def generated(self, rid: str, k: int, now: float) -> None:
+        """``k`` tokens of ``rid``'s running slice reached the driver at ``now`` (streamed):
+        they count at once, so a slice that ends without a result (its worker lost, its batch
+        failed) leaves the request's context and budget right for its next one."""
         if (r := self.live.get(rid)) is not None:
+            self._count(r, k, now)
+
+    @staticmethod
+    def _count(r: Request, k: int, now: float) -> None:
+        """The one place a request's progress grows: ``k`` more tokens generated."""
+        if k > 0:
             r.num_generated += k
+            if r.first_token is None:
+                r.first_token = now
 
     def cancel(self, rid: str, now: float, reason: FinishReason = "cancelled") -> Cancelled | None:
         """End a live request now (None: it is not live). A batch holding it still runs; its
@@ -174,10 +180,7 @@ class SchedulerMechanism(Generic[StatsT]):
         req.state = State.CANCELLED
         req.finish_reason = reason
         req.finished_at = now
-        if reason == "timeout":
-            self.counts.timed_out += 1
-        else:
-            self.counts.cancelled += 1
+        self.counts.ended(reason)
         self._on_cancelled(req)
         return req
 
@@ -213,6 +216,7 @@ class SchedulerMechanism(Generic[StatsT]):
             r.state = State.SCHEDULED
             r.worker = wid
             r.batch_id = batch.bid
+            r.slice_start = r.num_generated
             if r.first_dispatch is None:
                 r.first_dispatch = now
         self.counts.batches += 1
@@ -273,12 +277,9 @@ class SchedulerMechanism(Generic[StatsT]):
             r.kv_worker, r.kv_tokens = None, 0
             done.append(self._finish(r, now, "error", State.FAILED))
             return True
-        if row.new_tokens:
-            r.num_generated += row.new_tokens
-            if r.first_token is None:
-                r.first_token = now
-            if ws is not None:
-                ws.tokens_done += row.new_tokens
+        self._count(r, row.new_tokens - r.slice_tokens, now)  # those streamed counted already
+        if ws is not None:
+            ws.tokens_done += row.new_tokens
         reason: FinishReason | None = row.finish_reason
         if reason is None and r.remaining <= 0:
             reason = "length"
@@ -300,10 +301,7 @@ class SchedulerMechanism(Generic[StatsT]):
     def _finish(self, r: Request, now: float, reason: FinishReason, state: State) -> Request:
         r.state, r.finish_reason, r.finished_at = state, reason, now
         self.live.pop(r.rid, None)
-        if state is State.FAILED:
-            self.counts.failed += 1
-        else:
-            self.counts.finished += 1
+        self.counts.ended(reason, failed=state is State.FAILED)
         return r
 
     # ------------------------------------------------------------------ releases

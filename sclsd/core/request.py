@@ -44,11 +44,17 @@ class Request:
     deadline: float | None = None
     payload: Any = None
     num_generated: int = 0
+    """Tokens generated so far and taken by the driver: every completed slice's, and those of
+    the running slice already streamed (:meth:`SchedulerMechanism.generated
+    <sclsd.core.mechanism.SchedulerMechanism.generated>`). Written there and when a slice's
+    outcome is applied, nowhere else: the context and budget every part reads follow it."""
+    slice_start: int = 0
+    """``num_generated`` when its running (or latest) slice was dispatched."""
     state: State = State.QUEUED
     slices: int = 0
-    group: str = ""
-    """Whose request it is, for fair turns in line (a connection and user, or the client's
-    ``generate.group``)."""
+    group: tuple[str, ...] = ()
+    """Whose request it is, for fair turns in line: a path whose levels take turns (the daemon's
+    is the client's uid, its process, and its connection and user or its ``generate.group``)."""
     failures: int = 0
     worker_losses: int = 0
     """Workers that died while this request was in one of their batches."""
@@ -78,6 +84,11 @@ class Request:
         At least 1: a forward needs one token to produce logits from.
         """
         return max(1, self.input_len - self.kv_tokens) if self.kv_worker is not None else self.input_len
+
+    @property
+    def slice_tokens(self) -> int:
+        """Tokens of the running slice counted already (streamed ahead of its result)."""
+        return self.num_generated - self.slice_start
 
     @property
     def remaining(self) -> int:

@@ -53,6 +53,19 @@ class SchedulerStats:
     early_returns: int = 0
     """Batches whose rows all finished before the slice's last iteration (paper 4.2)."""
 
+    def ended(self, reason: FinishReason, failed: bool = False) -> None:
+        """Count a request's end: ``finished`` (stop, length: also a stop string or a budget
+        its streamed tokens reached), ``cancelled`` (by its client, or an error here),
+        ``timed_out``, or ``failed`` (its batches failed, or its row could not be served)."""
+        if failed:
+            self.failed += 1
+        elif reason == "timeout":
+            self.timed_out += 1
+        elif reason in ("cancelled", "error"):
+            self.cancelled += 1
+        else:
+            self.finished += 1
+
     def as_counters(self) -> dict[str, int]:
         """The counts by name, as the status snapshot carries them."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -116,8 +129,10 @@ class SchedulerInterface(Protocol):
         ...
 
     # workers
-    def add_worker(self, wid: str) -> None:
-        """A worker joined (or rejoined): no load, no KV."""
+    def add_worker(self, wid: str, rows: int = 0) -> None:
+        """A worker joined (or rejoined): no load, no KV. ``rows``: the most grants it may hold
+        at once (its engine's rows and a lookahead; 0: unbounded). Slice rounds ignore it:
+        their interval bounds what a worker queues."""
         ...
 
     def set_active(self, wid: str, active: bool) -> Releases:
@@ -167,12 +182,9 @@ class SchedulerInterface(Protocol):
         ...
 
     # what the daemon saw of a running slice (the result brings the rest)
-    def streamed(self, rid: str, now: float) -> None:
-        """Tokens of ``rid``'s running slice arrived at ``now`` (its first token's time)."""
-        ...
-
-    def settled(self, rid: str, k: int) -> None:
-        """``rid``'s batch ended without a result: the ``k`` tokens streamed count as generated."""
+    def generated(self, rid: str, k: int, now: float) -> None:
+        """``k`` tokens of ``rid``'s running slice arrived at ``now`` (streamed): they count
+        in its progress at once (``Request.num_generated``; the result adds only the rest)."""
         ...
 
     # retained KV

@@ -251,7 +251,8 @@ class Admission:
         if g.id is None:  # the id it hears in every event of the request (refusals say None)
             g = msgspec.structs.replace(g, id=client_id)
         rid = daemon_id(conn, client_id)
-        out = self.core.submit(conn, uid, g, rid, list(ids), self.clock())
+        out = self.core.submit(conn, uid, g, rid, list(ids), self.clock(),
+                               pid=conn.peer.pid if conn.peer is not None else None)
         entry = self.live.get(rid)
         if entry is not None and entry.gen is g:
             # Before anything can dispatch it (no await since submit): its batches carry this.

@@ -37,6 +37,8 @@ class Fleet:
         """Member worker id -> its peer."""
         self.by_peer: dict[bytes, str] = {}
         self.refused = 0
+        self.stopping = False
+        """Every member was told to exit (:meth:`shutdown_all`)."""
         self._unknown_asked: dict[bytes, float] = {}
 
     # ------------------------------------------------------------------ registration
@@ -100,13 +102,17 @@ class Fleet:
 
     def send(self, wid: str, msg: P.DaemonToWorkerMsg) -> bool | None:
         """Send to a member: True if the transport took it, False if it refused (the member
-        is to be declared lost), None if ``wid`` is no member (nothing to send to)."""
+        is to be declared lost), None if ``wid`` is no member (nothing to send to), or if
+        every member was told to exit (:meth:`shutdown_all`): one that left is exiting as
+        asked, not lost, and its process is not killed in the middle of closing."""
         peer = self.peers.get(wid)
         if peer is None:
             return None
-        return self.transport.send(peer, msg)
+        sent = self.transport.send(peer, msg)
+        return None if self.stopping and not sent else sent
 
     def shutdown_all(self) -> None:
         """Ask every member to exit (daemon stopping)."""
+        self.stopping = True
         for peer in list(self.peers.values()):
             self.transport.send(peer, P.Shutdown())

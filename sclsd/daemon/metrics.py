@@ -189,7 +189,9 @@ class Metrics:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, RSS, open fds
+        # process_cpu_seconds_total, RSS, open fds: kept last (see watch()), so that the
+        # exposition (``sclsctl metrics | head``) starts with sclsd's own.
+        self._process = ProcessCollector(registry=self.registry)
         self.refused_total = 0
         self.success = _Counter("sclsd:request_success", "Completed requests by finish reason (stop, "
                                 "length)", "finished_reason", preset=_COMPLETED)
@@ -247,6 +249,8 @@ class Metrics:
     def watch(self, snapshot: Callable[[], StatusSnapshot]) -> None:
         """Serve the gauges from ``snapshot`` (the status view), read at each scrape."""
         self.registry.register(SnapshotGauges(snapshot, self.model_name))
+        self.registry.unregister(self._process)
+        self.registry.register(self._process)
 
     def refused(self, code: str, reason: str) -> None:
         """A request refused with error ``code`` by the check ``reason`` (a bound, a field)."""

@@ -65,6 +65,9 @@ from .status import DaemonState, StatusHandler, StatusView
 from .supervisor import Supervisor
 from .transport.base import WorkerTransport
 
+#: Seconds stopped workers have to exit before they are killed.
+WORKER_EXIT_S = 30.0
+
 log = logging.getLogger("sclsd")
 
 
@@ -149,7 +152,7 @@ class Server:
         # One budget for the half-sent frames of both sockets.
         self.frame_budget = frame_budget(d.max_partial_frame_bytes, d.max_partial_frame_bytes_per_uid)
         common: dict[str, Any] = dict(max_frame=d.max_frame_bytes, max_buffer=d.max_conn_buffer_bytes,
-                                      mode=d.socket_mode, group=d.socket_group, backlog=d.listen_backlog,
+                                      mode=d.client_socket_mode, group=d.socket_group, backlog=d.listen_backlog,
                                       frame_timeout=d.frame_timeout_s, budget=self.frame_budget)
         self.api = FrameServer("api", d.socket, P.client_decoder, self.on_client,
                                on_close=self.on_client_close, allowed_uids=d.allowed_uids, **common)
@@ -378,7 +381,10 @@ class Server:
         serving = self.core is not None
         self.fleet.shutdown_all()
         # Workers that never registered were told nothing: a failed start kills them now.
-        await self.supervisor.stop(timeout=5.0 if serving else 0.0)
+        # A worker closes its engine and exits in about a second once told to; on a busy
+        # machine in several: it is given WORKER_EXIT_S before it is killed (TimeoutStopSec
+        # in systemd/sclsd.service leaves room for it after the drain).
+        await self.supervisor.stop(timeout=WORKER_EXIT_S if serving else 0.0)
         await self.transport.stop()
         if self._metrics_http is not None:
             # shutdown() waits for the server thread's poll: not on the loop.

@@ -143,7 +143,7 @@ class Shell:
         for client, event in eff.to_clients:
             cast(Conn, client).send(event)  # the core's clients are the connections we gave it
         unreachable: dict[str, str] = {}  # worker -> why
-        for wid, msg in eff.to_workers:
+        for wid, msg in eff.worker_messages():
             if wid in unreachable:
                 continue
             if isinstance(msg, P.BatchMsg):

@@ -77,6 +77,8 @@ class StatusView:
         err = [m - e for e, m in recent]
         d = self.cfg.daemon
         engines = core.results.engines.as_counters() if core is not None else {}
+        if core is not None:
+            engines["cancels_sent"] = core.dispatch.cancelled_rows
         return P.StatusSnapshot(
             version=__version__,
             protocol=P.PROTOCOL_VERSION,

@@ -196,7 +196,7 @@ class Supervisor:
             if t.done() and not t.cancelled() and t.exception() is not None:
                 raise RuntimeError(f"background task {t.get_name()} failed") from t.exception()
 
-    async def stop(self, timeout: float = 5.0) -> None:
+    async def stop(self, timeout: float = 30.0) -> None:
         """Wait for the local processes (already asked to shut down), kill stragglers."""
         self._stopping = True
         loop = asyncio.get_running_loop()

@@ -7,7 +7,10 @@
   ``POST /detokenize`` (vLLM's shapes; the model's tokenizer, :mod:`.tokens`);
 * ``GET /health`` (200 while the daemon answers a ping, else 503), ``GET /ready``
   (200 once a worker serves), ``GET /metrics`` (the daemon's Prometheus text and this
-  process's own, :mod:`.observe`), ``GET /version``, ``GET /docs``, ``GET /openapi.json``.
+  process's own, :mod:`.observe`), ``GET /version``, ``GET /docs``, ``GET /openapi.json``;
+* ``GET /get_load``, ``/server_info``, ``/model_info``: what load balancers in front of
+  several boxes read (:mod:`.balancing`);
+* ``HEAD`` wherever ``GET`` is served.
 
 With an API key, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need ``Authorization:
 Bearer KEY``; the others stay open, as in vLLM. Every error, from a route or from the
@@ -29,10 +32,11 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from . import generate, openapi, render, responses
+from . import balancing, generate, openapi, render, responses
 from .body import read_json
 from .door import Door
 from .errors import ApiError, bad
@@ -45,6 +49,8 @@ from .tokens import TokenizerAccess, to_tokenize
 log = logging.getLogger("sclsd.http")
 
 _JSON = "application/json"
+#: Seconds a status snapshot is reused for ``/get_load`` (however many balancers poll).
+LOAD_TTL_S = 0.5
 #: The API routes, named in the 404 of any other.
 SERVED = ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses",
           "GET /v1/models", "POST /tokenize", "POST /detokenize")
@@ -113,6 +119,8 @@ class Api:
         created = int(time.time())  # the arrival, as OpenAI's ``created`` means it
         self.check_key(request)
         parsed = parse(kind, await self._json(request), self.settings.max_choices)
+        if parsed.ignored:
+            self.metrics.ignore(parsed.ignored, request.url.path)
         name, fingerprint = await self.daemon()
         if parsed.model is not None and name is not None and parsed.model != name:
             raise render.not_found(parsed.model)
@@ -131,6 +139,8 @@ class Api:
             parsed = parse("chat", responses.chat_body(body), self.settings.max_choices)
         except ApiError as exc:
             raise responses.rename(exc) from None
+        if parsed.ignored:
+            self.metrics.ignore(parsed.ignored, request.url.path)
         name, fingerprint = await self.daemon()
         if parsed.model is not None and name is not None and parsed.model != name:
             raise render.not_found(parsed.model)
@@ -343,6 +353,31 @@ def create_app(settings: Settings) -> FastAPI:
     async def version() -> Response:
         return Response(render.encode({"version": __version__}), media_type=_JSON)
 
+    # What load balancers in front of several boxes read (:mod:`.balancing`).
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        st = await api.link.status(LOAD_TTL_S)
+        return Response(render.encode(balancing.load(st)), media_type=_JSON)
+
+    @app.get("/server_info")
+    @app.get("/get_server_info", include_in_schema=False)
+    async def server_info() -> Response:
+        st = await api.link.status(STATUS_TTL_S)
+        body = balancing.server_info(st, settings.model_name or st.model, settings.max_model_len)
+        return Response(render.encode(body), media_type=_JSON)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info", include_in_schema=False)
+    async def model_info() -> Response:
+        name = settings.model_name or (await api.link.status(STATUS_TTL_S)).model
+        return Response(render.encode(balancing.model_info(name)), media_type=_JSON)
+
+    # Every GET route answers HEAD too (load generators probe ``HEAD /metrics``); the
+    # server sends a HEAD answer's headers without its body. (FastAPI's own routes, /docs
+    # and /openapi.json, are Starlette's, which do so already.)
+    for route in list(app.routes):
+        if isinstance(route, APIRoute) and route.methods == {"GET"}:
+            app.add_api_route(route.path, route.endpoint, methods=["HEAD"], include_in_schema=False)
     openapi.install(app)
     # Outermost but for Starlette's last-resort error handler: every request, routed or not.
     app.add_middleware(Door, limits=settings.limits, metrics=metrics, log=settings.access_log)

@@ -8,6 +8,10 @@ daemon's on ``/metrics``) and the access log.
 * ``sclsd:http_refused_total{reason}``: requests and connections refused here, by the
   error code answered (``invalid_parameter``, ``body_too_large``, ``header_timeout``,
   ``too_many_connections``, ``overloaded``, ...).
+* ``sclsd:http_ignored_parameters_total{parameter}``: request parameters this server does
+  not know, accepted and left out (as vLLM does), by name: the first
+  :data:`MAX_IGNORED_NAMES` names, any later one as ``other`` (clients cannot grow the
+  label set). Each name is logged once, at warning, on ``sclsd.http``.
 * ``sclsd:http_connections``: open HTTP connections; ``sclsd:http_daemon_up``: 1 while
   the daemon answered the last metrics request.
 
@@ -29,9 +33,13 @@ access_log = logging.getLogger("sclsd.http.access")
 #: Route templates, for the ``route`` label (anything else is ``other``).
 ROUTES = frozenset({
     "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics",
-    "/tokenize", "/detokenize", "/version", "/docs", "/openapi.json",
+    "/tokenize", "/detokenize", "/version", "/docs", "/openapi.json", "/v1/responses",
+    "/get_load", "/server_info", "/get_server_info", "/model_info", "/get_model_info",
 })
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+#: Distinct ignored parameter names labelled and logged; later ones count as ``other``.
+MAX_IGNORED_NAMES = 100
+log = logging.getLogger("sclsd.http")
 
 
 def route_of(path: str) -> str:
@@ -61,11 +69,33 @@ class HttpMetrics:
         self.refused = Counter("sclsd:http_refused", "requests and connections refused at the "
                                "HTTP door", ["reason"], registry=r)
         self.connections = Gauge("sclsd:http_connections", "open HTTP connections", registry=r)
+        self.ignored = Counter("sclsd:http_ignored_parameters", "request parameters this server "
+                               "does not know, accepted and left out, by name", ["parameter"],
+                               registry=r)
+        self._ignored_names: set[str] = set()
         self.daemon_up = Gauge("sclsd:http_daemon_up", "1 if the daemon answered the last "
                                "metrics request", registry=r)
 
     def refuse(self, reason: str | None) -> None:
         self.refused.labels(reason or "other").inc()
+
+    def ignore(self, names: tuple[str, ...], route: str) -> None:
+        """Count the parameters a request to ``route`` carried that this server does not know;
+        log each name the first time it is seen."""
+        for name in names:
+            if name not in self._ignored_names:
+                if len(self._ignored_names) >= MAX_IGNORED_NAMES:
+                    if len(self._ignored_names) == MAX_IGNORED_NAMES:
+                        self._ignored_names.add("")  # say it once
+                        log.warning("more than %d unknown parameter names seen: later ones are "
+                                    "counted as 'other' and not logged", MAX_IGNORED_NAMES)
+                    self.ignored.labels("other").inc()
+                    continue
+                self._ignored_names.add(name)
+                log.warning("ignoring parameter %s (on %s): this server does not know it "
+                            "(logged once per name; counted in sclsd:http_ignored_parameters_total)",
+                            escape(repr(name)), route)
+            self.ignored.labels(name).inc()
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -64,6 +64,12 @@ PARAMS: dict[str, tuple[dict[str, Any], str]] = {
     "chat_template_kwargs": (_OBJ, "chat: more variables for the chat template (vLLM's)"),
     "modalities": ({"type": "array", "items": _STR}, 'only ["text"]'),
     "use_beam_search": (_BOOL, "vLLM's: only false"),
+    "return_hidden_states": (_BOOL, "SGLang's: only false"),
+    "continue_final_message": (_BOOL, "vLLM's: only false (a final assistant turn is answered)"),
+    "include_reasoning": (_BOOL, "only true (a model's reasoning stays in its text)"),
+    "no_stop_trim": (_BOOL, "SGLang's include_stop_str_in_output"),
+    "separate_reasoning": (_BOOL, "SGLang's: no reasoning parser here, either value serves the text as is"),
+    "stream_reasoning": (_BOOL, "SGLang's: no reasoning parser here, either value serves the text as is"),
     **{name: ({}, "accepted and ignored (no meaning here)") for name in (
         "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
         "safety_identifier", "reasoning_effort", "verbosity", "prediction", "request_id",

@@ -3,9 +3,11 @@
 Every parameter is checked here or by the protocol's own schema (the message is
 built with :func:`msgspec.convert`, which validates types and ranges), and a
 failure becomes an :class:`ApiError` naming the parameter as the client spelt
-it. A parameter this server does not implement is refused by name rather than
-ignored. ``null`` counts as not given, for every key (as in OpenAI's API and
-vLLM's).
+it. A parameter it does not know is accepted and left out, as vLLM does (routers in
+front of several servers add their own fields to every body): :attr:`Parsed.ignored`
+names them for the caller to log and count. A parameter it knows but cannot serve at
+the value given is refused by name, never ignored. ``null`` counts as not given, for
+every key (as in OpenAI's API and vLLM's).
 
 Fan-out: each prompt (``prompt`` may be a list) is asked ``n`` times (``best_of``
 times with ``best_of``); choice ``i`` of a seeded request gets seed ``seed + i``
@@ -52,16 +54,26 @@ IGNORED = frozenset({
     "cache_salt", "spaces_between_special_tokens",
 })
 #: Accepted with one value only (what this server does anyway); any other: 400 saying why.
+#: ``return_hidden_states``, ``continue_final_message`` and ``include_reasoning`` are fields
+#: SGLang's and vLLM's routers add to every body at these values.
 _ONLY: dict[str, tuple[Any, str]] = {
     "modalities": (["text"], "only text output"),
     "use_beam_search": (False, "beam search is not served"),
+    "return_hidden_states": (False, "hidden states are not returned"),
+    "continue_final_message": (False, "a final assistant turn is answered after, not continued"),
+    "include_reasoning": (True, "no reasoning parser here: a model's reasoning stays in the text"),
 }
+#: SGLang's switches for a reasoning parser, which this server does not run: either value
+#: serves the text as the model wrote it (as SGLang without ``--reasoning-parser`` does).
+_REASONING_SWITCHES = ("separate_reasoning", "stream_reasoning")
 ALLOWED: dict[Kind, frozenset[str]] = {
-    "completion": _COMMON | IGNORED | set(_ONLY) | {"prompt", "suffix", "best_of"},
-    "chat": _COMMON | IGNORED | set(_ONLY) | {
+    "completion": _COMMON | IGNORED | set(_ONLY) | {"prompt", "suffix", "best_of", "no_stop_trim"},
+    "chat": _COMMON | IGNORED | set(_ONLY) | set(_REASONING_SWITCHES) | {
         "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-        "parallel_tool_calls", "chat_template_kwargs"},
+        "parallel_tool_calls", "chat_template_kwargs", "no_stop_trim"},
 }
+#: The longest parameter name :attr:`Parsed.ignored` keeps whole (a client's key is its own).
+MAX_IGNORED_NAME = 64
 #: Protocol field -> the HTTP parameter to name when the daemon's schema refuses it.
 _PARAM_OF = {"prompt_ids": "prompt", "top_logprobs": "top_logprobs", "max_tokens": "max_tokens"}
 #: Seeds travel as signed 64-bit integers; leave room for ``seed + i``.
@@ -98,6 +110,9 @@ class Parsed:
     chat: Chat | None = None
     features: frozenset[str] = frozenset()
     """The optional daemon features (``Pong.features``) this request needs."""
+    ignored: tuple[str, ...] = ()
+    """Parameters this server does not know, left out of the request (sorted; names cut at
+    :data:`MAX_IGNORED_NAME` characters)."""
 
     @property
     def per_prompt(self) -> int:
@@ -362,12 +377,13 @@ def parse(kind: Kind, body: Any, max_choices: int) -> Parsed:
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
     body = {k: v for k, v in body.items() if v is not None}  # null: not given
-    unknown = sorted(k for k in body if k not in ALLOWED[kind])
-    if unknown:
-        raise bad(unknown[0], f"unsupported parameter(s): {', '.join(unknown)}", "unsupported_parameter")
+    ignored = tuple(sorted({k[:MAX_IGNORED_NAME] for k in body if k not in ALLOWED[kind]}))
     for name, (only, why) in _ONLY.items():
-        if name in body and body[name] != only:
+        if name in body and (body[name] != only or type(body[name]) is not type(only)):
             raise unsupported(name, f"{why} (only {json.dumps(only)})")
+    for name in _REASONING_SWITCHES:
+        if name in body:
+            _bool(body, name, True)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", "model: must be a string")
@@ -412,7 +428,9 @@ def parse(kind: Kind, body: Any, max_choices: int) -> Parsed:
         "seed": seed, "user": user, "logprobs": top is not None, "top_logprobs": top or 0,
         "min_tokens": min_tokens, "logit_bias": logit_bias, "skip_special_tokens": skip_special,
     }
-    include_stop = _bool(body, "include_stop_str_in_output", False) and bool(params["stop"])
+    # SGLang's ``no_stop_trim`` is vLLM's ``include_stop_str_in_output``.
+    keep_stop = _bool(body, "include_stop_str_in_output", False) | _bool(body, "no_stop_trim", False)
+    include_stop = keep_stop and bool(params["stop"])
     if include_stop:
         params["include_stop_str"] = True  # the daemon keeps the stop string that ended the text
     if structured is not None:
@@ -432,7 +450,8 @@ def parse(kind: Kind, body: Any, max_choices: int) -> Parsed:
                                                ("structured", structured is not None),
                                                ("include_stop_str", include_stop)) if on)
     parsed = Parsed(kind, model, stream, include_usage, n, prompts, params, top,
-                    continuous_usage=continuous, echo=echo, chat=the_chat, features=features)
+                    continuous_usage=continuous, echo=echo, chat=the_chat, features=features,
+                    ignored=ignored)
     if kind == "completion":
         _completion_extras(body, parsed, max_choices)
     if parsed.best_of:

@@ -12,7 +12,9 @@ into the Responses stream's events (:class:`Events`):
   (function tools), ``tool_choice``, ``parallel_tool_calls``, ``stream``;
 * accepted and ignored as on the chat path: ``store``, ``metadata``, ``user``,
   ``service_tier``, ``reasoning``, ``include``, ``prompt_cache_key``, ... ; a
-  ``previous_response_id`` is refused (nothing is stored here).
+  ``previous_response_id`` is refused (nothing is stored here);
+* a chat parameter that is not a Responses one (``n``, ``messages``) is refused by name;
+  a name unknown to both is accepted, logged once and counted, as on the chat path.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 from . import render
 from .errors import ApiError, bad, unsupported
+from .params import ALLOWED
 
 #: Responses parameters -> how each reaches the chat request (None: as is).
 _AS_CHAT = {"max_output_tokens": "max_tokens", "temperature": None, "top_p": None, "stream": None,
@@ -124,14 +127,19 @@ def chat_body(body: Any) -> dict[str, Any]:
         raise bad(None, "the request body must be a JSON object")
     body = {k: v for k, v in body.items() if v is not None}
     unknown = sorted(set(body) - set(_AS_CHAT) - _DROPPED - _OWN)
-    if unknown:
-        raise bad(unknown[0], f"unsupported parameter(s): {', '.join(unknown)}", "unsupported_parameter")
+    # A chat parameter that the Responses API spells otherwise or lacks: the client meant
+    # something this request does not say, so it is named rather than ignored.
+    misplaced = [k for k in unknown if k in ALLOWED["chat"]]
+    if misplaced:
+        raise bad(misplaced[0], f"unsupported parameter(s) for /v1/responses: {', '.join(misplaced)}",
+                  "unsupported_parameter")
     if "previous_response_id" in body:
         raise unsupported("previous_response_id", "responses are not stored here; send the "
                           "earlier turns in input")
     if body.get("background") not in (None, False):
         raise unsupported("background", "responses are served in the foreground only")
-    out: dict[str, Any] = {"messages": _messages(body)}
+    # Anything else is unknown to both: the chat path accepts it, and reports it as ignored.
+    out: dict[str, Any] = {"messages": _messages(body), **{k: body[k] for k in unknown}}
     for k, v in body.items():
         if k in _AS_CHAT:
             out[_AS_CHAT[k] or k] = v

@@ -12,7 +12,8 @@ Three channels share this schema:
   :class:`StatusReply` / :class:`MetricsReply`.
 * **Daemon <-> worker** (ZeroMQ ROUTER/DEALER, one msgpack map per message):
   :class:`Register`, :class:`Heartbeat`, :class:`Tokens`, :class:`Result` (worker ->
-  daemon) and :class:`Welcome`, :class:`BatchMsg`, :class:`Release`, :class:`Drain`,
+  daemon) and :class:`Welcome`, :class:`BatchMsg`, :class:`Release`, :class:`Forget`,
+  :class:`CancelRows`, :class:`Drain`,
   :class:`Resume`, :class:`Reregister`, :class:`Shutdown` (daemon -> worker).
 
 Every message is a msgpack map whose ``type`` field names the struct. Decoding
@@ -95,6 +96,8 @@ from .workers import (
     BatchRequest,
     BatchStats,
     BatchTokens,
+    CancelRow,
+    CancelRows,
     ContinueRow,
     DaemonToWorkerMsg,
     Drain,
@@ -123,6 +126,8 @@ __all__ = [
     "BatchStats",
     "BatchTokens",
     "Cancel",
+    "CancelRow",
+    "CancelRows",
     "ChatMessage",
     "ClientMsg",
     "DEFAULT_MAX_FRAME",

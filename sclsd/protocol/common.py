@@ -29,8 +29,12 @@ from msgspec import Meta
 #: every running batch's new tokens at once (``batches``), not one message per batch. 8:
 #: ``tokens`` are the one channel for generated tokens: each row's part says where in the
 #: slice it starts (``RequestOutput.start``), and a ``result`` carries only the tokens not
-#: streamed yet (after ``start``), not the whole slice again.
-PROTOCOL_VERSION = 8
+#: streamed yet (after ``start``), not the whole slice again. 9: :class:`CancelRows` ends
+#: the rows of requests that ended in the daemon while their batches were in flight (a row
+#: then finishes ``cancelled``, and ``BatchStats`` counts the work saved); ``caps.max_rows``
+#: says how many rows a continuous engine runs at once, so the daemon sends it no more than
+#: that (and a small lookahead): the rest of the line waits in the daemon.
+PROTOCOL_VERSION = 9
 
 #: Default cap on one client / status frame (bytes of msgpack).
 DEFAULT_MAX_FRAME = 4 * 1024 * 1024

@@ -1,6 +1,7 @@
 """Daemon <-> worker (ZeroMQ ROUTER/DEALER): worker -> daemon :class:`Register`,
 :class:`Heartbeat`, :class:`BatchAck`, :class:`Tokens`, :class:`Result`; daemon -> worker
-:class:`Welcome`, :class:`BatchMsg`, :class:`Release`, :class:`Drain`, :class:`Resume`,
+:class:`Welcome`, :class:`BatchMsg`, :class:`Release`, :class:`Forget`, :class:`CancelRows`,
+:class:`Drain`, :class:`Resume`,
 :class:`Reregister`, :class:`Shutdown`, :class:`Keepalive`."""
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ class EngineCaps(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     """Per-request seeds, reproducible across slicing."""
     max_context: NonNegInt = 0
     """Longest context (prompt + generated) the engine takes; 0: unknown."""
+    max_rows: NonNegInt = 0
+    """Continuous batching: the most rows the engine decodes in one step (0: as many as its KV
+    memory holds). The daemon sends a worker no more grants than this, plus a small lookahead
+    (``scheduler.grant_lookahead``), so the rest of the line waits in the daemon, where fair
+    turns, cancels and the offloader still decide."""
     kv_page_tokens: PosInt = 1
     """The engine allocates KV in pages of this many tokens (1: per token): slice grants
     reserve whole pages."""
@@ -196,8 +202,10 @@ class RequestOutput(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     the row's tokens earlier parts carried (a sequence number: the daemon takes a part only
     where the previous one ended); in a ``result``, how many ``tokens`` messages carried in
     all, so the slice has ``start + len(token_ids)`` tokens."""
-    finish_reason: Literal["stop", "length"] | None = None
-    """``stop``: EOS or a stop token; ``length``: its max_new_tokens reached; None: slice ended."""
+    finish_reason: Literal["stop", "length", "cancelled"] | None = None
+    """``stop``: EOS or a stop token; ``length``: its max_new_tokens reached; ``cancelled``:
+    a :class:`CancelRows` ended the row (its request ended in the daemon; nothing is kept);
+    None: the slice ended."""
     logprobs: list[TokenLogprobs] = []
     """Rows asked for ``logprobs``: one entry per token of ``token_ids``."""
     kv_tokens: NonNegInt = 0
@@ -236,6 +244,10 @@ class BatchStats(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     kv_peak_tokens: int = 0
     """The most tokens of KV the engine held at once (running and kept requests' contexts),
     since it started; continuous engines only."""
+    cancelled_rows: int = 0
+    """Rows of this batch a :class:`CancelRows` ended before their slice did (queued or running)."""
+    saved_tokens: int = 0
+    """Tokens those rows were allowed and did not generate: the work the cancels saved."""
 
 
 class Result(_Msg, tag="result"):
@@ -288,6 +300,24 @@ class Forget(_Msg, tag="forget"):
     rids: list[str]
 
 
+class CancelRow(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
+    """One row to end: request ``rid``'s row of batch ``batch_id``."""
+
+    batch_id: int
+    rid: str
+
+
+class CancelRows(_Msg, tag="cancel_rows"):
+    """These rows' requests ended in the daemon (cancelled, timed out, a stop string, a
+    failure) while their batches were in flight here: each row ends at once if its batch has
+    not started, else at the engine's next step, with ``finish_reason`` ``cancelled``; nothing
+    of the request is kept (its record and KV are dropped, as :class:`Release` drops them).
+    Rows are named with their batch, so a later batch of the same request id is untouched.
+    The batch still ends with one :class:`Result`."""
+
+    rows: list[CancelRow]
+
+
 class Drain(_Msg, tag="drain"):
     """Stop taking new batches; finish the local queue."""
 
@@ -307,4 +337,5 @@ class Reregister(_Msg, tag="reregister"):
 
 
 WorkerMsg = Register | Heartbeat | Result | BatchAck | Tokens
-DaemonToWorkerMsg = Welcome | BatchMsg | Drain | Shutdown | Resume | Reregister | Keepalive | Release | Forget
+DaemonToWorkerMsg = (Welcome | BatchMsg | Drain | Shutdown | Resume | Reregister | Keepalive | Release | Forget
+                     | CancelRows)

@@ -146,7 +146,7 @@ def round_trip(d: Daemon) -> float:
 
 def test_half_sent_frames_are_held_within_the_uid_and_global_budgets(started: Callable[..., Daemon]) -> None:
     d = started(workers={"spawn": 1}, daemon={
-        "socket_mode": "0666", "max_frame_bytes": MIB, "frame_timeout_s": 60.0,
+        "socket_open_to_all_users": True, "max_frame_bytes": MIB, "frame_timeout_s": 60.0,
         "max_partial_frame_bytes_per_uid": 2 * MIB, "max_partial_frame_bytes": 3 * MIB})
     st = d.status()
     assert (st.limits.max_partial_frame_bytes, st.limits.max_partial_frame_bytes_per_uid) == (3 * MIB, 2 * MIB)

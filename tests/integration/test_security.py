@@ -134,8 +134,8 @@ def test_a_uid_outside_the_group_cannot_connect(daemon) -> None:
 
 
 def test_allow_list_refuses_other_uids(tmp_path) -> None:
-    # Mode 0666 lets anyone open the socket: the allow-list (only nobody) decides.
-    d = start(tmp_path, daemon={"socket_mode": "0666", "allowed_uids": [NOBODY]}, workers={"spawn": 1})
+    # Open to every local user: the allow-list (only nobody) decides.
+    d = start(tmp_path, daemon={"socket_open_to_all_users": True, "allowed_uids": [NOBODY]}, workers={"spawn": 1})
     try:
         if os.getuid() != NOBODY:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:

@@ -94,6 +94,20 @@ def test_shipped_config_documents_every_key() -> None:
         ("[workers]\nquick_failure_s = -1", "workers.quick_failure_s"),
         ("[workers]\ndaemon_timeout_s = 0.5", "workers.daemon_timeout_s"),
         ("[workers]\ndaemon_timeout_s = -1", "workers.daemon_timeout_s"),
+        # Timeouts past an hour: a stalled worker would hold its requests that long.
+        ("[daemon]\nbatch_stall_timeout_s = 1e300", "daemon.batch_stall_timeout_s"),
+        ("[daemon]\nbatch_stall_timeout_s = 3601", "daemon.batch_stall_timeout_s"),
+        ("[daemon]\nheartbeat_timeout_s = 7200", "daemon.heartbeat_timeout_s"),
+        ("[daemon]\nframe_timeout_s = 1e9", "daemon.frame_timeout_s"),
+        ("[daemon]\ndrain_timeout_s = 86400", "daemon.drain_timeout_s"),
+        ("[daemon]\nbatch_ack_timeout_s = 1e6", "daemon.batch_ack_timeout_s"),
+        ("[workers]\ndaemon_timeout_s = 1e300", "workers.daemon_timeout_s"),
+        ("[workers]\nrestart_backoff_max_s = 1e9", "workers.restart_backoff_max_s"),
+        ("[scheduler]\nmax_slice_gap_s = 1e9", "scheduler.max_slice_gap_s"),
+        ("[scheduler]\ngrant_lookahead = 2", "scheduler.grant_lookahead"),
+        # A client socket open to every local user is said in words, not by a mode number.
+        ("[daemon]\nsocket_mode = '0666'", "daemon.socket_mode"),
+        ("[daemon]\nsocket_mode = '0662'", "daemon.socket_mode"),
     ],
 )
 def test_bad_values_name_key_and_value(tmp_path: Path, toml: str, key: str) -> None:
@@ -103,6 +117,14 @@ def test_bad_values_name_key_and_value(tmp_path: Path, toml: str, key: str) -> N
         C.load(p)
     assert ei.value.key == key
     assert key in str(ei.value)
+
+
+def test_a_socket_open_to_every_user_is_said_in_words(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text("[daemon]\nsocket_mode = '0660'\nsocket_open_to_all_users = true\n")
+    d = C.load(p).daemon
+    assert d.socket_mode == 0o660 and d.client_socket_mode == 0o666
+    assert C.DaemonConfig().client_socket_mode == 0o660
 
 
 def test_socket_mode_octal_and_int_coercion(tmp_path: Path) -> None:
@@ -339,8 +361,12 @@ def test_the_daemon_ends_each_of_the_last_gaps_in_one_line_and_exit_2(tmp_path: 
 #: Number keys with no declared range: each is checked against another key, in code.
 CHECKED_AS_CODE = {
     "daemon.max_conn_buffer_bytes", "daemon.max_partial_frame_bytes", "daemon.max_partial_frame_bytes_per_uid",
-    "daemon.heartbeat_timeout_s", "daemon.batch_stall_timeout_s",
-    "workers.restart_backoff_max_s", "workers.daemon_timeout_s",
+}
+#: Bounds a key declares that code refuses against another key's default (or in words).
+REFUSED_IN_CODE = {
+    ("daemon", "worker_socket_mode", 0o777), ("daemon", "socket_mode", 0o777),  # open to others
+    ("daemon", "heartbeat_interval_s", 60),  # above heartbeat_timeout_s's default
+    ("workers", "restart_backoff_s", 3600), ("workers", "restart_backoff_max_s", 0),  # against each other
 }
 DECLARED = [(section, name, rule) for section, cls in C._SECTIONS.items()
             for name, rule in C.declared(cls).items()]
@@ -376,8 +402,8 @@ def test_a_declared_range_takes_its_own_bounds(section, name, rule) -> None:
     if isinstance(rule, C.Choice):
         return
     for bound in (rule.ge, rule.le):
-        if bound is not None and (section, name, bound) != ("daemon", "worker_socket_mode", 0o777):
-            C.from_dict({section: {name: _as_field(section, name, bound)}})  # 0777: refused in code
+        if bound is not None and (section, name, bound) not in REFUSED_IN_CODE:
+            C.from_dict({section: {name: _as_field(section, name, bound)}})
 
 
 def test_every_number_key_declares_its_range_or_is_checked_as_code() -> None:

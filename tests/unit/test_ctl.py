@@ -5,6 +5,7 @@ socket before it drains, and the hub hint."""
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,37 @@ def test_wait_ready_counts_the_workers_still_loading() -> None:
     ready, doing = ctl.readiness(snapshot(1, 1), 1)
     assert ready is True and doing.startswith("1/1 workers registered; loading w1")
     assert ctl.readiness(snapshot(0, 0, serving=False))[0] is None
+
+
+def test_wait_ready_says_what_each_worker_does_while_it_waits(monkeypatch, capsys) -> None:
+    """A line when what it waits for changes and at least every PROGRESS_S (a fake clock):
+    never more than PROGRESS_S of silence; the ready line alone on stdout."""
+    clock = [100.0]
+    seen = [snapshot(0, 2)] * 30 + [snapshot(1, 1)] * 40 + [snapshot(2, 0)]
+
+    def fake_status(*_a: Any, **_kw: Any) -> StatusSnapshot:
+        return seen.pop(0)
+
+    def nap(s: float) -> None:
+        clock[0] += 0.5
+
+    monkeypatch.setattr(ctl, "status", fake_status)
+    monkeypatch.setattr(ctl.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(ctl.time, "sleep", nap)
+    assert ctl.main(["--run-dir", "/tmp/none", "wait-ready", "--timeout", "300"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "ready: 2/2 workers registered\n"
+    lines = err.splitlines()
+    assert lines[0] == "sclsctl: waiting (1s): 0/2 workers registered; loading w0: loading engine (3s), " \
+                       "w1: loading engine (3s)"
+    # The change is said at the next poll, not PROGRESS_S later.
+    assert any(re.match(r"sclsctl: waiting \(1[56]s\): 1/2 workers registered; loading w1", line)
+               for line in lines), err
+    times = [float(line.split("(")[1].split("s)")[0]) for line in lines]
+    assert all(b - a <= ctl.PROGRESS_S + 1 for a, b in zip(times, times[1:], strict=False))  # shown rounded
+    seen[:] = [snapshot(0, 2)] * 30 + [snapshot(2, 0)]
+    assert ctl.main(["--run-dir", "/tmp/none", "wait-ready", "--quiet"]) == 0
+    assert capsys.readouterr() == ("", "")
 
 
 def test_drain_wait_checks_the_status_socket_before_draining(monkeypatch, capsys, tmp_path: Path) -> None:

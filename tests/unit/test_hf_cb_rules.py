@@ -265,13 +265,13 @@ def test_the_captured_path_masks_as_the_eager_one_and_leaves_other_rows_alone(en
 
 def test_an_engine_on_the_captured_path_gives_the_same_tokens(engines, monkeypatch) -> None:
     """The static buffers CUDA graphs need, driven by transformers' own loop (on the CPU)."""
-    from worker.engines import cb_constraints, hf_cb
+    from worker.engines import cb_constraints
 
     class Captured(cb_constraints.RequestRules):
         def __init__(self, vocab: int, device: Any, captured: bool = False, rows: int = 0) -> None:
             super().__init__(vocab, device, captured=True, rows=16)
 
-    monkeypatch.setattr(hf_cb, "RequestRules", Captured)
+    monkeypatch.setattr(cb_constraints, "RequestRules", Captured)  # what the manager's start builds
     cb = make_cb()
     try:
         eos = cb.eos[0]

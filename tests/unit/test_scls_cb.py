@@ -320,3 +320,29 @@ def test_cost_terms_and_kv_shares_account_for_the_run() -> None:
     used, reserved = res.extra["kv_used_frac"], res.extra["kv_reserved_frac"]
     assert 0 < used <= reserved <= res.extra["max_reserved_frac"] <= 1.0
     assert 0 <= res.extra["kv_parked_frac"] <= reserved
+
+
+def test_a_grants_estimate_is_its_iterations_at_its_workers_step_cost() -> None:
+    """What the status compares with a grant's measured time (``estimator_error``): its
+    iterations at the cost of its worker's steps, the grants beside it included (its own
+    share of those steps, its ``est_time``, is what loads add up, not what a clock sees)."""
+    from sclsd.core.batch import BatchOutcome, RowOutcome
+    from sclsd.core.estimator import Estimator
+    from sclsd.core.grant_scheduler import SliceGrantScheduler
+    from sclsd.core.memory import KVMemory
+    from sclsd.core.profiles import ProfileCost
+    from sclsd.core.request import Request
+
+    est = Estimator(p1=0.0, p2=0.0, p3=0.0, p4=0.0, d1=1e-4, d2=1e-3, d3=0.0, d4=0.02)
+    s = SliceGrantScheduler(make_policy("scls-cb", slice_len=16), ProfileCost(est, KVMemory(1, 1e6, 1.0)))
+    s.add_worker("w0")
+    for i in range(3):
+        s.add(Request(rid=f"r{i}", prompt_len=100, max_tokens=16, arrival=0.0), 0.0)
+    rnd = s.schedule(0.0)
+    assert len(rnd.batches) == 3
+    b = rnd.batches[0]
+    s.on_result(BatchOutcome(b.bid, [RowOutcome(b.requests[0].rid, 16, "length")], elapsed=1.25), 1.0)
+    (got, measured), = s.recent
+    step = 0.02 + 3 * (1e-4 * (100 + 8) + 1e-3)  # three grants of 16 from 100 tokens, halfway
+    assert measured == 1.25 and abs(got - 16 * step) < 1e-9
+    assert got > 3 * b.est_time  # the grant's own share would claim a third of the steps

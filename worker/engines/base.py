@@ -11,6 +11,7 @@ An engine is driven from outside; the worker's serve thread owns the loop
             BatchDone   -> a Result with the rows' outputs and stats
             BatchFailed -> a Result with the error
     engine.release(rids)              # from the receive thread, at any time
+    engine.cancel(rows)               # likewise: (batch id, rid) rows end at the next step
 
 Every submitted batch ends with exactly one :class:`BatchDone` or :class:`BatchFailed`,
 after the :class:`NewTokens` events of its rows. A static engine
@@ -30,6 +31,12 @@ Two optional capabilities beyond serving a batch:
   the daemon's word and :meth:`Engine.take_evicted` lists what the engine dropped by
   itself to make room.
 
+**Cancels reach the engine.** :meth:`Engine.cancel` names rows (batch id, request id) whose
+requests ended in the daemon: each engine ends them in its next :meth:`Engine.poll`, before
+it computes anything more for them: a row not started yet ends at once, a running row leaves
+the step (a static batch stops early once every row ended), each with ``finish_reason``
+``cancelled`` and nothing kept. The batch still ends with one :class:`BatchDone`.
+
 A row the engine cannot serve fails alone: its grammar matcher cannot be built
 (:class:`~worker.engines.grammar.GrammarError`) and the row's output carries the error
 (``RequestOutput.error``) while the others are served; the daemon ends that request and
@@ -39,18 +46,19 @@ retries it nowhere.
 from __future__ import annotations
 
 import logging
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
-from sclsd.protocol import BatchMsg, BatchStats, EngineCaps, RequestOutput
+from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, EngineCaps, RequestOutput
 from worker.engines.grammar import GrammarError, row_error
 
-__all__ = ["BatchDone", "BatchFailed", "Emit", "Engine", "EngineInfo", "Event", "NewTokens", "SliceEngine",
-           "Steps", "TokenCursor"]
+__all__ = ["BatchDone", "BatchFailed", "CancelMarks", "Emit", "Engine", "EngineInfo", "Event", "NewTokens",
+           "SliceEngine", "Steps", "TokenCursor"]
 
 log = logging.getLogger("worker")
 
@@ -92,6 +100,52 @@ Event = NewTokens | BatchDone | BatchFailed
 #: outputs with new tokens (possibly none), and the generator returns every row's output
 #: and the batch's stats (:meth:`SliceEngine.steps`).
 Steps = Generator[list[RequestOutput], None, tuple[list[RequestOutput], BatchStats]]
+
+
+class CancelMarks:
+    """Rows the daemon cancelled, from the thread that hears it to the one that serves: (batch id,
+    request id) pairs under a lock. Naming the batch keeps a later batch of the same request id
+    (a client may reuse an id once its request ended) out of reach."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._marks: set[tuple[int, str]] = set()
+
+    def add(self, rows: Iterable[tuple[int, str]]) -> None:
+        """Mark ``rows`` cancelled."""
+        with self._lock:
+            self._marks.update(rows)
+
+    def take(self) -> set[tuple[int, str]]:
+        """Every mark, once."""
+        with self._lock:
+            out, self._marks = self._marks, set()
+        return out
+
+    def take_for(self, batch_id: int) -> set[str]:
+        """The rids marked in ``batch_id``, once; marks of earlier batches are dropped too (a
+        worker takes its batches in the order they came, so nothing can match them any more)."""
+        with self._lock:
+            if not self._marks:
+                return set()
+            mine = {rid for bid, rid in self._marks if bid == batch_id}
+            self._marks = {(bid, rid) for bid, rid in self._marks if bid > batch_id}
+        return mine
+
+    def clear(self) -> None:
+        with self._lock:
+            self._marks.clear()
+
+
+#: Guards the lazy creation of an engine's :class:`CancelMarks` (engines have no common __init__).
+_MARKS_LOCK = threading.Lock()
+
+
+class _CancellableRow(Protocol):
+    """A static engine's row on the host: its request and why it finished (None: running)."""
+
+    req: BatchRequest
+    reason: Any
 
 
 @dataclass
@@ -196,6 +250,26 @@ class Engine(ABC):
         """Requests whose retained KV the engine dropped by itself since the last call."""
         return []
 
+    _cancel_marks: CancelMarks | None = None
+
+    @property
+    def cancels(self) -> CancelMarks:
+        """The rows cancelled and not applied yet (see :meth:`cancel`)."""
+        marks = self._cancel_marks
+        if marks is None:
+            with _MARKS_LOCK:
+                if self._cancel_marks is None:
+                    self._cancel_marks = CancelMarks()
+                marks = self._cancel_marks
+        return marks
+
+    def cancel(self, rows: Iterable[tuple[int, str]]) -> None:
+        """End these rows (batch id, request id) of the batches submitted here: their requests
+        ended in the daemon. Any thread: the marks are applied by the engine's next
+        :meth:`poll` (each engine does, before computing anything more for those rows); a row
+        it does not hold is ignored (the worker's queue drops rows not submitted yet)."""
+        self.cancels.add(rows)
+
     def close(self) -> None:  # noqa: B027 - optional hook, deliberately not abstract
         """Release resources (optional)."""
 
@@ -217,6 +291,8 @@ class SliceEngine(Engine):
     _gen: Steps | None = None
     """The running batch's steps (None: not started, or started again without a failed row)."""
     _failed: list[RequestOutput]
+    _ending: frozenset[str] = frozenset()
+    """Rows of the running batch cancelled since its last step (:meth:`end_cancelled`)."""
 
     @abstractmethod
     def steps(self, batch: BatchMsg) -> Steps:
@@ -243,6 +319,18 @@ class SliceEngine(Engine):
         batch, rows = self._batch, self._rows
         if batch is None or rows is None:
             return []
+        if marks := self.cancels.take():
+            self._ending = self._ending | {rid for bid, rid in marks if bid == batch.batch_id}
+        if self._gen is None and self._ending:
+            # Cancelled before the batch started: those rows are not computed at all.
+            gone = [r.rid for r in rows.requests if r.rid in self._ending]
+            self._ending = frozenset()
+            if gone:
+                self._failed += [RequestOutput(rid=rid, token_ids=[], finish_reason="cancelled") for rid in gone]
+                rows = self._rows = msgspec.structs.replace(
+                    rows, requests=[r for r in rows.requests if r.rid not in gone])
+                if not rows.requests:
+                    return [BatchDone(batch, self._end(), BatchStats())]
         try:
             if self._gen is None:
                 self._gen = self.steps(rows)
@@ -262,11 +350,21 @@ class SliceEngine(Engine):
             return [self._fail(batch, exc)]
         return [NewTokens(batch.batch_id, new)] if new else []
 
+    def end_cancelled(self, rows: Sequence[_CancellableRow]) -> None:
+        """Finish the running batch's rows cancelled since the last call (``reason``
+        ``cancelled``): subclasses call this after each step's yield, before the next step."""
+        if self._ending:
+            for r in rows:
+                if r.reason is None and r.req.rid in self._ending:
+                    r.reason = "cancelled"
+            self._ending = frozenset()
+
     def _end(self) -> list[RequestOutput]:
         """The running batch ended: the rows that failed alone."""
         failed = self._failed
         self._batch = self._rows = self._gen = None
         self._failed = []
+        self._ending = frozenset()
         return failed
 
     def _fail(self, batch: BatchMsg, exc: BaseException) -> BatchFailed:

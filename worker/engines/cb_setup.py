@@ -1,6 +1,6 @@
 """How ``hf-cb`` sets up transformers' continuous batching manager: the paged cache's size,
-the memory share and graph padding on CUDA, the generation settings, and the warm-up of the
-captured step shapes before the worker registers."""
+the memory share and graph padding on CUDA, the generation settings, the warm-up of the
+captured step shapes before the worker registers, and the manager's start."""
 
 from __future__ import annotations
 
@@ -177,3 +177,46 @@ def warm_graphs(mgr: Any, progress: Callable[[str], None] | None = None) -> int:
         log.warning("hf-cb warm-up: %d of %d step shapes failed to capture (transformers' warning "
                     "above says why); they will be captured while serving", len(shapes) - warmed, len(shapes))
     return warmed
+
+
+def start_manager(model: Any, gen_config: Any, cache_opts: dict[str, Any], sampling: bool, device: Any,
+                  progress: Callable[[str], None] | None = None) -> tuple[Any, Any, str, Any]:
+    """Create and start ``model``'s continuous batching manager under a grant scheduler of its
+    own (:mod:`worker.engines.cb_grants`) and the engine's per-request rules
+    (:mod:`worker.engines.cb_constraints`); on CUDA its cache is built and its step shapes
+    captured first. Returns (manager, its :class:`~worker.engines.cb_grants.GrantControl`, the
+    scheduler's registered name, its :class:`~worker.engines.cb_constraints.RequestRules`)."""
+    import threading
+
+    from transformers import ContinuousBatchingConfig
+
+    from worker.engines.cb_constraints import RequestRules
+    from worker.engines.cb_grants import GrantControl, register
+
+    control = GrantControl()
+    name = register(control)
+    cfg = ContinuousBatchingConfig(
+        scheduler_type=name,
+        use_async_batching=False,  # pauses assume a step's update precedes the next schedule
+        safety_margin=0.0,  # admission is the daemon's call (its reservations)
+        allow_block_sharing=False,
+        per_request_processors=sampling,  # each request's temperature, top-k, top-p
+        **cache_opts,
+    )
+    mgr = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cfg)
+    control.wake = mgr._wake_up_loop.set
+    rules = RequestRules.for_manager(mgr, int(model.config.vocab_size), device)
+    control.forget = rules.forget
+    if device.type == "cuda":
+        import torch
+
+        with torch.cuda.device(device):
+            mgr.warmup()  # builds the cache (sized by transformers) and captures its largest graphs
+            warm_graphs(mgr, progress)  # and the common shapes, not met first while serving
+    # mgr.start() without its non-daemon thread: kept KV keeps the manager alive between
+    # batches, and a process that forgot close() must still be able to exit.
+    mgr.background_thread_status.clear()
+    mgr._generation_thread = threading.Thread(target=mgr._run_generation_loop,
+                                              name="hf-cb-generation", daemon=True)
+    mgr._generation_thread.start()
+    return mgr, control, name, rules

@@ -89,7 +89,8 @@ class FakeRow:
         self.out: list[int] = []
         self.lps: list[Any] = []
         self.reason: str | None = None
-        """``stop`` or ``length`` once the row finished (None: it may go on)."""
+        """``stop`` or ``length`` once the row finished, ``cancelled`` once the daemon ended it
+        (None: it may go on)."""
 
     def step(self) -> int:
         """Generate the row's next token (its reason set when it ends the row); returns it."""
@@ -176,7 +177,8 @@ class FakeEngine(SliceEngine):
             mem_available=self.mem_budget,
             eos_token_ids=[EOS_ID],
             vocab_size=self.vocab,
-            caps=EngineCaps(batching=self.batching, grammar=self.grammar),  # type: ignore[arg-type]
+            caps=EngineCaps(batching=self.batching, grammar=self.grammar,  # type: ignore[arg-type]
+                            max_rows=self.max_rows if self.batching == "continuous" else 0),
         )
 
     def profile(self) -> dict[str, Any]:
@@ -281,6 +283,7 @@ class FakeEngine(SliceEngine):
                 if row.reason is None:
                     row.step()
             yield cursor.new([row.out for row in rows], [row.reason for row in rows], [row.lps for row in rows])
+            self.end_cancelled(rows)
         t2 = time.perf_counter()
         outs = [row.out for row in rows]
         reasons = [row.reason for row in rows]

@@ -13,6 +13,8 @@ batch that finds no place stays in the worker's queue), and each poll runs one s
 * gives every running row one token (:class:`~worker.engines.fake.FakeRow`: the same
   tokens as static batching, a function of the context) and hands each batch's new tokens
   as :class:`~worker.engines.base.NewTokens`;
+* drops the rows the daemon cancelled (:meth:`~worker.engines.base.Engine.cancel`) before
+  they get another token, each ending ``cancelled`` with nothing kept;
 * ends the rows that stopped (EOS, a stop token), reached their budget or their slice
   (``min(max_new_tokens, slice_len)``), and ends a batch (:class:`~worker.engines.base.BatchDone`)
   once all its rows ended, with the same outputs and KV accounting as static batching
@@ -40,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, RequestOutput
-from worker.engines.base import BatchDone, BatchFailed, Event, NewTokens
+from worker.engines.base import BatchDone, BatchFailed, CancelMarks, Event, NewTokens
 from worker.engines.grammar import GrammarError, row_error
 from worker.engines.kvstore import KVReuse, Retained
 
@@ -77,6 +79,9 @@ class RowEngine(Protocol):
     def row(self, r: BatchRequest) -> Row: ...
 
     def release(self, rids: Iterable[str] | None = None) -> None: ...
+
+    @property
+    def cancels(self) -> CancelMarks: ...
 
 
 @dataclass
@@ -168,7 +173,9 @@ class ContinuousRows:
         return events
 
     def step(self) -> None:
-        """One iteration of every running row (rows that find a place join first)."""
+        """One iteration of every running row (rows that find a place join first; rows the
+        daemon cancelled leave before it)."""
+        self._cancel()
         joined = self._join()
         fresh = sum(len(lv.row.req.token_ids) - lv.used for lv in joined)
         prefill = self.eng.prefill_s_per_token * fresh
@@ -207,6 +214,25 @@ class ContinuousRows:
                 self._end(lv)
 
     # ------------------------------------------------------------------ rows
+
+    def _cancel(self) -> None:
+        """End the rows :meth:`~worker.engines.base.Engine.cancel` named, waiting or running,
+        before they get another token: ``cancelled``, nothing kept."""
+        marks = self.eng.cancels.take()
+        if not marks:
+            return
+
+        def hit(lv: _Live) -> bool:
+            return (lv.grant.batch.batch_id, lv.row.req.rid) in marks
+
+        gone = [lv for lv in self.waiting if hit(lv)] + [lv for lv in self.running if hit(lv)]
+        if not gone:
+            return
+        self.waiting = deque(lv for lv in self.waiting if not hit(lv))
+        self.running = [lv for lv in self.running if not hit(lv)]
+        for lv in gone:
+            lv.row.reason = "cancelled"
+            self._end(lv)
 
     def _join(self) -> list[_Live]:
         """Move waiting rows into the running set while it has room; their kept KV is taken."""

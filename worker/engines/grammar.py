@@ -54,10 +54,12 @@ def row_error(exc: GrammarError) -> RequestOutput:
 
 @functools.cache
 def supported() -> bool:
-    """Whether llguidance is installed (the ``worker`` extra installs it)."""
+    """Whether llguidance is installed (the ``worker`` extra installs it). Not
+    ``llguidance.torch``: nothing here uses it (the masks are applied by
+    :mod:`.constraints`), and its ``torch.compile`` at import pulls in torch's inductor,
+    10 s of a worker's start on an idle CPU and a minute on a busy one."""
     try:
         import llguidance  # noqa: F401
-        import llguidance.torch  # noqa: F401
     except ImportError:
         return False
     return True

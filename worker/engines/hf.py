@@ -353,6 +353,7 @@ class HFEngine(TransformersModel, SliceEngine):
                 if iterations == 1:
                     t1 = time.perf_counter()
                 yield cursor.new([r.out for r in rows], [r.reason for r in rows], [r.logprobs for r in rows])
+                self.end_cancelled(rows)
                 if iterations >= batch.slice_len or all(r.done for r in rows):
                     break
                 invalid += sum(r.done for r in rows)

@@ -63,7 +63,7 @@ from sclsd.protocol import (
 )
 from worker.engines.base import BatchDone, BatchFailed, Engine, EngineInfo, Event, NewTokens
 from worker.engines.cb_constraints import RequestRules, RowRules
-from worker.engines.cb_grants import Allowance, GrantControl, register, unregister
+from worker.engines.cb_grants import Allowance, GrantControl, unregister
 from worker.engines.cb_select import RowPick
 from worker.engines.cb_setup import (  # noqa: F401 - GPU_GRAPHS_MEMORY_SHARE: part of this module's API
     GPU_GRAPHS_MEMORY_SHARE,
@@ -72,6 +72,7 @@ from worker.engines.cb_setup import (  # noqa: F401 - GPU_GRAPHS_MEMORY_SHARE: p
     generation_config,
     graph_padding,
     manager_options,
+    start_manager,
     warm_graphs,
 )
 from worker.engines.constraints import stop_ids
@@ -118,6 +119,20 @@ class _Pending:
     prefill_tokens: int = 0
     reused_tokens: int = 0
 
+    def done(self, control: GrantControl, device: Any) -> BatchDone:
+        """Every row ended: the batch's end, with its stats (and the engine's totals)."""
+        outs = [self.outputs[r.rid] for r in self.batch.requests]
+        elapsed = time.perf_counter() - self.started
+        with control.lock:
+            preemptions, kv_peak = control.preemptions, control.kv_peak
+        # No padding, no invalid tokens; prefill and decode interleave: one wall time.
+        stats = BatchStats(decode_s=elapsed, iterations=max((len(o.token_ids) for o in outs), default=0),
+                           peak_memory=peak_memory(device), batch_size=len(outs),
+                           input_len=max((len(r.token_ids) for r in self.batch.requests), default=0),
+                           prefill_tokens=self.prefill_tokens, reused_tokens=self.reused_tokens,
+                           preemptions=preemptions, kv_peak_tokens=kv_peak)
+        return BatchDone(self.batch, outs, stats)
+
 
 @dataclass
 class _Row:
@@ -139,6 +154,8 @@ class _Row:
     """Context tokens resumed from the request's kept KV (no prefill)."""
     pick: RowPick | None = None
     """The engine's own picks of ``tid``'s tokens (and their log-probabilities), if any."""
+    out: list[int] = field(default_factory=list)
+    """This batch's tokens streamed so far (what a cancelled row ends with)."""
 
     def logprobs(self, toks: list[int], start: int = 0) -> list[TokenLogprobs]:
         """Log-probabilities of this batch's tokens ``toks[start:]`` (empty if not asked)."""
@@ -278,7 +295,8 @@ class HFCBEngine(TransformersModel, Engine):
                  mem_budget: int | None = None, threads: int | None = None, poll_s: float = 0.005,
                  page_size: int | None = None, num_blocks: int | None = None, sampling: bool = True,
                  cuda_graphs: Any = "auto", memory_share: float | None = None,
-                 max_batch_tokens: int | None = None, kv_padding_tokens: int | None = None) -> None:
+                 max_batch_tokens: int | None = None, kv_padding_tokens: int | None = None,
+                 max_rows: int | None = None) -> None:
         self.load(model, device, dtype, mem_budget, threads)
         # transformers' paged cache owns the KV here; the reserve is the eager path's.
         self.kv_limit = self.kv_memory(EAGER_RESERVE_TOKENS, RESERVE_ROWS)
@@ -292,6 +310,10 @@ class HFCBEngine(TransformersModel, Engine):
                                           memory_share, max_batch_tokens)
         self.cache_opts |= graph_padding(self.device.type, bool(self.cache_opts.get("use_cuda_graph")),
                                          kv_padding_tokens)
+        self.max_rows = int(max_rows or 0)
+        """Most rows a step runs (0: as many as the cache holds); the daemon's grants follow it."""
+        if self.max_rows:
+            self.cache_opts["max_requests_per_batch"] = self.max_rows
         self.cache_tokens = num_blocks * page_size if num_blocks is not None else 0
         """Tokens the paged cache holds (0 until transformers has sized it: :meth:`warm_up`)."""
         self._mgr: Any = None
@@ -329,54 +351,29 @@ class HFCBEngine(TransformersModel, Engine):
         grants reserve them); min_tokens, logit_bias, grammars and log-probabilities per request."""
         page = self.cache_opts.get("page_size", 1) or 1
         return EngineCaps(batching="continuous", sampling=self.sampling,
-                          seeded=True, max_context=self.max_context, kv_page_tokens=page,
+                          seeded=True, max_context=self.max_context, kv_page_tokens=page, max_rows=self.max_rows,
                           min_tokens=True, logit_bias=True, grammar=grammar_supported())
 
     # ------------------------------------------------------------------ the manager
 
     def _manager(self, progress: Callable[[str], None] | None = None) -> Any:
         """The continuous batching manager, created and started on first use."""
-        if self._mgr is not None:
-            return self._mgr
-        from transformers import ContinuousBatchingConfig
-
-        control = GrantControl()
-        name = register(control)
-        cfg = ContinuousBatchingConfig(
-            scheduler_type=name,
-            use_async_batching=False,  # pauses assume a step's update precedes the next schedule
-            safety_margin=0.0,  # admission is the daemon's call (its reservations)
-            allow_block_sharing=False,
-            per_request_processors=self.sampling,  # each request's temperature, top-k, top-p
-            **self.cache_opts,
-        )
-        mgr = self.model.init_continuous_batching(generation_config=self.gen_config,
-                                                  continuous_batching_config=cfg)
-        control.wake = mgr._wake_up_loop.set
-        rules = RequestRules.for_manager(mgr, int(self.config.vocab_size), self.device)
-        control.forget = rules.forget
-        if self.device.type == "cuda":
-            import torch
-
-            with torch.cuda.device(self.device):
-                mgr.warmup()  # builds the cache (sized by transformers) and captures its largest graphs
-                warm_graphs(mgr, progress)  # and the common shapes, not met first while serving
-            self.cache_tokens = cache_tokens(mgr)
-        # mgr.start() without its non-daemon thread: kept KV keeps the manager alive between
-        # batches, and a process that forgot close() must still be able to exit.
-        mgr.background_thread_status.clear()
-        mgr._generation_thread = threading.Thread(target=mgr._run_generation_loop,
-                                                  name="hf-cb-generation", daemon=True)
-        mgr._generation_thread.start()
-        self._mgr, self._control, self._scheduler_name, self._rules = mgr, control, name, rules
-        return mgr
+        if self._mgr is None:
+            mgr, control, name, rules = start_manager(self.model, self.gen_config, self.cache_opts,
+                                                      self.sampling, self.device, progress)
+            if self.device.type == "cuda":
+                self.cache_tokens = cache_tokens(mgr)
+            self._mgr, self._control, self._scheduler_name, self._rules = mgr, control, name, rules
+        return self._mgr
 
     def _drop_manager(self) -> None:
         """Stop the manager; whatever KV it kept is gone (reported as evicted)."""
         mgr, self._mgr = self._mgr, None
         if mgr is not None:
             try:
-                mgr.stop(block=True, timeout=30)
+                # A hard stop: the default flushes, serving every request the manager holds
+                # to its end first, which a worker that is closing or failing has no use for.
+                mgr.stop(block=True, timeout=30, hard_stop=True)
             finally:
                 unregister(self._scheduler_name)
         self._paused.clear()
@@ -406,6 +403,7 @@ class HFCBEngine(TransformersModel, Engine):
         """The rows' tokens that came within ``timeout`` (at most ``poll_s``), the batches whose
         rows all ended, and those that failed. Raises if the generation thread died (the worker
         exits and the daemon re-queues), the manager then stopped."""
+        self._cancel()
         if self._owner:
             try:
                 self._collect(self._manager(), min(timeout, self.poll_s))
@@ -418,6 +416,21 @@ class HFCBEngine(TransformersModel, Engine):
                 raise
         events, self._events = self._events, []
         return events
+
+    def _cancel(self) -> None:
+        """End the rows :meth:`cancel` named (``cancelled``): transformers' own cancellation frees
+        their blocks before its next step (:meth:`GrantControl.drop`), nothing is kept, and
+        outputs of theirs still on the way are ignored."""
+        marks = self.cancels.take()
+        if not marks:
+            return
+        for tid, row in list(self._owner.items()):
+            if (row.batch_id, row.req.rid) not in marks:
+                continue
+            del self._owner[tid]
+            self._paused.end(row, None, self._control)
+            self._row_ended(row, RequestOutput(rid=row.req.rid, token_ids=list(row.out),
+                                               finish_reason="cancelled", logprobs=row.logprobs(row.out)))
 
     def _admit(self, mgr: Any, batch: BatchMsg) -> None:
         if why := sampling_refusal(batch, self.sampling):
@@ -519,12 +532,9 @@ class HFCBEngine(TransformersModel, Engine):
         else:
             reason = None  # the slice ended first
         kept = self._paused.end(row, toks if reason is None and not finished else None, self._control)
-        p.outputs[row.req.rid] = RequestOutput(
+        self._row_ended(row, RequestOutput(
             rid=row.req.rid, token_ids=toks, finish_reason=reason, kv_tokens=kept,  # type: ignore[arg-type]
-            reused_tokens=row.reused, logprobs=row.logprobs(toks))
-        if len(p.outputs) == len(p.batch.requests):
-            del self._pending[row.batch_id]
-            self._end(p)
+            reused_tokens=row.reused, logprobs=row.logprobs(toks)))
 
     def _stream_new(self, row: _Row, toks: list[int]) -> None:
         """The tokens ``row`` generated since the last call, as an event (the batch's end still
@@ -533,20 +543,20 @@ class HFCBEngine(TransformersModel, Engine):
             self._events.append(NewTokens(row.batch_id, [RequestOutput(
                 rid=row.req.rid, token_ids=toks[row.sent:], logprobs=row.logprobs(toks, row.sent))]))
             row.sent = len(toks)
+            row.out = toks
 
     def _end(self, p: _Pending) -> None:
-        outs = [p.outputs[r.rid] for r in p.batch.requests]
-        elapsed = time.perf_counter() - p.started
-        c = self._control
-        with c.lock:
-            preemptions, kv_peak = c.preemptions, c.kv_peak
-        # No padding, no invalid tokens; prefill and decode interleave: one wall time.
-        stats = BatchStats(decode_s=elapsed, iterations=max((len(o.token_ids) for o in outs), default=0),
-                           peak_memory=peak_memory(self.device), batch_size=len(outs),
-                           input_len=max((len(r.token_ids) for r in p.batch.requests), default=0),
-                           prefill_tokens=p.prefill_tokens, reused_tokens=p.reused_tokens,
-                           preemptions=preemptions, kv_peak_tokens=kv_peak)
-        self._events.append(BatchDone(p.batch, outs, stats))
+        self._events.append(p.done(self._control, self.device))
+
+    def _row_ended(self, row: _Row, out: RequestOutput) -> None:
+        """``row`` ended with ``out``; its batch ends with its last row."""
+        p = self._pending.get(row.batch_id)
+        if p is None:
+            return
+        p.outputs[row.req.rid] = out
+        if len(p.outputs) == len(p.batch.requests):
+            del self._pending[row.batch_id]
+            self._end(p)
 
     # ------------------------------------------------------------------ kept KV
 

@@ -25,11 +25,14 @@ batch runs is not put back afterwards.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "KVReuse", "KVStore", "Retained", "assemble_past", "common_prefix", "cut_row", "cut_rows",
@@ -75,6 +78,7 @@ class KVStore:
         self._entries: OrderedDict[str, Retained] = OrderedDict()  # least recently used first
         self._bytes = 0
         self._host_bytes = 0
+        self._host_used = False
         self._out: set[str] = set()
         """Checked out by the running batch."""
         self._released_out: set[str] = set()
@@ -188,6 +192,11 @@ class KVStore:
             self._entries[rid] = moved  # same place in the LRU order
             self._bytes -= e.nbytes
             self._host_bytes += moved.nbytes
+            # The first move at info (the host tier is in use), the others at debug.
+            log.log(logging.DEBUG if self._host_used else logging.INFO,
+                    "kept KV of %s moved to host memory (%d bytes; %d there now)", rid, moved.nbytes,
+                    self._host_bytes)
+            self._host_used = True
             while self._host_bytes > self.host_budget:
                 old = next(k for k, v in self._entries.items() if v.on_host)
                 self._pop(old)

@@ -53,7 +53,16 @@ from .table import Entry, RequestTable
 
 log = logging.getLogger("sclsd")
 
-__all__ = ["ServingCore"]
+__all__ = ["ServingCore", "fair_group"]
+
+
+def fair_group(client: Client, uid: int | None, pid: int | None, gen: P.Generate) -> tuple[str, str, str]:
+    """Whose turn a request takes (:mod:`sclsd.core.grant_queue`): users take turns, then each
+    user's processes, then each process's groups: the one it names (``generate.group``; one
+    HTTP front end's end users, each request's ``n`` choices), else its connection and
+    ``user``. Named groups are scoped to the process: no client takes another's turns."""
+    own = gen.group if gen.group is not None else f"conn {hash(client)}/{gen.user or ''}"
+    return (f"uid {uid}", f"pid {pid}", own)
 
 
 class ServingCore:
@@ -74,8 +83,10 @@ class ServingCore:
     # ------------------------------------------------------------------ clients
 
     def submit(self, client: Client, uid: int | None, gen: P.Generate, rid: str,
-               prompt_ids: list[int], now: float) -> Effects:
-        """Accept an admitted request (admission checked it): ``accepted``, then the pool."""
+               prompt_ids: list[int], now: float, pid: int | None = None) -> Effects:
+        """Accept an admitted request (admission checked it): ``accepted``, then the pool.
+        ``uid`` and ``pid``: the client's user and process (its peer credentials), the first
+        levels of its group's turns."""
         out = Effects()
         if rid in self.table:  # admission refuses these; never two requests of one id
             out.send(client, P.Error(code="duplicate_id", message=f"request id {rid!r} is already live",
@@ -89,8 +100,7 @@ class ServingCore:
             arrival=now,
             priority=gen.priority,
             deadline=None if gen.timeout is None else now + gen.timeout,
-            # Scoped to the connection: no client can take another's turns.
-            group=f"{hash(client)}/{gen.group if gen.group is not None else gen.user or ''}",
+            group=fair_group(client, uid, pid, gen),
         )
         output = Output(Detokenizer(stop=list(gen.stop), keep_stop=gen.include_stop_str), self.tok)
         self.replies.accept(Entry(req, client, uid, gen, list(prompt_ids), output), out)
@@ -107,7 +117,6 @@ class ServingCore:
         mine = any_client or self.table.owns(requester, rid)
         if not mine or not self.replies.cancel(rid, "cancelled", now, out):
             out.send(requester, P.Error(code="unknown_id", message=f"no live request {rid!r}", id=rid))
-        self.dispatch.flush(out)
         return out
 
     def owns(self, client: Client, rid: str) -> bool:
@@ -118,21 +127,18 @@ class ServingCore:
         """A client disconnected: its requests are cancelled, without events."""
         out = Effects()
         self.replies.client_gone(client, now, out)
-        self.dispatch.flush(out)
         return out
 
     def fail(self, rid: str, code: P.ErrorCode, message: str, now: float) -> Effects:
         """End one live request with ``error`` (a daemon-side failure)."""
         out = Effects()
         self.replies.fail(rid, code, message, now, out)
-        self.dispatch.flush(out)
         return out
 
     def fail_all(self, code: P.ErrorCode, message: str, now: float) -> Effects:
         """End every live request with ``error`` (shutdown, no workers left)."""
         out = Effects()
         self.replies.fail_all(code, message, now, out)
-        self.dispatch.flush(out)
         return out
 
     # ------------------------------------------------------------------ workers
@@ -182,12 +188,11 @@ class ServingCore:
             if isinstance(texts, BaseException):
                 log.warning("detokenizing streamed tokens failed (%r); ids=%s", texts,
                             ",".join(e.rid for e, _ in job.chunks))
-            self.streaming.apply(job, None if isinstance(texts, BaseException) else texts, out)
+            self.streaming.apply(job, None if isinstance(texts, BaseException) else texts, now, out)
         elif isinstance(job, ResultJob):
             self.results.apply(job, texts, now, out)
         else:
             raise TypeError(f"not a job of this core: {job!r}")
-        self.dispatch.flush(out)
         return out
 
     def worker_lost(self, wid: str, why: str, reason: P.LossReason, now: float) -> Effects:
@@ -220,7 +225,6 @@ class ServingCore:
                     self.replies.failed(e, f"it was on {r.worker_losses} workers that died while "
                                         f"serving it (the last: {wid}, {why})", now, out)
             self.streaming.settle(None, now, out)
-            self.dispatch.flush(out)
 
     # ------------------------------------------------------------------ time
 
@@ -241,7 +245,6 @@ class ServingCore:
             self.dispatch.apply(rnd.releases, out)  # before the batches: a moved request's KV
             for batch in rnd.batches:
                 self.dispatch.dispatch(batch, now, out)
-        self.dispatch.flush(out)
         wait = 1.0
         if sched.pool and sched.active_workers():
             wait = min(wait, sched.next_at - now)

@@ -29,7 +29,11 @@ A request goes to a worker whole once; later rows of it there are deltas
 (:class:`~sclsd.protocol.ContinueRow`: the budget and the context tokens the
 worker lacks), as :class:`~.records.Records` knows what each worker holds, and
 records the daemon no longer needs are forgotten on the worker's next batch
-(``BatchMsg.forget``) or in a ``forget``.
+(``BatchMsg.forget``) or in a ``forget`` (``Effects.forget``).
+
+A request that ends here while its batch is in flight has its row ended on the worker
+(:meth:`DispatchBook.ended`: a ``cancel_rows``), so the engine stops computing it at its
+next step and the grant's result comes back at once.
 """
 
 from __future__ import annotations
@@ -69,16 +73,19 @@ class DispatchBook:
         self.moved: dict[int, tuple[str, float]] = {}
         #: What a grammar row's matcher is built within on the worker ([grammar]).
         self.grammar_limits = P.GrammarLimits(**cfg.grammar.limits())
+        self.cancelled_rows = 0
+        """Rows of batches in flight the daemon ended on their workers (``cancel_rows``)."""
 
-    def message(self, batch: Batch) -> P.BatchMsg:
+    def message(self, batch: Batch, out: Effects) -> P.BatchMsg:
         """The wire form of a batch: a request new to the worker whole (its context by token
         ids, its parameters, its grammar as admission compiled it: ``Entry.grammar``, never
-        compiled here), one it holds as a :class:`~sclsd.protocol.ContinueRow`."""
+        compiled here), one it holds as a :class:`~sclsd.protocol.ContinueRow`; the records
+        ``out`` has for its worker to forget ride on it."""
         wid = batch.worker
         assert wid is not None
         rows: list[P.BatchRequest] = []
         cont: list[P.ContinueRow] = []
-        forget = self.records.take(wid)
+        forget = out.forget.pop(wid, [])
         for r in batch.requests:
             e = self.table.get(r.rid)
             assert e is not None, f"batch {batch.bid} holds {r.rid}, which is not live"
@@ -89,7 +96,8 @@ class DispatchBook:
                                           generated=r.num_generated, tail=_tail(e, known)))
             else:
                 rows.append(self._whole(e, r.remaining, r.num_generated))
-            self.records.sent(wid, r.rid, n)
+            if (elsewhere := self.records.sent(wid, r.rid, n)) is not None:
+                out.forget_on(elsewhere, r.rid)
         return P.BatchMsg(batch_id=batch.bid, slice_len=batch.slice_len, requests=rows,
                           kv_reuse=self.sched.policy.kv_reuse, cont=cont, forget=forget)
 
@@ -115,7 +123,7 @@ class DispatchBook:
                   batch.input_len, batch.est_time, ",".join(r.rid for r in batch.requests))
         # Releases went first (the round's were applied before its batches); records to
         # forget ride on the batch for this worker.
-        out.tell(wid, self.message(batch))
+        out.tell(wid, self.message(batch, out))
         for r in batch.requests:
             e = self.table.get(r.rid)
             if e is not None:
@@ -136,11 +144,15 @@ class DispatchBook:
         for rel in releases:
             self.release(rel.worker, list(rel.rids), out)
 
-    def flush(self, out: Effects) -> None:
-        """Send the records to forget that no batch carried."""
-        for wid, rids in self.records.take_all().items():
-            if wid in self.members:
-                out.tell(wid, P.Forget(rids=rids))
+    def ended(self, rid: str, batch_id: int | None, out: Effects) -> None:
+        """``rid`` ended in the daemon (``batch_id``: the batch it was in, if any): its worker
+        forgets its record, and ends its row if that batch is still in flight there."""
+        if (wid := self.records.ended(rid)) is not None and wid in self.members:
+            out.forget_on(wid, rid)
+        batch = self.sched.batches.get(batch_id) if batch_id is not None else None
+        if batch is not None and batch.worker is not None and batch.worker in self.members:
+            out.cancel_row(batch.worker, batch.bid, rid)
+            self.cancelled_rows += 1
 
     # ------------------------------------------------------------------ tracking
 

@@ -11,7 +11,7 @@ performs any of it.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -92,9 +92,34 @@ class Effects:
     """Why a worker's registration was refused (``worker_joined`` only)."""
     wake: bool = False
     """Something changed that the scheduling loop should look at."""
+    forget: dict[str, list[str]] = field(default_factory=dict)
+    """Per worker, requests whose records it should drop: a batch for that worker in
+    ``to_workers`` carries those forgotten before it (``BatchMsg.forget``); the rest go as
+    one :class:`~sclsd.protocol.Forget` after ``to_workers`` (:meth:`worker_messages`)."""
+    cancel: dict[str, list[P.CancelRow]] = field(default_factory=dict)
+    """Per worker, rows of batches in flight whose requests ended here: one
+    :class:`~sclsd.protocol.CancelRows` after ``to_workers``, so after every batch they name."""
 
     def send(self, client: Client, event: P.ServerMsg) -> None:
         self.to_clients.append((client, event))
 
     def tell(self, wid: str, msg: P.DaemonToWorkerMsg) -> None:
         self.to_workers.append((wid, msg))
+
+    def forget_on(self, wid: str, rid: str) -> None:
+        """Worker ``wid`` should drop ``rid``'s record."""
+        self.forget.setdefault(wid, []).append(rid)
+
+    def cancel_row(self, wid: str, batch_id: int, rid: str) -> None:
+        """Worker ``wid`` should end ``rid``'s row of batch ``batch_id``."""
+        self.cancel.setdefault(wid, []).append(P.CancelRow(batch_id, rid))
+
+    def worker_messages(self) -> Iterator[tuple[str, P.DaemonToWorkerMsg]]:
+        """Every message for workers, in the order they go out: ``to_workers``, then each
+        worker's :class:`~sclsd.protocol.Forget` and :class:`~sclsd.protocol.CancelRows`."""
+        yield from self.to_workers
+        for wid, rids in self.forget.items():
+            if rids:
+                yield wid, P.Forget(rids=rids)
+        for wid, rows in self.cancel.items():
+            yield wid, P.CancelRows(rows=rows)

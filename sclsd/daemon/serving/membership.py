@@ -117,7 +117,7 @@ class Membership:
             out.refused = f"the daemon cannot use it: {exc}"
             return
         self.workers[wid] = WorkerInfo(wid, reg, now, registered_at=now)
-        self.sched.add_worker(wid)
+        self.sched.add_worker(wid, self.cfg.scheduler.grant_rows(reg.caps.max_rows))
         log.info("worker=%s registered engine=%s model=%s device=%s pid=%d kv_bytes_per_token=%d "
                  "mem_available=%d vocab=%d", wid, reg.engine, reg.model, reg.device, reg.pid,
                  reg.kv_bytes_per_token, reg.mem_available, reg.vocab_size)

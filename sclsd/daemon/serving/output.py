@@ -3,11 +3,12 @@
 Tokens reach a request two ways. While a slice runs, the worker streams them
 (``tokens`` messages): each message's tokens become a :class:`Chunk` that
 waits in :attr:`Output.inbound` while it is detokenized, then lands in
-:attr:`Output.ids`; :attr:`Output.streamed` counts the running slice's
-streamed tokens. When the slice ends, its ``result`` brings the tokens that
-followed the ``streamed`` ones. A slice that ends
-without a result (its worker lost, its batch failed) keeps what was streamed:
-:meth:`Output.settle` makes it part of the output.
+:attr:`Output.ids`. How many tokens the request generated is not counted here but in
+its one record of progress, ``Request.num_generated`` (the running slice's streamed
+ones: ``Request.slice_tokens``). When the slice ends, its ``result`` brings the tokens
+that followed the streamed ones. A slice that ends without a result (its worker lost,
+its batch failed) keeps what was streamed: :meth:`Output.settle` makes it part of the
+output.
 
 A request that ends at a stop string keeps only the tokens up to the one that
 completed it (:meth:`Output.stop_cut`, :meth:`Output.trim_to_stop`): the count
@@ -53,10 +54,10 @@ class Output:
     """Tokens kept once a stop string ended the request (None: none did)."""
     inbound: list[Chunk] = field(default_factory=list)
     """Streamed chunks being detokenized, on their way to ``ids``."""
-    streamed: int = 0
-    """Tokens of the running slice (batch ``streamed_bid``) taken from its ``tokens``
-    messages; its result adds only what follows them."""
-    streamed_bid: int | None = None
+    unsettled: bool = False
+    """The running slice streamed tokens and has not ended yet (by its result, or
+    :meth:`settle`). How many is the request's progress, not the output's:
+    ``Request.slice_tokens``."""
     streamed_reason: FinishReason | None = None
     """The worker said the row finished in a ``tokens`` message (kept in case no result comes)."""
 
@@ -91,26 +92,19 @@ class Output:
 
     # ------------------------------------------------------------------ streamed tokens
 
-    def room(self, bid: int, remaining: int) -> int:
-        """How many more tokens batch ``bid`` may stream for this request, whose scheduler
-        entry has ``remaining`` tokens left before the slice (a new batch starts afresh)."""
-        if self.streamed_bid != bid:
-            self.streamed_bid, self.streamed, self.streamed_reason = bid, 0, None
-        return max(0, remaining - self.streamed)
-
     def stream(self, ids: list[int], logprobs: list[P.TokenLogprobs],
                reason: FinishReason | None) -> Chunk:
-        """Count ``ids`` as streamed in the running slice; returns the chunk to detokenize."""
-        self.streamed += len(ids)
+        """``ids`` streamed in the running slice; returns the chunk to detokenize."""
+        self.unsettled = True
         self.streamed_reason = reason
         chunk = Chunk(list(ids), logprobs[: len(ids)] if logprobs else [])
         self.inbound.append(chunk)
         return chunk
 
     def take(self, ids: list[int], logprobs: list[P.TokenLogprobs], reason: FinishReason | None) -> None:
-        """Count ``ids`` as streamed in the running slice, for a request that does not stream:
-        they join the output at once (its text is decoded with the slice's result)."""
-        self.streamed += len(ids)
+        """``ids`` streamed in the running slice, for a request that does not stream: they
+        join the output at once (its text is decoded with the slice's result)."""
+        self.unsettled = True
         self.streamed_reason = reason
         self.ids.extend(ids)
         if logprobs:
@@ -124,31 +118,27 @@ class Output:
             self.ids.extend(chunk.ids)
             self.logprobs.extend(chunk.logprobs)
 
-    def streamed_in(self, bid: int) -> int:
-        """Tokens of batch ``bid``'s slice already streamed (0 for another batch)."""
-        return self.streamed if self.streamed_bid == bid else 0
-
     # ------------------------------------------------------------------ slice ends
 
-    def apply_slice(self, streamed: int, out: P.RequestOutput) -> list[int]:
-        """The slice's result ``out``: its tokens follow the ``streamed`` ones already in
-        ``ids``; returns them (now in ``ids`` too)."""
+    def apply_slice(self, out: P.RequestOutput) -> list[int]:
+        """The slice's result ``out``: its tokens follow those it streamed, already in ``ids``
+        (or on their way); returns them (now in ``ids`` too)."""
         tail = list(out.token_ids)
         self.ids.extend(tail)
         self.logprobs.extend(out.logprobs)
-        self.streamed, self.streamed_bid, self.streamed_reason = 0, None, None
+        self.unsettled, self.streamed_reason = False, None
         return tail
 
-    def settle(self) -> tuple[int, FinishReason | None]:
+    def settle(self) -> FinishReason | None:
         """The running slice ended without a result: what it streamed stays in the output.
-        Returns how many tokens that was and whether the worker said they ended the row."""
-        k, reason = self.streamed, self.streamed_reason
-        self.streamed, self.streamed_bid, self.streamed_reason = 0, None, None
+        Returns whether the worker said those tokens ended the row."""
+        reason = self.streamed_reason
+        self.unsettled, self.streamed_reason = False, None
         for chunk in self.inbound:
             self.ids.extend(chunk.ids)
             self.logprobs.extend(chunk.logprobs)
         self.inbound.clear()
-        return k, reason
+        return reason
 
     # ------------------------------------------------------------------ stop strings
 

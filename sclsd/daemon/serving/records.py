@@ -11,8 +11,10 @@ none). :class:`Records` is that knowledge, and the records to forget:
 - a result's row grows it by the row's tokens, or ends it when the row finished
   there (the worker drops a finished row's record itself);
 - a request that moves to another worker, or ends in the daemon (a stop string, a
-  cancel, a timeout) is forgotten where it was held: the ids ride on the next batch
-  to that worker (``BatchMsg.forget``) or go in a :class:`~sclsd.protocol.Forget`;
+  cancel, a timeout) is forgotten where it was held: the call that forgets it returns that
+  worker, and the caller puts the id in its :class:`~.effects.Effects` (``forget``), from
+  where it rides on the next batch to that worker (``BatchMsg.forget``) or goes in one
+  :class:`~sclsd.protocol.Forget` once the entry point's other messages went out;
 - a failed batch makes its rows' records untrusted (the next row there is whole);
 - a ``release`` drops the record with the KV; a worker lost or registered anew holds
   nothing.
@@ -34,8 +36,6 @@ class Records:
         """Worker id -> request id -> context tokens the worker holds for it (``STALE``)."""
         self.where: dict[str, str] = {}
         """Request id -> the worker holding its record."""
-        self.pending: dict[str, list[str]] = {}
-        """Worker id -> requests whose records it should drop (not told yet)."""
 
     def known(self, wid: str, rid: str) -> int | None:
         """The context tokens ``wid`` holds for ``rid`` that a continued row may build on
@@ -43,14 +43,17 @@ class Records:
         n = self.held.get(wid, {}).get(rid)
         return None if n is None or n == STALE else n
 
-    def sent(self, wid: str, rid: str, n: int) -> None:
-        """A row of ``rid`` went to ``wid`` with ``n`` context tokens; a record elsewhere
-        is forgotten."""
+    def sent(self, wid: str, rid: str, n: int) -> str | None:
+        """A row of ``rid`` went to ``wid`` with ``n`` context tokens; a record elsewhere is
+        forgotten: returns that worker (None: none), which must be told."""
         old = self.where.get(rid)
         if old is not None and old != wid:
             self._forget(old, rid)
+        else:
+            old = None
         self.where[rid] = wid
         self.held.setdefault(wid, {})[rid] = n
+        return old
 
     def grew(self, wid: str, rid: str, n: int) -> None:
         """``wid``'s row of ``rid`` generated tokens, which the daemon kept: it holds ``n``."""
@@ -69,28 +72,19 @@ class Records:
             del self.where[rid]
             del self.held[wid][rid]
 
-    def ended(self, rid: str) -> None:
-        """``rid`` ended in the daemon: its record is forgotten wherever it is held."""
+    def ended(self, rid: str) -> str | None:
+        """``rid`` ended in the daemon: its record is forgotten wherever it is held; returns
+        that worker (None: none), which must be told."""
         wid = self.where.get(rid)
         if wid is not None:
             self._forget(wid, rid)
+        return wid
 
     def worker_gone(self, wid: str) -> None:
         """``wid`` was lost or registered anew: it holds no record."""
         for rid in self.held.pop(wid, {}):
             del self.where[rid]
-        self.pending.pop(wid, None)
-
-    def take(self, wid: str) -> list[str]:
-        """The requests ``wid`` should forget, once (for its next batch)."""
-        return self.pending.pop(wid, [])
-
-    def take_all(self) -> dict[str, list[str]]:
-        """Every worker's requests to forget, once."""
-        out, self.pending = self.pending, {}
-        return out
 
     def _forget(self, wid: str, rid: str) -> None:
         del self.where[rid]
         del self.held[wid][rid]
-        self.pending.setdefault(wid, []).append(rid)

@@ -121,7 +121,8 @@ class Replies:
     def _end(self, e: Entry, reason: FinishReason, t: P.Timings, out: Effects,
              code: str | None = None) -> None:
         self.table.remove(e)
-        self.dispatch.records.ended(e.rid)  # a worker holding its record drops it
+        # Its worker drops its record, and its row if one is still running: the work stops.
+        self.dispatch.ended(e.rid, e.req.batch_id, out)
         out.ended.append(Ended(e.rid, reason, len(e.prompt_ids), len(e.out.ids), t,
                                started=e.started_at is not None, code=code,
                                token_gaps=tuple(e.token_gaps)))

@@ -130,22 +130,25 @@ class Results:
                     stray.append(o.rid)  # e.g. cancelled during the slice: nobody needs its KV
                 continue
             seen.add(o.rid)
-            k = e.out.streamed_in(res.batch_id)
-            if o.error is None and o.start != k:
-                gaps.append(f"{o.rid} (its result starts at token {o.start}, {k} were streamed)")
+            k = req.slice_tokens  # streamed, and counted, already
+            if o.finish_reason == "cancelled":
+                gaps.append(f"{o.rid}: the worker ended it as cancelled, and it was not")
                 continue
-            budget = max(0, req.remaining - k)
+            if o.error is None and o.start != k:
+                gaps.append(f"{o.rid}: its result starts at token {o.start}, {k} were streamed")
+                continue
+            budget = max(0, req.remaining)
             if len(o.token_ids) > budget:
                 o = P.RequestOutput(rid=o.rid, token_ids=o.token_ids[:budget], start=k, finish_reason="length",
                                     logprobs=o.logprobs[:budget])
             e.cached_tokens = max(e.cached_tokens, min(o.reused_tokens, len(e.prompt_ids)))
             rows.append(Row(e, o, k))
         if gaps:
-            log.warning("worker=%s batch=%d: tokens missing from its stream: %s", res.worker_id,
-                        res.batch_id, "; ".join(gaps))
+            log.warning("worker=%s batch=%d: its result does not follow what it streamed: %s",
+                        res.worker_id, res.batch_id, "; ".join(gaps))
             self.dispatch.release(res.worker_id, stray, out)
-            self.fail_batch(res.batch_id, now, out, why=f"worker {res.worker_id}: tokens missing from its "
-                            f"stream ({gaps[0]})")
+            self.fail_batch(res.batch_id, now, out, why=f"worker {res.worker_id}: its result does not "
+                            f"follow what it streamed ({gaps[0]})")
             return
         wins = [r.entry.out.detok.window(r.entry.out.context() + list(r.output.token_ids)) for r in rows]
         keep = [not r.entry.gen.skip_special_tokens for r in rows]
@@ -200,7 +203,6 @@ class Results:
                 self.dispatch.records.stale(batch.worker, rid)
         applied = self.sched.on_result(BatchOutcome(batch_id, ok=False, charged=charged), now)
         self.dispatch.apply(applied.releases, out)
-        self.dispatch.flush(out)
         self.streaming.settle(members, now, out)
         for r in applied.ended:
             e = self.table.get(r.rid)
@@ -235,7 +237,7 @@ class Results:
                 self.dispatch.records.dropped(res.worker_id, e.rid)  # a failed row's record goes
                 continue
             _started(e, res.stats.queue_wait_s, now)
-            tail = e.out.apply_slice(k, o)
+            tail = e.out.apply_slice(o)
             if o.finish_reason is not None:
                 self.dispatch.records.dropped(res.worker_id, e.rid)  # finished there: it dropped it
             else:
@@ -260,7 +262,6 @@ class Results:
         told = {rid for rel in applied.releases if rel.worker == res.worker_id for rid in rel.rids}
         self.dispatch.release(res.worker_id, [rid for rid in stray if rid not in told], out)
         self.dispatch.apply(applied.releases, out)
-        self.dispatch.flush(out)
         out.batch_seconds.append(elapsed)
         self.engines.add(res.worker_id, stats, len(res.outputs))
         for e, ids, text in deltas:

@@ -7,13 +7,15 @@ past the request's budget: a buggy or hostile worker cannot write into another
 request's output. A request's first streamed token sets its first-token time;
 a streaming request's tokens are detokenized (off the loop: a
 :class:`TokensJob`) and sent as a ``delta``, and join its output (see
-:mod:`~sclsd.daemon.serving.output`). The scheduler hears of them only at the
-slice's end, through the result, which brings only the tokens no ``tokens``
+:mod:`~sclsd.daemon.serving.output`). The scheduler decides nothing on them until
+the slice's end, through the result, which brings only the tokens no ``tokens``
 message did.
 
-A batch that ends without a result (its worker lost, or it failed) keeps the
-tokens its clients already saw (:meth:`Streaming.settle`): they count as
-generated, and each request continues after them, or ends if they ended it.
+Streamed tokens count in the request's progress as they are taken
+(:meth:`~sclsd.core.scheduler_api.SchedulerInterface.generated`: ``Request.num_generated``,
+the one record of it), so a batch that ends without a result (its worker lost, or it
+failed) leaves each request with the context and budget its client saw: it continues after
+them (:meth:`Streaming.settle`), or ends if they ended it.
 """
 
 from __future__ import annotations
@@ -93,26 +95,25 @@ class Streaming:
             seen.add(rid)
             out = e.out
             ids = row.token_ids
-            room = out.room(bid, req.remaining)
-            if row.start != out.streamed:
+            if row.start != req.slice_tokens:
                 # Not where its previous part ended (a part we did not take): the rest of the
                 # slice waits for the result, which then fails the batch (results.py).
                 continue
-            if len(ids) > room:
-                ids = ids[:room]
+            if len(ids) > req.remaining:
+                ids = ids[:req.remaining]
             if not ids:
                 continue
-            if req.first_token is None:
-                self.sched.streamed(rid, now)
+            self.sched.generated(rid, len(ids), now)  # the request's progress, counted once
             e.tokens_at(now, len(ids))
             if e.streams:
                 chunks.append((e, out.stream(ids, row.logprobs, row.finish_reason)))
             else:  # its client hears the whole output at the end
                 out.take(ids, row.logprobs, row.finish_reason)
 
-    def apply(self, job: TokensJob, texts: list[str] | None, out: Effects) -> None:
+    def apply(self, job: TokensJob, texts: list[str] | None, now: float, out: Effects) -> None:
         """The chunks were detokenized (``texts`` None: that failed; their text follows with
-        the next): each lands in its output and goes to its client."""
+        the next): each lands in its output and goes to its client. A request whose stop
+        string just appeared ends now (``stop``), its row on the worker with it."""
         k = len(job.chunks)
         holds = self.table.holds
         delta = self.replies.delta_of_live
@@ -122,26 +123,31 @@ class Streaming:
             e.out.land(chunk)
             text = e.out.detok.apply_window(job.snaps[i], texts[i], texts[k + i]) if texts is not None else ""
             delta(e, chunk.ids, text, out)
+            if e.out.detok.stopped:
+                cancelled = self.sched.cancel(e.rid, now, "stop")
+                if cancelled is not None:
+                    self.dispatch.apply(cancelled.releases, out)
+                    self.replies.finish(e, "stop", now, out)
 
     def settle(self, rids: Iterable[str] | None, now: float, out: Effects) -> None:
         """Requests whose batch ended without a result keep the tokens already streamed to
-        their clients: counted as generated, the request continues after them (or ends, if
-        the worker said they ended it). ``rids``: those to look at (None: every live one)."""
+        their clients (they counted as they came): their outputs take in what is still being
+        detokenized, and a request ends if the worker said they ended it, or its budget is
+        spent. ``rids``: those to look at (None: every live one)."""
         entries = list(self.table) if rids is None else [self.table.get(r) for r in rids]
         for e in entries:
-            if e is None or not e.out.streamed or e.out.streamed_bid in self.sched.batches:
+            if e is None or e.req.batch_id in self.sched.batches or not e.out.unsettled:
                 continue
-            k, reason = e.out.settle()
+            reason = e.out.settle()
             r = e.req
-            self.sched.settled(r.rid, k)
             if r.state.terminal:
                 continue  # failed for good: its error follows
             if e.out.detok.stopped:
                 reason = "stop"
             elif reason is None and r.remaining <= 0:
                 reason = "length"
-            log.info("id=%s keeps %d streamed tokens of a batch that ended without a result%s",
-                     r.rid, k, f"; finished ({reason})" if reason else "")
+            log.info("id=%s keeps the %d streamed tokens of a batch that ended without a result%s",
+                     r.rid, r.slice_tokens, f"; finished ({reason})" if reason else "")
             cancelled = None if reason is None else self.sched.cancel(r.rid, now, reason)
             if cancelled is not None:
                 assert reason is not None

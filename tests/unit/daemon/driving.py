@@ -52,7 +52,7 @@ class TimedDriver(Driver):
     def run(self, eff: Effects) -> Effects:
         """As :meth:`Driver.run`, noting when batches arrive and feeding the metrics what
         the shell would (the decoding's own effects come through here too, once each)."""
-        for _, msg in eff.to_workers:
+        for _, msg in eff.worker_messages():
             if isinstance(msg, P.BatchMsg):
                 self.arrived.setdefault(msg.batch_id, self.now)
                 self.metrics.dispatched(len(msg.requests))
@@ -130,7 +130,7 @@ class WorkerDriver(Driver):
 
     def run(self, eff: Effects) -> Effects:
         """As :meth:`Driver.run`; a ``release`` also drops the KV its worker's engine kept."""
-        for wid, msg in eff.to_workers:
+        for wid, msg in eff.worker_messages():
             if isinstance(msg, P.Release) and wid in self.engines:
                 self.engines[wid].release(msg.rids)
         return super().run(eff)

@@ -104,7 +104,7 @@ class Driver:
         """Record the effects; detokenize what they ask for, at once and in order."""
         for client, ev in eff.to_clients:
             self.to_client.setdefault(client, []).append(ev)
-        for wid, msg in eff.to_workers:
+        for wid, msg in eff.worker_messages():
             self.to_worker.setdefault(wid, []).append(msg)
             if isinstance(msg, P.Release):
                 self.told.update((wid, rid) for rid in msg.rids)

@@ -21,18 +21,19 @@ def test_records_follow_rows_results_moves_and_ends() -> None:
     r.grew("w0", "a", 18)
     assert r.known("w0", "a") == 18
     r.grew("w1", "a", 99)  # not held there: nothing changes
-    r.sent("w1", "a", 18)  # moved: w0 forgets it
-    assert r.known("w0", "a") is None and r.take("w0") == ["a"] and r.take("w0") == []
+    assert r.sent("w1", "a", 18) == "w0"  # moved: w0 must forget it
+    assert r.known("w0", "a") is None
+    assert r.sent("w1", "a", 18) is None  # held there already: nobody to tell
     r.stale("w1", "a")
     assert r.known("w1", "a") is None  # held, but not vouched for: the next row is whole
-    r.sent("w1", "b", 4)
-    r.ended("b")
+    assert r.sent("w1", "b", 4) is None
+    assert r.ended("b") == "w1"
     r.dropped("w1", "a")  # finished there: nothing to tell
-    assert r.take_all() == {"w1": ["b"]} and r.where == {}
+    assert r.where == {}
     r.sent("w2", "c", 1)
-    r.ended("x")  # never held anywhere
+    assert r.ended("x") is None  # never held anywhere
     r.worker_gone("w2")
-    assert r.where == {} and r.take_all() == {}
+    assert r.where == {} and r.ended("c") is None
 
 
 def rows(msg: P.BatchMsg) -> tuple[list[str], list[str]]:

@@ -232,5 +232,9 @@ def test_the_series_an_operator_of_vllm_expects(daemon) -> None:
         assert ("sclsd:num_preemptions_total", frozenset({("model_name", "fake")})) in s
         assert value(s, "sclsd:prefix_cache_queries_total") >= 3  # the prompt's context tokens
         assert any(n == "process_cpu_seconds_total" for n, _ in s)
+        # sclsd's own come first, the process's after them (`sclsctl metrics | head`).
+        names = [line.split("{")[0].split(" ")[0] for line in h.server.metrics.exposition().splitlines()
+                 if line and not line.startswith("#")]
+        assert names[0].startswith("sclsd:") and names[-1].startswith("process_")
 
     daemon(body)

@@ -263,7 +263,7 @@ def test_without_kv_reuse_workers_keep_nothing(drv: WorkerDriver) -> None:
     assert drv.terminal("c", "p")[0].token_ids == reference(20)
 
 
-def test_a_stop_string_seen_in_streamed_text_ends_the_request_at_its_slice_end(drv: WorkerDriver) -> None:
+def test_a_stop_string_seen_in_streamed_text_ends_the_request_and_its_row_at_once(drv: WorkerDriver) -> None:
     full = ByteTokenizer().decode(reference(20))
     stop = "s"  # completed by the fifth token, in the first slice
     assert full.index(stop) > 0 and ByteTokenizer().decode(reference(20)[:5]).endswith(stop)
@@ -271,12 +271,15 @@ def test_a_stop_string_seen_in_streamed_text_ends_the_request_at_its_slice_end(d
     drv.join("w0")
     drv.submit("c", "s", max_tokens=20, stream=True, ignore_eos=True, stop=[stop])
     drv.step()
-    drv.serve("w0", hold=True)
+    (batch,) = drv.serve("w0", hold=True)
     assert drv.events("c", P.Delta)
-    assert not drv.terminal("c", "s")  # the scheduler acts at the slice's end
-    drv.finish("w0")
-    (done,) = drv.terminal("c", "s")
-    assert done.finish_reason == "stop" and done.timings.slices == 1
+    (done,) = drv.terminal("c", "s")  # as the stop string streamed, not at the slice's end
+    assert done.finish_reason == "stop" and done.timings.slices == 0
+    # Its worker is told to end the row: the engine computes nothing more for it.
+    cancels = [m for m in drv.to_worker["w0"] if isinstance(m, P.CancelRows)]
+    assert cancels == [P.CancelRows(rows=[P.CancelRow(batch.batch_id, "s")])]
+    drv.finish("w0")  # the slice's result changes nothing
+    assert drv.terminal("c", "s") == [done]
     text = "".join(d.text for d in drv.events("c", P.Delta))
     assert stop not in text and full.startswith(text)
     assert streamed_ids(drv, "s") == reference(20)[:5]  # up to the one completing it

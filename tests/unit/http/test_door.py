@@ -24,7 +24,7 @@ def test_access_log_line_per_request_and_x_request_id(front, caplog) -> None:
                               headers={"X-Request-ID": "client-42"})
         assert r.headers["x-request-id"] == "client-42"
         rid = r.json()["id"]
-        bad = await f.http.post("/v1/completions", json={**ONE, "prompt": "x", "typo": 1})
+        bad = await f.http.post("/v1/completions", json={**ONE, "prompt": "x", "use_beam_search": True})
         assert bad.status_code == 400 and len(bad.headers["x-request-id"]) == 24
         await f.http.get("/no/such%0AFAKE%20LINE")  # the server decodes %0A into the path
         lines = [rec.getMessage() for rec in caplog.records if rec.name == "sclsd.http.access"]
@@ -55,7 +55,7 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 def test_http_requests_and_refusals_are_counted_on_metrics(front) -> None:
     async def body(f: Front) -> None:
         await f.http.post("/v1/completions", json={**ONE, "prompt": "x"})
-        await f.http.post("/v1/completions", json={**ONE, "prompt": "x", "typo": 1})
+        await f.http.post("/v1/completions", json={**ONE, "prompt": "x", "use_beam_search": True})
         await f.http.post("/v1/completions", content=b"{", headers={"content-type": "application/json"})
         await f.http.get("/v1/models/nope")
         s = _samples((await f.http.get("/metrics")).text)

@@ -72,11 +72,15 @@ def test_logprobs_forms() -> None:
     assert err("chat", {"messages": [{"role": "user", "content": "a"}], "logprobs": 3}).param == "logprobs"
 
 
-def test_unknown_parameters_are_named_and_unservable_ones_say_why() -> None:
-    for name in ("typo", "guided_decoding_backend", "use_beam_search"):
-        e = err("completion", {"prompt": "a", name: 1})
-        assert e.status == 400 and e.param == name and name in e.message
-        assert e.code == "unsupported_parameter"
+def test_unknown_parameters_are_ignored_by_name_and_unservable_ones_say_why() -> None:
+    p = parse("completion", {"prompt": "a", "typo": 1, "guided_decoding_backend": "x", "an_unset": None,
+                             "x" * 100: 1}, 64)
+    assert p.ignored == ("guided_decoding_backend", "typo", "x" * 64)
+    assert p.messages("r") == parse("completion", {"prompt": "a"}, 64).messages("r")
+    assert parse("completion", {"prompt": "a"}, 64).ignored == ()
+    e = err("completion", {"prompt": "a", "use_beam_search": 1})
+    assert e.status == 400 and e.param == "use_beam_search" and "use_beam_search" in e.message
+    assert e.code == "unsupported_parameter"
     assert "top_logprobs" not in ALLOWED["completion"] and "prompt" not in ALLOWED["chat"]
     for body, param, why in (
         ({"modalities": ["text", "audio"]}, "modalities", "only text"),

@@ -66,7 +66,7 @@ def test_responses_refusals_name_the_responses_parameter(front) -> None:
                            ({"input": []}, "input"), ({"input": "x", "previous_response_id": "r1"},
                                                       "previous_response_id"),
                            ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
-                           ({"input": "x", "frobnicate": 1}, "frobnicate")):
+                           ({"input": "x", "n": 2}, "n")):
             r = await f.http.post("/v1/responses", json=req)
             assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
 

@@ -280,3 +280,24 @@ def test_the_default_model_brings_its_measured_profile() -> None:
     finally:
         eng.close()
     assert create_engine("llama", "tiny-random", threads=1).profile() is None
+
+
+def test_cancelled_rows_leave_at_the_next_step_waiting_or_running(llama) -> None:
+    llama.release()
+    (alone,), _ = llama.serve(batch(130, [row("keep", PROMPT, 20, ignore_eos=True)]))
+    reqs = [row("keep", PROMPT, 20, ignore_eos=True), row("gone", PROMPT[:9], 20, ignore_eos=True)]
+    reqs += [row(f"w{i}", PROMPT[:5], 20, ignore_eos=True) for i in range(4)]  # beyond max_rows: waiting
+    llama.submit(batch(131, reqs, slice_len=10))
+    events = llama.poll(0.0) + llama.poll(0.0) + llama.poll(0.0)
+    llama.cancel([(131, "gone"), (131, "w3"), (999, "keep")])  # another batch's row is untouched
+    while llama.busy():
+        events += llama.poll(0.0)
+    done = [e for e in events if hasattr(e, "stats")]
+    assert len(done) == 1
+    outs = {o.rid: o for o in done[0].outputs}
+    assert outs["gone"].finish_reason == "cancelled" and 0 < len(outs["gone"].token_ids) < 10
+    assert outs["gone"].kv_tokens == 0 and outs["w3"].finish_reason == "cancelled" and not outs["w3"].token_ids
+    assert outs["keep"].token_ids == alone.token_ids[:10] and outs["keep"].kv_tokens > 0
+    assert "gone" not in llama.kept() and "w3" not in llama.kept() and "keep" in llama.kept()
+    assert llama.info().caps.max_rows == 4
+    llama.release()

@@ -118,7 +118,7 @@ class LlamaEngine(Engine):
 
     def _running(self) -> Running:
         return Running(self.ctx, self.kv, self.max_rows, self.batch_tokens, self.vocab, self.eos,
-                       self._grammar_tokenizer, self.delta)
+                       self._grammar_tokenizer, self.delta, self.cancels)
 
     def _grammar_tokenizer(self) -> Any:
         from worker.engines.grammar import grammar_for
@@ -138,10 +138,12 @@ class LlamaEngine(Engine):
                                  "batch_tokens": self.batch_tokens, "load_s": round(self.load_s, 3)})
 
     def caps(self) -> EngineCaps:
-        """Continuous batching; sampling, seeds, min_tokens, logit_bias and log-probabilities per
-        request; grammars where llguidance is installed; KV per token."""
+        """Continuous batching of at most ``max_rows`` rows a step; sampling, seeds, min_tokens,
+        logit_bias and log-probabilities per request; grammars where llguidance is installed;
+        KV per token."""
         return EngineCaps(batching="continuous", sampling=True, seeded=True, max_context=self.max_context,
-                          kv_page_tokens=1, min_tokens=True, logit_bias=True, grammar=_has_llguidance())
+                          max_rows=self.max_rows, kv_page_tokens=1, min_tokens=True, logit_bias=True,
+                          grammar=_has_llguidance())
 
     def profile(self) -> dict[str, Any] | None:
         """The built-in profile of the default model on one thread (measured with this engine,
@@ -201,7 +203,8 @@ class LlamaEngine(Engine):
 
     def release(self, rids: Iterable[str] | None = None) -> None:
         """Drop the kept KV of ``rids`` (None: all); any thread. A running row's KV is dropped
-        when it ends."""
+        when it ends (a cancel, :meth:`~worker.engines.base.Engine.cancel`, ends it at the next
+        step)."""
         self.kv.release(rids)
 
     def take_evicted(self) -> list[str]:

@@ -12,8 +12,10 @@ that decodes, then prefill chunks of the rows that joined, oldest first (a long 
 split over steps beside the others' decodes instead of stalling them). A row with the
 logits of its last context token picks its next token (:func:`~worker.engines.llama_pick.pick`).
 
-A row ends at a stop token, its request's budget, or its slice (``min(max_new_tokens,
-slice_len)`` tokens); an unfinished row whose slice ended keeps its KV (``kv_reuse``): the
+A row ends at a stop token, its request's budget, its slice (``min(max_new_tokens,
+slice_len)`` tokens), or a cancel from the daemon (:meth:`Engine.cancel
+<worker.engines.base.Engine.cancel>`: waiting or running, it leaves before the next step,
+``cancelled``, nothing kept); an unfinished row whose slice ended keeps its KV (``kv_reuse``): the
 context tokens it fed, i.e. all but the last token picked (``kv_tokens``). A batch ends
 (:class:`~worker.engines.base.BatchDone`) when all its rows did. A row whose grammar
 cannot be built fails alone; a malformed batch fails before any row runs; a failure
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, RequestOutput, TokenLogprobs
-from worker.engines.base import BatchDone, BatchFailed, Event, NewTokens
+from worker.engines.base import BatchDone, BatchFailed, CancelMarks, Event, NewTokens
 from worker.engines.constraints import stop_ids
 from worker.engines.grammar import GrammarError, row_error
 from worker.engines.llama_kv import KVSlots
@@ -97,8 +99,10 @@ class Running:
     """The running set of the ``llama`` engine (see the module docstring)."""
 
     def __init__(self, ctx: Context, kv: KVSlots, max_rows: int, batch_tokens: int, vocab: int,
-                 eos: list[int], grammar_tokenizer: Callable[[], Any], kv_bytes: int) -> None:
+                 eos: list[int], grammar_tokenizer: Callable[[], Any], kv_bytes: int,
+                 cancels: CancelMarks) -> None:
         self.ctx, self.kv = ctx, kv
+        self.cancels = cancels
         self.kv_bytes = kv_bytes
         self.max_rows, self.batch_tokens = max_rows, batch_tokens
         self.vocab, self.eos = vocab, eos
@@ -155,13 +159,17 @@ class Running:
         """One step (when rows run or wait), and what happened since the last poll."""
         if self.rows or self.waiting:
             self.step()
+        else:
+            self.cancels.take()  # marks of rows no longer here
         events, self.events = self.events, []
         return events
 
     # ------------------------------------------------------------------ a step
 
     def step(self) -> None:
-        """Join waiting rows, decode one batch of every running row's next tokens, pick."""
+        """Join waiting rows, decode one batch of every running row's next tokens, pick (rows
+        the daemon cancelled leave first)."""
+        self._cancel()
         self.kv.apply_releases()
         self._join()
         if not self.rows:
@@ -194,6 +202,23 @@ class Running:
             self.rows = [r for r in self.rows if r.reason is None and len(r.out) < r.cap]
             for r in ended:
                 self._end(r)
+
+    def _cancel(self) -> None:
+        """End the rows :meth:`~worker.engines.base.Engine.cancel` named, waiting or running,
+        before they get another token: ``cancelled``, their KV dropped."""
+        marks = self.cancels.take()
+        if not marks:
+            return
+
+        def hit(r: _Row) -> bool:
+            return (r.grant.batch.batch_id, r.req.rid) in marks
+
+        gone = [r for r in self.waiting if hit(r)] + [r for r in self.rows if hit(r)]
+        self.waiting = deque(r for r in self.waiting if not hit(r))
+        self.rows = [r for r in self.rows if not hit(r)]
+        for r in gone:
+            r.reason = "cancelled"
+            self._end(r)
 
     def _join(self) -> None:
         """Move waiting rows into the running set while there is room (module docstring)."""

@@ -316,17 +316,20 @@ class Batch:
 
 
 def greedy_loop(ctx: Context, prompt: list[int], n: int, seq: int = 0) -> tuple[list[int], float, float]:
-    """The library's own greedy decoding of one sequence, without sclsd: the prompt in one
-    decode, then one token per decode, each the argmax of its logits. Returns the tokens, the
-    prefill's seconds and the decode steps' seconds (for ``sclsd-bench engine``)."""
+    """The library's own greedy decoding of one sequence, without sclsd: the prompt in decodes
+    of at most ``ctx.n_batch`` tokens, then one token per decode, each the argmax of its logits.
+    Returns the tokens, the prefill's seconds and the decode steps' seconds (``sclsd-bench``)."""
     import time
 
-    batch = Batch(ctx.api, max(len(prompt), 1))
+    batch = Batch(ctx.api, ctx.n_batch)
     ctx.seq_rm(seq)
     t0 = time.perf_counter()
-    batch.add(prompt, seq, 0, True)
-    if ctx.decode(batch) != 0:
-        raise LlamaError("the prompt does not fit the context")
+    for pos in range(0, len(prompt), ctx.n_batch):
+        part = prompt[pos:pos + ctx.n_batch]
+        batch.clear()
+        batch.add(part, seq, pos, pos + len(part) == len(prompt))
+        if ctx.decode(batch) != 0:
+            raise LlamaError("the prompt does not fit the context")
     out = [int(ctx.logits(1)[0].argmax())]
     t1 = time.perf_counter()
     for i in range(n - 1):

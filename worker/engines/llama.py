@@ -18,8 +18,8 @@ rows and the KV kept between slices (:mod:`worker.engines.llama_kv`); kept KV th
 leave the context is saved to host memory (``kv_host_bytes``) and loaded back when its
 request returns, token-exact. M_ava is what the cells hold, Δ the cache's bytes per token.
 
-Warm-up runs the first decodes and checks the library's large batches against small ones
-on this CPU: a build whose kernels for batches of 32 tokens or more give other logits than
+Warm-up runs the first decodes (torch, for the sampler, loads in the background) and
+checks the library's large batches against small ones on this CPU: a build whose kernels for batches of 32 tokens or more give other logits than
 its small-batch kernels (ik_llama.cpp's wheel on x86 machines that do not report AVX2) gets
 its steps capped below that size, with a warning (docs/design.md §6).
 """
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -165,8 +166,11 @@ class LlamaEngine(Engine):
     # ------------------------------------------------------------------ warm-up
 
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
-        """First decodes (the kernels' first calls), the large-batch check, and the sampler's
-        libraries imported, so the first requests are served at the speed of the later ones."""
+        """First decodes (the kernels' first calls) and the large-batch check, before the worker
+        registers; the sampler's libraries (torch, seconds to import) load in the background
+        meanwhile, so the worker is ready without them and a sampled row rarely waits for them
+        (one that comes first waits for the import, not for a second one)."""
+        threading.Thread(target=_import_sampler, name="llama-sampler-import", daemon=True).start()
         if progress is not None:
             progress("warming: llama.cpp's first decodes and the large-batch check")
         safe = check_batches(self.model, self.threads, self.batch_tokens)
@@ -179,11 +183,6 @@ class LlamaEngine(Engine):
             self.ctx = self._context(safe)
             self.kv = KVSlots(self.ctx, self.kv.host_limit)
             self.running = self._running()
-        if progress is not None:
-            progress("warming: the sampler (torch)")
-        import torch  # noqa: F401 - imported now rather than at the first sampled row
-
-        from worker.engines import sampling  # noqa: F401
 
     # ------------------------------------------------------------------ the engine's four
 
@@ -218,6 +217,16 @@ class LlamaEngine(Engine):
         self.kv.clear()
         self.ctx.close()
         self.model.close()
+
+
+def _import_sampler() -> None:
+    """Import what a row that is not plain greedy is picked with (torch, the sampler)."""
+    try:
+        import torch  # noqa: F401
+
+        from worker.engines import sampling  # noqa: F401
+    except ImportError as exc:  # the first such row then fails with the same error, by name
+        log.warning("the sampler cannot be imported: %s", exc)
 
 
 @functools.cache

@@ -34,3 +34,9 @@ def test_the_table_puts_each_figure_beside_the_loop_and_its_target() -> None:
     assert "| sclsd-http, one stream | 60.0 tok/s decode" in md and "| 0.75x | >= 0.7x | 0.60 |" in md
     assert "| 1.60x | >= 1.5x | 1.50 |" in md and "0.250 s (median of 2" in md
     assert "cpu" in SUBCOMMANDS
+
+
+def test_make_bench_runs_it() -> None:
+    from sclsd.bench import all as bench_all
+
+    assert bench_all.STEPS["cpu"][:2] == ["sclsd.bench.cli", "cpu"]

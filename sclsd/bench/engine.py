@@ -330,7 +330,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"   {v} failed (exit status {proc.returncode})", file=sys.stderr, flush=True)
     floor = bandwidth_floor_ms(facts, model, dtype) if gpu else None
     table = markdown(rows, floor)
-    header = (f"`{model}` in {dtype} on {facts.get('gpu') or 'the CPU'}; prefill until every row streamed "
+    weights = f"in {dtype}" if not all(v.startswith("llama") for v in variants) else "as its GGUF ships it"
+    if any(v.startswith("llama") for v in variants) and weights.startswith("in "):
+        weights += " (llama variants: as its GGUF ships it)"
+    header = (f"`{model}` {weights} on {facts.get('gpu') or 'the CPU'}; prefill until every row streamed "
               f"its first token, then ms per step over the other {gen - 1} of {gen} new tokens; cold "
               f"(first call of the shape) / warm (second).")
     graphs = [f"{r['variant']}: {len(r['graphs_kept'])} decode graphs kept" for r in rows if "graphs_kept" in r]

@@ -62,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--engine", default="auto",
+                   help="workers.engine of the default and scls configurations (auto: the defaults')")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--num", type=int, default=48, help="measured requests per configuration")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (closed loop)")
@@ -87,6 +89,8 @@ def sections(name: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         "model": {"name": args.model},
         "workers": {"spawn": args.workers, "threads": args.threads},
     }
+    if getattr(args, "engine", "auto") != "auto":
+        out["workers"]["engine"] = args.engine
     if name == "scls":
         out["scheduler"] = {"policy": "scls", "slice_len": args.slice_len}
     elif name == "ils":

@@ -470,7 +470,7 @@ def _check_workers(w: WorkersConfig, cfg: Config) -> None:
     need(cfg.scheduler.policy not in GRANT_POLICIES or engine in defaults.GRANT_ENGINES,
          "workers.engine", w.engine,
          f"scheduler.policy = {cfg.scheduler.policy!r} hands out slice grants to continuous-batching "
-         f"workers, which engine {engine!r} is not: use engine 'hf-cb' (or {defaults.AUTO_ENGINE!r}, "
+         f"workers, which engine {engine!r} is not: use engine 'hf-cb' or 'hf-static-cb' (or {defaults.AUTO_ENGINE!r}, "
          f"which picks it), or a static policy such as 'scls' for engine {engine!r}")
     need(w.device == "cpu" or w.device.startswith("cuda"), "workers.device", w.device, "must be cpu or cuda")
     # llama.cpp's build runs on the CPU, the GGUF's weights as they are.

@@ -13,10 +13,10 @@ from collections.abc import Mapping
 
 #: Engines a worker can run (``workers.engine``, ``sclsd --engine``, ``sclsd-worker
 #: --engine``); ``worker.engines.ENGINES`` registers exactly these.
-ENGINES: tuple[str, ...] = ("hf", "hf-cb", "llama", "deepspeed", "fake")
+ENGINES: tuple[str, ...] = ("hf", "hf-cb", "hf-static-cb", "llama", "deepspeed", "fake")
 #: Engines that take slice grants (policy ``scls-cb``): continuous batching that keeps a
 #: request's KV between grants (``fake`` stands in for it in tests and load tests).
-GRANT_ENGINES: tuple[str, ...] = ("hf-cb", "llama", "fake")
+GRANT_ENGINES: tuple[str, ...] = ("hf-cb", "hf-static-cb", "llama", "fake")
 #: ``workers.engine`` (``sclsd --engine``) that picks the engine the policy needs
 #: (:func:`auto_engine`). The default, so that the policy is the one switch.
 AUTO_ENGINE = "auto"
@@ -26,9 +26,9 @@ POLICY = "scls-cb"
 #: Optional request features and the engines that apply them (``EngineCaps``), for admission
 #: before any worker has registered (after that, the workers' own caps decide).
 ENGINE_FEATURES: dict[str, tuple[str, ...]] = {
-    "min_tokens": ("hf", "hf-cb", "llama", "deepspeed", "fake"),
-    "logit_bias": ("hf", "hf-cb", "llama", "deepspeed", "fake"),
-    "grammar": ("hf", "hf-cb", "llama", "deepspeed"),
+    "min_tokens": ("hf", "hf-cb", "hf-static-cb", "llama", "deepspeed", "fake"),
+    "logit_bias": ("hf", "hf-cb", "hf-static-cb", "llama", "deepspeed", "fake"),
+    "grammar": ("hf", "hf-cb", "hf-static-cb", "llama", "deepspeed"),
 }
 
 #: Client API socket of a system install (``daemon.socket``; ``sclsctl --socket``).
@@ -65,19 +65,27 @@ OFFLINE_ENV: dict[str, str] = {
 }
 
 
+#: The engine ``auto`` picks for slice grants on CUDA workers (:func:`auto_engine`). ``hf-cb``
+#: until a card has measured ``hf-static-cb`` (docs/benchmarks.md, "Continuous batching on the
+#: static arena"): making that the default on CUDA is this one line.
+CUDA_GRANT_ENGINE = "hf-cb"
+
+
 def auto_engine(grants: bool, model: str, device: str = "cpu", gguf: bool = False) -> str:
     """The engine ``workers.engine = "auto"`` stands for, under a policy of slice grants
     (``grants``) or a static one, for ``model`` on ``device``: ``fake`` for the fake model
     (no other engine can serve it; the supervisor tells it which batching the policy needs);
     ``llama`` for a GGUF model (``gguf``: the built-in one is) on a CPU, under either policy
     (llama.cpp's kernels, continuous batching: it takes grants and static slices alike);
-    otherwise ``hf-cb`` for grants (they need continuous batching), ``hf`` for the static
-    policies (the paper's padded slices)."""
+    otherwise for grants ``hf-cb`` (they need continuous batching; on CUDA
+    :data:`CUDA_GRANT_ENGINE`), ``hf`` for the static policies (the paper's padded slices)."""
     if model == "fake":
         return "fake"
     if gguf and str(device).startswith("cpu"):
         return "llama"
-    return "hf-cb" if grants else "hf"
+    if not grants:
+        return "hf"
+    return CUDA_GRANT_ENGINE if device.startswith("cuda") else "hf-cb"
 
 
 def offline_env(env: Mapping[str, str] | None = None) -> dict[str, str]:

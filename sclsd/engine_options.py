@@ -21,8 +21,12 @@ from typing import Any
 
 __all__ = ["OPTIONS", "Choice", "Option", "Range", "check_option", "check_options", "parse_option"]
 
-TORCH = ("hf", "hf-cb", "deepspeed")
+TORCH = ("hf", "hf-cb", "hf-static-cb", "deepspeed")
 STATIC = ("hf", "deepspeed")
+#: Engines with a static KV arena (``hf-static-cb`` always has one).
+ARENA = (*STATIC, "hf-static-cb")
+#: Engines that keep KV across slices in a store of their own (the byte budgets below).
+KEEP = ("hf", "hf-static-cb", "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -111,17 +115,18 @@ OPTIONS: dict[str, Option] = {
                        help="static: one batch at a time; continuous: grants share a running set of rows "
                             "(it takes slice grants under scls-cb)"),
     "grammar": Option(("fake",), "bool", help="enforce structured-output grammars (needs llguidance)"),
-    "max_rows": Option(("fake", "hf-cb", "llama"), "int", Range(ge=1),
+    "max_rows": Option(("fake", "hf-cb", "hf-static-cb", "llama"), "int", Range(ge=1),
                        help="continuous batching: most rows running at once (fake: default 64; hf-cb: "
                             "default as many as its KV cache holds, else transformers' max_requests_per_batch; "
+                            "hf-static-cb: default, and at most, 512 or the largest graph bucket if larger; "
                             "llama: default 8, rows beyond wait for a place); the daemon sends no more grants "
                             "than this and a lookahead"),
     # KV kept across slices
-    "kv_reuse": Option(("hf", "deepspeed", "fake"), "bool",
+    "kv_reuse": Option((*KEEP, "fake"), "bool",
                        help="keep unfinished requests' KV across slices (default true)"),
-    "kv_retain_bytes": Option(("hf", "deepspeed", "fake"), "int", Range(ge=0),
+    "kv_retain_bytes": Option((*KEEP, "fake"), "int", Range(ge=0),
                               help="most bytes of kept KV (default: the memory budget)"),
-    "kv_host_bytes": Option(STATIC + ("llama",), "int", Range(ge=0),
+    "kv_host_bytes": Option(KEEP + ("llama",), "int", Range(ge=0),
                             help="host bytes for kept KV that does not fit beside a batch (default: none "
                                  "on the CPU, 1 GiB for llama; on CUDA the KV memory, at most 16 GiB and a "
                                  "quarter of RAM)"),
@@ -130,13 +135,13 @@ OPTIONS: dict[str, Option] = {
                            help="serve slices from a static KV cache allocated once (auto: on with CUDA "
                                 "for hf, off for deepspeed)"),
     "cuda_graphs": Option(TORCH, "switch", help="capture decode steps as CUDA graphs (auto: with CUDA)"),
-    "static_share": Option(STATIC, "float", Range(gt=0.0, le=1.0),
+    "static_share": Option(ARENA, "float", Range(gt=0.0, le=1.0),
                            help="the static cache's share of KV memory, the rest keeping KV across slices "
                                 "(default 0.5)"),
-    "static_buckets": Option(STATIC, "bool", help="pad batches to bucket shapes without graphs too"),
-    "graph_batch_sizes": Option(STATIC, "sizes", help="batch-size buckets"),
-    "graph_cache_tokens": Option(STATIC, "sizes", help="cache-length buckets"),
-    "prefill_chunk_tokens": Option(STATIC, "int", Range(ge=0),
+    "static_buckets": Option(ARENA, "bool", help="pad batches to bucket shapes without graphs too"),
+    "graph_batch_sizes": Option(ARENA, "sizes", help="batch-size buckets"),
+    "graph_cache_tokens": Option(ARENA, "sizes", help="cache-length buckets"),
+    "prefill_chunk_tokens": Option(ARENA, "int", Range(ge=0),
                                    help="most tokens per prefill pass on the static path (0: no chunks; "
                                         "default 8192 on CUDA)"),
     # hf-cb

@@ -2,7 +2,7 @@
 
 ::
 
-    sclsd-worker --connect ENDPOINT --id ID [--engine auto|llama|hf-cb|hf|deepspeed|fake] [--model SPEC]
+    sclsd-worker --connect ENDPOINT --id ID [--engine auto|llama|hf-cb|hf-static-cb|hf|deepspeed|fake] [--model SPEC]
                  [--device cpu] [--threads N] [--mem-budget BYTES] [--heartbeat S]
                  [--dtype auto|float32|bfloat16|float16] [--cache-dir DIR] [--progress-file FILE]
                  [--ENGINE-OPTION VALUE ...] [--opt KEY=VALUE ...] [--profile FILE] [--log-level info]
@@ -236,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     # grants need continuous batching) and serves the static policies' batches too.
     p.add_argument("--engine", default="auto",
                    help="engine name: auto (default: llama for a GGUF model on the CPU, else hf-cb; any "
-                        "policy), llama, hf-cb, hf or deepspeed (static policies), fake")
+                        "policy), llama, hf-cb, hf-static-cb (slice grants on hf's static arena), hf or "
+                        "deepspeed (static policies), fake")
     p.add_argument("--model", default=None, help="model spec (default: the engine's default)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch's; llama.cpp's for llama)")

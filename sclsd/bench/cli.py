@@ -27,6 +27,8 @@ SUBCOMMANDS = {
     "cpu": ("sclsd.bench.cpu", "sclsd on a CPU (llama engine) through sclsd-http beside llama.cpp's own greedy "
             "loop: one stream, N streams, time to first token"),
     "fairness": ("sclsd.bench.fairness", "how long a bystander waits behind another client's burst"),
+    "grammars": ("sclsd.bench.grammars", "what other clients' hostile grammars cost a bystander (sclsd-http "
+                 "and the Unix socket)"),
     "detok": ("sclsd.bench.detok", "the daemon's detokenizing cost per streamed message, by output length"),
     "tokenize-memory": ("sclsd.bench.tokmem", "what POST /tokenize of a large prompt costs sclsd-http in memory"),
     "rates": ("sclsd.bench.rates", "the daemon at GPU token rates: fake workers streaming 64 rows at 10 ms a "

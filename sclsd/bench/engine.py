@@ -2,7 +2,7 @@
 
 ::
 
-    sclsd-bench engine [--engines hf,hf-eager,hf-cb,deepspeed,generate] [--device auto]
+    sclsd-bench engine [--engines hf,hf-eager,hf-static-cb,hf-cb,deepspeed,generate] [--device auto]
                        [--model auto] [--shapes 1x128,16x128,32x256] [--gen 64] [--out DIR]
 
 For every engine variant and shape ``N x P`` (N rows of P-token prompts, ``--gen`` new
@@ -20,7 +20,7 @@ would serve. Variants:
 - ``hf``: the engine as a worker runs it (on CUDA: static cache, captured decode graphs);
 - ``hf-eager``: ``hf`` with ``static_cache = false`` (transformers' DynamicCache, eager);
 - ``hf-static``: the static cache without graphs (what the CPU can check of the graph path);
-- ``hf-cb``, ``deepspeed``: those engines with their defaults;
+- ``hf-cb``, ``hf-static-cb``, ``deepspeed``: those engines with their defaults;
 - ``generate``: transformers' own ``generate`` with ``cache_implementation="static"``
   (on CUDA it compiles the forward and captures graphs itself): the in-library reference;
 - ``llama``: the llama engine (llama.cpp on the CPU, a GGUF model);
@@ -51,6 +51,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "hf-eager": ("hf", {"static_cache": False}),
     "hf-static": ("hf", {"static_cache": True, "cuda_graphs": False}),
     "hf-cb": ("hf-cb", {}),
+    "hf-static-cb": ("hf-static-cb", {}),
     "deepspeed": ("deepspeed", {}),
     "generate": ("hf", {"static_cache": False, "kv_reuse": False}),
     "llama": ("llama", {}),
@@ -62,8 +63,8 @@ KNOWN_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100": 3.35e12, "H200": 4.8e12, "
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engines", default="", help="variants (default: hf,hf-eager,hf-cb,deepspeed,generate "
-                   "on CUDA; hf,hf-static,hf-cb,generate,llama,llama-loop on the CPU)")
+    p.add_argument("--engines", default="", help="variants (default: hf,hf-eager,hf-static-cb,hf-cb,deepspeed,"
+                   "generate on CUDA; hf,hf-static,hf-static-cb,hf-cb,generate,llama,llama-loop on the CPU)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     p.add_argument("--model", default="auto", help="model spec; auto: the largest random Llama that fits "
                    "the card (gpu-check's choice), tiny-random on the CPU")
@@ -72,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "1x16,8x32,32x64 on the CPU)")
     p.add_argument("--gen", type=int, default=0, help="new tokens per row (0: 64 on CUDA, 16 on the CPU)")
     p.add_argument("--threads", type=int, default=1, help="threads on the CPU (torch's, llama.cpp's)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every variant this many times in turn and keep each cell's fastest (a machine "
+                        "whose cores other jobs share)")
     p.add_argument("--out", default="out/engine", help="directory for engine.json and engine.md")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
 
@@ -133,9 +137,10 @@ def _generate_call(engine: Any, n: int, p: int, gen: int, bid: int) -> tuple[flo
     return prefill, 1000 * max(0.0, whole - prefill) / max(1, gen - 1)
 
 
-def _loop_call(engine: Any, batch: Any) -> tuple[float, float]:
+def _loop_call(engine: Any, batch: Any, cpu: list[float] | None = None) -> tuple[float, float]:
     """llama.cpp's own greedy loop over ``batch``'s rows in the llama engine's (idle) context:
-    (prefill s, decode ms/step), the prefill until every row has its first token."""
+    (prefill s, decode ms/step), the prefill until every row has its first token; ``cpu``
+    (given) gets the process's CPU ms per decode step, as :func:`_serve_call`'s."""
     from worker.engines.llama_lib import Batch
 
     ctx, reqs, gen = engine.ctx, batch.requests, batch.slice_len
@@ -151,7 +156,7 @@ def _loop_call(engine: Any, batch: Any) -> tuple[float, float]:
             if ctx.decode(b) != 0:
                 raise RuntimeError("the prompt does not fit the context")
         last.append(int(ctx.logits(1)[0].argmax()))
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     for step in range(gen - 1):
         b.clear()
         for seq, r in enumerate(reqs):
@@ -160,31 +165,37 @@ def _loop_call(engine: Any, batch: Any) -> tuple[float, float]:
             raise RuntimeError("the context is full")
         last = [int(t) for t in ctx.logits(len(reqs)).argmax(axis=1)]
     end = time.perf_counter()
+    if cpu is not None:
+        cpu.append(1000 * (time.process_time() - c1) / max(1, gen - 1))
     for seq in range(len(reqs)):
         ctx.seq_rm(seq)
     return t1 - t0, 1000 * (end - t1) / max(1, gen - 1)
 
 
-def _serve_call(engine: Any, batch: Any) -> tuple[float, float]:
-    """(prefill s, decode ms/step) of one served batch, from when its tokens stream out."""
+def _serve_call(engine: Any, batch: Any, cpu: list[float] | None = None) -> tuple[float, float]:
+    """(prefill s, decode ms/step) of one served batch, from when its tokens stream out;
+    ``cpu`` (given) gets the process's CPU ms per decode step too (every thread of it: on a
+    machine whose cores other jobs share, the work of a step rather than its wait)."""
     rows = len(batch.requests)
     gen = batch.slice_len
     seen: set[str] = set()
-    first: list[float] = []
+    first: list[tuple[float, float]] = []
 
     def emit(outputs: list[Any]) -> None:
         for o in outputs:
             if o.token_ids:
                 seen.add(o.rid)
         if not first and len(seen) == rows:
-            first.append(time.perf_counter())
+            first.append((time.perf_counter(), time.process_time()))
 
     t0 = time.perf_counter()
     outs, _ = engine.serve(batch, emit)
-    end = time.perf_counter()
+    end, cpu_end = time.perf_counter(), time.process_time()
     if any(len(o.token_ids) != gen for o in outs):
         raise RuntimeError(f"rows generated {[len(o.token_ids) for o in outs]} tokens, not {gen}")
-    t1 = first[0] if first else end
+    t1, c1 = first[0] if first else (end, cpu_end)
+    if cpu is not None:
+        cpu.append(1000 * (cpu_end - c1) / max(1, gen - 1))
     return t1 - t0, 1000 * (end - t1) / max(1, gen - 1)
 
 
@@ -235,10 +246,13 @@ def child(args: argparse.Namespace) -> int:
                 try:
                     if name == "generate":
                         row["prefill_s"], row["ms_per_step"] = _generate_call(engine, n, p, args.gen, bid)
-                    elif name == "llama-loop":
-                        row["prefill_s"], row["ms_per_step"] = _loop_call(engine, _batch(bid, n, p, args.gen, vocab))
                     else:
-                        row["prefill_s"], row["ms_per_step"] = _serve_call(engine, _batch(bid, n, p, args.gen, vocab))
+                        cpu: list[float] = []
+                        call_fn = _loop_call if name == "llama-loop" else _serve_call
+                        row["prefill_s"], row["ms_per_step"] = call_fn(engine, _batch(bid, n, p, args.gen, vocab),
+                                                                       cpu if args.device == "cpu" else None)
+                        if cpu:
+                            row["cpu_ms_per_step"] = cpu[0]
                 except Exception as exc:  # noqa: BLE001 - a failing shape is a result, not a crash
                     row["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 print(json.dumps(row), flush=True)
@@ -265,16 +279,22 @@ def bandwidth_floor_ms(facts: dict[str, Any], model: str, dtype: str) -> float |
     return 1000 * weights / bw
 
 
-def markdown(rows: list[dict[str, Any]], floor_ms: float | None) -> str:
+def markdown(rows: list[dict[str, Any]], floor_ms: float | None, key: str = "ms_per_step") -> str:
+    """The table of ``key`` (ms per decode step, or the CPU ms of it) per variant and shape,
+    cold / warm, each the fastest of its rounds."""
     shapes = sorted({(r["n"], r["p"]) for r in rows if "n" in r})
-    head = "| variant | " + " | ".join(f"N={n}, P={p} cold / warm ms" for n, p in shapes) + " |"
+    unit = "CPU ms" if key == "cpu_ms_per_step" else "ms"
+    head = "| variant | " + " | ".join(f"N={n}, P={p} cold / warm {unit}" for n, p in shapes) + " |"
     lines = [head, "|---|" + "---:|" * len(shapes)]
     for v in dict.fromkeys(r["variant"] for r in rows if "n" in r):
         cells = []
         for n, p in shapes:
-            got = {r["call"]: r for r in rows if r["variant"] == v and r.get("n") == n and r.get("p") == p}
-            parts = [("err" if "error" in got[c] else f"{got[c]['ms_per_step']:.1f}") if c in got else "-"
-                     for c in ("cold", "warm")]
+            parts = []
+            for c in ("cold", "warm"):
+                got = [r for r in rows if r["variant"] == v and r.get("n") == n and r.get("p") == p
+                       and r.get("call") == c]
+                ok = [r[key] for r in got if key in r]
+                parts.append(f"{min(ok):.1f}" if ok else "err" if got else "-")  # the fastest round
             cells.append(" / ".join(parts))
         lines.append(f"| {v} | " + " | ".join(cells) + " |")
     if floor_ms is not None:
@@ -292,8 +312,8 @@ def run(args: argparse.Namespace) -> int:
     device = args.device if args.device.startswith("cuda") else facts["device"]
     model = args.model if args.model != "auto" else (choose_model(facts["mem_total"]) if gpu else "tiny-random")
     dtype = args.dtype if args.dtype != "auto" else ("float16" if gpu else "float32")
-    variants = [v for v in (args.engines or ("hf,hf-eager,hf-cb,deepspeed,generate" if gpu else
-                                            "hf,hf-static,hf-cb,generate,llama,llama-loop")).split(",") if v]
+    variants = [v for v in (args.engines or ("hf,hf-eager,hf-static-cb,hf-cb,deepspeed,generate" if gpu else
+                                            "hf,hf-static,hf-static-cb,hf-cb,generate,llama,llama-loop")).split(",") if v]
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         print(f"sclsd-bench engine: unknown variant {bad}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
@@ -305,14 +325,16 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     rc = 0
-    for v in variants:
-        print(f"== {v}: {model} ({dtype}) on {device}", file=sys.stderr, flush=True)
+    rounds = max(1, getattr(args, "rounds", 1))
+    for rnd, v in ((r, v) for r in range(rounds) for v in variants):
+        print(f"== {v}: {model} ({dtype}) on {device}" + (f", round {rnd + 1}/{rounds}" if rounds > 1 else ""),
+              file=sys.stderr, flush=True)
         cmd = [sys.executable, "-m", "sclsd.bench.cli", "engine", "--child", v, "--model", model, "--device",
                device, "--dtype", dtype, "--shapes", shapes, "--gen", str(gen), "--threads", str(args.threads)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=offline_env())
         assert proc.stdout is not None
         for line in proc.stdout:
-            row = json.loads(line)
+            row = {**json.loads(line), "round": rnd}
             rows.append(row)
             if "graphs_kept" in row:
                 kept = row["graphs_kept"]
@@ -330,13 +352,18 @@ def run(args: argparse.Namespace) -> int:
             print(f"   {v} failed (exit status {proc.returncode})", file=sys.stderr, flush=True)
     floor = bandwidth_floor_ms(facts, model, dtype) if gpu else None
     table = markdown(rows, floor)
+    if any("cpu_ms_per_step" in r for r in rows):
+        table += ("\n\nThe process's CPU time per decode step (all its threads; the work of a step, whatever "
+                  "else the cores ran):\n\n" + markdown(rows, None, "cpu_ms_per_step"))
     weights = f"in {dtype}" if not all(v.startswith("llama") for v in variants) else "as its GGUF ships it"
     if any(v.startswith("llama") for v in variants) and weights.startswith("in "):
         weights += " (llama variants: as its GGUF ships it)"
     header = (f"`{model}` {weights} on {facts.get('gpu') or 'the CPU'}; prefill until every row streamed "
               f"its first token, then ms per step over the other {gen - 1} of {gen} new tokens; cold "
-              f"(first call of the shape) / warm (second).")
-    graphs = [f"{r['variant']}: {len(r['graphs_kept'])} decode graphs kept" for r in rows if "graphs_kept" in r]
+              f"(first call of the shape) / warm (second)"
+              + (f", each the fastest of {rounds} rounds." if rounds > 1 else "."))
+    graphs = list(dict.fromkeys(f"{r['variant']}: {len(r['graphs_kept'])} decode graphs kept"
+                                for r in rows if "graphs_kept" in r))
     problems = [p for p in (graph_problem(r) for r in rows) if p]
     if graphs:
         header += " " + "; ".join(graphs) + "."

@@ -4,6 +4,7 @@
 
     python3 -m sclsd.bench.cli gpu-check --out DIR [--bundle .gpu-bundle] [--trace CSV | --seed N]
                                          [--deadline 510] [--stages hf,cb,profile,live,generate,tests]
+    python3 -m sclsd.bench.cli gpu-check --out DIR --preset arena  # hf-static-cb against hf and hf-cb
     python3 -m sclsd.bench.cli gpu-check --out DIR --smoke       # the plumbing, on a CPU, tiny model
 
 Stages, in this order, each a process of its own under its own time cap (:data:`CAPS`):
@@ -15,11 +16,16 @@ Stages, in this order, each a process of its own under its own time cap (:data:`
   :data:`LARGE_CARD`, the 13B above (``--model`` overrides);
 - ``hf``: ms per decode step at 32x256 and 64x256 with the captured graphs, whether they
   were kept, the same step eagerly (A/B, greedy tokens compared), start to ready;
-- ``cb``: ``hf-cb`` with its defaults: does it start, its cache, ms per step;
+- ``arena``: ``hf-static-cb`` (continuous batching on hf's static arena) at the same
+  shapes, graphs and eagerly, start to ready;
+- ``cb``: ``hf-cb`` with its defaults: does it start, its cache, its graph warm-up, ms per step;
 - ``profile``: ``sclsd-worker profile`` within ``--profile-budget`` seconds, its fit's
   RMSE over the mean per sample kind;
 - ``live``: ``scls``, ``ils`` and ``scls-cb`` each behind a daemon with one worker, a short
-  replay of the trace at ``--rate`` (the fitted profile as the estimator);
+  replay of the trace at ``--rate`` (the fitted profile as the estimator); ``ils`` and
+  ``scls-cb`` on ``--cb-engine``;
+- ``sat``: saturation, one replay per ``policy@engine`` of ``--sat`` at ``--sat-rate`` (8
+  req/s, ``--sat-num`` 80 requests): output tokens/s and preemptions;
 - ``generate``: transformers' own ``generate`` with a static cache (compiled on CUDA), the
   in-library reference for the hf step;
 - ``tests`` (only when named): ``pytest tests/gpu``.
@@ -27,7 +33,9 @@ Stages, in this order, each a process of its own under its own time cap (:data:`
 A stage that overruns its cap is killed (it, and every process it started) and recorded
 as timed out; the others still run. All of them live inside one deadline
 (``--deadline``, from the start): a stage whose minimum no longer fits is skipped and
-recorded. Results are appended to ``OUT/results.jsonl`` as they come, and
+recorded. ``--preset arena`` is the call that judges ``hf-static-cb``: stages ``hf``,
+``arena``, ``cb``, ``sat``, ``live`` (``scls-cb`` on ``hf-static-cb`` at 4 req/s, for its
+first tokens) and, when time is left, ``tests`` (its CUDA test), within the same deadline. Results are appended to ``OUT/results.jsonl`` as they come, and
 ``OUT/summary.md`` (each target: met, missed or not measured, and why) is rewritten after
 every stage, so a call cut short loses nothing it measured. Logs go to ``OUT/*.log``.
 
@@ -57,9 +65,19 @@ from .gpu_runner import Runner, Stage, read_rows
 #: Default deadline in seconds: one device call of at most 9 minutes, less the start-up.
 DEADLINE_S = 510.0
 #: Stages run by default, in order (``live`` is one stage per policy; ``tests`` only when named).
-STAGES = ("hf", "cb", "profile", "live", "generate", "tests")
+STAGES = ("hf", "arena", "cb", "profile", "sat", "live", "generate", "tests")
 DEFAULT_STAGES = ("hf", "cb", "profile", "live", "generate")
 LIVE_POLICIES = ("scls", "ils", "scls-cb")
+#: Engines a continuous-batching replay (``ils``, ``scls-cb``) may run on.
+CB_ENGINES = ("hf-cb", "hf-static-cb")
+#: The saturation replays by default: scls-cb and ils on the arena engine, scls-cb on hf-cb.
+SAT = "scls-cb@hf-static-cb,ils@hf-static-cb,scls-cb@hf-cb"
+#: Named sets of options: ``arena`` measures hf-static-cb against hf's graphs and hf-cb (step
+#: times, saturation, first tokens at 4 req/s, start to ready) in one call.
+PRESETS: dict[str, dict[str, str]] = {
+    "arena": {"stages": "hf,arena,cb,sat,live,tests", "live": "scls-cb", "cb_engine": "hf-static-cb",
+              "tests_k": "arena", "model": "random:llama2-7b"},
+}
 #: Cards with less memory than this run the 7B architecture, the model the targets are set
 #: for (an 80 GB H100 included); larger cards the 13B.
 LARGE_CARD = 100 * 2**30
@@ -88,23 +106,29 @@ class Sizes:
     scale: float
     max_input: int
     max_gen: int
+    arena_shapes: str = "32x256,64x256"
+    sat_rate: float = 8.0
+    sat_num: int = 80
 
 
-#: On a GPU: the targets' shapes (N = 32, P = 256), ShareGPT x 0.5 capped at 1024/1024 at 4 req/s.
+#: On a GPU: the targets' shapes (N = 32, P = 256), ShareGPT x 0.5 capped at 1024/1024 at 4 req/s;
+#: saturation at 8 req/s, 80 requests.
 GPU = Sizes("32x256,64x256", "32x256", "32x256", 64, 95.0, 128, 40, 4.0, 0.5, 1024, 1024)
 #: On a CPU with the tiny model: the plumbing, in seconds per stage.
-SMOKE = Sizes("2x16", "2x16", "2x16", 8, 30.0, 8, 4, 2.0, 1 / 32, 64, 64)
+SMOKE = Sizes("2x16", "2x16", "2x16", 8, 30.0, 8, 4, 2.0, 1 / 32, 64, 64, "2x16", 4.0, 6)
 
 #: (cap, minimum) seconds per stage on a GPU; the profile's cap is its budget plus
 #: :data:`PROFILE_MARGIN_S`. Each stage was sized by what the stopgap gpu_verify.sh measured
 #: it to need on an H100 with the 7B (start, load, warm-up and the work).
+#: ``arena`` as ``hf`` (the same warm-up, graphs and shapes); a ``sat`` replay as a live one
+#: plus the 80 requests' 10 s of arrivals and the queue they build.
 CAPS: dict[str, tuple[float, float]] = {
-    "setup": (180, 10), "facts": (90, 10), "hf": (140, 40), "cb": (120, 40), "profile": (0, 60),
-    "live": (130, 45), "generate": (200, 70), "tests": (150, 40),
+    "setup": (180, 10), "facts": (90, 10), "hf": (140, 40), "arena": (140, 40), "cb": (120, 40), "profile": (0, 60),
+    "live": (130, 45), "sat": (150, 60), "generate": (200, 70), "tests": (150, 40),
 }  # fmt: skip
 SMOKE_CAPS: dict[str, tuple[float, float]] = {
-    "setup": (60, 1), "facts": (60, 1), "hf": (90, 5), "cb": (90, 5), "profile": (0, 10),
-    "live": (90, 10), "generate": (90, 5), "tests": (120, 5),
+    "setup": (60, 1), "facts": (60, 1), "hf": (90, 5), "arena": (90, 5), "cb": (90, 5), "profile": (0, 10),
+    "live": (90, 10), "sat": (90, 10), "generate": (90, 5), "tests": (120, 5),
 }  # fmt: skip
 #: The profile stage's cap beyond its budget: the interpreter's start and the fit check.
 PROFILE_MARGIN_S = 60.0
@@ -124,16 +148,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default="", help="trace CSV (arrival_s,input_tokens,output_tokens); default: synthetic")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
     p.add_argument("--deadline", type=float, default=DEADLINE_S, help="seconds for the whole check (default %(default)s)")
-    p.add_argument("--stages", default=",".join(DEFAULT_STAGES),
-                   help=f"subset of {','.join(STAGES)} (setup and facts always run; tests only when named)")
-    p.add_argument("--live", default=",".join(LIVE_POLICIES), help="live policies, in order")
+    p.add_argument("--preset", default="", choices=("", *PRESETS),
+                   help="a named set of --stages, --live and --cb-engine (arena: hf-static-cb against hf's graphs "
+                        "and hf-cb); options given explicitly win")
+    p.add_argument("--stages", default=None,
+                   help=f"subset of {','.join(STAGES)} (setup and facts always run; tests only when named; "
+                        f"default {','.join(DEFAULT_STAGES)})")
+    p.add_argument("--live", default=None, help=f"live policies, in order (default {','.join(LIVE_POLICIES)})")
+    p.add_argument("--cb-engine", default=None, choices=CB_ENGINES,
+                   help="engine of the live ils and scls-cb replays (default hf-cb)")
+    p.add_argument("--sat", default=SAT, help="saturation replays, policy@engine, in order")
+    p.add_argument("--tests-k", default=None, help="pytest -k of the tests stage (default: not deepspeed)")
+    p.add_argument("--sat-rate", type=float, default=0.0, help="saturation arrivals, req/s (0: 8, 4 with --smoke)")
+    p.add_argument("--sat-num", type=int, default=0, help="requests per saturation replay (0: 80, 6 with --smoke)")
     p.add_argument("--cap", action="append", default=[], metavar="STAGE=SECONDS",
                    help="override a stage's time cap (live-scls, live-ils, ... or live for all three)")
     p.add_argument("--profile-budget", type=float, default=0.0, help="profiling budget, s (0: 95, 30 with --smoke)")
     p.add_argument("--num", type=int, default=0, help="requests per live replay (0: 40, 4 with --smoke)")
     p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals, req/s (0: 4, 2 with --smoke)")
     p.add_argument("--hf-opts", default="", help="hf engine options k=v;k=v (hf stage, live scls)")
-    p.add_argument("--cb-opts", default="", help="hf-cb engine options k=v;k=v (cb stage, live ils and scls-cb)")
+    p.add_argument("--cb-opts", default="", help="hf-cb engine options k=v;k=v (cb stage, replays on hf-cb)")
+    p.add_argument("--arena-opts", default="", help="hf-static-cb engine options k=v;k=v (arena stage, replays on it)")
     p.add_argument("--work", default="", help="scratch directory (installed wheels, daemon logs; default: a new temp dir)")
     p.add_argument("--append", action="store_true", help="keep OUT/results.jsonl's earlier rows (a rerun of some stages)")
 
@@ -291,6 +326,12 @@ class CheckPlan:
     deadline_s: float
     skip: str | None = None
     """Why no measuring stage can run (no CUDA device), or None."""
+    cb_engine: str = "hf-cb"
+    """The engine of the live ``ils`` and ``scls-cb`` replays."""
+    tests_k: str = "not deepspeed"
+    """pytest ``-k`` of the ``tests`` stage."""
+    sat: tuple[tuple[str, str], ...] = ()
+    """The saturation replays, (policy, engine) each."""
 
 
 def parse_stages(text: str) -> tuple[str, ...]:
@@ -316,9 +357,32 @@ def parse_caps(items: list[str]) -> dict[str, float]:
     return caps
 
 
+def parse_sat(text: str) -> tuple[tuple[str, str], ...]:
+    """``--sat``: ``policy@engine`` items (``ils`` and ``scls-cb`` on a continuous engine)."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        policy, _, engine = item.partition("@")
+        if policy not in ("ils", "scls-cb") or engine not in CB_ENGINES:
+            raise SystemExit(f"sclsd-bench gpu-check: --sat: {item!r} is not POLICY@ENGINE with POLICY ils or "
+                             f"scls-cb and ENGINE one of {', '.join(CB_ENGINES)}")
+        out.append((policy, engine))
+    return tuple(out)
+
+
+def apply_preset(args: argparse.Namespace) -> None:
+    """``--preset``'s values, then the defaults, for the options not given."""
+    preset = PRESETS[args.preset] if args.preset else {}
+    defaults = {"stages": ",".join(DEFAULT_STAGES), "live": ",".join(LIVE_POLICIES), "cb_engine": "hf-cb",
+                "tests_k": "not deepspeed"}  # the preset's model: make_plan (it depends on the card)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, preset.get(key, value))
+
+
 def make_plan(args: argparse.Namespace, facts: dict[str, Any], bundle: Path | None, trace: str,
               trace_kind: str) -> CheckPlan:  # fmt: skip
     """Device, model and sizes from the options and the card's facts."""
+    apply_preset(args)
     smoke = bool(args.smoke)
     device = args.device or ("cpu" if smoke else "cuda:0")
     cuda = device.startswith("cuda")
@@ -326,25 +390,29 @@ def make_plan(args: argparse.Namespace, facts: dict[str, Any], bundle: Path | No
     if cuda and not facts.get("cuda_available"):
         skip = "no CUDA device (see facts): give --smoke for the CPU plumbing run"
     model = args.model
+    preset_model = PRESETS[args.preset].get("model") if args.preset else None
+    if model == "auto" and preset_model and cuda and not smoke:
+        model = bundled(preset_model, bundle)  # the preset's targets are stated for this model, on any card
     if model == "auto":
         model = "tiny-random" if smoke or not cuda else bundled(choose_model(int(facts.get("mem_total") or 80 * 2**30)), bundle)
     dtype = args.dtype if args.dtype != "auto" else ("float16" if cuda else "float32")
     base = SMOKE if smoke else GPU
     sizes = replace(base, profile_budget_s=args.profile_budget or base.profile_budget_s, num=args.num or base.num,
-                    rate=args.rate or base.rate)  # fmt: skip
+                    rate=args.rate or base.rate, sat_rate=args.sat_rate or base.sat_rate,
+                    sat_num=args.sat_num or base.sat_num)  # fmt: skip
     policies = tuple(p.strip() for p in args.live.split(",") if p.strip())
     bad = set(policies) - set(LIVE_POLICIES)
     if bad:
         raise SystemExit(f"sclsd-bench gpu-check: --live: unknown {sorted(bad)}; choose from {','.join(LIVE_POLICIES)}")
     return CheckPlan(device, model, dtype, smoke, sizes, parse_stages(args.stages), policies, trace, trace_kind,
-                args.deadline, skip)  # fmt: skip
+                     args.deadline, skip, args.cb_engine, args.tests_k, parse_sat(args.sat))  # fmt: skip
 
 
 def cap_of(name: str, plan: CheckPlan, caps: dict[str, float]) -> tuple[float, float]:
     """(cap, minimum) seconds of a stage: :data:`CAPS` (or :data:`SMOKE_CAPS`), the
     profile's from its budget, then ``--cap`` (``live`` stands for every live stage)."""
     table = SMOKE_CAPS if plan.smoke else CAPS
-    group = "live" if name.startswith("live-") else name
+    group = name.partition("-")[0] if name.startswith(("live-", "sat-")) else name
     cap, low = table[group]
     if group == "profile":
         cap = plan.sizes.profile_budget_s + (PROFILE_MARGIN_S if not plan.smoke else 40.0)
@@ -353,8 +421,9 @@ def cap_of(name: str, plan: CheckPlan, caps: dict[str, float]) -> tuple[float, f
 
 
 def measuring_stages(plan: CheckPlan, out: Path, work: Path, env: dict[str, str], caps: dict[str, float],
-                     hf_opts: str = "", cb_opts: str = "") -> list[Stage]:  # fmt: skip
+                     hf_opts: str = "", cb_opts: str = "", arena_opts: str = "") -> list[Stage]:  # fmt: skip
     """The stages after setup and facts, as the runner takes them."""
+    opts_of = {"hf": hf_opts, "hf-cb": cb_opts, "hf-static-cb": arena_opts}
     py = [sys.executable, "-m", "sclsd.bench.gpu_stages"]
     s = plan.sizes
     model = ["--model", plan.model, "--device", plan.device, "--dtype", plan.dtype]
@@ -368,10 +437,24 @@ def measuring_stages(plan: CheckPlan, out: Path, work: Path, env: dict[str, str]
         return ["engine", "--variant", variant, *model, "--shapes", shapes, "--gen", str(s.gen), "--opts", opts] + (
             ["--ab"] if ab else [])
 
+    def replay(name: str, policy: str, engine: str, rate: float, num: int) -> Stage:
+        log = work / f"{name}.log"
+        cap, _ = cap_of(name, plan, caps)
+        argv = ["live", "--policy", policy, "--engine", engine, *model, "--trace", plan.trace, "--log", str(log),
+                "--profile", str(profile), "--opts", opts_of[engine], "--num", str(num), "--rate", f"{rate:g}",
+                "--scale", f"{s.scale:g}", "--max-input", str(s.max_input), "--max-gen", str(s.max_gen),
+                "--slice-len", str(s.slice_len), "--ready-timeout", f"{max(10.0, cap - 20):g}"]  # fmt: skip
+        return stage(name, argv, "live.log", [log])
+
     out_stages: list[Stage] = []
     for name in plan.stages:
         if name == "hf":
             out_stages.append(stage("hf", engine("hf", s.hf_shapes, hf_opts, ab=True), "engine.log"))
+        elif name == "arena":
+            out_stages.append(stage("arena", engine("hf-static-cb", s.arena_shapes, arena_opts, ab=True), "engine.log"))
+        elif name == "sat":
+            for policy, eng in plan.sat:
+                out_stages.append(replay(f"sat-{policy}-{eng}", policy, eng, s.sat_rate, s.sat_num))
         elif name == "cb":
             out_stages.append(stage("cb", engine("hf-cb", s.cb_shapes, cb_opts), "engine.log"))
         elif name == "generate":
@@ -382,16 +465,10 @@ def measuring_stages(plan: CheckPlan, out: Path, work: Path, env: dict[str, str]
             out_stages.append(stage("profile", argv, "profile.log"))
         elif name == "live":
             for policy in plan.policies:
-                log = work / f"live-{policy}.log"
-                cap, _ = cap_of(f"live-{policy}", plan, caps)
-                argv = ["live", "--policy", policy, *model, "--trace", plan.trace, "--log", str(log),
-                        "--profile", str(profile), "--opts", cb_opts if policy in ("ils", "scls-cb") else hf_opts,
-                        "--num", str(s.num), "--rate", f"{s.rate:g}", "--scale", f"{s.scale:g}",
-                        "--max-input", str(s.max_input), "--max-gen", str(s.max_gen), "--slice-len",
-                        str(s.slice_len), "--ready-timeout", f"{max(10.0, cap - 20):g}"]  # fmt: skip
-                out_stages.append(stage(f"live-{policy}", argv, "live.log", [log]))
+                eng = plan.cb_engine if policy in ("ils", "scls-cb") else "hf"
+                out_stages.append(replay(f"live-{policy}", policy, eng, s.rate, s.num))
         elif name == "tests":
-            out_stages.append(stage("tests", ["tests"], "tests-gpu.log"))
+            out_stages.append(stage("tests", ["tests", "-k", plan.tests_k], "tests-gpu.log"))
     return out_stages
 
 
@@ -446,7 +523,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.append:
         (out / "results.jsonl").unlink(missing_ok=True)
     caps = parse_caps(args.cap)
+    apply_preset(args)
     parse_stages(args.stages)  # refuse a bad list before anything runs
+    parse_sat(args.sat)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
     # A smoke run rehearses on this machine: the bundle's wheels are built for the GPU box's Python.
@@ -473,7 +552,7 @@ def run(args: argparse.Namespace) -> int:
     plan = make_plan(args, facts, bundle, trace, kind)
     row = {k: v for k, v in asdict(plan).items() if k != "sizes"}
     runner.record({"stage": "plan", **row, "sizes": asdict(plan.sizes), "work": str(work), "caps": caps})
-    for stage in measuring_stages(plan, out, work, env, caps, args.hf_opts, args.cb_opts):
+    for stage in measuring_stages(plan, out, work, env, caps, args.hf_opts, args.cb_opts, args.arena_opts):
         runner.run(stage)
     runner.record({"stage": "done", "seconds": round(runner.elapsed(), 1)})
     write_summary(out)

@@ -26,6 +26,18 @@ CB_RPS = 1.5
 RMSE_LIMITS = {"prefill": 0.10, "decode": 0.10, "batch": 0.15}
 #: A worker from its start to ready (registered, or its engine warmed up), at most this.
 READY_LIMIT_S = 60.0
+#: hf-static-cb's decode step at most this many times hf's with its graphs, at each of these shapes.
+ARENA_RATIO = 1.25
+ARENA_SHAPES = ((32, 256), (64, 256))
+#: The engine scls-cb is judged on at saturation and for its first tokens.
+ARENA_ENGINE = "hf-static-cb"
+#: Saturation replays count at this rate (req/s) and this many requests or more.
+SAT_RATE, SAT_NUM = 8.0, 80
+#: At saturation, scls-cb's output tokens/s on ARENA_ENGINE at least these times ils's on the same
+#: engine and scls-cb's on hf-cb (what serves today).
+SAT_VS_ILS, SAT_VS_HF_CB = 1.0, 2.0
+#: scls-cb on ARENA_ENGINE at LIVE_RATE: average time to first token at most this.
+FIRST_TOKEN_S = 0.5
 
 MET, MISSED, NOT_MEASURED = "met", "missed", "not measured"
 
@@ -109,6 +121,80 @@ def cb_starts(rows: Rows) -> Verdict:
     return Verdict(target, f"started: cache {ready.get('cache_tokens')} tokens{extra}", MET)
 
 
+def arena_step(rows: Rows, n: int, p: int) -> Verdict:
+    """hf-static-cb's warm decode step at ``n`` x ``p`` within :data:`ARENA_RATIO` of hf's
+    with its graphs, both with their graphs kept."""
+    target = f"{ARENA_ENGINE} decode ≤ {ARENA_RATIO:g}× `hf`'s with graphs at N = {n}, P = {p}"
+    a = rows.last("arena", phase="shape", n=n, p=p, call="warm")
+    h = rows.last("hf", phase="shape", n=n, p=p, call="warm")
+    if a is None or a.get("ms_per_step") is None:
+        return Verdict(target, rows.why_not("arena", f"no N={n} P={p} shape"), NOT_MEASURED)
+    if h is None or h.get("ms_per_step") is None:
+        return Verdict(target, f"{a['ms_per_step']:.2f} ms/step; " + rows.why_not("hf", f"no N={n} P={p} shape"),
+                       NOT_MEASURED)
+    cb = rows.last("cb", phase="shape", n=n, p=p, call="warm")
+    ratio = a["ms_per_step"] / h["ms_per_step"]
+    kept = bool(a.get("graphs_kept")) and bool(h.get("graphs_kept"))
+    measured = (f"{a['ms_per_step']:.2f} vs {h['ms_per_step']:.2f} ms/step ({ratio:.2f}×), graphs "
+                f"{'kept' if kept else 'NOT kept'}" + (f"; hf-cb {_f(cb.get('ms_per_step'))} ms" if cb else ""))
+    return Verdict(target, measured, MET if ratio <= ARENA_RATIO and kept else MISSED)
+
+
+def cb_warm_up(rows: Rows) -> Verdict:
+    """hf-cb's graph warm-up, re-measured: its step shapes captured, none failed."""
+    target = "hf-cb's graph warm-up captures its step shapes"
+    r = rows.last("cb", phase="ready")
+    if r is None:
+        return Verdict(target, rows.why_not("cb", "no ready row"), NOT_MEASURED)
+    failed = [w for w in r.get("warnings") or [] if "failed to capture" in w]
+    use = (r.get("cb") or {}).get("use_cuda_graph")  # a flag, or one per step kind (varlen, decode)
+    graphs = any(use) if isinstance(use, list) else bool(use)
+    measured = (f"warm-up {_f(r.get('warm_up_s'))} s, graphs {'on' if graphs else 'off'}, "
+                f"{r.get('warmed_shapes')} step shapes captured" + (f"; {_short(failed[-1])}" if failed else ""))
+    if failed:
+        return Verdict(target, measured, MISSED)
+    return Verdict(target, measured, MET if graphs and r.get("warmed_shapes") else NOT_MEASURED)
+
+
+def saturation(rows: Rows) -> Verdict:
+    """At saturation: scls-cb on :data:`ARENA_ENGINE` serves at least :data:`SAT_VS_ILS` times
+    ils's output tokens/s on the same engine and :data:`SAT_VS_HF_CB` times scls-cb's on hf-cb,
+    every request served, no preemption."""
+    target = (f"saturation (≥ {SAT_RATE:g} req/s, ≥ {SAT_NUM} requests): scls-cb on {ARENA_ENGINE} ≥ "
+              f"{SAT_VS_ILS:g}× ils on it and ≥ {SAT_VS_HF_CB:g}× scls-cb on hf-cb (output tok/s), 0 preemptions")
+    got = {}
+    for key in (f"scls-cb-{ARENA_ENGINE}", f"ils-{ARENA_ENGINE}", "scls-cb-hf-cb"):
+        r = rows.last(f"sat-{key}", phase="replay")
+        if r is None or r.get("output_tps") is None:
+            return Verdict(target, rows.why_not(f"sat-{key}", "no replay row"), NOT_MEASURED)
+        got[key] = r
+    a, i, c = got.values()
+    measured = (f"{_f(a['output_tps'], '{:.0f}')} vs ils {_f(i['output_tps'], '{:.0f}')} and hf-cb "
+                f"{_f(c['output_tps'], '{:.0f}')} tok/s ({a['output_tps'] / max(i['output_tps'], 1e-9):.2f}×, "
+                f"{a['output_tps'] / max(c['output_tps'], 1e-9):.2f}×); preemptions {a.get('preemptions')}")
+    small = [r for r in got.values() if (r.get("rate") or 0) < SAT_RATE or (r.get("requests") or 0) < SAT_NUM]
+    if small:
+        return Verdict(target, f"{measured} (replayed at {small[0].get('rate')} req/s, {small[0].get('requests')} "
+                               "requests)", NOT_MEASURED)
+    whole = all(r.get("completed") == r.get("requests") and not r.get("errors") for r in got.values())
+    ok = (whole and not a.get("preemptions") and a["output_tps"] >= SAT_VS_ILS * i["output_tps"]
+          and a["output_tps"] >= SAT_VS_HF_CB * c["output_tps"])
+    return Verdict(target, measured + ("" if whole else "; requests lost or failed"), MET if ok else MISSED)
+
+
+def first_tokens(rows: Rows) -> Verdict:
+    """scls-cb on :data:`ARENA_ENGINE` at :data:`LIVE_RATE`: average TTFT ≤ :data:`FIRST_TOKEN_S`."""
+    target = f"first tokens at {LIVE_RATE:g} req/s: scls-cb on {ARENA_ENGINE} avg TTFT ≤ {FIRST_TOKEN_S:g} s"
+    r = rows.last("live-scls-cb", phase="replay")
+    if r is None or r.get("avg_ttft_s") is None:
+        return Verdict(target, rows.why_not("live-scls-cb", "no replay row"), NOT_MEASURED)
+    measured = f"{r['avg_ttft_s']:.2f} s (p95 {_f(r.get('p95_ttft_s'))} s) on {r.get('engine')}"
+    if r.get("engine") != ARENA_ENGINE or r.get("rate") != LIVE_RATE:
+        return Verdict(target, f"{measured} at {r.get('rate')} req/s", NOT_MEASURED)
+    ok = r["avg_ttft_s"] <= FIRST_TOKEN_S and r.get("completed") == r.get("requests") and not r.get("errors")
+    return Verdict(target, measured, MET if ok else MISSED)
+
+
 def live(rows: Rows, policy: str, min_rps: float, max_ttft_s: float | None = None) -> Verdict:
     """A live replay at :data:`LIVE_RATE` req/s: every request served, throughput at least
     ``min_rps`` and, where given, average TTFT at most ``max_ttft_s``."""
@@ -149,13 +235,13 @@ def ready_times(rows: Rows) -> list[tuple[str, float]]:
     """Every start-to-ready figure of the run: the engine stages' (process launch to warmed
     up) and the live daemons' (start to worker registered, and the worker's own clock)."""
     out: list[tuple[str, float]] = []
-    for stage in ("hf", "cb", "generate"):
+    for stage in ("hf", "arena", "cb", "generate"):
         for r in rows.find(stage, phase="ready"):
             if isinstance(r.get("ready_since_launch_s"), (int, float)):
                 out.append((stage, float(r["ready_since_launch_s"])))
     for r in rows.rows:
         stage = str(r.get("stage", ""))
-        if not stage.startswith("live-"):
+        if not stage.startswith(("live-", "sat-")):
             continue
         if r.get("phase") == "ready" and isinstance(r.get("ready_s"), (int, float)):
             out.append((stage, float(r["ready_s"])))
@@ -188,8 +274,9 @@ def tests_gpu(rows: Rows) -> Verdict | None:
 
 def verdicts(rows: Rows) -> list[Verdict]:
     """Every target, in the order of the summary."""
-    out = [hf_decode(rows), cb_starts(rows), live(rows, "scls", SCLS_RPS, SCLS_TTFT_S),
-           live(rows, "ils", CB_RPS), live(rows, "scls-cb", CB_RPS)]
+    out = [hf_decode(rows), *(arena_step(rows, n, p) for n, p in ARENA_SHAPES), cb_starts(rows), cb_warm_up(rows),
+           live(rows, "scls", SCLS_RPS, SCLS_TTFT_S), live(rows, "ils", CB_RPS), live(rows, "scls-cb", CB_RPS),
+           saturation(rows), first_tokens(rows)]
     out += rmse_verdicts(rows.last("profile", phase="check"), rows.why_not("profile", "no check row"))
     out.append(ready(rows))
     t = tests_gpu(rows)
@@ -230,7 +317,9 @@ def render(rows_in: Iterable[dict[str, Any]]) -> str:
 
 def _engines(rows: Rows) -> list[str]:
     out: list[str] = []
-    for stage, title in (("hf", "hf (static cache, captured decode graphs)"), ("cb", "hf-cb (defaults)"),
+    for stage, title in (("hf", "hf (static cache, captured decode graphs)"),
+                         ("arena", f"{ARENA_ENGINE} (continuous batching on the static arena, captured decode graphs)"),
+                         ("cb", "hf-cb (defaults)"),
                          ("generate", "transformers' compiled generate (the in-library reference)")):
         got = rows.find(stage)
         if not [r for r in got if r.get("phase") != "end"]:
@@ -242,7 +331,8 @@ def _engines(rows: Rows) -> list[str]:
                        f"{_f(r.get('load_s'))} s, warm-up {_f(r.get('warm_up_s'))} s)"
                        + (f"; {g.get('captured')} graphs captured of {g.get('buckets')} buckets in "
                           f"{_f(g.get('capture_s'))} s, arena {g.get('arena_tokens')} tokens" if g else "")
-                       + (f"; cache {r.get('cache_tokens')} tokens" if r.get("cache_tokens") else ""))
+                       + (f"; cache {r.get('cache_tokens')} tokens" if r.get("cache_tokens") else "")
+                       + (f", {r.get('warmed_shapes')} step shapes warmed" if r.get("warmed_shapes") is not None else ""))
         for r in rows.find(stage, phase="shape"):
             what = (f"ERROR {_short(r['error'])}" if r.get("error") else
                     f"{_f(r.get('ms_per_step'))} ms/step, prefill {_f(r.get('prefill_s'), '{:.3f}')} s"
@@ -277,7 +367,7 @@ def _profile(rows: Rows) -> list[str]:
 
 
 def _live(rows: Rows) -> list[str]:
-    reps = [r for r in rows.rows if str(r.get("stage", "")).startswith("live-") and r.get("phase") == "replay"]
+    reps = [r for r in rows.rows if str(r.get("stage", "")).startswith(("live-", "sat-")) and r.get("phase") == "replay"]
     if not reps:
         return []
     out = ["", "## live replays", "", "| policy | engine | rate | done | req/s | out tok/s | avg TTFT s | p95 lat s | "
@@ -289,7 +379,7 @@ def _live(rows: Rows) -> list[str]:
                    f"{_f(r.get('max_gap_s'))} | {_f(r.get('avg_batch_size'), '{:.1f}')} | {r.get('preemptions')} | "
                    f"{r.get('errors')} |")
     for r in rows.rows:
-        if str(r.get("stage", "")).startswith("live-") and r.get("phase") == "stopped":
+        if str(r.get("stage", "")).startswith(("live-", "sat-")) and r.get("phase") == "stopped":
             out.append(f"- {r['stage']}: worker ready in {r.get('worker_ready_in_s')} s (its own clock); restarts "
                        f"{r.get('worker_exits')}, graphs dropped {r.get('graphs_dropped')}, tracebacks "
                        f"{r.get('tracebacks')}; {_f(r.get('total_s'), '{:.0f}')} s in all")

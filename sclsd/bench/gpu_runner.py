@@ -42,7 +42,7 @@ HEARTBEAT_S = 30.0
 #: stage's start-to-ready figures then count the interpreter's start and its imports too.
 LAUNCH_ENV = "SCLSD_GPU_CHECK_LAUNCH"
 #: Lines of an attached file (a daemon's log) copied into the stage log besides its tail.
-ATTACH_KEYS = ("ready in", "registered", "rc=-9", "gave up", "warm-up done", "static cache", "paged cache",
+ATTACH_KEYS = ("ready in", "registered", "rc=-9", "gave up", "warm-up done", "static cache", "paged cache", "arena:",
                "KV memory", "dropping", "cannot capture", "Traceback", "Error", "preempted", "evicted")
 
 

@@ -4,10 +4,10 @@
 
     python -m sclsd.bench.gpu_stages setup --work DIR [--bundle DIR]
     python -m sclsd.bench.gpu_stages facts --device cuda:0
-    python -m sclsd.bench.gpu_stages engine --variant hf|hf-cb|generate --model M --device D --dtype T
+    python -m sclsd.bench.gpu_stages engine --variant hf|hf-cb|hf-static-cb|generate --model M --device D --dtype T
                                             --shapes 32x256,64x256 --gen 64 [--opts k=v;k=v] [--ab]
     python -m sclsd.bench.gpu_stages profile --model M --device D --dtype T --out P --budget-s B --slice-len S
-    python -m sclsd.bench.gpu_stages live --policy scls|ils|scls-cb --model M ... --trace CSV --log FILE
+    python -m sclsd.bench.gpu_stages live --policy scls|ils|scls-cb [--engine E] --model M ... --trace CSV --log FILE
     python -m sclsd.bench.gpu_stages tests [-k EXPR]
 
 Each prints its results as JSON objects, one a line, on stdout (the check appends them
@@ -245,11 +245,14 @@ def _ab(engine: Any, n: int, p: int, gen: int, vocab: int) -> dict[str, Any]:
 
 
 def _cb_facts(engine: Any) -> dict[str, Any]:
+    """hf-cb's cache and the step shapes its warm-up captured (``warmed_shapes``: captured,
+    of how many)."""
     mgr = getattr(engine, "_mgr", None)
     cfg = getattr(mgr, "continuous_batching_config", None)
     keys = ("use_cuda_graph", "num_blocks", "max_batch_tokens", "page_size", "max_memory_percent")
     return {"cache_tokens": getattr(engine, "cache_tokens", None),
-            "cb": {k: getattr(cfg, k, None) for k in keys} if cfg is not None else None}  # fmt: skip
+            "cb": {k: getattr(cfg, k, None) for k in keys} if cfg is not None else None,
+            "warmed_shapes": getattr(engine, "warmed_shapes", None)}  # fmt: skip
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
@@ -364,11 +367,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def live_sections(policy: str, *, model: str, device: str, dtype: str, slice_len: int, max_input: int,
                   max_gen: int, profile: Path | None = None, options: dict[str, Any] | None = None,
-                  ) -> dict[str, dict[str, Any]]:  # fmt: skip
+                  engine: str | None = None) -> dict[str, dict[str, Any]]:  # fmt: skip
     """The daemon config of one live replay: ``scls`` on ``hf``; ``scls-cb`` (slice grants)
     and ``ils`` (every request to the worker on arrival, the continuous-batching baseline
-    as ``sclsd-bench live`` runs it) on ``hf-cb``; one worker on ``device``."""
-    engine = "hf-cb" if policy in ("ils", "scls-cb") else "hf"
+    as ``sclsd-bench live`` runs it) on ``engine`` (default ``hf-cb``); one worker on ``device``."""
+    engine = engine or ("hf-cb" if policy in ("ils", "scls-cb") else "hf")
     sched: dict[str, Any] = {"policy": policy, "slice_len": slice_len}
     if policy == "ils":
         sched.update(policy="sls", batch_size=1, gamma_s=0.05, work_conserving=False, kv_reuse=False)
@@ -442,7 +445,7 @@ def cmd_live(args: argparse.Namespace) -> int:
     options = {k.strip(): parse_value(v) for k, _, v in (kv.partition("=") for kv in args.opts.split(";") if kv)}
     sections = live_sections(args.policy, model=args.model, device=args.device, dtype=args.dtype,
                              slice_len=args.slice_len, max_input=args.max_input, max_gen=args.max_gen,
-                             profile=profile, options=options)  # fmt: skip
+                             profile=profile, options=options, engine=args.engine or None)  # fmt: skip
     base = {"policy": args.policy, "engine": sections["workers"]["engine"],
             "profile": str(profile) if profile else "the default profile"}
     t0 = time.monotonic()
@@ -498,7 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, default in (("--model", None), ("--device", "cuda:0"), ("--dtype", "float16")):
         common.add_argument(flag, default=default, required=default is None)
     e = sub.add_parser("engine", parents=[common])
-    e.add_argument("--variant", required=True, choices=("hf", "hf-cb", "generate", "hf-eager", "hf-static"))
+    e.add_argument("--variant", required=True, choices=("hf", "hf-cb", "hf-static-cb", "generate", "hf-eager",
+                                                        "hf-static"))
     e.add_argument("--shapes", default="32x256")
     e.add_argument("--gen", type=int, default=64)
     e.add_argument("--opts", default="", help="engine options k=v;k=v")
@@ -510,6 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true")
     lv = sub.add_parser("live", parents=[common])
     lv.add_argument("--policy", required=True, choices=("scls", "ils", "scls-cb"))
+    lv.add_argument("--engine", default="", help="the worker's engine (default: hf-cb for ils and scls-cb, else hf)")
     lv.add_argument("--trace", required=True)
     lv.add_argument("--log", required=True, help="the daemon's log (its summary beside it, .json)")
     lv.add_argument("--profile", default="")

@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--socket, --status-socket and --worker-endpoint still win")
     p.add_argument("--engine", choices=[AUTO_ENGINE, *ENGINES],
                    help="engine of spawned workers (auto, the default: the one the policy needs, "
-                   "hf-cb for scls-cb, hf for the static policies)")
+                   "hf-cb for scls-cb, hf for the static policies; hf-static-cb serves scls-cb on hf's "
+                   "static arena)")
     p.add_argument("--model", help="model: smollm2-135m-instruct (default), tiny-random, random:CONFIG, "
                    "a Hugging Face hub id (ORG/NAME) in the local cache, a model directory or a .gguf file")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],

@@ -1,7 +1,8 @@
 """The client socket's front end: one table from message type to handler.
 
 ``generate`` goes to :mod:`.admission`; ``cancel`` ends a live request of the
-same connection, by the id the client gave it; an admin's ``cancel`` with
+same connection, by the id the client gave it (or one still waiting for its grammar's
+check there: admission ends it); an admin's ``cancel`` with
 ``any_connection`` reaches any connection's, by the daemon's id
 (``<connection>:<client id>``, as the logs show it) or by a client id only one live
 request has; ``ping`` is answered at once;
@@ -60,6 +61,7 @@ class Frontend:
             more = f" and {len(rids) - 5} more" if len(rids) > 5 else ""
             log.info("conn=%d disconnected: %d requests cancelled (id=%s%s)", conn.cid, len(rids),
                      ",".join(rids[:5]), more)
+        self.admission.client_gone(conn)
         return self.core.client_gone(conn, self.clock())
 
     def is_admin(self, conn: Conn) -> bool:
@@ -84,6 +86,8 @@ class Frontend:
             rid, why = self._anyones(msg.id)
             if rid is None:
                 return self._error(conn, "unknown_id", why, msg.id)
+        if rid is None and not other and self.admission.cancel(conn, msg.id):
+            return Effects()  # it waited for its grammar's check: accepted and ended (admission)
         if rid is None:
             return self._error(conn, "unknown_id", f"no live request {msg.id!r}", msg.id)
         out = self.core.cancel(rid, self.clock(), requester=conn, any_client=other)

@@ -75,7 +75,7 @@ class SnapshotGauges:
         yield g("sclsd:num_requests_in_batches", "Requests in batches sent to workers (served "
                 "now, or queued on the worker)", st.running_requests)
         yield g("sclsd:num_requests_admitting", "Requests between their frame and admission "
-                "(tokenizing)", st.admitting)
+                "(tokenizing, or waiting for their grammar's check)", st.admitting)
         yield g("sclsd:kv_cache_usage_perc", "KV cache in use over all workers, 0 to 1 (the "
                 "gateway's KVCacheUtilization)", st.kv_cache_usage)
         yield g("sclsd:num_queued_tokens", "Prompt tokens of live requests", st.queued_tokens)

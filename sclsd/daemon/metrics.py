@@ -40,7 +40,7 @@ from prometheus_client.utils import floatToGoString
 from ..config import Config
 from ..protocol import LossReason, StatusSnapshot
 from .gauges import SnapshotGauges
-from .grammar import CAUSES
+from .grammar import CAUSES, OUTCOMES
 from .serving.effects import Ended
 
 log = logging.getLogger("sclsd.metrics")
@@ -212,6 +212,11 @@ class Metrics:
         self.grammar_refusals = _Counter("sclsd:grammar_refusals", "Structured-output grammars refused "
                                          "at admission, by cause (timeout, memory, crash, invalid, limit)",
                                          "cause", preset=CAUSES)
+        self.grammar_checks = _Counter("sclsd:grammar_checks", "Structured-output grammars at admission, by "
+                                       "how they were answered: checked (a check ran for the request), "
+                                       "cached, shared (it waited for another request's check); and checks "
+                                       "retried (past grammar.quick_s) or stopped (nobody waited any more)",
+                                       "outcome", preset=OUTCOMES)
         self.ttft = _Hist("sclsd:time_to_first_token_seconds", "Acceptance to the first token",
                           _LATENCY_BUCKETS)
         self.tpot = _Hist("sclsd:time_per_output_token_seconds", "Time per output token after the "
@@ -242,7 +247,8 @@ class Metrics:
                                 _LATENCY_BUCKETS)
         self.registry.register(_Events([
             self.success, self.cancelled, self.failed, self.refusals, self.prompt_tokens,
-            self.gen_tokens, self.batches, self.worker_losses, self.grammar_refusals, self.ttft, self.tpot, self.itl, self.gap,
+            self.gen_tokens, self.batches, self.worker_losses, self.grammar_refusals,
+            self.grammar_checks, self.ttft, self.tpot, self.itl, self.gap,
             self.prefill_time, self.decode_time, self.e2e, self.queue, self.req_prompt,
             self.req_gen, self.slices, self.batch_size, self.batch_time], model_name))
 
@@ -260,6 +266,10 @@ class Metrics:
     def grammar_refused(self, cause: str) -> None:
         """A request's grammar was refused for ``cause`` (:data:`.grammar.CAUSES`)."""
         self.grammar_refusals.inc(1, cause)
+
+    def grammar_checked(self, outcome: str) -> None:
+        """How a request's grammar was answered, or what became of a check (:data:`.grammar.OUTCOMES`)."""
+        self.grammar_checks.inc(1, outcome)
 
     def dispatched(self, size: int) -> None:
         self.batches.inc()

@@ -239,7 +239,7 @@ class Server:
         state = DaemonState(
             draining=self.drain.draining, serving=why is None, why=why, starting=self.core is None,
             metrics_http=self._metrics_http.address if self._metrics_http is not None else None,
-            loading=loading, admitting=self.admission.admitting if self.admission is not None else 0,
+            loading=loading, admitting=self.admission.pending if self.admission is not None else 0,
             counters={"refused": self.metrics.refused_total, "bad_worker_messages": self.transport.bad_messages,
                       "workers_refused": self.fleet.refused, "worker_restarts": self.supervisor.restarts,
                       "partial_frame_closed": self.frame_budget.closed},
@@ -282,6 +282,8 @@ class Server:
         frontend = Frontend(cfg, self.admission, core, self.clock)
         self.shell = shell = Shell(cfg, core, frontend, self.fleet, self.supervisor, self.metrics,
                                    self.pool, self.idle, self.clock)
+        # A request admitted after its grammar's check is answered from admission's own task.
+        self.admission.deliver = shell.deliver
         self.starting = None
         for peer, msg in self.early.take():
             shell.on_message(peer, msg)
@@ -378,6 +380,8 @@ class Server:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.api.stop()
         await self.status_server.stop()
+        if self.admission is not None:
+            self.admission.close()  # grammar checks nobody can hear any more
         serving = self.core is not None
         self.fleet.shutdown_all()
         # Workers that never registered were told nothing: a failed start kills them now.

@@ -68,19 +68,30 @@ class Api:
                              self._max_input)
         self._known_max_input: int | None = None
         self.started = int(time.time())
-        self._auth = f"Bearer {settings.api_key}".encode() if settings.api_key else None
+        keys = settings.api_keys or ((settings.api_key,) if settings.api_key else ())
+        self._auth = [f"Bearer {k}".encode() for k in keys]
+        #: With several keys, each is an end user: their requests' group in the daemon's fair
+        #: turns is named by a digest of the key (never the key itself).
+        self._key_ids = [f"key-{hashlib.sha256(k.encode()).hexdigest()[:16]}" for k in keys] if len(keys) > 1 else []
         self._fp_of: object = None
         self._fp = ""
 
     # ------------------------------------------------------------------ checks
 
-    def check_key(self, request: Request) -> None:
-        if self._auth is None:
-            return
+    def check_key(self, request: Request) -> str | None:
+        """401 unless the request carries an accepted key (when keys are set). The end user the
+        key names, where several keys tell end users apart (else None)."""
+        if not self._auth:
+            return None
         given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, self._auth):
+        found = -1
+        for i, auth in enumerate(self._auth):  # every key compared: the time says nothing of which
+            if hmac.compare_digest(given, auth):
+                found = i
+        if found < 0:
             raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)", None,
                            "invalid_api_key")
+        return self._key_ids[found] if self._key_ids else None
 
     async def daemon(self) -> tuple[str | None, str]:
         """(the model name clients must use, or None when it cannot be known and any is
@@ -117,8 +128,9 @@ class Api:
 
     async def generate(self, request: Request, kind: Kind) -> Response:
         created = int(time.time())  # the arrival, as OpenAI's ``created`` means it
-        self.check_key(request)
+        end_user = self.check_key(request)
         parsed = parse(kind, await self._json(request), self.settings.max_choices)
+        parsed.end_user = end_user
         if parsed.ignored:
             self.metrics.ignore(parsed.ignored, request.url.path)
         name, fingerprint = await self.daemon()
@@ -133,12 +145,13 @@ class Api:
 
     async def responses(self, request: Request) -> Response:
         """``POST /v1/responses`` over the chat path (:mod:`.responses`)."""
-        self.check_key(request)
+        end_user = self.check_key(request)
         body = await self._json(request)
         try:
             parsed = parse("chat", responses.chat_body(body), self.settings.max_choices)
         except ApiError as exc:
             raise responses.rename(exc) from None
+        parsed.end_user = end_user
         if parsed.ignored:
             self.metrics.ignore(parsed.ignored, request.url.path)
         name, fingerprint = await self.daemon()

@@ -10,7 +10,9 @@ The daemon's sockets are found as ``sclsctl`` finds them: ``--socket`` /
 ``$SCLSD_SOCKET`` / ``$SCLSD_STATUS_SOCKET``, else the system install's. Other flags
 override the config file. The API key
 comes from ``--api-key``, else ``$SCLSD_API_KEY``, else ``[http] api_key_file``
-(the environment and the file keep it out of the process list). Once it listens
+(the environment and the file keep it out of the process list; the file may list
+several keys, one a line: one per end user, each key's requests one group in the
+daemon's fair turns). Once it listens
 it prints ``sclsd-http listening on http://HOST:PORT`` (``--listen HOST:0`` picks a
 free port) and tells systemd it is ready. SIGTERM stops it after the requests in
 flight. Exit code 2 for a bad config or an unreadable key file, 1 if it cannot
@@ -59,20 +61,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _api_key(args: argparse.Namespace, cfg: Config) -> str | None:
+def _api_keys(args: argparse.Namespace, cfg: Config) -> tuple[str, ...]:
+    """The accepted keys: ``--api-key``, else ``$SCLSD_API_KEY``, else ``[http] api_key_file``
+    (one key per line, blank lines skipped); () when none."""
     key = args.api_key or os.environ.get("SCLSD_API_KEY")
     if key:
-        return key
+        return (key,)
     if cfg.http.api_key_file:
         try:
-            key = Path(cfg.http.api_key_file).read_text().strip()
+            text = Path(cfg.http.api_key_file).read_text()
         except OSError as exc:
             raise ConfigError("http.api_key_file", cfg.http.api_key_file,
                               f"cannot read it: {exc.strerror or exc}") from None
-        if not key:
+        keys = tuple(dict.fromkeys(line.strip() for line in text.splitlines() if line.strip()))
+        if not keys:
             raise ConfigError("http.api_key_file", cfg.http.api_key_file, "the file is empty")
-        return key
-    return None
+        return keys
+    return ()
 
 
 def settings_from(args: argparse.Namespace) -> tuple[Settings, str, str]:
@@ -94,7 +99,9 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, str, str]:
                     keep_alive_s=h.keep_alive_s, max_connections=h.max_connections,
                     max_requests_per_client=h.max_requests_per_client)
     # The model's limits and cache are the daemon's: known here only from its config file.
-    settings = Settings(socket=sock, status_socket=status_sock, api_key=_api_key(args, cfg),
+    keys = _api_keys(args, cfg)
+    settings = Settings(socket=sock, status_socket=status_sock, api_key=keys[0] if keys else None,
+                        api_keys=keys,
                         model_name=h.model_name, connections=h.connections, max_choices=h.max_choices,
                         limits=limits, access_log=h.access_log,
                         max_frame_bytes=cfg.daemon.max_frame_bytes,

@@ -110,6 +110,8 @@ class Parsed:
     chat: Chat | None = None
     features: frozenset[str] = frozenset()
     """The optional daemon features (``Pong.features``) this request needs."""
+    end_user: str | None = None
+    """Who sent it, where the API key tells (several keys: one per end user)."""
     ignored: tuple[str, ...] = ()
     """Parameters this server does not know, left out of the request (sorted; names cut at
     :data:`MAX_IGNORED_NAME` characters)."""
@@ -137,9 +139,10 @@ class Parsed:
                 index = p * self.per_prompt + i
                 g = dict(self.params, **form)
                 g["id"] = rid if self.choices == 1 else f"{rid}-{index}"
-                # Fair turns in the daemon's line: a user's requests, else this HTTP request's
-                # choices, are one group (sclsd-http's clients share its connections).
-                g["group"] = g.get("user") or rid
+                # Fair turns in the daemon (its line, its grammar checks): each end user's
+                # requests are one group (sclsd-http's users share its connections): the one
+                # their API key names, else their ``user``; else this HTTP request's choices.
+                g["group"] = self.end_user or g.get("user") or rid
                 if seed is not None:
                     g["seed"] = seed + i
                 out.append(_convert(g))

@@ -38,6 +38,11 @@ class Settings:
     socket: str
     status_socket: str
     api_key: str | None = None
+    """The key clients send as ``Authorization: Bearer KEY`` (None: open), or the first of
+    :attr:`api_keys`."""
+    api_keys: tuple[str, ...] = ()
+    """Every accepted key, where ``[http] api_key_file`` lists several (one per end user:
+    each key's requests are one group in the daemon's fair turns)."""
     model_name: str = ""
     """The served model's name; "": the daemon's ``model.name`` (from its status)."""
     connections: int = 4

@@ -122,7 +122,7 @@ class StatusSnapshot(msgspec.Struct, forbid_unknown_fields=True):
     running_requests: int
     """Requests in batches on workers."""
     admitting: int
-    """Requests between their frame and admission (tokenizing)."""
+    """Requests between their frame and admission (tokenizing, or waiting for their grammar's check)."""
     queued_tokens: int
     """Prompt tokens of live requests."""
     limits: Limits

@@ -1,5 +1,5 @@
-"""``policy = "scls-cb"``: the daemon hands slice grants to real ``hf-cb`` worker processes
-(tiny random Llama), end to end through the Unix socket.
+"""``policy = "scls-cb"``: the daemon hands slice grants to real ``hf-cb`` and ``hf-static-cb``
+worker processes (tiny random Llama), end to end through the Unix socket.
 
 The workers' KV budget is made small (``mem_budget_bytes``) so that the grant policy's
 memory predicate, not the load, limits what runs: the engines' own report of the most KV
@@ -29,11 +29,19 @@ PROMPTS = ["The capital of France is", "One, two, three,", "Hello", "A B C D E F
            "Once upon a time there was", "Write a haiku", "1 2 3 4 5 6 7 8 9 10", "Why"]
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory):
-    d = start_daemon(tmp_path_factory.mktemp("scls-cb"), engine="hf-cb", model="tiny-random", workers=2,
-                     policy="scls-cb", slice_len=SLICE, ready_timeout=180,
+#: The grant engines, each with KV memory of KV_TOKENS for its grants: hf-cb's paged cache is
+#: its memory budget; hf-static-cb's arena takes all of it (static_share 1) and its kept KV
+#: gets as much again beside it (the daemon counts kept KV within M_ava).
+ENGINES = {"hf-cb": {}, "hf-static-cb": {"static_share": 1.0, "kv_retain_bytes": KV_TOKENS * DELTA}}
+
+
+@pytest.fixture(scope="module", params=sorted(ENGINES))
+def daemon(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    engine = request.param
+    d = start_daemon(tmp_path_factory.mktemp(engine), engine=engine, model="tiny-random", workers=2,
+                     policy="scls-cb", slice_len=SLICE, ready_timeout=180, worker_opts=ENGINES[engine],
                      workers_cfg={"mem_budget_bytes": KV_TOKENS * DELTA})
+    d.engine = engine
     yield d
     assert d.stop() == 0, d.log_text()
 
@@ -65,7 +73,7 @@ def test_grants_give_the_hf_engines_tokens_and_never_overcommit_kv(daemon) -> No
         assert d.timings.slices == 4  # ceil(13 / 4) grants
         assert d.token_ids == ids
     st = daemon.status()
-    assert st.policy == "scls-cb" and {w.engine for w in st.workers} == {"hf-cb"}
+    assert st.policy == "scls-cb" and {w.engine for w in st.workers} == {daemon.engine}
     c = st.counters
     assert c["grants"] >= 4 * len(done)
     assert c.get("preemptions", 0) == 0
@@ -77,7 +85,7 @@ def test_grants_give_the_hf_engines_tokens_and_never_overcommit_kv(daemon) -> No
 
 
 def test_structured_output_min_tokens_and_logit_bias_across_grants(daemon) -> None:
-    """Served by hf-cb workers, not refused: each grant resumes the request's grammar state."""
+    """Served by the grant engines, not refused: each grant resumes the request's grammar state."""
     import json
 
     pytest.importorskip("llguidance")
@@ -105,7 +113,7 @@ def test_structured_output_min_tokens_and_logit_bias_across_grants(daemon) -> No
 
 
 def test_logprobs_and_seeds_across_grants(daemon) -> None:
-    """hf-cb workers return log-probabilities over every grant, and a seed gives the same
+    """The grant engines return log-probabilities over every grant, and a seed gives the same
     text twice (the grants' draws depend on the seed and the position only)."""
     seeded = dict(prompt="Once upon a time there was", max_tokens=10, temperature=0.9, ignore_eos=True)
 

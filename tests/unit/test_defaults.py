@@ -80,6 +80,25 @@ def test_an_explicit_engine_wins_and_a_fitting_pair_loads() -> None:
     assert C.override(cfg, scheduler__policy="sls").engine == "hf"
 
 
+def test_hf_static_cb_serves_scls_cb_with_its_arena_options_and_auto_keeps_hf_cb() -> None:
+    """Selectable by name for scls-cb (with the arena's options, passed to its workers); the
+    engine auto picks for grants on CUDA is one constant, hf-cb until a card measured it."""
+    cfg = C.from_dict({"workers": {"engine": "hf-static-cb", "device": "cuda",
+                                   "options": {"static_share": 0.6, "graph_batch_sizes": "8,32", "kv_reuse": True}}})
+    assert cfg.scheduler.policy == "scls-cb" and cfg.engine == "hf-static-cb"
+    cmd = _command(cfg)
+    assert _flag(cmd, "--engine") == "hf-static-cb" and _flag(cmd, "--static-share") == "0.6"
+    with pytest.raises(C.ConfigError) as exc:  # hf-cb's own options are not its
+        C.from_dict({"workers": {"engine": "hf-static-cb", "options": {"num_blocks": 64}}})
+    assert exc.value.key == "workers.options.num_blocks"
+    for device in ("cpu", "cuda"):  # a transformers model (the built-in GGUF runs on llama on the CPU)
+        assert C.from_dict({"model": {"name": "tiny-random"}, "workers": {"device": device}}).engine == (
+            "hf-cb" if device == "cpu" else D.CUDA_GRANT_ENGINE)
+    assert C.from_dict({"workers": {"device": "cuda"}}).engine == D.CUDA_GRANT_ENGINE
+    assert D.CUDA_GRANT_ENGINE == "hf-cb" and D.auto_engine(True, "m", "cuda:0") == D.CUDA_GRANT_ENGINE
+    assert D.auto_engine(False, "m", "cuda") == "hf" and "hf-static-cb" in D.GRANT_ENGINES
+
+
 def test_the_fake_model_gets_the_fake_engine_taking_grants_under_the_default_policy() -> None:
     for workers in ({}, {"engine": "fake"}):
         cfg = C.from_dict({"model": {"name": "fake"}, "workers": workers})

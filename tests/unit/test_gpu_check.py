@@ -153,3 +153,54 @@ def test_check_profile_judges_each_kind_at_its_own_limit(tmp_path: Path) -> None
     assert not G.check_profile(write_profile(tmp_path / "c.json", 0.09, 0.09, 0.16))["ok"]
     # The worst decode sample is one 9% under the estimate: off by 0.09 / 0.91 of itself.
     assert c["worst_decode"][0]["rel_err"] == round(0.09 / 0.91, 3)
+
+
+def test_the_arena_preset_measures_hf_static_cb_against_hf_and_hf_cb(tmp_path: Path) -> None:
+    """``--preset arena``: the step of hf-static-cb beside hf's graphs and hf-cb, three
+    saturation replays at 8 req/s (80 requests), scls-cb on hf-static-cb at 4 req/s."""
+    plan = G.make_plan(args("--preset", "arena"), cuda_facts(139.8), None, "/t.csv", "file")
+    assert plan.model == "random:llama2-7b"  # the targets' model, on an H200 too
+    assert G.make_plan(args("--preset", "arena", "--model", "random:llama2-13b"), cuda_facts(139.8), None, "/t",
+                       "file").model == "random:llama2-13b"
+    assert plan.stages == ("hf", "arena", "cb", "sat", "live", "tests") and plan.policies == ("scls-cb",)
+    assert plan.cb_engine == "hf-static-cb" and plan.tests_k == "arena"
+    assert plan.sat == (("scls-cb", "hf-static-cb"), ("ils", "hf-static-cb"), ("scls-cb", "hf-cb"))
+    stages = G.measuring_stages(plan, tmp_path / "out", tmp_path, {}, {}, "", "kv_padding_tokens=1024",
+                                "static_share=0.6")
+    by = {s.name: s for s in stages}
+    assert list(by) == ["hf", "arena", "cb", "sat-scls-cb-hf-static-cb", "sat-ils-hf-static-cb", "sat-scls-cb-hf-cb",
+                        "live-scls-cb", "tests"]
+    assert by["tests"].argv[-3:] == ["tests", "-k", "arena"]  # its CUDA test only, last, if time is left
+    arena = by["arena"].argv
+    assert arena[arena.index("--variant") + 1] == "hf-static-cb" and "--ab" in arena
+    assert arena[arena.index("--shapes") + 1] == "32x256,64x256" and arena[arena.index("--opts") + 1] == "static_share=0.6"
+    for name, engine, opts in (("sat-ils-hf-static-cb", "hf-static-cb", "static_share=0.6"),
+                               ("sat-scls-cb-hf-cb", "hf-cb", "kv_padding_tokens=1024")):
+        argv = by[name].argv
+        assert argv[argv.index("--engine") + 1] == engine and argv[argv.index("--opts") + 1] == opts
+        assert (argv[argv.index("--rate") + 1], argv[argv.index("--num") + 1]) == ("8", "80")
+        assert (by[name].cap_s, by[name].min_s) == G.CAPS["sat"] and by[name].attach == [tmp_path / f"{name}.log"]
+    live = by["live-scls-cb"].argv
+    assert live[live.index("--engine") + 1] == "hf-static-cb" and live[live.index("--rate") + 1] == "4"
+    # Options given explicitly win over the preset's.
+    p = G.make_plan(args("--preset", "arena", "--stages", "arena", "--cb-engine", "hf-cb"), cuda_facts(80), None,
+                    "/t.csv", "file")
+    assert (p.stages, p.cb_engine) == (("arena",), "hf-cb")
+    s = G.make_plan(args("--preset", "arena", "--smoke", "--sat", "ils@hf-cb"), {}, None, "/t.csv", "file")
+    assert (s.sizes.sat_rate, s.sizes.sat_num, s.sizes.arena_shapes, s.sat) == (4.0, 6, "2x16", (("ils", "hf-cb"),))
+
+
+@pytest.mark.parametrize("bad", ["scls@hf-cb", "ils@hf", "scls-cb", "scls-cb@hf-cb,ils@deepspeed"])
+def test_bad_saturation_replays_are_refused(bad: str) -> None:
+    with pytest.raises(SystemExit, match="POLICY@ENGINE"):
+        G.parse_sat(bad)
+
+
+def test_live_configs_on_the_arena_engine() -> None:
+    kw: dict[str, Any] = dict(model="random:llama2-7b", device="cuda:0", dtype="float16", slice_len=128,
+                              max_input=1024, max_gen=1024)  # fmt: skip
+    ils = live_sections("ils", **kw, engine="hf-static-cb", options={"static_share": 0.6})
+    assert ils["workers"]["engine"] == "hf-static-cb" and ils["workers"]["options"] == {"static_share": 0.6}
+    assert ils["scheduler"]["policy"] == "sls" and ils["scheduler"]["batch_size"] == 1
+    cb = live_sections("scls-cb", **kw, engine="hf-static-cb")
+    assert (cb["workers"]["engine"], cb["scheduler"]["policy"]) == ("hf-static-cb", "scls-cb")

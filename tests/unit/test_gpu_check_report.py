@@ -134,3 +134,84 @@ def test_summary_lists_every_target_and_the_stages() -> None:
     assert "Smoke run" not in text and "targets are set for the 7B" not in text
     assert "targets are set for the 7B" in R.render([{"stage": "plan", "model": "random:llama2-13b"}])
     assert "Smoke run" in R.render([{"stage": "plan", "smoke": True}])
+
+
+def arena_row(ms: float, n: int = 32, kept: bool = True) -> dict[str, Any]:
+    return {**hf_row(ms, kept, n=n), "stage": "arena"}
+
+
+@pytest.mark.parametrize(("arena_ms", "kept", "verdict"), [
+    (11.8, True, R.MET), (12.5, True, R.MET), (12.6, True, R.MISSED), (9.0, False, R.MISSED),
+])  # fmt: skip
+def test_the_arena_step_is_judged_against_hf_with_graphs_at_each_shape(arena_ms: float, kept: bool,
+                                                                        verdict: str) -> None:
+    rows = R.Rows([hf_row(10.0), arena_row(arena_ms, kept=kept), hf_row(12.0, n=64), arena_row(13.0, n=64),
+                   {"stage": "cb", "phase": "shape", "n": 32, "p": 256, "call": "warm", "ms_per_step": 23.6}])
+    v = R.arena_step(rows, 32, 256)
+    assert v.verdict == verdict and f"{arena_ms:.2f} vs 10.00 ms/step" in v.measured and "hf-cb 23.60 ms" in v.measured
+    assert R.arena_step(rows, 64, 256).verdict == R.MET  # 13.0 / 12.0 = 1.08
+    alone = R.arena_step(R.Rows([arena_row(9.0), end("arena"), end("hf", "timed out", "killed")]), 32, 256)
+    assert alone.verdict == R.NOT_MEASURED and "9.00 ms/step" in alone.measured and "hf: timed out" in alone.measured
+    assert R.arena_step(R.Rows([]), 32, 256).verdict == R.NOT_MEASURED
+
+
+def sat(policy: str, engine: str, tps: float, rate: float = 8.0, n: int = 80, preempt: int = 0,
+        done: int | None = None) -> dict[str, Any]:
+    return {"stage": f"sat-{policy}-{engine}", "phase": "replay", "policy": policy, "engine": engine, "rate": rate,
+            "requests": n, "completed": n if done is None else done, "errors": 0, "output_tps": tps,
+            "preemptions": preempt}
+
+
+@pytest.mark.parametrize(("rows", "verdict", "why"), [
+    ([sat("scls-cb", "hf-static-cb", 3000), sat("ils", "hf-static-cb", 2900), sat("scls-cb", "hf-cb", 1400)],
+     R.MET, "1.03×, 2.14×"),
+    ([sat("scls-cb", "hf-static-cb", 2800), sat("ils", "hf-static-cb", 2900), sat("scls-cb", "hf-cb", 1400)],
+     R.MISSED, "0.97×"),                                                  # behind ils on its own engine
+    ([sat("scls-cb", "hf-static-cb", 2000), sat("ils", "hf-static-cb", 1900), sat("scls-cb", "hf-cb", 1400)],
+     R.MISSED, "1.43×"),                                                  # not twice hf-cb
+    ([sat("scls-cb", "hf-static-cb", 3000, preempt=2), sat("ils", "hf-static-cb", 2900), sat("scls-cb", "hf-cb", 10)],
+     R.MISSED, "preemptions 2"),
+    ([sat("scls-cb", "hf-static-cb", 3000, done=79), sat("ils", "hf-static-cb", 2900), sat("scls-cb", "hf-cb", 10)],
+     R.MISSED, "requests lost"),
+    ([sat("scls-cb", "hf-static-cb", 3000, rate=4.0), sat("ils", "hf-static-cb", 2900), sat("scls-cb", "hf-cb", 10)],
+     R.NOT_MEASURED, "replayed at 4.0 req/s"),
+    ([sat("scls-cb", "hf-static-cb", 3000), sat("ils", "hf-static-cb", 2900), end("sat-scls-cb-hf-cb", "skipped",
+                                                                                 "skipped: 12 s left")],
+     R.NOT_MEASURED, "12 s left"),
+])  # fmt: skip
+def test_saturation_needs_ils_on_the_same_engine_and_twice_hf_cb(rows: list[dict[str, Any]], verdict: str,
+                                                                  why: str) -> None:
+    v = R.saturation(R.Rows(rows))
+    assert v.verdict == verdict and why in v.measured
+
+
+def test_first_tokens_are_judged_on_the_arena_engine_only() -> None:
+    ok = {**replay("scls-cb", 3.9, ttft=0.31), "engine": "hf-static-cb"}
+    assert R.first_tokens(R.Rows([ok])).verdict == R.MET
+    assert R.first_tokens(R.Rows([{**ok, "avg_ttft_s": 0.7}])).verdict == R.MISSED
+    other = R.first_tokens(R.Rows([{**ok, "engine": "hf-cb"}]))
+    assert other.verdict == R.NOT_MEASURED and "on hf-cb" in other.measured
+
+
+def test_hf_cb_warm_up_is_re_measured() -> None:
+    ready = {"stage": "cb", "phase": "ready", "warm_up_s": 31.2, "cb": {"use_cuda_graph": True}, "warmed_shapes": 48}
+    v = R.cb_warm_up(R.Rows([ready]))
+    assert v.verdict == R.MET and "48 step shapes" in v.measured and "31.20 s" in v.measured
+    bad = {**ready, "warnings": ["worker.engines.cb_setup: hf-cb warm-up: 5 of 48 step shapes failed to capture"]}
+    assert R.cb_warm_up(R.Rows([bad])).verdict == R.MISSED
+    off = {**ready, "cb": {"use_cuda_graph": [False, False]}, "warmed_shapes": None}
+    v = R.cb_warm_up(R.Rows([off]))
+    assert v.verdict == R.NOT_MEASURED and "graphs off" in v.measured
+    assert R.cb_warm_up(R.Rows([{**ready, "cb": {"use_cuda_graph": [True, False]}}])).verdict == R.MET
+
+
+def test_the_summary_has_the_arena_targets_and_the_saturation_table() -> None:
+    rows = [hf_row(10.0), arena_row(11.0), end("arena"), sat("scls-cb", "hf-static-cb", 3000),
+            sat("ils", "hf-static-cb", 2900), sat("scls-cb", "hf-cb", 1400),
+            {"stage": "arena", "phase": "ready", "ready_since_launch_s": 52.0,
+             "graphs": {"captured": 98, "buckets": 98, "capture_s": 28.0, "arena_tokens": 65290}}]
+    text = R.render(rows)
+    assert "| hf-static-cb decode ≤ 1.25× `hf`'s with graphs at N = 32, P = 256 | 11.00 vs 10.00 ms/step" in text
+    assert "## hf-static-cb (continuous batching on the static arena" in text and "98 graphs captured" in text
+    assert "| scls-cb | hf-static-cb | 8 | 80/80 |" in text and "| ils | hf-static-cb | 8 |" in text
+    assert "arena 52.0 s" in R.ready(R.Rows(rows)).measured

@@ -13,7 +13,8 @@ from sclsd import protocol as P
     ("processes", 0), ("processes", 65), ("timeout_s", 0.0), ("timeout_s", 601.0),
     ("memory_bytes", 1024), ("max_grammar_size", 0), ("max_items_in_row", -1),
     ("initial_lexer_fuel", 0), ("step_lexer_fuel", 0), ("step_max_items", 0), ("max_lexer_states", 0),
-    ("timeout_s", "5"), ("processes", True),
+    ("timeout_s", "5"), ("processes", True), ("quick_s", 0.0), ("quick_s", 6.0), ("cache_entries", -1),
+    ("cache_bytes", -1), ("cache_entries", 1.5),
 ])
 def test_a_bad_grammar_value_is_refused_naming_key_and_value(key: str, value: object) -> None:
     with pytest.raises(C.ConfigError) as info:

@@ -76,6 +76,9 @@ class GrantControl:
         """Paused request id -> tokens of KV its blocks hold (``position_offset``)."""
         self.preemptions = 0
         self.kv_peak = 0
+        self.warmed_shapes: int | None = None
+        """Step shapes the manager's warm-up captured (:func:`~worker.engines.cb_setup.warm_graphs`;
+        None: no warm-up, as on the CPU). Set once, before the generation thread starts."""
         self.wake: Callable[[], None] = lambda: None
         """Wakes the generation loop when it idles (set to the manager's event)."""
         self.forget: Callable[[str], None] = lambda tid: None

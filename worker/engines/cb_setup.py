@@ -212,7 +212,8 @@ def start_manager(model: Any, gen_config: Any, cache_opts: dict[str, Any], sampl
 
         with torch.cuda.device(device):
             mgr.warmup()  # builds the cache (sized by transformers) and captures its largest graphs
-            warm_graphs(mgr, progress)  # and the common shapes, not met first while serving
+            # and the common shapes, not met first while serving
+            control.warmed_shapes = warm_graphs(mgr, progress)
     # mgr.start() without its non-daemon thread: kept KV keeps the manager alive between
     # batches, and a process that forgot close() must still be able to exit.
     mgr.background_thread_status.clear()

@@ -154,6 +154,16 @@ class BatchGrammar:
         self.matchers: dict[int, Any] = {i: row_matcher(reqs[i], tokenizer) for i in self.rows}
         self.device = device
 
+    @classmethod
+    def of(cls, matchers: dict[int, Any], device: Any) -> BatchGrammar:
+        """The grammars of a batch whose rows' matchers exist already (row index -> matcher):
+        a continuous engine keeps each row's matcher while the rows around it change."""
+        self = cls.__new__(cls)
+        self.rows = sorted(matchers)
+        self.matchers = dict(matchers)
+        self.device = device
+        return self
+
     def advance(self, tokens: Sequence[int], done: Sequence[bool]) -> None:
         """Consume each unfinished grammar row's new token."""
         for i, m in self.matchers.items():

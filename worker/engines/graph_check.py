@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from worker.engines.static_cache import DecodeStep, StaticRunner
+from worker.engines.static_cache import StaticRunner
 
 log = logging.getLogger("worker")
 
@@ -39,18 +39,9 @@ def verify(runner: StaticRunner, vocab: int,
             n, c = key
             past = c // 2
             ids = torch.randint(1, max(2, vocab), (n, 1), generator=gen).to(runner.device)
-
-            def load(step: DecodeStep = step, ids: Any = ids, past: int = past) -> None:
-                m = step.mask.view(step.n, step.c)
-                m.zero_()
-                m[:, :past] = True
-                step.ids.copy_(ids)
-                step.pos.fill_(past)
-                runner.reset_counters(past)
-
-            load()
+            step.probe(ids, past)
             eager = step.body().float().clone()
-            load()
+            step.probe(ids, past)
             got = step.run().float()
             scale = float(eager.abs().max().clamp(min=1e-6))
             err = float((got - eager).abs().max()) / scale

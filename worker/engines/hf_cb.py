@@ -317,6 +317,8 @@ class HFCBEngine(TransformersModel, Engine):
         self.cache_tokens = num_blocks * page_size if num_blocks is not None else 0
         """Tokens the paged cache holds (0 until transformers has sized it: :meth:`warm_up`)."""
         self._mgr: Any = None
+        self.warmed_shapes: int | None = None
+        """Step shapes captured by :func:`~worker.engines.cb_setup.warm_graphs` (None: not run)."""
         self._control = GrantControl()  # replaced with the manager's own; never None
         self._scheduler_name = ""
         self._tids = itertools.count()
@@ -363,6 +365,7 @@ class HFCBEngine(TransformersModel, Engine):
                                                       self.sampling, self.device, progress)
             if self.device.type == "cuda":
                 self.cache_tokens = cache_tokens(mgr)
+                self.warmed_shapes = control.warmed_shapes
             self._mgr, self._control, self._scheduler_name, self._rules = mgr, control, name, rules
         return self._mgr
 

@@ -279,9 +279,22 @@ class DecodeStep:
             return self.logits
         return self.body()
 
+    def probe(self, ids: Any, past: int) -> None:
+        """Load the inputs of the graph check (:func:`worker.engines.graph_check.verify`): every
+        row feeds ``ids`` (``[n, 1]``) after ``past`` real columns."""
+        m = self.mask.view(self.n, self.c)
+        m.zero_()
+        m[:, :past] = True
+        self.ids.copy_(ids)
+        self.pos.fill_(past)
+        self.runner.reset_counters(past)
+
 
 class StaticRunner:
     """The arena, the bucketed decode steps and the static inputs of the static-cache path."""
+
+    #: The decode step of a bucket (``hf-static-cb`` has steps whose rows write their own columns).
+    step_class: type[DecodeStep] = DecodeStep
 
     def __init__(self, model: Any, config: Any, device: Any, dtype: Any, arena_tokens: int, pad_id: int,
                  batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
@@ -349,7 +362,7 @@ class StaticRunner:
             # An uncaptured shape: an eager step over the same arena (kept while few).
             if len(self.steps) > 256:
                 self.steps = {k: s for k, s in self.steps.items() if s.bucket}
-            step = self.steps[key] = DecodeStep(self, plan.n, plan.c)
+            step = self.steps[key] = self.step_class(self, plan.n, plan.c)
         return step
 
     def drop_graphs(self) -> None:
@@ -387,7 +400,7 @@ class StaticRunner:
         pool = torch.cuda.graph_pool_handle() if capture else None
         with torch.inference_mode():
             for i, (n, c) in enumerate(todo, 1):
-                step = DecodeStep(self, n, c)
+                step = self.step_class(self, n, c)
                 step.bucket = True
                 if capture:
                     try:

@@ -100,7 +100,7 @@ class Membership:
                     f"({self.cfg.model.name}) {vocab}: is the worker running the same model?")
         if self.cfg.scheduler.policy in GRANT_POLICIES and reg.caps.batching != "continuous":
             return (f"engine {reg.engine!r} serves static batches; scheduler.policy "
-                    f"{self.cfg.scheduler.policy!r} needs continuous batching (engine hf-cb)")
+                    f"{self.cfg.scheduler.policy!r} needs continuous batching (engine hf-cb or hf-static-cb)")
         eos = set(getattr(self.tok, "eos_token_ids", ()) or ())
         if eos and reg.eos_token_ids and not eos & set(reg.eos_token_ids):
             return f"its EOS ids {reg.eos_token_ids} are not the tokenizer's {sorted(eos)}"

@@ -92,6 +92,14 @@ def test_time_past_timeout_s_refuses_naming_it_and_kills_the_child() -> None:
     many = P.Structured(kind="choice", value=json.dumps([f"option {i}" for i in range(45_000)]))
     metrics = Metrics("m")
     checks = GrammarChecks(GrammarConfig(processes=2, timeout_s=0.3), metrics.grammar_refused)
+    started = []
+    start = checks.children._start  # type: ignore[attr-defined]
+
+    def recorded() -> object:
+        started.append(child := start())
+        return child
+
+    checks.children._start = recorded  # type: ignore[attr-defined]
 
     async def go() -> list[tuple[str | None, str | None]]:
         # A quick check beside the slow one is answered, by the other child.
@@ -101,7 +109,10 @@ def test_time_past_timeout_s_refuses_naming_it_and_kills_the_child() -> None:
         (slow, fast) = asyncio.run(go())
         assert slow == (None, "the grammar did not compile within grammar.timeout_s = 0.3 s")
         assert fast[1] is None and fast[0] is not None
-        assert checks.refused["timeout"] == 1 and len(checks.idle) == 1  # the slow one's child is gone
+        assert checks.refused["timeout"] == 1
+        # The slow one's child is gone; the others wait for the next checks.
+        assert [c.proc.poll() is None for c in started] == [c in checks.idle for c in started]
+        assert sum(c.proc.poll() is not None for c in started) == 1
         assert refusals(metrics) == {**dict.fromkeys(CAUSES, 0.0), "timeout": 1.0}
     finally:
         checks.close()

@@ -227,6 +227,7 @@ def test_min_tokens_logit_bias_and_structured_output_are_checked_and_reach_the_r
             ("r", dict(structured=P.Structured(kind="regex", value="[a-z")), "regex"),
         ]:
             await h.submit(conn, id=rid, **fields)
+            await conn.wait_for(lambda r=rid: bool(conn.terminal(r)))  # a grammar: answered once checked
             (err,) = conn.terminal(rid)
             assert err.code == "bad_request" and why in err.message, err
         await h.submit(conn, id="ok", max_tokens=4, min_tokens=2, logit_bias={65: -100.0},

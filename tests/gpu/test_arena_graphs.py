@@ -1,0 +1,46 @@
+"""``hf-static-cb`` on CUDA: its decode steps captured as graphs at warm-up, rows writing their
+own columns, the next step queued before a step's tokens are read; the tokens of ``hf``'s
+eager loop in one pass, in grants that keep KV, and with rows leaving at different steps.
+
+Skipped without CUDA (conftest.py). The CPU checks of the same engine are in
+tests/unit/test_hf_static_cb.py and tests/unit/test_arena_rows.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sclsd.protocol import BatchMsg, BatchRequest
+from tests.gpu.test_cuda import GEN, prompts, serve, sliced
+
+pytestmark = pytest.mark.gpu
+
+
+def test_captured_row_steps_give_the_eager_tokens() -> None:
+    from worker.engines import create_engine
+
+    eager = create_engine("hf", "tiny-random", device="cuda:0", dtype="float32", static_cache=False, kv_reuse=False)
+    ref = serve(eager, prompts())
+    lens = [3, GEN, 7, 11]  # rows leave at different steps: slots freed, the last row moved
+    reqs = [BatchRequest(rid=f"m{i}", token_ids=p, max_new_tokens=n, temperature=0.0, ignore_eos=True)
+            for i, (p, n) in enumerate(zip(prompts(), lens, strict=True))]
+    mixed_ref, _ = eager.serve(BatchMsg(batch_id=2, slice_len=GEN, requests=reqs, kv_reuse=False))
+    eager.close()
+    eng = create_engine("hf-static-cb", "tiny-random", device="cuda:0", dtype="float32",
+                        graph_batch_sizes="1,2,4,8", graph_cache_tokens="64,128")
+    try:
+        steps: list[str] = []
+        eng.warm_up(steps.append)
+        assert eng.static.graphs_on and eng.read_behind
+        assert eng.static.captured() == [(n, c) for n in (1, 2, 4, 8) for c in (64, 128)]
+        caps = eng.info().caps
+        assert caps.batching == "continuous" and caps.graph_batch_sizes == [1, 2, 4, 8]
+        assert any("captured" in s for s in steps)
+        geo = eng.static.geometry(3, 40)
+        assert geo is not None and (geo.plan.n, geo.c, geo.plan.graph) == (4, 64, True)
+        assert serve(eng, prompts()) == ref
+        assert sliced(eng, prompts(), 5) == ref  # kept KV copied back into the arena each grant
+        outs, _ = eng.serve(BatchMsg(batch_id=3, slice_len=GEN, requests=reqs, kv_reuse=False))
+        assert [o.token_ids for o in outs] == [o.token_ids for o in mixed_ref]
+    finally:
+        eng.close()

@@ -1,0 +1,369 @@
+"""``hf-static-cb``: continuous batching on ``hf``'s static KV arena and captured decode graphs.
+
+The engine of slice grants (``scls-cb``) with ``hf``'s decode step: the same arena
+(:class:`~worker.engines.static_cache.KVArena`), buckets and CUDA graphs, with rows that
+join and leave between steps (:mod:`worker.engines.arena_rows`: each row writes its own
+column, so rows of any lengths run side by side; :mod:`worker.engines.arena_set`: which rows
+wait, run and leave). One poll is one turn:
+
+1. rows that ended leave: an unfinished row's KV (its slice ended first) is cut out to
+   the kept-KV store (:class:`~worker.engines.kvstore.KVStore`: device memory beside the
+   arena, then pinned host memory, least recently used first), its output goes to its
+   grant, and the last running row moves into its slot;
+2. waiting rows join, first come first served, while the arena holds the running rows and
+   them in one geometry (``n`` slots of ``c`` columns, ``c`` at least every row's
+   ``context + slice``: slices bound how far a row grows, so a row that joined always
+   finishes its grant); a row whose request's KV is kept has it copied back into its slot,
+   the rest of its context but the last token is prefilled there (in chunks of at most
+   ``prefill_chunk_tokens`` tokens, and no more than one chunk's worth of newcomers per
+   turn), and its last context token is its input to the next step;
+3. one decode step of every running row (a captured graph when its bucket has one), then
+   the rows' tokens are picked by :class:`~worker.engines.sampling.BatchSampler`, the
+   static engines' own (greedy, seeded sampling, penalties, ``logit_bias``, ``min_tokens``,
+   grammars, log-probabilities), streamed (:class:`~worker.engines.base.NewTokens`) and
+   checked for their ends.
+
+On CUDA the next step is queued before the host reads a step's tokens (``read_behind``),
+while the running rows stay the same and no row has a grammar: a row that ended is then
+computed once more, its token never read. The rows never wait on KV memory: the daemon
+reserves ``context + slice`` per grant against M_ava, which is the arena. Rows of very
+different lengths share one geometry, so the arena may hold fewer of them than the
+reservations allow: a row that does not fit yet waits (its grant's time counts), never
+fails, and one that cannot fit even alone fails alone with the reason.
+
+:meth:`release` comes from the receive thread: it drops kept KV at once (the store's lock)
+and marks the request for the serve thread's next turn (:class:`~worker.engines.arena_cb.Releases`),
+where a row of it that is waiting or running will keep nothing when it ends; rows
+:meth:`~worker.engines.base.Engine.cancel` names end there, ``cancelled``: a waiting one at
+once, a running one before it gets another token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from sclsd import models
+from sclsd.protocol import BatchMsg, EngineCaps, RequestOutput
+from worker.engines.arena_cb import Grant, Row, grant_stats
+from worker.engines.arena_rows import RowRunner
+from worker.engines.arena_set import ArenaRows
+from worker.engines.base import BatchDone, BatchFailed, Engine, EngineInfo, Event, NewTokens
+from worker.engines.grammar import BatchGrammar, GrammarError, grammar_for, row_error, row_matcher
+from worker.engines.grammar import supported as grammar_supported
+from worker.engines.graph_check import check_graphs
+from worker.engines.hf import default_host_bytes, to_host
+from worker.engines.hf_model import TransformersModel, peak_memory
+from worker.engines.kvstore import KVStore, supports_reuse
+from worker.engines.sampling import BatchSampler, Draw, PendingDraw
+from worker.engines.static_cache import STATIC_ATTENTION, StaticOptions, attention_kind
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HFStaticCBEngine"]
+
+#: Uniform numbers drawn ahead per sampled row when the rows change (the table grows on demand).
+DRAWS_AHEAD = 8
+
+
+@dataclass
+class _Flight:
+    """A decode step whose tokens the host has not read yet."""
+
+    pending: PendingDraw
+    draw: Draw
+    sampler: BatchSampler
+    grammar: BatchGrammar | None
+    rows: list[Row]
+
+
+class HFStaticCBEngine(TransformersModel, Engine):
+    """Continuous batching over the static arena (see the module docstring)."""
+
+    name = "hf-static-cb"
+
+    def __init__(self, model: str = models.DEFAULT_MODEL, device: str = "cpu", dtype: Any = None,
+                 mem_budget: int | None = None, threads: int | None = None, kv_reuse: bool = True,
+                 kv_retain_bytes: int | None = None, kv_host_bytes: int | None = None,
+                 cuda_graphs: Any = "auto", static_share: float = 0.5, graph_batch_sizes: Any = None,
+                 graph_cache_tokens: Any = None, prefill_chunk_tokens: int | None = None,
+                 static_buckets: Any = None, max_rows: int | None = None) -> None:
+        self.load(model, device, dtype, mem_budget, threads)
+        opts = StaticOptions.parse(self.device.type, True, True, cuda_graphs, static_share, graph_batch_sizes,
+                                   graph_cache_tokens, prefill_chunk_tokens, static_buckets)
+        if not supports_reuse(self.config):
+            raise ValueError(f"{self.name}: {self.spec.name}'s cache layers are not all full attention "
+                             "(the arena needs them): use engine hf-cb")
+        if attention_kind(self.config) not in STATIC_ATTENTION:
+            raise ValueError(f"{self.name}: {attention_kind(self.config)} attention takes no 4-D mask "
+                             "(the arena needs one): use engine hf-cb")
+        self.kv_limit = self.kv_memory(opts.reserve_tokens, opts.reserve_rows)
+        """Bytes of KV the arena and the kept KV share, measured once."""
+        tokens = int(opts.share * self.kv_limit) // max(1, self.delta)
+        if tokens < 1:
+            raise ValueError(f"{self.name}: no memory for the arena ({self.kv_limit} bytes of KV memory)")
+        self.static = RowRunner(self.model, self.config, self.device, self.dtype, tokens, self.pad_id,
+                                opts.batch_sizes, opts.cache_tokens, opts.graphs, opts.prefill_chunk_tokens,
+                                self.max_context, opts.buckets, max_rows=min(int(max_rows or opts.reserve_rows),
+                                                                             opts.reserve_rows))
+        log.info("arena: %d token slots (%.2f GiB of %.2f GiB for KV), CUDA graphs %s", tokens,
+                 self.static.arena.nbytes / 2**30, self.kv_limit / 2**30, "on" if self.static.graphs_on else "off")
+        self.kv = self._kv_store(kv_reuse, kv_retain_bytes, kv_host_bytes)
+        self.read_behind = self.device.type == "cuda"
+        """Queue step k+1 before reading step k's tokens (on CUDA, where kernels run async)."""
+        self.vocab = int(self.config.vocab_size)
+        self.rows = ArenaRows(self.static, self.kv, self.device, self._row_done)
+        """The rows waiting, running and ended, and their geometry."""
+        self._sampler: BatchSampler | None = None
+        self._grammar: BatchGrammar | None = None
+        self._last: Any = None
+        """The last step's tokens, on the device (the next step's inputs when nothing changed)."""
+        self._flight: _Flight | None = None
+        self._events: list[Event] = []
+        self.kv_peak_tokens = 0
+        """Most KV tokens held at once: the running rows' and the kept."""
+
+    # ------------------------------------------------------------------ facts
+
+    def info(self) -> EngineInfo:
+        """Δ from the config; M_ava: the arena (kept KV has memory of its own beside it)."""
+        static: RowRunner | None = getattr(self, "static", None)
+        return self.model_info(int(static.arena.nbytes) if static is not None else 0, self.caps())
+
+    def caps(self) -> EngineCaps:
+        """Continuous batching, per-request sampling with seeds, min_tokens, logit_bias,
+        grammars, KV per token; the buckets whose decode step is a captured graph."""
+        static: RowRunner | None = getattr(self, "static", None)
+        graphs = static.captured() if static is not None else []
+        return EngineCaps(batching="continuous", sampling=True, seeded=True, max_context=self.max_context,
+                          max_rows=static.max_rows if static is not None else 0,
+                          graph_batch_sizes=sorted({n for n, _ in graphs}),
+                          graph_cache_tokens=sorted({c for _, c in graphs}),
+                          min_tokens=True, logit_bias=True, grammar=grammar_supported())
+
+    def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
+        """Before registering: capture the decode graphs (CUDA), check them against the eager
+        step and serve a small grant, as ``hf`` does."""
+        t0 = time.perf_counter()
+        self.static.warm_up(progress)
+        if self.static.captured():
+            try:
+                check_graphs(self, progress)  # drops the steps whose replay is wrong
+            except Exception as exc:  # noqa: BLE001 - the eager step still serves; say why
+                log.warning("warming: serving with the captured decode steps failed (%s: %s); "
+                            "dropping them, decode runs eagerly", type(exc).__name__, exc)
+                self.static.drop_graphs()
+                self.rows.reset()
+        log.info("warm-up done in %.1f s: %d decode graphs captured", time.perf_counter() - t0,
+                 len(self.static.captured()))
+
+    # ------------------------------------------------------------------ the engine's four
+
+    def has_room(self) -> bool:
+        """While no row waits for arena room (a batch that would wait waits in the worker's queue)."""
+        return not self.rows.waiting
+
+    def busy(self) -> bool:
+        return bool(self.rows.busy() or self._flight or self._events)
+
+    def submit(self, batch: BatchMsg) -> None:
+        """Queue ``batch``'s rows; a malformed batch fails, a row whose grammar cannot be built
+        ends alone with its error."""
+        self.rows.apply_releases()  # releases received before this batch are not for its rows
+        try:
+            self.check_batch(batch, self.vocab_size or None)
+            grant, rows = self._rows(batch)
+        except ValueError as exc:
+            self._events.append(BatchFailed(batch, str(exc), exc))
+            return
+        if grant.left == 0:  # no rows, or every row failed
+            self._finish(grant)
+            return
+        self.rows.waiting.extend(rows)
+
+    def poll(self, timeout: float) -> list[Event]:
+        """One turn (module docstring); ``timeout`` is not needed: a turn is work. A turn that
+        fails fails every grant in flight; the engine goes on with the next."""
+        del timeout
+        self.rows.apply_releases()
+        if marks := self.cancels.take():
+            self.rows.cancel(marks)
+        if self.rows.busy() or self._flight is not None:
+            import torch
+
+            try:
+                with torch.inference_mode():
+                    self._turn()
+            except Exception as exc:  # noqa: BLE001 - the worker outlives a failing turn
+                log.error("%s: a turn failed; failing the grants in flight", self.name, exc_info=exc)
+                self._fail_all(exc)
+        events, self._events = self._events, []
+        return events
+
+    def release(self, rids: Iterable[str] | None = None) -> None:
+        """Drop kept KV (the daemon's ``release``; None: all of it) at once; a waiting or running
+        row of a released request keeps nothing when it ends. Any thread."""
+        self.rows.release(rids)
+
+    def take_evicted(self) -> list[str]:
+        """Requests whose kept KV was evicted since the last call."""
+        return self.kv.take_evicted() if self.kv is not None else []
+
+    def kept(self) -> dict[str, int]:
+        """rid -> KV tokens kept for it now (for tests and status)."""
+        return self.kv.held() if self.kv is not None else {}
+
+    def close(self) -> None:
+        """Drop the arena, its graphs, the rows and the kept KV, then the model."""
+        self.rows.reset()
+        self.rows.runner = None  # type: ignore[assignment]
+        self.static = None  # type: ignore[assignment]
+        self._flight = self._sampler = self._grammar = self._last = None
+        if self.kv is not None:
+            self.kv.release()
+        self.unload()
+
+    # ------------------------------------------------------------------ a turn
+
+    def _turn(self) -> None:
+        fl = self._flight
+        if fl is not None:
+            self._flight = None
+            if not self._must_drain():
+                self._flight = self._launch()  # queued before reading fl: the device goes on
+                self._read(fl)
+                return
+            self._read(fl)
+        self.rows.retire()
+        self.rows.admit()
+        if self.rows.slots:
+            fl = self._launch()
+            if self.read_behind and self._grammar is None:
+                self._flight = fl
+            else:
+                self._read(fl)
+                self.rows.retire()
+
+    def _must_drain(self) -> bool:
+        """Whether the rows change before the next step (or a grammar needs this step's tokens)."""
+        return bool(self.rows.ended) or self._grammar is not None or self.rows.joinable()
+
+    def _launch(self) -> _Flight:
+        """Queue one decode step of the running rows and the pick of their tokens."""
+        import torch
+
+        geo = self.rows.geometry
+        assert geo is not None
+        step = self.static.step_for(geo.plan)
+        rows = list(self.rows.slots)
+        k, n = len(rows), geo.plan.n
+        if self.rows.dirty:
+            pad = [self.pad_id] * (n - k)
+            ids = torch.tensor([r.next_input() for r in rows] + pad, dtype=torch.long)
+            pos = torch.tensor([r.fed for r in rows] + [geo.c - 1] * (n - k), dtype=torch.long)
+            step.ids.copy_(ids.view(n, 1), non_blocking=True)
+            step.pos.copy_(pos.view(n, 1), non_blocking=True)
+            matchers = {i: r.matcher for i, r in enumerate(rows) if r.matcher is not None}
+            self._grammar = BatchGrammar.of(matchers, self.device) if matchers else None
+            steps = min(DRAWS_AHEAD, max(r.cap - len(r.state.out) for r in rows))
+            self._sampler = BatchSampler([r.now() for r in rows], [r.state.seed for r in rows], self.vocab,
+                                         self.device, steps=max(1, steps), eos=self.eos, grammar=self._grammar)
+            self.rows.dirty = False
+        else:
+            step.ids[:k, 0].copy_(self._last)
+        assert self._sampler is not None
+        draw = self._sampler.sample(step.run())
+        self._last = draw.tokens
+        self._track_peak()
+        return _Flight(draw.start(), draw, self._sampler, self._grammar, rows)
+
+    def _read(self, fl: _Flight) -> None:
+        """The step's tokens to their rows (a row that ended before this step takes none)."""
+        tokens, lps = fl.pending.result(fl.sampler)
+        done = [r.ended for r in fl.rows]
+        if fl.grammar is not None:
+            fl.grammar.advance(tokens, done)
+        new: dict[int, list[RequestOutput]] = {}
+        for row, was, tok, lp in zip(fl.rows, done, tokens, lps, strict=True):
+            if was:
+                continue
+            row.state.push(tok, lp)
+            part = row.fresh()
+            if part is not None:
+                new.setdefault(row.grant.batch_id, []).append(part)
+            if row.ended:
+                self.rows.ended.append(row)
+        for bid, outs in new.items():
+            self._events.append(NewTokens(bid, outs))
+
+    # ------------------------------------------------------------------ grants
+
+    def _rows(self, batch: BatchMsg) -> tuple[Grant, list[Row]]:
+        """``batch``'s grant and the rows to serve; a row whose grammar cannot be built ends
+        alone (ValueError: llguidance is missing)."""
+        g = Grant(batch, time.perf_counter(), len(batch.requests))
+        rows: list[Row] = []
+        for r in batch.requests:
+            if r.generated > len(r.token_ids):
+                raise ValueError(f"request {r.rid!r}: generated exceeds its context")
+            row = Row(g, r, self.eos)
+            if r.grammar:
+                try:
+                    row.matcher = row_matcher(r, grammar_for(self.spec, self.vocab, self.eos))
+                except GrammarError as exc:
+                    log.warning("batch=%d: %s; the rest of the batch is served", batch.batch_id, exc)
+                    g.outputs[r.rid] = row_error(exc)
+                    g.left -= 1
+                    self.rows.release([r.rid])
+                    continue
+            rows.append(row)
+        return g, rows
+
+    def _row_done(self, row: Row, out: RequestOutput) -> None:
+        g = row.grant
+        g.outputs[row.rid] = out
+        g.left -= 1
+        if g.left == 0:
+            self._finish(g)
+
+    def _finish(self, g: Grant) -> None:
+        outs, stats = grant_stats(g, time.perf_counter(), peak_memory(self.device), self.kv_peak_tokens)
+        self._events.append(BatchDone(g.batch, outs, stats))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """Every grant with a row in the engine fails; the arena starts empty."""
+        grants: dict[int, Grant] = {}
+        for row in [*self.rows.every_row(), *(self._flight.rows if self._flight else [])]:
+            grants.setdefault(id(row.grant), row.grant)
+            if self.kv is not None:
+                self.kv.done([row.rid])
+        self.rows.reset()
+        self._flight = None
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+        for g in grants.values():
+            self._events.append(BatchFailed(g.batch, f"{type(exc).__name__}: {exc}", exc))
+
+    # ------------------------------------------------------------------ memory
+
+    def _kv_store(self, reuse: bool, retain: int | None, host: int | None) -> KVStore | None:
+        """Kept KV's store: the KV memory the arena leaves (or ``kv_retain_bytes``), and host
+        memory behind it (on CUDA, by default)."""
+        if not reuse:
+            return None
+        budget = self.kv_limit - self.static.arena.nbytes if retain is None else int(retain)
+        if host is None:
+            host = default_host_bytes(self.device.type, self.kv_limit)
+        log.info("KV kept between grants: up to %d bytes, %d more in host memory", budget, host)
+        return KVStore(budget, host, to_host)
+
+    def _track_peak(self) -> None:
+        held = sum(r.fed + 1 for r in self.rows.slots)
+        if self.kv is not None:
+            held += (self.kv.nbytes + self.kv.host_nbytes) // max(1, self.delta)
+        self.kv_peak_tokens = max(self.kv_peak_tokens, held)

@@ -136,6 +136,18 @@ class ModelConfig:
     """Cache of converted GGUF models (``sclsd.modelcache``); "": ``$XDG_CACHE_HOME/sclsd``."""
     max_input: Annotated[int, Range(ge=1, le=1 << 20)] = 1024
     max_gen: Annotated[int, Range(ge=1, le=1 << 20)] = 1024
+    default_max_tokens: Annotated[int, Range(ge=1, le=1 << 20)] = 256
+    """Most tokens a request that leaves ``max_tokens`` open may generate (``generate`` with
+    ``max_tokens = null``: an HTTP body without ``max_tokens``); above ``max_gen`` it is
+    ``max_gen``, as a request's ``max_tokens`` is."""
+
+    def max_tokens(self, asked: int | None, min_tokens: int = 0) -> int:
+        """The most tokens a request may generate: ``asked`` lowered to ``max_gen``; ``None``:
+        ``default_max_tokens``, raised to the request's ``min_tokens`` (an open length never
+        ends before the tokens it asks for), within ``max_gen``."""
+        if asked is None:
+            asked = max(self.default_max_tokens, min_tokens)
+        return min(asked, self.max_gen)
 
 
 @dataclass(frozen=True)

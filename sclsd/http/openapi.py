@@ -23,7 +23,7 @@ PARAMS: dict[str, tuple[dict[str, Any], str]] = {
                           {"type": "array", "items": _IDS}]},
                "completions: text, texts, token ids or lists of token ids"),
     "messages": ({"type": "array", "items": _OBJ}, "chat: the turns"),
-    "max_tokens": (_INT, "most tokens to generate (default: the daemon's model.max_gen)"),
+    "max_tokens": (_INT, "most tokens to generate (default: the daemon's model.default_max_tokens)"),
     "max_completion_tokens": (_INT, "chat: as max_tokens, and wins over it"),
     "min_tokens": (_INT, "tokens to generate before EOS or a stop token may end the answer"),
     "temperature": (_NUM, "0: greedy; default 1"),

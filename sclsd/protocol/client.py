@@ -54,7 +54,8 @@ class Generate(_Msg, tag="generate"):
     id: RequestId | None = None
     """Client-chosen request id (unique per daemon); assigned when absent."""
     max_tokens: PosInt | None = 128
-    """Most new tokens to generate; None: up to the daemon's limit ``model.max_gen``."""
+    """Most new tokens to generate; None: up to the daemon's ``model.default_max_tokens`` (at
+    least ``min_tokens``), within its limit ``model.max_gen``."""
     cap_max_tokens: bool = True
     """A ``max_tokens`` above ``model.max_gen`` is lowered to it (True; the ``done`` then ends
     with ``length`` at the limit) or refused with ``bad_request`` naming max_tokens (False)."""

@@ -21,6 +21,7 @@ from sclsd.launch import DaemonProcess, launch  # noqa: E402
 
 SLICE = 8
 MAX_QUEUED = 3
+OPEN = 2 * SLICE + 3  # model.default_max_tokens: what a body without max_tokens gets
 
 
 class Http:
@@ -35,7 +36,7 @@ class Http:
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[tuple[DaemonProcess, Http]]:
-    d = launch({"model": {"name": "tiny-random"},
+    d = launch({"model": {"name": "tiny-random", "default_max_tokens": OPEN},
                 "scheduler": {"policy": "scls", "slice_len": SLICE},
                 "daemon": {"max_queued_requests": MAX_QUEUED, "uid_share": 1.0},
                 "workers": {"engine": "hf", "spawn": 1, "threads": 1}},
@@ -95,6 +96,27 @@ def test_completions_and_chat_with_usage_from_the_tokenizer(stack, tokenizer) ->
     assert chat.usage.prompt_tokens == len(want)
     assert chat.usage.completion_tokens == 9 and chat.choices[0].message.role == "assistant"
     assert [m.id for m in client.models.list().data] == ["tiny-random"]
+
+
+def test_a_body_without_max_tokens_gets_the_daemons_default(stack) -> None:
+    """The openai SDK sends no ``max_tokens`` unless told (nor do langchain, pydantic-ai and
+    the agents SDK): such a request generates up to ``model.default_max_tokens``, not
+    ``model.max_gen``; one that names more than the default, within the limit, gets it."""
+    _, http = stack
+    client = sdk(http)
+    eos = {"ignore_eos": True}
+    c = client.completions.create(model="tiny-random", prompt="Once upon", temperature=0, extra_body=eos)
+    assert (c.usage.completion_tokens, c.choices[0].finish_reason) == (OPEN, "length")
+    msgs = [{"role": "user", "content": "Tell me a story."}]
+    chat = client.chat.completions.create(model="tiny-random", messages=msgs, temperature=0, extra_body=eos)
+    assert (chat.usage.completion_tokens, chat.choices[0].finish_reason) == (OPEN, "length")
+    stream = client.chat.completions.create(model="tiny-random", messages=msgs, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=eos)
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert [u.completion_tokens for u in usage] == [OPEN]
+    more = client.completions.create(model="tiny-random", prompt="Once upon", temperature=0,
+                                     max_tokens=OPEN + 5, extra_body=eos)
+    assert more.usage.completion_tokens == OPEN + 5
 
 
 def test_streaming_chat_and_completion(stack) -> None:

@@ -2,13 +2,17 @@
 popular clients send by default answered in the right shape by the default config
 (scls-cb on hf-cb, SmolLM2-135M-Instruct).
 
-The shell block of "Using it" runs line by line (a line ending in ``&`` in the
+The first shell block of "Using it" runs line by line (a line ending in ``&`` in the
 background) with three changes only: its ``/tmp/sclsd`` is a temporary directory,
 ``.venv/bin/`` is this interpreter's, and ``sclsd-http`` listens on a free port. The
-Python block and the HTTP examples (curl and the openai SDK) run against what it
-started. Then, on the same processes: the requests instructor (TOOLS), pydantic-ai
-(its default output) and langchain (``bind_tools``, function calling) record in
-``tests/data/tool-clients.json``, log-probabilities, seeds and the Responses API. A
+Python examples (saved under the name the README gives and run with the command it
+gives) and the HTTP examples (curl, the openai SDK, and the load generators' commands
+where the tool is installed) run against what it started. Then, on the same
+processes: the requests instructor (TOOLS), pydantic-ai (its default output) and
+langchain (``bind_tools``, function calling) record in
+``tests/data/tool-clients.json``, log-probabilities, seeds and the Responses API. At
+the end the README's stop line runs as written, its job numbers (``%N``) the process
+ids of the block's background lines in order, and both processes must exit with 0. A
 135M model's answers may be poor; their shape must be right and the schema enforced.
 """
 
@@ -18,6 +22,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,6 +84,12 @@ def command(line: str) -> tuple[str, bool]:
     return code.rstrip("&").strip(), background
 
 
+def stop_command(line: str, r: Ran) -> str:
+    """The README's stop line as it runs here: job ``%N`` is the Nth background line's process."""
+    code, _ = command(as_here(line, r.run_dir))
+    return re.sub(r"%(\d+)", lambda m: str(r.procs[int(m[1]) - 1].pid), code)
+
+
 def wait_listening(proc: subprocess.Popen[str], timeout: float = 60.0) -> str:
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
@@ -91,8 +102,11 @@ def wait_listening(proc: subprocess.Popen[str], timeout: float = 60.0) -> str:
 
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ran]:
-    (sh,) = blocks(section("Using it"), "sh")
+    sh, stop = blocks(section("Using it"), "sh")
+    (stop_line,) = stop.strip().splitlines()
+    assert stop_line.startswith("kill %"), stop_line
     r = Ran(tmp_path_factory.mktemp("readme") / "sclsd")
+    stopped: subprocess.CompletedProcess[str] | None = None
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     log = open(r.run_dir.parent / "daemon.log", "w")  # noqa: SIM115 - closed at teardown
     try:
@@ -117,11 +131,16 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ran]:
                     (r.run_dir.parent / "daemon.log").read_text()[-4000:])
                 r.out[line] = done.stdout
         yield r
+        assert len(r.procs) == stop_line.count("%")  # every job the README started, it stops
+        stopped = subprocess.run(["bash", "-c", stop_command(stop_line, r)], text=True, capture_output=True,
+                                 timeout=60)
     finally:
-        for p in reversed(r.procs):
-            p.send_signal(signal.SIGTERM)
+        if stopped is None:  # the block failed before the end: stop what it started
+            for p in reversed(r.procs):
+                p.send_signal(signal.SIGTERM)
         codes = [p.wait(timeout=60) for p in reversed(r.procs)]
         log.close()
+    assert stopped.returncode == 0, (stop_line, stopped.stderr)
     assert codes == [0] * len(codes), (codes, (r.run_dir.parent / "daemon.log").read_text()[-4000:])
 
 
@@ -143,23 +162,68 @@ def test_the_shell_example_runs_as_written(ran: Ran) -> None:
     assert f"tokenizer={tok}" in output(ran, "status")
 
 
-def test_the_python_examples_run_as_written(ran: Ran) -> None:
-    examples = blocks(section("Using it"), "python") + blocks(section("OpenAI-compatible HTTP (`sclsd-http`)"),
-                                                             "python")
-    assert len(examples) == 2
-    for code in examples:
-        code = as_here(code, ran.run_dir).replace("http://127.0.0.1:8000", ran.url)
-        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True, capture_output=True,
-                              timeout=300)
-        assert done.returncode == 0 and done.stdout.strip(), (code, done.stdout, done.stderr)
+HTTP = "OpenAI-compatible HTTP (`sclsd-http`)"
+
+
+def test_the_python_examples_run_as_written(ran: Ran, tmp_path: Path) -> None:
+    """Each saved under the README's name and run with the README's command (the venv's python:
+    sclsd and the openai SDK are installed there, not in the system's Python)."""
+    examples = 0
+    for title in ("Using it", HTTP):
+        text = section(title)
+        runs = re.findall(r"`(\.venv/bin/python (\w+\.py))`", text)
+        codes = blocks(text, "python")
+        assert len(runs) == len(codes) == 1, (title, runs)
+        for (run, name), code in zip(runs, codes, strict=True):
+            (tmp_path / name).write_text(as_here(code, ran.run_dir).replace("http://127.0.0.1:8000", ran.url))
+            done = subprocess.run(["bash", "-c", as_here(run, ran.run_dir)], cwd=tmp_path, text=True,
+                                  capture_output=True, timeout=300)
+            assert done.returncode == 0 and done.stdout.strip(), (run, code, done.stdout, done.stderr)
+            examples += 1
+    assert examples == 2
 
 
 def test_the_curl_example_runs_as_written(ran: Ran) -> None:
-    (curl,) = blocks(section("OpenAI-compatible HTTP (`sclsd-http`)"), "sh")
+    (curl,) = [b for b in blocks(section(HTTP), "sh") if b.startswith("curl ")]
     code = curl.replace("http://127.0.0.1:8000", ran.url)
     done = subprocess.run(["bash", "-c", code], text=True, capture_output=True, timeout=300)
     reply = json.loads(done.stdout)
     assert reply["object"] == "chat.completion" and reply["choices"][0]["message"]["content"], reply
+
+
+def load_generator(tool: str) -> str:
+    """The executable of ``tool`` (``$SCLSD_TEST_<TOOL>``, else on ``PATH``); skips without it:
+    neither is a dependency of sclsd (each brings its own torch), the README says how to install."""
+    found = os.environ.get(f"SCLSD_TEST_{tool.upper()}") or shutil.which(tool)
+    if not found:
+        pytest.skip(f"{tool} not installed (set $SCLSD_TEST_{tool.upper()} to its executable)")
+    return found
+
+
+def run_load_generator(ran: Ran, tool: str, tmp_path: Path, env: dict[str, str]) -> None:
+    (block,) = [b for b in blocks(section(HTTP), "sh") if b.startswith(f"{tool} ")]
+    code = as_here(block, ran.run_dir).replace("http://127.0.0.1:8000", ran.url)
+    code = load_generator(tool) + code.removeprefix(tool)
+    done = subprocess.run(["bash", "-c", code], cwd=tmp_path, env=env, text=True, capture_output=True,
+                          timeout=600)
+    assert done.returncode == 0, (code, done.stdout[-4000:], done.stderr[-4000:])
+
+
+def test_the_guidellm_command_runs_as_written(ran: Ran, tmp_path: Path) -> None:
+    run_load_generator(ran, "guidellm", tmp_path, {**os.environ, "HF_HUB_OFFLINE": "1"})
+    (bench,) = json.loads((tmp_path / "benchmarks.json").read_text())["benchmarks"]
+    totals = bench["metrics"]["request_totals"]
+    assert (totals["successful"], totals["errored"], totals["incomplete"]) == (8, 0, 0), totals
+
+
+def test_the_aiperf_command_runs_as_written(ran: Ran, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    run_load_generator(ran, "aiperf", tmp_path, env)
+    (records,) = tmp_path.glob("artifacts/*/profile_export.jsonl")
+    rows = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
+    assert len(rows) == 8 and not any(r.get("error") for r in rows), rows
+    # --osl 32 is max_completion_tokens (aiperf sends no ignore_eos: an answer may end sooner).
+    assert all(1 <= r["metrics"]["usage_completion_tokens"]["value"] <= 32 for r in rows), rows
 
 
 def test_a_wrong_socket_path_is_named_by_the_python_client(ran: Ran) -> None:

@@ -51,6 +51,9 @@ def test_shipped_config_documents_every_key() -> None:
         ("[workers]\nspawn = -1", "workers.spawn"),
         ("[workers]\nthreads = true", "workers.threads"),
         ("[model]\nmax_input = 0", "model.max_input"),
+        ("[model]\ndefault_max_tokens = 0", "model.default_max_tokens"),
+        ("[model]\ndefault_max_tokens = 'all'", "model.default_max_tokens"),
+        ("[model]\ndefault_max_tokens = 2e6", "model.default_max_tokens"),
         # Non-finite floats, in any section.
         ("[scheduler]\ngamma_s = inf", "scheduler.gamma_s"),
         ("[scheduler]\nlam = nan", "scheduler.lam"),
@@ -152,6 +155,24 @@ def test_daemon_exits_nonzero_naming_key(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "sclsd.daemon", "--config", str(tmp_path / "missing.toml")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "file not found" in r.stderr
+
+
+def test_an_open_max_tokens_is_the_default_and_a_given_one_the_clients(tmp_path: Path) -> None:
+    m = C.load(None).model
+    assert (m.default_max_tokens, m.max_gen) == (256, 1024)
+    assert [m.max_tokens(None), m.max_tokens(None, min_tokens=300), m.max_tokens(None, min_tokens=5000)] == [
+        256, 300, 1024]
+    assert [m.max_tokens(1), m.max_tokens(600), m.max_tokens(4096)] == [1, 600, 1024]
+    p = tmp_path / "c.toml"
+    # Above the limit it is the limit, as a request's max_tokens is (max_gen lowered alone stays valid).
+    p.write_text("[model]\nmax_gen = 64\n")
+    assert C.load(p).model.max_tokens(None) == 64
+    p.write_text("[model]\ndefault_max_tokens = 2048\nmax_gen = 4096\n")
+    assert C.load(p).model.max_tokens(None) == 2048
+    p.write_text("[model]\ndefault_max_tokens = -1\n")
+    r = subprocess.run([sys.executable, "-m", "sclsd.daemon", "--config", str(p)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "model.default_max_tokens = -1" in r.stderr, r.stderr
 
 
 def test_engines_are_one_list() -> None:

@@ -96,7 +96,7 @@ class ServingCore:
         req = Request(
             rid=rid,
             prompt_len=len(prompt_ids),
-            max_tokens=m.max_gen if gen.max_tokens is None else min(gen.max_tokens, m.max_gen),
+            max_tokens=m.max_tokens(gen.max_tokens, gen.min_tokens),
             arrival=now,
             priority=gen.priority,
             deadline=None if gen.timeout is None else now + gen.timeout,

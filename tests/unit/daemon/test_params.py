@@ -146,6 +146,27 @@ def test_max_tokens_above_the_limit_is_refused_or_capped_as_asked(daemon) -> Non
     daemon(body, model={"max_gen": 32})
 
 
+def test_an_open_max_tokens_gets_the_configured_default(daemon) -> None:
+    """``max_tokens = null`` (what sclsd-http sends for a body without it) generates up to
+    ``model.default_max_tokens``, not ``model.max_gen``; at least the request's
+    ``min_tokens``; a number the client gives is still its own, lowered to the limit."""
+    async def body(h: Harness) -> None:
+        h.worker("w0")
+        await h.registered("w0")
+        conn = RecConn()
+        await h.submit(conn, id="open", max_tokens=None, ignore_eos=True)
+        await h.submit(conn, id="open-min", max_tokens=None, min_tokens=13, ignore_eos=True)
+        await h.submit(conn, id="given", max_tokens=20, ignore_eos=True)
+        await h.submit(conn, id="above", max_tokens=100, ignore_eos=True)
+        await h.finished(conn, "open", "open-min", "given", "above")
+        for rid, tokens in (("open", 6), ("open-min", 13), ("given", 20), ("above", 32)):
+            (done,) = conn.terminal(rid)
+            assert isinstance(done, P.Done), (rid, done)
+            assert (done.finish_reason, done.usage.completion_tokens) == ("length", tokens), rid
+
+    daemon(body, model={"max_gen": 32, "default_max_tokens": 6})
+
+
 class _NoTemplate(ByteTokenizer):
     """A transformers-like tokenizer whose ``tok`` has no chat template."""
 

@@ -301,3 +301,17 @@ def test_cancelled_rows_leave_at_the_next_step_waiting_or_running(llama) -> None
     assert "gone" not in llama.kept() and "w3" not in llama.kept() and "keep" in llama.kept()
     assert llama.info().caps.max_rows == 4
     llama.release()
+
+
+def test_sampled_rows_keep_torch_on_one_thread(llama) -> None:
+    """torch's default thread per core spins on the cores llama.cpp decodes on."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llama.serve(batch(140, [row("t", PROMPT, 3, temperature=1.0, seed=1)]))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    llama.release()

@@ -220,11 +220,13 @@ class LlamaEngine(Engine):
 
 
 def _import_sampler() -> None:
-    """Import what a row that is not plain greedy is picked with (torch, the sampler)."""
+    """Import what a row that is not plain greedy is picked with (torch, the sampler), on one
+    thread (:func:`~worker.engines.llama_pick.one_torch_thread`)."""
     try:
-        import torch  # noqa: F401
-
         from worker.engines import sampling  # noqa: F401
+        from worker.engines.llama_pick import one_torch_thread
+
+        one_torch_thread()
     except ImportError as exc:  # the first such row then fails with the same error, by name
         log.warning("the sampler cannot be imported: %s", exc)
 

@@ -253,11 +253,9 @@ class Config:
     def engine(self) -> str:
         """The engine in effect: ``workers.engine``, or for ``auto`` the policy's (read this)."""
         from .core.policy import GRANT_POLICIES
-        from .models import is_gguf
         if self.workers.engine != defaults.AUTO_ENGINE:
             return self.workers.engine
-        return defaults.auto_engine(self.scheduler.policy in GRANT_POLICIES, self.model.name,
-                                    self.workers.device, is_gguf(self.model.name))
+        return defaults.auto_engine(self.scheduler.policy in GRANT_POLICIES, self.model.name, self.workers.device)
 
 
 _SECTIONS: dict[str, type] = {"daemon": DaemonConfig, "model": ModelConfig, "scheduler": SchedulerConfig,
@@ -485,11 +483,7 @@ def _check_workers(w: WorkersConfig, cfg: Config) -> None:
          f"workers, which engine {engine!r} is not: use engine 'hf-cb' or 'hf-static-cb' (or {defaults.AUTO_ENGINE!r}, "
          f"which picks it), or a static policy such as 'scls' for engine {engine!r}")
     need(w.device == "cpu" or w.device.startswith("cuda"), "workers.device", w.device, "must be cpu or cuda")
-    # llama.cpp's build runs on the CPU, the GGUF's weights as they are.
-    need(engine != "llama" or w.device == "cpu", "workers.engine", w.engine,
-         f"the llama engine runs on the CPU (workers.device is {w.device!r}): use hf-cb or hf on a GPU")
-    need(engine != "llama" or cfg.model.dtype == "auto", "model.dtype", cfg.model.dtype,
-         "the llama engine runs the GGUF's weights as they are: leave model.dtype auto")
+    need(engine != "llama" or (w.device == "cpu" and cfg.model.dtype == "auto"), "workers.engine", w.engine, f"the llama engine runs on the CPU, the GGUF's weights as they are (workers.device = {w.device!r}, model.dtype = {cfg.model.dtype!r}): use hf-cb or hf on a GPU; leave model.dtype auto")
     # [workers.options] dtype predates [model] dtype; both set and different is ambiguous.
     old_dtype = w.options.get("dtype")
     need(old_dtype is None or cfg.model.dtype in ("auto", old_dtype), "workers.options.dtype", old_dtype,

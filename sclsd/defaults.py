@@ -71,17 +71,28 @@ OFFLINE_ENV: dict[str, str] = {
 CUDA_GRANT_ENGINE = "hf-cb"
 
 
-def auto_engine(grants: bool, model: str, device: str = "cpu", gguf: bool = False) -> str:
+#: The built-in model's names (``sclsd.models.DEFAULT_MODEL`` and its aliases): a GGUF.
+BUILTIN_GGUF: tuple[str, ...] = ("smollm2-135m-instruct", "default", "smollm2")
+
+
+def is_gguf(spec: str) -> bool:
+    """Whether model spec ``spec`` names a GGUF (the built-in model, or a ``.gguf`` file),
+    from its text alone (no file is read)."""
+    key = spec.strip().lower()
+    return key in BUILTIN_GGUF or key.endswith(".gguf")
+
+
+def auto_engine(grants: bool, model: str, device: str = "cpu") -> str:
     """The engine ``workers.engine = "auto"`` stands for, under a policy of slice grants
     (``grants``) or a static one, for ``model`` on ``device``: ``fake`` for the fake model
     (no other engine can serve it; the supervisor tells it which batching the policy needs);
-    ``llama`` for a GGUF model (``gguf``: the built-in one is) on a CPU, under either policy
-    (llama.cpp's kernels, continuous batching: it takes grants and static slices alike);
-    otherwise for grants ``hf-cb`` (they need continuous batching; on CUDA
+    ``llama`` for a GGUF model (:func:`is_gguf`: the built-in one is) on a CPU, under either
+    policy (llama.cpp's kernels, continuous batching: it takes grants and static slices
+    alike); otherwise for grants ``hf-cb`` (they need continuous batching; on CUDA
     :data:`CUDA_GRANT_ENGINE`), ``hf`` for the static policies (the paper's padded slices)."""
     if model == "fake":
         return "fake"
-    if gguf and str(device).startswith("cpu"):
+    if is_gguf(model) and str(device).startswith("cpu"):
         return "llama"
     if not grants:
         return "hf"

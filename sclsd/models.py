@@ -121,13 +121,6 @@ def smollm2_gguf_path() -> Path:
     raise FileNotFoundError(f"no .gguf file inside the {SMOLLM2_PACKAGE!r} package")
 
 
-def is_gguf(spec: str) -> bool:
-    """Whether model spec ``spec`` names a GGUF (the built-in model, or a ``.gguf`` file),
-    from its text alone (no file is read)."""
-    key = _ALIASES.get(spec.strip().lower(), spec.strip().lower())
-    return key == DEFAULT_MODEL or key.endswith(".gguf")
-
-
 class ModelNotCached(ValueError):
     """A hub id that is not in the local Hugging Face cache (:func:`fetch` can download it)."""
 

@@ -332,7 +332,7 @@ def resolve_engine(args: argparse.Namespace) -> str:
         from sclsd import defaults, models
 
         spec = args.model or models.DEFAULT_MODEL
-        args.engine = defaults.auto_engine(True, spec, args.device, models.is_gguf(spec))
+        args.engine = defaults.auto_engine(True, spec, args.device)
     return str(args.engine)
 
 

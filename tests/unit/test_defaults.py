@@ -65,11 +65,11 @@ def test_a_static_policy_alone_switches_a_transformers_model_to_hf(policy: str) 
 
 
 def test_llama_needs_the_cpu_and_the_ggufs_own_weights() -> None:
-    for bad, key in (({"workers": {"engine": "llama", "device": "cuda"}}, "workers.engine"),
-                     ({"workers": {"engine": "llama"}, "model": {"dtype": "bfloat16"}}, "model.dtype")):
+    for bad, why in (({"workers": {"engine": "llama", "device": "cuda"}}, "workers.device = 'cuda'"),
+                     ({"workers": {"engine": "llama"}, "model": {"dtype": "bfloat16"}}, "model.dtype = 'bfloat16'")):
         with pytest.raises(C.ConfigError) as exc:
             C.from_dict(bad)
-        assert exc.value.key == key
+        assert exc.value.key == "workers.engine" and why in str(exc.value)
 
 
 def test_an_explicit_engine_wins_and_a_fitting_pair_loads() -> None:

@@ -244,16 +244,19 @@ def test_release_from_another_thread_while_rows_run(llama) -> None:
 
 
 def test_auto_picks_llama_for_a_gguf_on_the_cpu() -> None:
-    from sclsd.defaults import auto_engine
-    from sclsd.models import is_gguf
+    from sclsd import models
+    from sclsd.defaults import BUILTIN_GGUF, auto_engine, is_gguf
 
     assert is_gguf("smollm2-135m-instruct") and is_gguf("default") and is_gguf("/m/x.gguf")
     assert not is_gguf("tiny-random") and not is_gguf("HuggingFaceTB/SmolLM2-360M-Instruct")
-    assert auto_engine(True, "smollm2-135m-instruct", "cpu", True) == "llama"
-    assert auto_engine(False, "/m/x.gguf", "cpu", True) == "llama"
-    assert auto_engine(True, "smollm2-135m-instruct", "cuda", True) == "hf-cb"
-    assert auto_engine(False, "tiny-random", "cpu", False) == "hf"
-    assert auto_engine(True, "fake", "cpu", False) == "fake"
+    # The built-in names are the models module's: every one resolves to the shipped GGUF.
+    assert all(models.resolve(name).kind == "gguf" for name in BUILTIN_GGUF)
+    assert models.DEFAULT_MODEL in BUILTIN_GGUF
+    assert auto_engine(True, "smollm2-135m-instruct", "cpu") == "llama"
+    assert auto_engine(False, "/m/x.gguf", "cpu") == "llama"
+    assert auto_engine(True, "smollm2-135m-instruct", "cuda") == "hf-cb"
+    assert auto_engine(False, "tiny-random", "cpu") == "hf"
+    assert auto_engine(True, "fake", "cpu") == "fake"
 
 
 def test_rows_ending_before_their_neighbours_change_nothing(llama) -> None:

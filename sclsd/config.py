@@ -483,6 +483,7 @@ def _check_workers(w: WorkersConfig, cfg: Config) -> None:
          f"workers, which engine {engine!r} is not: use engine 'hf-cb' or 'hf-static-cb' (or {defaults.AUTO_ENGINE!r}, "
          f"which picks it), or a static policy such as 'scls' for engine {engine!r}")
     need(w.device == "cpu" or w.device.startswith("cuda"), "workers.device", w.device, "must be cpu or cuda")
+    need(engine != "llama" or (w.device == "cpu" and cfg.model.dtype == "auto"), "workers.engine", w.engine, f"the llama engine runs on the CPU, the GGUF's weights as they are (workers.device = {w.device!r}, model.dtype = {cfg.model.dtype!r}): use hf-cb or hf on a GPU; leave model.dtype auto")
     # [workers.options] dtype predates [model] dtype; both set and different is ambiguous.
     old_dtype = w.options.get("dtype")
     need(old_dtype is None or cfg.model.dtype in ("auto", old_dtype), "workers.options.dtype", old_dtype,

@@ -13,10 +13,10 @@ from collections.abc import Mapping
 
 #: Engines a worker can run (``workers.engine``, ``sclsd --engine``, ``sclsd-worker
 #: --engine``); ``worker.engines.ENGINES`` registers exactly these.
-ENGINES: tuple[str, ...] = ("hf", "hf-cb", "hf-static-cb", "deepspeed", "fake")
+ENGINES: tuple[str, ...] = ("hf", "hf-cb", "hf-static-cb", "llama", "deepspeed", "fake")
 #: Engines that take slice grants (policy ``scls-cb``): continuous batching that keeps a
 #: request's KV between grants (``fake`` stands in for it in tests and load tests).
-GRANT_ENGINES: tuple[str, ...] = ("hf-cb", "hf-static-cb", "fake")
+GRANT_ENGINES: tuple[str, ...] = ("hf-cb", "hf-static-cb", "llama", "fake")
 #: ``workers.engine`` (``sclsd --engine``) that picks the engine the policy needs
 #: (:func:`auto_engine`). The default, so that the policy is the one switch.
 AUTO_ENGINE = "auto"
@@ -26,9 +26,9 @@ POLICY = "scls-cb"
 #: Optional request features and the engines that apply them (``EngineCaps``), for admission
 #: before any worker has registered (after that, the workers' own caps decide).
 ENGINE_FEATURES: dict[str, tuple[str, ...]] = {
-    "min_tokens": ("hf", "hf-cb", "hf-static-cb", "deepspeed", "fake"),
-    "logit_bias": ("hf", "hf-cb", "hf-static-cb", "deepspeed", "fake"),
-    "grammar": ("hf", "hf-cb", "hf-static-cb", "deepspeed"),
+    "min_tokens": ("hf", "hf-cb", "hf-static-cb", "llama", "deepspeed", "fake"),
+    "logit_bias": ("hf", "hf-cb", "hf-static-cb", "llama", "deepspeed", "fake"),
+    "grammar": ("hf", "hf-cb", "hf-static-cb", "llama", "deepspeed"),
 }
 
 #: Client API socket of a system install (``daemon.socket``; ``sclsctl --socket``).
@@ -71,14 +71,29 @@ OFFLINE_ENV: dict[str, str] = {
 CUDA_GRANT_ENGINE = "hf-cb"
 
 
+#: The built-in model's names (``sclsd.models.DEFAULT_MODEL`` and its aliases): a GGUF.
+BUILTIN_GGUF: tuple[str, ...] = ("smollm2-135m-instruct", "default", "smollm2")
+
+
+def is_gguf(spec: str) -> bool:
+    """Whether model spec ``spec`` names a GGUF (the built-in model, or a ``.gguf`` file),
+    from its text alone (no file is read)."""
+    key = spec.strip().lower()
+    return key in BUILTIN_GGUF or key.endswith(".gguf")
+
+
 def auto_engine(grants: bool, model: str, device: str = "cpu") -> str:
     """The engine ``workers.engine = "auto"`` stands for, under a policy of slice grants
-    (``grants``) or a static one, on ``device``: ``fake`` for the fake model (no other engine can
-    serve it; the supervisor tells it which batching the policy needs), for grants ``hf-cb``
-    (they need continuous batching; on CUDA :data:`CUDA_GRANT_ENGINE`), ``hf`` for the static
-    policies (the paper's padded slices)."""
+    (``grants``) or a static one, for ``model`` on ``device``: ``fake`` for the fake model
+    (no other engine can serve it; the supervisor tells it which batching the policy needs);
+    ``llama`` for a GGUF model (:func:`is_gguf`: the built-in one is) on a CPU, under either
+    policy (llama.cpp's kernels, continuous batching: it takes grants and static slices
+    alike); otherwise for grants ``hf-cb`` (they need continuous batching; on CUDA
+    :data:`CUDA_GRANT_ENGINE`), ``hf`` for the static policies (the paper's padded slices)."""
     if model == "fake":
         return "fake"
+    if is_gguf(model) and str(device).startswith("cpu"):
+        return "llama"
     if not grants:
         return "hf"
     return CUDA_GRANT_ENGINE if device.startswith("cuda") else "hf-cb"

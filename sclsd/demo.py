@@ -1,7 +1,8 @@
 """``make demo``: the daemon with two CPU workers on the embedded model, serving real prompts.
 
-Starts ``sclsd`` on the default config (policy ``scls-cb`` on ``hf-cb`` workers;
-``--policy scls`` for the paper's static policy) in a temporary directory and
+Starts ``sclsd`` on the default config (policy ``scls-cb`` on ``llama`` workers, the
+built-in model being a GGUF on the CPU; ``--policy scls`` for the paper's static policy,
+``--engine hf-cb`` for transformers' engine) in a temporary directory and
 ``sclsd-http`` in front of it (http://127.0.0.1:8000 unless that port is taken; the
 URL is printed), waits for its workers, sends the chat prompts of
 ``sclsd/data/prompts.txt`` concurrently, streams the first answer to the terminal and
@@ -211,7 +212,8 @@ def _table(results: list[tuple[str, Done | str]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sclsd-demo", description=__doc__)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--engine", default=None, help="default: the one the policy needs (hf-cb for scls-cb)")
+    ap.add_argument("--engine", default=None, help="default: the one the policy and the model need (llama for "
+                    "the built-in GGUF on the CPU)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--policy", default=None, help="default: the config's, scls-cb; scls: the paper's static policy")
     ap.add_argument("--slice-len", type=int, default=None, help="default: the config's (128)")

@@ -115,19 +115,21 @@ OPTIONS: dict[str, Option] = {
                        help="static: one batch at a time; continuous: grants share a running set of rows "
                             "(it takes slice grants under scls-cb)"),
     "grammar": Option(("fake",), "bool", help="enforce structured-output grammars (needs llguidance)"),
-    "max_rows": Option(("fake", "hf-cb", "hf-static-cb"), "int", Range(ge=1),
+    "max_rows": Option(("fake", "hf-cb", "hf-static-cb", "llama"), "int", Range(ge=1),
                        help="continuous batching: most rows running at once (fake: default 64; hf-cb: "
                             "default as many as its KV cache holds, else transformers' max_requests_per_batch; "
-                            "hf-static-cb: default, and at most, 512 or the largest graph bucket if larger); "
-                            "the daemon sends no more grants than this and a lookahead"),
+                            "hf-static-cb: default, and at most, 512 or the largest graph bucket if larger; "
+                            "llama: default 8, rows beyond wait for a place); the daemon sends no more grants "
+                            "than this and a lookahead"),
     # KV kept across slices
     "kv_reuse": Option((*KEEP, "fake"), "bool",
                        help="keep unfinished requests' KV across slices (default true)"),
     "kv_retain_bytes": Option((*KEEP, "fake"), "int", Range(ge=0),
                               help="most bytes of kept KV (default: the memory budget)"),
-    "kv_host_bytes": Option(KEEP, "int", Range(ge=0),
+    "kv_host_bytes": Option(KEEP + ("llama",), "int", Range(ge=0),
                             help="host bytes for kept KV that does not fit beside a batch (default: none "
-                                 "on the CPU; on CUDA the KV memory, at most 16 GiB and a quarter of RAM)"),
+                                 "on the CPU, 1 GiB for llama; on CUDA the KV memory, at most 16 GiB and a "
+                                 "quarter of RAM)"),
     # the static-cache path
     "static_cache": Option(STATIC, "switch",
                            help="serve slices from a static KV cache allocated once (auto: on with CUDA "
@@ -149,7 +151,13 @@ OPTIONS: dict[str, Option] = {
                        always=True, default=True),
     "page_size": Option(("hf-cb",), "int", Range(ge=1), help="tokens per KV page"),
     "num_blocks": Option(("hf-cb",), "int", Range(ge=1), help="pages of the paged cache"),
-    "max_batch_tokens": Option(("hf-cb",), "int", Range(ge=1), help="most tokens per iteration"),
+    "max_batch_tokens": Option(("hf-cb", "llama"), "int", Range(ge=1),
+                               help="most tokens per iteration (llama: 64 by default, fewer where warm-up "
+                                    "finds the library's large batches wrong on this CPU)"),
+    # llama
+    "context_tokens": Option(("llama",), "int", Range(ge=256),
+                             help="KV cells of the llama.cpp context (default: 1,024 per row of max_rows, at "
+                                  "least 2,048, within the memory budget and the model's window)"),
     "memory_share": Option(("hf-cb",), "float", Range(gt=0.0, le=1.0), help="share of free memory"),
     "poll_s": Option(("hf-cb",), "float", Range(gt=0.0), help="result poll interval"),
     "kv_padding_tokens": Option(("hf-cb",), "int", Range(ge=1),

@@ -2,7 +2,7 @@
 
 ::
 
-    sclsd-worker --connect ENDPOINT --id ID [--engine hf-cb|hf-static-cb|hf|deepspeed|fake] [--model SPEC]
+    sclsd-worker --connect ENDPOINT --id ID [--engine auto|llama|hf-cb|hf-static-cb|hf|deepspeed|fake] [--model SPEC]
                  [--device cpu] [--threads N] [--mem-budget BYTES] [--heartbeat S]
                  [--dtype auto|float32|bfloat16|float16] [--cache-dir DIR] [--progress-file FILE]
                  [--ENGINE-OPTION VALUE ...] [--opt KEY=VALUE ...] [--profile FILE] [--log-level info]
@@ -232,14 +232,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--id", required=True, dest="worker_id", help="worker id (sent in every message)"
     )
-    # hf-cb by default: it joins a daemon of the default policy (scls-cb, slice grants need
-    # continuous batching) and serves the static policies' batches too.
-    p.add_argument("--engine", default="hf-cb",
-                   help="engine name: hf-cb (default; any policy), hf-static-cb (slice grants on hf's static "
-                        "arena), hf or deepspeed (static policies), fake")
+    # A continuous engine by default: it joins a daemon of the default policy (scls-cb, slice
+    # grants need continuous batching) and serves the static policies' batches too.
+    p.add_argument("--engine", default="auto",
+                   help="engine name: auto (default: llama for a GGUF model on the CPU, else hf-cb; any "
+                        "policy), llama, hf-cb, hf-static-cb (slice grants on hf's static arena), hf or "
+                        "deepspeed (static policies), fake")
     p.add_argument("--model", default=None, help="model spec (default: the engine's default)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (torch's; llama.cpp's for llama)")
     p.add_argument(
         "--mem-budget", type=int, default=None, help="KV memory budget in bytes (CPU engines)"
     )
@@ -323,10 +324,23 @@ def build_parser() -> argparse.ArgumentParser:
 CPU_CB_MAX_BATCH_TOKENS = 128
 
 
+def resolve_engine(args: argparse.Namespace) -> str:
+    """``--engine``, with ``auto`` resolved as the daemon resolves ``workers.engine = "auto"``
+    under its default policy: llama for a GGUF model on the CPU, else hf-cb
+    (:func:`sclsd.defaults.auto_engine`)."""
+    if args.engine == "auto":
+        from sclsd import defaults, models
+
+        spec = args.model or models.DEFAULT_MODEL
+        args.engine = defaults.auto_engine(True, spec, args.device)
+    return str(args.engine)
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Constructor options for the engine: ``--threads`` and ``--mem-budget``, the engine
     options of :data:`OPTIONS` given as flags (``--dtype`` among them), then ``--opt``s, then
     :data:`CPU_CB_MAX_BATCH_TOKENS` for hf-cb on a CPU where neither set it."""
+    resolve_engine(args)
     opts: dict[str, Any] = {}
     for name in ("threads", "mem_budget", *OPTIONS):
         value = getattr(args, name)
@@ -387,7 +401,7 @@ def load_engine(args: argparse.Namespace) -> Any:
         from sclsd.modelcache import CACHE_ENV
 
         os.environ[CACHE_ENV] = args.cache_dir
-    if args.dtype == "auto":
+    if resolve_engine(args) != "llama" and args.dtype == "auto":
         from sclsd import models
 
         args.dtype = models.auto_dtype(args.model or models.DEFAULT_MODEL, args.device)

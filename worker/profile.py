@@ -108,6 +108,9 @@ class Profiler:
         self.info = info
         self.vocab = int(info.vocab_size or 49152)
         self.max_context = int(info.caps.max_context or 0) or 1 << 30
+        # A batch whose KV the engine cannot hold at once is no point of its profile (the
+        # llama engine's context holds its cells, not 32 rows of 1,024 tokens).
+        self.kv_tokens = info.mem_available // info.kv_bytes_per_token if info.kv_bytes_per_token else 1 << 40
         self.prefill: list[list[float]] = []
         self.decode: list[list[float]] = []
         self.batch: list[list[float]] = []
@@ -157,13 +160,17 @@ class Profiler:
             self.decode.append([n, L + (steps + 1) / 2, self._keep(dec)])
         self._refit()
 
+    def fits(self, n: int, tokens: int) -> bool:
+        """Whether ``n`` rows of ``tokens`` tokens of KV fit the memory the engine reported."""
+        return n * tokens <= self.kv_tokens
+
     def _keep(self, times: list[float]) -> float:
         """The sample a point keeps: the median of three or more runs, else the fastest."""
         return statistics.median(times) if len(times) >= 3 else min(times)
 
     def run_grid(self, grid_deadline: float, bar: Any) -> None:
         """Visit GRID; points predicted to overrun are retried once the fit has improved."""
-        todo = [(n, L) for n, L in GRID if L + self.k + 1 <= self.max_context]
+        todo = [(n, L) for n, L in GRID if L + self.k + 1 <= self.max_context and self.fits(n, L + self.k + 1)]
         bar.update(len(GRID) - len(todo))
         for _pass in range(2):
             skipped = []
@@ -184,7 +191,7 @@ class Profiler:
     def run_validation(self, reserve: float, bar: Any) -> None:
         S = self.slice_len
         for n, L in VALIDATION:
-            if L + S > self.max_context:
+            if L + S > self.max_context or not self.fits(n, L + S):
                 bar.update(1)
                 continue
             cost = self.predict(n, L, S) * 1.3

@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in turn, results under ``out/`` and figures under ``docs/img/``.
 
-    python -m sclsd.bench.all [--only batcher,figures,grants,sim,api,rates,streams,live] [--skip live]
+    python -m sclsd.bench.all [--only batcher,figures,grants,sim,api,rates,cpu,streams,live] [--skip live]
 
 Steps (each is one ``sclsd-bench`` subcommand, run as its own process):
 
@@ -15,9 +15,12 @@ Steps (each is one ``sclsd-bench`` subcommand, run as its own process):
 - ``rates``: the daemon at GPU token rates: 8 fake workers streaming 64 rows each at 10 ms a
   step (51,200 tokens/s offered) to 512 streaming clients: tokens/s delivered, the daemon's
   CPU per token at 1,024- and 64-token outputs, bytes per grant (out/rates.md);
-- ``engine``: ms per decode step of each engine on the default model, cold and warm
-  (on a GPU box ``sclsd-bench gpu-check`` runs it on a 7B/13B model);
-- ``streams``: the default (scls-cb on hf-cb) vs static scls vs ILS on real CPU workers under
+- ``engine``: ms per decode step of each engine on the default model, cold and warm, the
+  ``llama`` engine beside llama.cpp's own loop (on a GPU box ``sclsd-bench gpu-check`` runs
+  it on a 7B/13B model);
+- ``cpu``: the default on a CPU (``llama`` workers) through sclsd-http beside llama.cpp's own
+  greedy loop: one stream, 8 streams, time to first token (out/cpu/cpu.md);
+- ``streams``: the default (scls-cb; llama for the built-in GGUF) vs static scls vs ILS on real CPU workers under
   closed-loop streaming load: throughput, TTFT and the longest inter-token gap per stream;
 - ``live``: sls vs ILS (hf-cb) vs scls on real CPU workers (the longest step).
 
@@ -47,6 +50,7 @@ STEPS: dict[str, list[str]] = {
     "rates": ["sclsd.bench.cli", "rates", "--short-tokens", "64", "--json", "out/rates.json", "--md", "out/rates.md"],
     "engine": ["sclsd.bench.cli", "engine", "--model", "smollm2-135m-instruct", "--shapes", "1x64,8x128",
                "--gen", "16", "--out", "out/engine"],
+    "cpu": ["sclsd.bench.cli", "cpu", "--out", "out/cpu"],
     "streams": ["sclsd.bench.cli", "streams", "--out", "out/streams"],
     "live": ["sclsd.bench.cli", "live", "--trace", TRACE, "--out", "out/live"],
 }

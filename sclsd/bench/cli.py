@@ -26,6 +26,8 @@ SUBCOMMANDS = {
     "engine": ("sclsd.bench.engine", "ms per decode step of each engine, cold and warm"),
     "arena-grants": ("sclsd.bench.arena_grants", "hf-static-cb serving requests in slice grants against whole: "
                      "decode steps, rows per step, prefill turns, rows resumed in place"),
+    "cpu": ("sclsd.bench.cpu", "sclsd on a CPU (llama engine) through sclsd-http beside llama.cpp's own greedy "
+            "loop: one stream, N streams, time to first token"),
     "fairness": ("sclsd.bench.fairness", "how long a bystander waits behind another client's burst"),
     "grammars": ("sclsd.bench.grammars", "what other clients' hostile grammars cost a bystander (sclsd-http "
                  "and the Unix socket)"),

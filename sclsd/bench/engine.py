@@ -22,7 +22,11 @@ would serve. Variants:
 - ``hf-static``: the static cache without graphs (what the CPU can check of the graph path);
 - ``hf-cb``, ``hf-static-cb``, ``deepspeed``: those engines with their defaults;
 - ``generate``: transformers' own ``generate`` with ``cache_implementation="static"``
-  (on CUDA it compiles the forward and captures graphs itself): the in-library reference.
+  (on CUDA it compiles the forward and captures graphs itself): the in-library reference;
+- ``llama``: the llama engine (llama.cpp on the CPU, a GGUF model);
+- ``llama-loop``: llama.cpp's own greedy loop through the same binding, without sclsd: the
+  N rows' prompts, then one ``llama_decode`` of every row's next token per step, each the
+  argmax of its logits (the reference the ``llama`` engine is measured against).
 
 The bandwidth floor of a decode step (the weights read once per step) is computed
 from the card's memory bandwidth and the model's size where both are known.
@@ -50,6 +54,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "hf-static-cb": ("hf-static-cb", {}),
     "deepspeed": ("deepspeed", {}),
     "generate": ("hf", {"static_cache": False, "kv_reuse": False}),
+    "llama": ("llama", {}),
+    "llama-loop": ("llama", {}),
 }
 #: Memory bandwidth in bytes/s of cards whose torch properties do not say.
 KNOWN_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100": 3.35e12, "H200": 4.8e12, "A100-SXM4-80GB": 2.04e12,
@@ -58,7 +64,7 @@ KNOWN_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100": 3.35e12, "H200": 4.8e12, "
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", default="", help="variants (default: hf,hf-eager,hf-static-cb,hf-cb,deepspeed,"
-                   "generate on CUDA; hf,hf-static,hf-static-cb,hf-cb,generate on the CPU)")
+                   "generate on CUDA; hf,hf-static,hf-static-cb,hf-cb,generate,llama,llama-loop on the CPU)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     p.add_argument("--model", default="auto", help="model spec; auto: the largest random Llama that fits "
                    "the card (gpu-check's choice), tiny-random on the CPU")
@@ -66,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default="", help="N x P list (default 1x128,16x128,32x256,64x256 on CUDA; "
                    "1x16,8x32,32x64 on the CPU)")
     p.add_argument("--gen", type=int, default=0, help="new tokens per row (0: 64 on CUDA, 16 on the CPU)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
+    p.add_argument("--threads", type=int, default=1, help="threads on the CPU (torch's, llama.cpp's)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every variant this many times in turn and keep each cell's fastest (a machine "
                         "whose cores other jobs share)")
@@ -131,6 +137,41 @@ def _generate_call(engine: Any, n: int, p: int, gen: int, bid: int) -> tuple[flo
     return prefill, 1000 * max(0.0, whole - prefill) / max(1, gen - 1)
 
 
+def _loop_call(engine: Any, batch: Any, cpu: list[float] | None = None) -> tuple[float, float]:
+    """llama.cpp's own greedy loop over ``batch``'s rows in the llama engine's (idle) context:
+    (prefill s, decode ms/step), the prefill until every row has its first token; ``cpu``
+    (given) gets the process's CPU ms per decode step, as :func:`_serve_call`'s."""
+    from worker.engines.llama_lib import Batch
+
+    ctx, reqs, gen = engine.ctx, batch.requests, batch.slice_len
+    b = Batch(ctx.api, engine.batch_tokens)
+    t0 = time.perf_counter()
+    last: list[int] = []
+    for seq, r in enumerate(reqs):
+        ids = list(r.token_ids)
+        for pos in range(0, len(ids), engine.batch_tokens):
+            part = ids[pos:pos + engine.batch_tokens]
+            b.clear()
+            b.add(part, seq, pos, pos + len(part) == len(ids))
+            if ctx.decode(b) != 0:
+                raise RuntimeError("the prompt does not fit the context")
+        last.append(int(ctx.logits(1)[0].argmax()))
+    t1, c1 = time.perf_counter(), time.process_time()
+    for step in range(gen - 1):
+        b.clear()
+        for seq, r in enumerate(reqs):
+            b.add([last[seq]], seq, len(r.token_ids) + step, True)
+        if ctx.decode(b) != 0:
+            raise RuntimeError("the context is full")
+        last = [int(t) for t in ctx.logits(len(reqs)).argmax(axis=1)]
+    end = time.perf_counter()
+    if cpu is not None:
+        cpu.append(1000 * (time.process_time() - c1) / max(1, gen - 1))
+    for seq in range(len(reqs)):
+        ctx.seq_rm(seq)
+    return t1 - t0, 1000 * (end - t1) / max(1, gen - 1)
+
+
 def _serve_call(engine: Any, batch: Any, cpu: list[float] | None = None) -> tuple[float, float]:
     """(prefill s, decode ms/step) of one served batch, from when its tokens stream out;
     ``cpu`` (given) gets the process's CPU ms per decode step too (every thread of it: on a
@@ -186,7 +227,7 @@ def child(args: argparse.Namespace) -> int:
     opts = dict(opts)
     if args.device == "cpu":
         opts["threads"] = args.threads
-    if engine_name != "fake":
+    if engine_name not in ("fake", "llama"):  # llama runs the GGUF's weights as they are
         opts["dtype"] = args.dtype
     t0 = time.perf_counter()
     engine: Any = create_engine(engine_name, args.model, device=args.device, **opts)
@@ -195,7 +236,7 @@ def child(args: argparse.Namespace) -> int:
     engine.warm_up(lambda step: print(step, file=sys.stderr, flush=True))
     print(json.dumps({"variant": name, "load_s": round(load_s, 2), "warm_up_s": round(time.perf_counter() - t0, 2),
                       **graph_facts(engine)}), flush=True)
-    vocab = min(int(engine.config.vocab_size), 32000)
+    vocab = min(int(engine.info().vocab_size), 32000)
     bid = 0
     try:
         for n, p in parse_shapes(args.shapes):
@@ -207,8 +248,9 @@ def child(args: argparse.Namespace) -> int:
                         row["prefill_s"], row["ms_per_step"] = _generate_call(engine, n, p, args.gen, bid)
                     else:
                         cpu: list[float] = []
-                        row["prefill_s"], row["ms_per_step"] = _serve_call(engine, _batch(bid, n, p, args.gen, vocab),
-                                                                           cpu if args.device == "cpu" else None)
+                        call_fn = _loop_call if name == "llama-loop" else _serve_call
+                        row["prefill_s"], row["ms_per_step"] = call_fn(engine, _batch(bid, n, p, args.gen, vocab),
+                                                                       cpu if args.device == "cpu" else None)
                         if cpu:
                             row["cpu_ms_per_step"] = cpu[0]
                 except Exception as exc:  # noqa: BLE001 - a failing shape is a result, not a crash
@@ -271,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
     model = args.model if args.model != "auto" else (choose_model(facts["mem_total"]) if gpu else "tiny-random")
     dtype = args.dtype if args.dtype != "auto" else ("float16" if gpu else "float32")
     variants = [v for v in (args.engines or ("hf,hf-eager,hf-static-cb,hf-cb,deepspeed,generate" if gpu else
-                                            "hf,hf-static,hf-static-cb,hf-cb,generate")).split(",") if v]
+                                            "hf,hf-static,hf-static-cb,hf-cb,generate,llama,llama-loop")).split(",") if v]
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         print(f"sclsd-bench engine: unknown variant {bad}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
@@ -313,7 +355,10 @@ def run(args: argparse.Namespace) -> int:
     if any("cpu_ms_per_step" in r for r in rows):
         table += ("\n\nThe process's CPU time per decode step (all its threads; the work of a step, whatever "
                   "else the cores ran):\n\n" + markdown(rows, None, "cpu_ms_per_step"))
-    header = (f"`{model}` in {dtype} on {facts.get('gpu') or 'the CPU'}; prefill until every row streamed "
+    weights = f"in {dtype}" if not all(v.startswith("llama") for v in variants) else "as its GGUF ships it"
+    if any(v.startswith("llama") for v in variants) and weights.startswith("in "):
+        weights += " (llama variants: as its GGUF ships it)"
+    header = (f"`{model}` {weights} on {facts.get('gpu') or 'the CPU'}; prefill until every row streamed "
               f"its first token, then ms per step over the other {gen - 1} of {gen} new tokens; cold "
               f"(first call of the shape) / warm (second)"
               + (f", each the fastest of {rounds} rounds." if rounds > 1 else "."))

@@ -11,9 +11,11 @@ aiperf's synthetic one: prompts of exactly ``--prompt-tokens`` tokens of text, e
 Configurations:
 
 - ``default``: the shipped defaults, nothing set but the model and the number of workers
-  (policy ``scls-cb`` on ``hf-cb`` workers, S = 128, per-request sampling on);
+  (policy ``scls-cb``, S = 128, on the engine ``auto`` picks: ``llama`` for a GGUF such as
+  the default model, ``hf-cb`` for a transformers model);
 - ``scls``: the paper's static policy as the README used to start it (``--policy scls
-  --slice-len 32``: engine ``hf``, work-conserving rounds and KV reuse on);
+  --slice-len 32``, work-conserving rounds and KV reuse on; engine ``llama`` for a GGUF,
+  ``hf`` for a transformers model);
 - ``ils``: iteration-level scheduling, the paper's ILS baseline (``hf-cb`` workers, each
   request dispatched on arrival, round-robin; as ``sclsd-bench live``).
 
@@ -60,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--engine", default="auto",
+                   help="workers.engine of the default and scls configurations (auto: the defaults')")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--num", type=int, default=48, help="measured requests per configuration")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (closed loop)")
@@ -85,6 +89,8 @@ def sections(name: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         "model": {"name": args.model},
         "workers": {"spawn": args.workers, "threads": args.threads},
     }
+    if getattr(args, "engine", "auto") != "auto":
+        out["workers"]["engine"] = args.engine
     if name == "scls":
         out["scheduler"] = {"policy": "scls", "slice_len": args.slice_len}
     elif name == "ils":

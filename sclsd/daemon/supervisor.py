@@ -31,6 +31,7 @@ from typing import Literal
 from ..config import Config
 from ..core.policy import GRANT_POLICIES
 from ..defaults import offline_env
+from ..engine_options import TORCH
 
 log = logging.getLogger("sclsd.workers")
 
@@ -101,9 +102,9 @@ class Supervisor:
             "--parent-pid", str(os.getpid()),
             "--progress-file", self.progress_file(wid),
         ]
-        if self.cfg.engine != "fake":  # the fake engine has no weights, hence no dtype
+        if self.cfg.engine in TORCH:  # fake has no weights, llama runs the GGUF's as they are
             cmd += ["--dtype", self.cfg.model.dtype]
-        elif self.cfg.scheduler.policy in GRANT_POLICIES and "batching" not in w.options:
+        elif self.cfg.engine == "fake" and self.cfg.scheduler.policy in GRANT_POLICIES and "batching" not in w.options:
             cmd += ["--batching", "continuous"]  # it stands in for hf-cb: it takes grants
         if self.cfg.model.cache_dir:
             cmd += ["--cache-dir", _absolute(self.cfg.model.cache_dir)]

@@ -63,10 +63,11 @@ def test_the_configs_are_the_default_static_scls_and_ils() -> None:
     args = argparse.Namespace(model="smollm2-135m-instruct", workers=2, threads=1, slice_len=32)
     cfgs = {name: C.from_dict({k: v for k, v in S.sections(name, args).items() if k != "daemon"})
             for name in S.CONFIGS}
-    assert (cfgs["default"].scheduler.policy, cfgs["default"].engine) == ("scls-cb", "hf-cb")
+    # The default model is a GGUF: on the CPU both policies run the llama engine.
+    assert (cfgs["default"].scheduler.policy, cfgs["default"].engine) == ("scls-cb", "llama")
     assert cfgs["default"].scheduler == C.SchedulerConfig()  # nothing but the defaults
     assert (cfgs["scls"].scheduler.policy, cfgs["scls"].scheduler.slice_len, cfgs["scls"].engine) == (
-        "scls", 32, "hf")
+        "scls", 32, "llama")
     assert (cfgs["ils"].scheduler.policy, cfgs["ils"].scheduler.batch_size, cfgs["ils"].engine) == (
         "sls", 1, "hf-cb")
     assert "streams" in SUBCOMMANDS

@@ -1,5 +1,6 @@
-"""The default config serves with the best policy: scls-cb on hf-cb with sampling; the paper's
-static scls is one switch away; a policy with an engine that cannot serve it stops sclsd."""
+"""The default config serves with the best policy: scls-cb with sampling, on llama for the
+default (GGUF) model on a CPU, on hf-cb for a transformers model; the paper's static scls is
+one switch away; a policy with an engine that cannot serve it stops sclsd."""
 
 from __future__ import annotations
 
@@ -27,11 +28,16 @@ def _flag(cmd: list[str], name: str) -> str | None:
     return cmd[cmd.index(name) + 1] if name in cmd else None
 
 
-def test_the_defaults_are_scls_cb_on_hf_cb_with_sampling() -> None:
+def test_the_defaults_are_scls_cb_on_llama_for_the_gguf_with_sampling() -> None:
     for cfg in (C.load(None), C.load(REPO / "etc" / "sclsd.toml")):
         assert cfg.scheduler.policy == "scls-cb" and cfg.workers.engine == "auto"
-        assert cfg.engine == "hf-cb"
-        assert _flag(_command(cfg), "--engine") == "hf-cb"
+        assert cfg.engine == "llama"
+        cmd = _command(cfg)
+        assert _flag(cmd, "--engine") == "llama"
+        assert "--dtype" not in cmd and "--batching" not in cmd  # the GGUF's weights as they are
+    tiny = C.from_dict({"model": {"name": "tiny-random"}})
+    assert tiny.engine == "hf-cb" and _flag(_command(tiny), "--engine") == "hf-cb"
+    assert C.from_dict({"workers": {"device": "cuda"}}).engine == "hf-cb"
     # Sampling is on unless a config turns it off: the daemon's view before any worker
     # registers, the worker's flag (not passed, so the engine's default) and the engine's.
     assert OPTIONS["sampling"].default is True
@@ -39,21 +45,31 @@ def test_the_defaults_are_scls_cb_on_hf_cb_with_sampling() -> None:
     from worker.engines.hf_cb import HFCBEngine
     from worker.main import build_parser
 
-    assert build_parser().parse_args(["--connect", "ipc:///x", "--id", "w"]).engine == "hf-cb"
+    assert build_parser().parse_args(["--connect", "ipc:///x", "--id", "w"]).engine == "auto"
     import inspect
 
     assert inspect.signature(HFCBEngine.__init__).parameters["sampling"].default is True
 
 
 @pytest.mark.parametrize("policy", ["scls", "sls", "lb"])
-def test_a_static_policy_alone_switches_the_engine_to_hf(policy: str) -> None:
-    cfg = C.from_dict({"scheduler": {"policy": policy}})
+def test_a_static_policy_alone_switches_a_transformers_model_to_hf(policy: str) -> None:
+    cfg = C.from_dict({"scheduler": {"policy": policy}, "model": {"name": "tiny-random"}})
     assert cfg.engine == "hf" and _flag(_command(cfg), "--engine") == "hf"
     # The same from the command line, over the shipped file (sclsd --policy scls).
-    over = C.override(C.load(REPO / "etc" / "sclsd.toml"), scheduler__policy=policy)
+    over = C.override(C.load(REPO / "etc" / "sclsd.toml"), scheduler__policy=policy, model__name="tiny-random")
     assert over.engine == "hf"
     # Back to the default policy: the engine follows again.
     assert C.override(over, scheduler__policy="scls-cb").engine == "hf-cb"
+    # The default GGUF on the CPU stays on llama, which serves static slices too.
+    assert C.from_dict({"scheduler": {"policy": policy}}).engine == "llama"
+
+
+def test_llama_needs_the_cpu_and_the_ggufs_own_weights() -> None:
+    for bad, why in (({"workers": {"engine": "llama", "device": "cuda"}}, "workers.device = 'cuda'"),
+                     ({"workers": {"engine": "llama"}, "model": {"dtype": "bfloat16"}}, "model.dtype = 'bfloat16'")):
+        with pytest.raises(C.ConfigError) as exc:
+            C.from_dict(bad)
+        assert exc.value.key == "workers.engine" and why in str(exc.value)
 
 
 def test_an_explicit_engine_wins_and_a_fitting_pair_loads() -> None:
@@ -75,9 +91,10 @@ def test_hf_static_cb_serves_scls_cb_with_its_arena_options_and_auto_keeps_hf_cb
     with pytest.raises(C.ConfigError) as exc:  # hf-cb's own options are not its
         C.from_dict({"workers": {"engine": "hf-static-cb", "options": {"num_blocks": 64}}})
     assert exc.value.key == "workers.options.num_blocks"
-    for device in ("cpu", "cuda"):
-        assert C.from_dict({"workers": {"device": device}}).engine == ("hf-cb" if device == "cpu"
-                                                                       else D.CUDA_GRANT_ENGINE)
+    for device in ("cpu", "cuda"):  # a transformers model (the built-in GGUF runs on llama on the CPU)
+        assert C.from_dict({"model": {"name": "tiny-random"}, "workers": {"device": device}}).engine == (
+            "hf-cb" if device == "cpu" else D.CUDA_GRANT_ENGINE)
+    assert C.from_dict({"workers": {"device": "cuda"}}).engine == D.CUDA_GRANT_ENGINE
     assert D.CUDA_GRANT_ENGINE == "hf-cb" and D.auto_engine(True, "m", "cuda:0") == D.CUDA_GRANT_ENGINE
     assert D.auto_engine(False, "m", "cuda") == "hf" and "hf-static-cb" in D.GRANT_ENGINES
 

@@ -51,3 +51,17 @@ def test_a_run_on_the_cpu_measures_every_shape_twice(tmp_path) -> None:
     assert all(r["ms_per_step"] > 0 and r["prefill_s"] > 0 and r["cpu_ms_per_step"] > 0 for r in calls)
     md = (tmp_path / "engine.md").read_text()
     assert "| hf-static |" in md and "cold / warm CPU ms |" in md
+
+
+def test_the_llama_engine_beside_the_librarys_own_loop(tmp_path) -> None:
+    pytest.importorskip("ik_llama_cpp")
+    args = argparse.Namespace(child=None, engines="llama,llama-loop", device="cpu", model="tiny-random",
+                              dtype="auto", shapes="2x40", gen=6, threads=1, rounds=1, out=str(tmp_path))
+    assert E.run(args) == 0
+    calls = [r for r in json.loads((tmp_path / "engine.json").read_text())["rows"] if "n" in r]
+    assert [(r["variant"], r["call"]) for r in calls] == [("llama", "cold"), ("llama", "warm"),
+                                                          ("llama-loop", "cold"), ("llama-loop", "warm")]
+    assert all("error" not in r and r["ms_per_step"] > 0 and r["prefill_s"] > 0 and r["cpu_ms_per_step"] > 0
+               for r in calls)
+    md = (tmp_path / "engine.md").read_text()
+    assert "| llama |" in md and "| llama-loop |" in md and "err" not in md

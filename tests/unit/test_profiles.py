@@ -20,7 +20,8 @@ from sclsd.core.profiles import (
 
 
 def test_builtins_present():
-    assert {"a100-llama2-13b-hf", "a100-llama2-13b-ds", "cpu-smollm2-135m"} <= set(builtin_profiles())
+    assert {"a100-llama2-13b-hf", "a100-llama2-13b-ds", "cpu-smollm2-135m", "cpu-smollm2-135m-llama"} <= set(
+        builtin_profiles())
     assert DEFAULT_PROFILE == "cpu-smollm2-135m"
 
 

@@ -36,10 +36,12 @@ def test_hf_cb_on_a_cpu_bounds_the_tokens_of_a_step_unless_told():
     def opts(*extra: str) -> dict[str, object]:
         return wm.engine_options(wm.build_parser().parse_args(["--connect", "ipc:///x", "--id", "w", *extra]))
 
-    assert opts()["max_batch_tokens"] == wm.CPU_CB_MAX_BATCH_TOKENS  # hf-cb, cpu: the defaults
-    assert opts("--opt", "max_batch_tokens=512")["max_batch_tokens"] == 512
-    assert "max_batch_tokens" not in opts("--device", "cuda:0")  # transformers sizes it there
+    assert opts("--engine", "hf-cb")["max_batch_tokens"] == wm.CPU_CB_MAX_BATCH_TOKENS  # hf-cb, cpu
+    assert opts("--engine", "hf-cb", "--opt", "max_batch_tokens=512")["max_batch_tokens"] == 512
+    assert "max_batch_tokens" not in opts("--device", "cuda:0")  # auto: hf-cb, transformers sizes it there
     assert "max_batch_tokens" not in opts("--engine", "hf")
+    assert opts("--model", "tiny-random")["max_batch_tokens"] == wm.CPU_CB_MAX_BATCH_TOKENS  # auto: hf-cb
+    assert "max_batch_tokens" not in opts()  # auto: llama, the default model being a GGUF
 
 
 def test_bad_opt_is_rejected():

@@ -18,6 +18,7 @@ ENGINES: dict[str, str] = {
     "hf": "worker.engines.hf:HFEngine",
     "hf-cb": "worker.engines.hf_cb:HFCBEngine",
     "hf-static-cb": "worker.engines.hf_static_cb:HFStaticCBEngine",
+    "llama": "worker.engines.llama:LlamaEngine",
     "deepspeed": "worker.engines.deepspeed:DeepSpeedEngine",
     "fake": "worker.engines.fake:FakeEngine",
 }

@@ -44,6 +44,7 @@ from sclsd.protocol import BatchRequest, TokenLogprobs
 from worker.engines.sampling import (
     inverse_transform,
     pack_logprobs,
+    penalized,
     random_seed,
     token_logprobs,
     uniform,
@@ -68,11 +69,6 @@ def generated_since(state: Any, k: int) -> list[int]:
     if k < moved:
         return list(state.initial_tokens[true_initial + k:]) + list(state.generated_tokens)
     return list(state.generated_tokens[k - moved:])
-
-
-def penalized(r: BatchRequest) -> bool:
-    """Whether row ``r`` has a presence, frequency or repetition penalty."""
-    return bool(r.frequency_penalty or r.presence_penalty or r.repetition_penalty != 1.0)
 
 
 def wants_pick(r: BatchRequest) -> bool:

@@ -48,6 +48,11 @@ def mix_seed(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
+def penalized(r: BatchRequest) -> bool:
+    """Whether row ``r`` has a presence, frequency or repetition penalty."""
+    return bool(r.frequency_penalty or r.presence_penalty or r.repetition_penalty != 1.0)
+
+
 def random_seed() -> int:
     """A fresh seed for requests that did not ask for one."""
     return secrets.randbits(63)

@@ -102,6 +102,15 @@ class ArenaRows(Joining):
             return {}
         return {rid: len(p.tokens) for rid, p in list(self.paused.items()) if rid not in rids}
 
+    def account(self, steps: int, step_rows: int) -> str:
+        """What the rows went through since the engine started, for the log at close (and
+        ``sclsd-bench gpu-check``, which reads it there)."""
+        c = self.counts
+        return (f"rows resumed in place {c['resumed']}, copied in from the store {c['loaded']}, paused rows "
+                f"spilled {c['spilled']}, rows moved between slots {c['moved']}, rows that waited for room "
+                f"{self.waited_rows}; {steps} decode steps of {step_rows / max(1, steps):.1f} rows on average, "
+                f"{c['prefills']} prefill turns")
+
     def take_evicted(self) -> list[str]:
         out, self.evicted = self.evicted, []
         return out

@@ -128,10 +128,8 @@ class HFStaticCBEngine(TransformersModel, Engine):
         self._events: list[Event] = []
         self.kv_peak_tokens = 0
         """Most KV tokens held at once: the running rows' and the kept."""
-        self.steps = 0
-        self.step_rows = 0
-        """Decode steps run, and the running rows they carried in all (ghosts and dummies not
-        counted): for benchmarks and the log at close."""
+        self.steps = self.step_rows = 0
+        """Decode steps run, and the running rows they carried in all (benchmarks, the log at close)."""
 
     # ------------------------------------------------------------------ facts
 
@@ -170,13 +168,11 @@ class HFStaticCBEngine(TransformersModel, Engine):
     # ------------------------------------------------------------------ the engine's four
 
     def has_room(self) -> bool:
-        """While fewer rows wait than one step may run: rows that wait do so here, where a
-        returning row goes ahead of newcomers (:mod:`worker.engines.arena_join`)."""
+        """While fewer rows wait than a step runs (they wait here: returning rows go first)."""
         return len(self.rows.waiting) < self.static.max_rows
 
     def busy(self) -> bool:
-        """Whether rows wait or run, or events wait for :meth:`poll` (a step still in flight
-        whose rows all ended is read at the next turn: it holds nobody's tokens)."""
+        """Rows wait or run, or events wait (a step in flight whose rows all ended is not work)."""
         return bool(self.rows.busy() or self._events)
 
     def submit(self, batch: BatchMsg) -> None:
@@ -219,8 +215,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
         self.rows.release(rids)
 
     def take_evicted(self) -> list[str]:
-        """Requests whose kept KV was evicted since the last call (from the store, or paused
-        rows whose spill the store could not keep, or lost with a failed turn)."""
+        """Requests whose kept KV was lost since the last call (evicted, or spilled and not kept)."""
         return [*self.rows.take_evicted(), *(self.kv.take_evicted() if self.kv is not None else [])]
 
     def kept(self) -> dict[str, int]:
@@ -229,11 +224,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
 
     def close(self) -> None:
         """Drop the arena, its graphs, the rows and the kept KV, then the model."""
-        c = self.rows.counts
-        log.info("%s: rows resumed in place %d, copied in from the store %d, paused rows spilled %d, "
-                 "rows moved between slots %d, rows that waited for room %d; %d decode steps of %.1f rows "
-                 "on average, %d prefill turns", self.name, c["resumed"], c["loaded"], c["spilled"], c["moved"],
-                 self.rows.waited_rows, self.steps, self.step_rows / max(1, self.steps), c["prefills"])
+        log.info("%s: %s", self.name, self.rows.account(self.steps, self.step_rows))
         self.rows.reset()
         self.rows.runner = None  # type: ignore[assignment]
         self.static = None  # type: ignore[assignment]

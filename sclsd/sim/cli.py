@@ -100,6 +100,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-e2e", type=float, help="goodput SLO on end-to-end latency, s")
     p.add_argument("--slo-gap", type=float,
                    help="goodput SLO on a request's longest inter-token gap, s")
+    p.add_argument("--long-share", type=float,
+                   help="share of requests drawn from the trace's long generations "
+                        "(the paper's long-generation scenario: 0.6; needs --rate)")
+    p.add_argument("--long-over", type=int, default=512,
+                   help="what --long-share counts as long: more than this many tokens")
     p.add_argument("--json", metavar="OUT", help="write the metrics here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -136,6 +141,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         max_input=args.max_input,
         max_gen=args.max_gen,
         seed=args.seed,
+        long_share=args.long_share,
+        long_over=args.long_over,
     )
     if len(workload) == 0:
         raise ValueError("no request arrives within --duration")
@@ -189,6 +196,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "zeta": args.zeta,
         "noise": args.noise,
         "seed": args.seed,
+        "long_share": args.long_share,
+        "long_over": args.long_over,
         "work_conserving": args.work_conserving,
         "kv_reuse": args.kv_reuse,
         "max_slice_gap_s": args.max_slice_gap,

@@ -73,13 +73,15 @@ def run_grid(
     duration: float = 600.0,
     seed: int = 0,
     noise: float = 0.0,
+    long_share: float | None = None,
 ) -> list[dict[str, Any]]:
-    """One summary per (policy, rate, slice length), in that nesting order."""
+    """One summary per (policy, rate, slice length), in that nesting order. ``long_share``:
+    that share of requests generating more than 512 tokens (see :func:`make_workload`)."""
     prof = load_profile(profile)
     trace = load_trace(trace_path)
     rows: list[dict[str, Any]] = []
     for rate in rates:
-        wl = make_workload(trace, rate=rate, duration=duration, seed=seed)
+        wl = make_workload(trace, rate=rate, duration=duration, seed=seed, long_share=long_share)
         for pol in policies:
             for S in slice_lens:
                 base, switches = parse_variant(pol)
@@ -121,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=600.0)
     p.add_argument("--noise", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--long-share", type=float,
+                   help="share of requests generating more than 512 tokens (the paper: 0.6)")
     p.add_argument("--out", help="write all summaries here as JSON")
     a = p.parse_args(argv)
     rows = run_grid(
@@ -133,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         duration=a.duration,
         seed=a.seed,
         noise=a.noise,
+        long_share=a.long_share,
     )
     print(markdown(rows))
     if a.out:

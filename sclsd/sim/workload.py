@@ -43,6 +43,8 @@ def make_workload(
     max_input: int = 1024,
     max_gen: int = 1024,
     seed: int = 0,
+    long_share: float | None = None,
+    long_over: int = 512,
 ) -> Workload:
     """Arrivals and capped lengths for one run.
 
@@ -52,10 +54,18 @@ def make_workload(
     arrival times, which the trace must have. ``duration``: only requests
     arriving before that many seconds are generated. Lengths above
     ``max_input`` / ``max_gen`` are capped as the paper does.
+
+    ``long_share`` (with ``rate``): that share of the requests (rounded) carries the
+    lengths of the trace's requests generating more than ``long_over`` tokens after
+    the caps, the rest those of its others, each group in file order and placed at
+    random (seeded) among the arrivals: the paper's long-generation scenario (section
+    6, 60 % over 512 tokens) built from a trace where long answers are rare.
     """
     if len(trace) == 0:
         raise ValueError("the trace is empty")
     capped = trace.capped(max_input, max_gen)
+    if long_share is not None and rate is None:
+        raise ValueError("--long-share needs --rate (it draws the trace's lengths anew)")
     if rate is not None:
         if rate <= 0:
             raise ValueError(f"--rate must be > 0, got {rate}")
@@ -71,7 +81,10 @@ def make_workload(
                 arrivals = poisson_arrivals(guess, rate, seed)
             arrivals = arrivals[arrivals < duration]
             n = len(arrivals)
-        idx = np.arange(n) % len(trace)
+        if long_share is None:
+            idx = np.arange(n) % len(trace)
+        else:
+            idx = _mixed(capped.output_tokens, n, long_share, long_over, seed)
         return Workload(arrivals, capped.input_tokens[idx], capped.output_tokens[idx])
     if not trace.has_arrivals:
         raise ValueError(
@@ -82,3 +95,27 @@ def make_workload(
     order = np.argsort(arr, kind="stable")
     keep = order if duration is None else order[arr[order] < duration]
     return Workload(arr[keep], capped.input_tokens[keep], capped.output_tokens[keep])
+
+
+def _mixed(outputs: np.ndarray, n: int, share: float, over: int, seed: int) -> np.ndarray:
+    """Indices into the trace for ``n`` requests, ``round(share * n)`` of them among those
+    generating more than ``over`` tokens (see :func:`make_workload`)."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"--long-share must be within [0, 1], got {share}")
+    if over < 0:
+        raise ValueError(f"--long-over must be >= 0, got {over}")
+    long_pool = np.flatnonzero(outputs > over)
+    short_pool = np.flatnonzero(outputs <= over)
+    n_long = round(share * n)
+    if n_long and not len(long_pool):
+        raise ValueError(f"the trace has no request generating more than {over} tokens "
+                         "within --max-gen")
+    if n - n_long and not len(short_pool):
+        raise ValueError(f"the trace has no request generating {over} tokens or fewer")
+    picks = np.concatenate([
+        long_pool[np.arange(n_long) % max(len(long_pool), 1)],
+        short_pool[np.arange(n - n_long) % max(len(short_pool), 1)],
+    ])
+    # A seeded permutation places the long ones among the arrivals (the arrivals' own
+    # seed draws the gaps; this one only the order).
+    return picks[np.random.default_rng(seed + 1).permutation(n)]

@@ -118,3 +118,37 @@ def test_workload_caps_cuts_and_wraps(tmp_path: Path) -> None:
     assert wl.input_len[10:20].tolist() == capped.input_tokens.tolist()
     again = make_workload(tr, rate=50.0, duration=2.0, max_input=1024, max_gen=512, seed=3)
     assert np.array_equal(again.arrival, wl.arrival)
+
+
+def test_long_share_draws_that_share_of_long_generations(tmp_path: Path) -> None:
+    tr = load_trace(write_trace(tmp_path / "t.csv", arrivals=False, n=40))
+    plain = make_workload(tr, rate=50.0, duration=4.0, seed=3)
+    wl = make_workload(tr, rate=50.0, duration=4.0, seed=3, long_share=0.6)
+    assert np.array_equal(wl.arrival, plain.arrival)  # only the lengths change
+    n_long = int((wl.output_len > 512).sum())
+    assert n_long == round(0.6 * len(wl))
+    # Every request still carries one of the trace's (capped) requests, input with output.
+    capped = tr.capped(1024, 1024)
+    pairs = set(zip(capped.input_tokens.tolist(), capped.output_tokens.tolist(), strict=True))
+    assert set(zip(wl.input_len.tolist(), wl.output_len.tolist(), strict=True)) <= pairs
+    # The long ones are spread over the run, not bunched at its start.
+    first_half = int((wl.output_len[: len(wl) // 2] > 512).sum())
+    assert 0.3 * n_long < first_half < 0.7 * n_long
+    again = make_workload(tr, rate=50.0, duration=4.0, seed=3, long_share=0.6)
+    assert np.array_equal(again.output_len, wl.output_len)
+    none_long = make_workload(tr, rate=50.0, duration=4.0, seed=3, long_share=0.0)
+    assert int((none_long.output_len > 512).sum()) == 0
+
+
+def test_long_share_errors_name_the_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with_arrivals = write_trace(tmp_path / "a.csv", arrivals=True)
+    assert main(["sim", "--trace", str(with_arrivals), "--long-share", "0.6", "--no-progress"]) == 2
+    assert "--long-share needs --rate" in capsys.readouterr().err
+    trace = write_trace(tmp_path / "t.csv", arrivals=False)
+    assert main(["sim", "--trace", str(trace), "--rate", "5", "--long-share", "1.5",
+                 "--no-progress"]) == 2
+    assert "--long-share must be within [0, 1]" in capsys.readouterr().err
+    # No request generates more than 512 tokens under --max-gen 256.
+    assert main(["sim", "--trace", str(trace), "--rate", "5", "--long-share", "0.6",
+                 "--max-gen", "256", "--no-progress"]) == 2
+    assert "no request generating more than 512" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in turn, results under ``out/`` and figures under ``docs/img/``.
 
-    python -m sclsd.bench.all [--only batcher,figures,grants,sim,api,rates,cpu,streams,live] [--skip live]
+    python -m sclsd.bench.all [--only batcher,figures,long,grants,sim,api,rates,fairness,cpu,streams,live] [--skip live]
 
 Steps (each is one ``sclsd-bench`` subcommand, run as its own process):
 
@@ -10,11 +10,18 @@ Steps (each is one ``sclsd-bench`` subcommand, run as its own process):
   and both oracles, in simulation (``python -m sclsd.sim.variants``, out/slicing.md);
 - ``grants``: scls-cb (slice grants on continuous batching) against ils-paged,
   ils-conservative and scls, in simulation (``sclsd-bench grants``, out/grants.md);
+- ``long``: the paper's long-generation scenario in simulation (60 % of requests over 512
+  tokens, 8 req/s, the DS profile, S = 128 and 256: ``python -m sclsd.sim.grid --long-share
+  0.6``, out/long-gen.json);
 - ``sim``: simulator speed, 10 simulated minutes of 8 workers at 20 req/s;
 - ``api``: the daemon's own request rate with a zero-time fake engine;
 - ``rates``: the daemon at GPU token rates: 8 fake workers streaming 64 rows each at 10 ms a
   step (51,200 tokens/s offered) to 512 streaming clients: tokens/s delivered, the daemon's
   CPU per token at 1,024- and 64-token outputs, bytes per grant (out/rates.md);
+- ``fairness``: a bystander's 8-token request behind another client's burst of 256, and after
+  that client hangs up (fake workers; ``sclsd-bench fairness``);
+- ``grammars``: plain requests while other clients send hostile grammars, through sclsd-http
+  and the Unix socket (``sclsd-bench grammars``);
 - ``engine``: ms per decode step of each engine on the default model, cold and warm, the
   ``llama`` engine beside llama.cpp's own loop (on a GPU box ``sclsd-bench gpu-check`` runs
   it on a 7B/13B model);
@@ -44,10 +51,15 @@ STEPS: dict[str, list[str]] = {
                 "--tables", "out/figures.md"],
     "slicing": ["sclsd.sim.variants", "--out", "out/slicing.json", "--md", "out/slicing.md"],
     "grants": ["sclsd.bench.cli", "grants", "--out", "out/grants.json", "--md", "out/grants.md"],
+    "long": ["sclsd.sim.grid", "--trace", TRACE, "--profile", "a100-llama2-13b-ds", "--policies",
+             "scls,scls-cb,ils-conservative,ils-paged", "--rates", "8", "--slice-lens", "128,256",
+             "--long-share", "0.6", "--out", "out/long-gen.json"],
     "sim": ["sclsd.bench.cli", "sim", "--trace", TRACE, "--policy", "scls", "--profile", "a100-llama2-13b-hf",
             "--workers", "8", "--rate", "20", "--duration", "600", "--json", "out/sim-speed.json"],
     "api": ["sclsd.bench.cli", "api", "--json", "out/api.json"],
     "rates": ["sclsd.bench.cli", "rates", "--short-tokens", "64", "--json", "out/rates.json", "--md", "out/rates.md"],
+    "fairness": ["sclsd.bench.cli", "fairness"],
+    "grammars": ["sclsd.bench.cli", "grammars"],
     "engine": ["sclsd.bench.cli", "engine", "--model", "smollm2-135m-instruct", "--shapes", "1x64,8x128",
                "--gen", "16", "--out", "out/engine"],
     "cpu": ["sclsd.bench.cli", "cpu", "--out", "out/cpu"],

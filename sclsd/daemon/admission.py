@@ -170,6 +170,12 @@ class Admission:
         c.task.cancel()
         return True
 
+    def waiting_for(self, asked: str) -> list[tuple[Conn, str]]:
+        """The requests waiting for their grammar's check that an admin may mean by
+        ``asked``: the daemon's id, or the client's id, of each."""
+        return [(conn, cid) for (conn, cid), c in self.checking.items()
+                if c.task is not None and asked in (cid, daemon_id(conn, cid))]
+
     def client_gone(self, conn: Conn) -> None:
         """``conn`` closed: its requests waiting for a grammar's check stop waiting (their
         checks stop when nobody else waits for them); nothing is sent."""

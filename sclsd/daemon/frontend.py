@@ -23,7 +23,7 @@ from typing import Any
 
 from .. import protocol as P
 from ..config import Config
-from .admission import Admission
+from .admission import Admission, daemon_id
 from .serving.core import ServingCore
 from .serving.effects import Effects
 from .sockets import Conn
@@ -83,7 +83,13 @@ class Frontend:
             return self._error(conn, "forbidden", "only an admin may cancel other connections' "
                                "requests", msg.id)
         if other:
-            rid, why = self._anyones(msg.id)
+            rid, waiting, why = self._anyones(msg.id)
+            if waiting is not None:
+                # It waits for its grammar's check: accepted and ended (admission), as its own
+                # client's cancel would end it.
+                self.admission.cancel(*waiting)
+                log.info("id=%s (waiting for its grammar's check) cancelled by conn=%d", msg.id, conn.cid)
+                return Effects()
             if rid is None:
                 return self._error(conn, "unknown_id", why, msg.id)
         if rid is None and not other and self.admission.cancel(conn, msg.id):
@@ -95,19 +101,20 @@ class Frontend:
             log.info("id=%s cancelled by conn=%d", rid, conn.cid)
         return out
 
-    def _anyones(self, asked: str) -> tuple[str | None, str]:
-        """The live request an admin means by ``asked``: the daemon's id, or a client id that
-        one live request has; (None, why) when there is none, or several."""
+    def _anyones(self, asked: str) -> tuple[str | None, tuple[Conn, str] | None, str]:
+        """The request an admin means by ``asked`` (the daemon's id, or a client id that one
+        request has): a live one's daemon id, or the (connection, client id) of one waiting
+        for its grammar's check; (None, None, why) when there is none, or several."""
         table = self.core.table
-        if asked in table:
-            return asked, ""
-        rids = table.with_client_id(asked)
-        if len(rids) == 1:
-            return rids[0], ""
-        if not rids:
-            return None, f"no live request {asked!r}"
-        return None, (f"{len(rids)} live requests have the client id {asked!r}; cancel one by the "
-                      f"daemon's id: {', '.join(sorted(rids)[:10])}")
+        live = [asked] if asked in table else table.with_client_id(asked)
+        waiting = self.admission.waiting_for(asked)
+        if len(live) + len(waiting) == 1:
+            return (live[0], None, "") if live else (None, waiting[0], "")
+        if not live and not waiting:
+            return None, None, f"no live request {asked!r}"
+        ids = sorted([*live, *(daemon_id(c, i) for c, i in waiting)])
+        return None, None, (f"{len(ids)} live requests have the client id {asked!r}; cancel one by "
+                            f"the daemon's id: {', '.join(ids[:10])}")
 
     @staticmethod
     def _error(conn: Conn, code: P.ErrorCode, message: str, rid: str) -> Effects:

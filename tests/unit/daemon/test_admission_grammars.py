@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from sclsd import protocol as P
+from sclsd.daemon.admission import daemon_id
 
 from .conftest import Harness, RecConn, until
 from .fake_checks import FakeChecker, schema
@@ -20,10 +21,11 @@ pytest.importorskip("llguidance")  # the fake workers enforce the grammars they 
 
 from sclsd.structured import compile_grammar  # noqa: E402
 
+ADMIN = 0  # root: an admin by default
 JSON_OBJECT, _ = compile_grammar(P.Structured(kind="json_object"))
 
 
-async def ready(h: Harness) -> FakeChecker:
+async def ready(h: Harness, *, hold: bool = False) -> FakeChecker:
     """A fake checker in place of the grammar children, and a worker that enforces grammars."""
     fake = FakeChecker()
     assert JSON_OBJECT is not None
@@ -31,7 +33,7 @@ async def ready(h: Harness) -> FakeChecker:
     admission = h.server.admission
     assert admission is not None
     admission.grammars.children = fake
-    h.worker("w1", grammar=True)
+    h.worker("w1", grammar=True, hold=hold)  # hold: it keeps what it is sent, unserved
     await h.registered("w1")
     return fake
 
@@ -132,5 +134,38 @@ def test_a_failing_check_is_logged_and_its_request_answered(daemon: Callable[...
         assert isinstance(err, P.Error) and err.code == "internal"
         assert isinstance(conn.terminal("plain")[0], P.Done)  # the connection goes on
         assert "a bug checking boom:g" in caplog.text
+
+    daemon(body)
+
+
+def test_an_admin_cancels_a_request_waiting_for_its_check(daemon: Callable[..., Any]) -> None:
+    async def body(h: Harness) -> None:
+        fake = await ready(h, hold=True)
+        conn, other = RecConn(cid=1), RecConn(cid=2)
+        admin = RecConn(cid=3, uid=ADMIN)
+        await h.submit(conn, id="g", structured=schema("hold:g"))
+        await h.submit(other, id="x", structured=schema("hold:x"))
+        await h.submit(conn, id="x", max_tokens=8)  # a live request with the same client id
+        await until(fake.changed, lambda: sorted(fake.started) == ["hold:g", "hold:x"])
+        # "x" names a live request and one waiting for its check: the admin gets both ids.
+        h.server.on_client(admin, P.Cancel(id="x", any_connection=True))
+        err = admin.sent[-1]
+        assert isinstance(err, P.Error) and err.code == "unknown_id"
+        assert daemon_id(conn, "x") in err.message and daemon_id(other, "x") in err.message
+        # By a client id only the waiting one has: it is accepted and ends cancelled.
+        assert h.server.on_client(admin, P.Cancel(id="g", any_connection=True)) is None
+        await conn.wait_for(lambda: bool(conn.terminal("g")))
+        assert kinds(conn, "g") == [P.Accepted, P.Done]
+        assert conn.terminal("g")[0].finish_reason == "cancelled"
+        # By the daemon's id of the other waiting one.
+        h.server.on_client(admin, P.Cancel(id=daemon_id(other, "x"), any_connection=True))
+        await other.wait_for(lambda: bool(other.terminal("x")))
+        assert other.terminal("x")[0].finish_reason == "cancelled"
+        await until(fake.changed, lambda: sorted(fake.stopped) == ["hold:g", "hold:x"])
+        assert not [m for m in admin.sent if not isinstance(m, P.Error)]
+        assert len(admin.sent) == 1  # the one ambiguous try
+        h.server.on_client(admin, P.Cancel(id="g", any_connection=True))
+        assert admin.sent[-1].code == "unknown_id"  # nothing is called "g" any more
+        assert not conn.terminal("x")  # the live one was never touched
 
     daemon(body)

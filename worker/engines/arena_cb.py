@@ -11,33 +11,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, RequestOutput
+from sclsd.protocol import BatchRequest, RequestOutput
+from worker.engines.grant import Grant
 from worker.engines.hf import RowState
 
-__all__ = ["Grant", "Releases", "Row", "grant_stats"]
-
-
-@dataclass(eq=False)
-class Grant:
-    """A batch in flight: its rows' outputs as they end, its prefill accounting."""
-
-    batch: BatchMsg
-    started: float
-    left: int
-    """Rows not ended yet (waiting or running)."""
-    outputs: dict[str, RequestOutput] = field(default_factory=dict)
-    prefill_s: float = 0.0
-    prefill_tokens: int = 0
-    reused_tokens: int = 0
-
-    @property
-    def batch_id(self) -> int:
-        return self.batch.batch_id
+__all__ = ["Releases", "Row"]
 
 
 class Row:
@@ -175,17 +157,3 @@ class Releases:
             out, every = self._rids, self._all
             self._rids, self._all = set(), False
         return out, every
-
-
-def grant_stats(g: Grant, now: float, peak_memory: int, kv_peak: int) -> tuple[list[RequestOutput], BatchStats]:
-    """A grant's outputs in its batch's order and its stats: no padding and no invalid
-    tokens (rows leave as they end); its prefill is what its own rows' joining took, the
-    rest of its wall time decoding."""
-    reqs = g.batch.requests
-    outs = [g.outputs[r.rid] for r in reqs]
-    elapsed = now - g.started
-    stats = BatchStats(prefill_s=min(g.prefill_s, elapsed), decode_s=max(0.0, elapsed - g.prefill_s),
-                       iterations=max((len(o.token_ids) for o in outs), default=0), peak_memory=peak_memory,
-                       batch_size=len(outs), input_len=max((len(r.token_ids) for r in reqs), default=0),
-                       prefill_tokens=g.prefill_tokens, reused_tokens=g.reused_tokens, kv_peak_tokens=kv_peak)
-    return outs, stats

@@ -38,12 +38,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, RequestOutput
+from sclsd.protocol import BatchMsg, BatchRequest, RequestOutput
 from worker.engines.base import BatchDone, BatchFailed, CancelMarks, Event, NewTokens
 from worker.engines.grammar import GrammarError, row_error
+from worker.engines.grant import Grant, grant_stats, rows_memory
 from worker.engines.kvstore import KVReuse, Retained
 
 __all__ = ["ContinuousRows", "Row", "RowEngine"]
@@ -85,24 +86,10 @@ class RowEngine(Protocol):
 
 
 @dataclass
-class _Grant:
-    """A batch in flight: its rows' outputs as they end."""
-
-    batch: BatchMsg
-    started: float
-    left: int
-    """Rows not ended yet (waiting or running)."""
-    outputs: dict[str, RequestOutput] = field(default_factory=dict)
-    prefill_s: float = 0.0
-    prefill_tokens: int = 0
-    reused_tokens: int = 0
-
-
-@dataclass
 class _Live:
     """One row of a grant: waiting for a place, then running."""
 
-    grant: _Grant
+    grant: Grant
     row: Row
     cap: int
     """Tokens it may generate in this batch: ``min(max_new_tokens, slice_len)``."""
@@ -149,7 +136,7 @@ class ContinuousRows:
         except ValueError as exc:
             self.events.append(BatchFailed(batch, str(exc), exc))
             return
-        g = _Grant(batch, self.clock(), len(batch.requests))
+        g = Grant(batch, self.clock(), len(batch.requests))
         rows: list[_Live] = []
         for r in batch.requests:
             try:
@@ -189,7 +176,7 @@ class ContinuousRows:
         # loop came back later than that: the host's bookkeeping overlaps the device's step.
         start = self.step_at if now - self.step_at < self.eng.decode_s else now
         self.step_at = start + self.eng.decode_s + prefill
-        failed: dict[int, tuple[_Grant, BaseException]] = {}
+        failed: dict[int, tuple[Grant, BaseException]] = {}
         for lv in self.running:
             if lv.grant.batch.batch_id in failed:
                 continue
@@ -280,7 +267,7 @@ class ContinuousRows:
         if g.left == 0:
             self._finish(g)
 
-    def _fail(self, g: _Grant, exc: BaseException) -> None:
+    def _fail(self, g: Grant, exc: BaseException) -> None:
         """``g``'s batch failed: its rows leave (nothing kept) and it ends with the error."""
         mine = [lv for lv in self.running if lv.grant is g]
         self.running = [lv for lv in self.running if lv.grant is not g]
@@ -290,20 +277,10 @@ class ContinuousRows:
             self.eng.kv.store.done(rids)
         self.events.append(BatchFailed(g.batch, f"{type(exc).__name__}: {exc}", exc))
 
-    def _finish(self, g: _Grant) -> None:
+    def _finish(self, g: Grant) -> None:
         outs = [g.outputs[r.rid] for r in g.batch.requests]
-        elapsed = self.clock() - g.started
-        reqs: list[BatchRequest] = g.batch.requests
-        width = max((len(r.token_ids) for r in reqs), default=0)
-        iterations = max((len(o.token_ids) for o in outs), default=0)
-        # No padding, no invalid tokens: rows leave as they end. The prefill is what the
-        # grant's own rows added to their steps; the rest of its wall time is decoding.
-        stats = BatchStats(prefill_s=min(g.prefill_s, elapsed), decode_s=max(0.0, elapsed - g.prefill_s),
-                           iterations=iterations,
-                           peak_memory=sum(len(r.token_ids) + len(o.token_ids) for r, o in zip(reqs, outs, strict=True))
-                           * self.eng.kv_bytes,
-                           batch_size=len(outs), input_len=width, prefill_tokens=g.prefill_tokens,
-                           reused_tokens=g.reused_tokens, kv_peak_tokens=self.eng.kv_peak_tokens)
+        # No padding, no invalid tokens: rows leave as they end.
+        outs, stats = grant_stats(g, self.clock(), rows_memory(g, self.eng.kv_bytes), self.eng.kv_peak_tokens)
         self.events.append(BatchDone(g.batch, outs, stats))
 
     def _track_peak(self) -> None:

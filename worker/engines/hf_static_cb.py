@@ -51,12 +51,13 @@ from typing import Any
 
 from sclsd import models
 from sclsd.protocol import BatchMsg, EngineCaps, RequestOutput
-from worker.engines.arena_cb import Grant, Row, grant_stats
+from worker.engines.arena_cb import Row
 from worker.engines.arena_rows import RowRunner
 from worker.engines.arena_set import ArenaRows
 from worker.engines.base import BatchDone, BatchFailed, Engine, EngineInfo, Event, NewTokens
 from worker.engines.grammar import BatchGrammar, GrammarError, grammar_for, row_error, row_matcher
 from worker.engines.grammar import supported as grammar_supported
+from worker.engines.grant import Grant, grant_stats
 from worker.engines.graph_check import check_graphs
 from worker.engines.hf import default_host_bytes, to_host
 from worker.engines.hf_model import TransformersModel, peak_memory

@@ -31,10 +31,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, RequestOutput, TokenLogprobs
+from sclsd.protocol import BatchMsg, BatchRequest, RequestOutput, TokenLogprobs
 from worker.engines.base import BatchDone, BatchFailed, CancelMarks, Event, NewTokens
 from worker.engines.constraints import stop_ids
 from worker.engines.grammar import GrammarError, row_error
+from worker.engines.grant import Grant, grant_stats, rows_memory
 from worker.engines.llama_kv import KVSlots
 from worker.engines.llama_lib import Batch, Context, LlamaError
 from worker.engines.llama_pick import RowPick, pick
@@ -45,23 +46,10 @@ log = logging.getLogger("worker")
 
 
 @dataclass(eq=False)
-class _Grant:
-    """A batch in flight: its rows' outputs as they end."""
-
-    batch: BatchMsg
-    started: float
-    left: int
-    outputs: dict[str, RequestOutput] = field(default_factory=dict)
-    prefill_tokens: int = 0
-    reused_tokens: int = 0
-    prefill_s: float = 0.0
-
-
-@dataclass(eq=False)
 class _Row:
     """One row of a batch: waiting, then running in sequence ``seq``."""
 
-    grant: _Grant
+    grant: Grant
     req: BatchRequest
     picks: RowPick
     cap: int
@@ -139,7 +127,7 @@ class Running:
         except ValueError as exc:
             self.events.append(BatchFailed(batch, str(exc), exc))
             return
-        g = _Grant(batch, time.perf_counter(), len(batch.requests))
+        g = Grant(batch, time.perf_counter(), len(batch.requests))
         for r in batch.requests:
             try:
                 picks = RowPick.build(r, self.grammar_tokenizer)
@@ -306,7 +294,7 @@ class Running:
         if g.left == 0:
             self._finish(g)
 
-    def _fail(self, g: _Grant, exc: BaseException) -> None:
+    def _fail(self, g: Grant, exc: BaseException) -> None:
         """``g``'s batch failed: its rows leave (nothing kept) and it ends with the error."""
         for r in [r for r in self.rows + list(self.waiting) if r.grant is g]:
             self.kv.end(r.req.rid, r.seq, None)
@@ -314,19 +302,9 @@ class Running:
         self.waiting = deque(r for r in self.waiting if r.grant is not g)
         self.events.append(BatchFailed(g.batch, f"{type(exc).__name__}: {exc}", exc))
 
-    def _finish(self, g: _Grant) -> None:
-        reqs = g.batch.requests
-        outs = [g.outputs[r.rid] for r in reqs]
-        elapsed = time.perf_counter() - g.started
-        delta = self.kv_bytes
-        # No padding, no invalid tokens: rows leave as they end. The prefill is the grant's
-        # share of the steps its rows prefilled in; the rest of its wall time is decoding.
-        stats = BatchStats(
-            prefill_s=min(g.prefill_s, elapsed), decode_s=max(0.0, elapsed - g.prefill_s),
-            iterations=max((len(o.token_ids) for o in outs), default=0),
-            peak_memory=sum(len(r.token_ids) + len(o.token_ids) for r, o in zip(reqs, outs, strict=True)) * delta,
-            batch_size=len(outs), input_len=max((len(r.token_ids) for r in reqs), default=0),
-            prefill_tokens=g.prefill_tokens, reused_tokens=g.reused_tokens, kv_peak_tokens=self.kv_peak)
+    def _finish(self, g: Grant) -> None:
+        # No padding, no invalid tokens: rows leave as they end.
+        outs, stats = grant_stats(g, time.perf_counter(), rows_memory(g, self.kv_bytes), self.kv_peak)
         self.events.append(BatchDone(g.batch, outs, stats))
 
     def _track_peak(self) -> None:

@@ -20,8 +20,8 @@ from worker.engines.arena_slots import Move, order_moves, place
 torch = pytest.importorskip("torch")
 
 from sclsd.protocol import BatchMsg  # noqa: E402
+from unit.arena_common import DELTA, contexts, hf_engine, make, one_pass, req, runner, serve  # noqa: E402
 from unit.engine_loop import queue_take, run  # noqa: E402
-from unit.test_arena_rows import DELTA, contexts, make, one_pass, req, runner, serve  # noqa: E402
 from unit.test_cancel_rows import done_of, run_until, tokens_of  # noqa: E402
 from worker.engines.base import NewTokens  # noqa: E402
 
@@ -30,9 +30,7 @@ _bids = itertools.count(9000)
 
 @pytest.fixture(scope="module")
 def hf() -> Any:
-    from worker.engines import create_engine
-
-    return create_engine("hf", "tiny-random", threads=1, mem_budget=64 * 1024**2, kv_reuse=False)
+    return hf_engine()
 
 
 class Copies:

@@ -5,7 +5,6 @@ grants, eager attention, and the check of captured steps (graphs stood in for by
 
 from __future__ import annotations
 
-import itertools
 import random
 import threading
 from typing import Any
@@ -15,54 +14,25 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sclsd.protocol import BatchMsg, BatchRequest  # noqa: E402
-from worker.engines import arena_rows, create_engine  # noqa: E402
-from worker.engines.arena_rows import RowRunner, RowStep  # noqa: E402
+from unit.arena_common import (  # noqa: E402
+    DELTA,
+    contexts,
+    hf_engine,
+    make,
+    next_batch_id,
+    one_pass,
+    req,
+    runner,
+    serve,
+)
+from worker.engines import arena_rows  # noqa: E402
+from worker.engines.arena_rows import RowStep  # noqa: E402
 from worker.engines.graph_check import GRAPH_LOGIT_TOLERANCE, check_graphs, verify  # noqa: E402
-from worker.engines.hf_static_cb import HFStaticCBEngine  # noqa: E402
-
-BUDGET = 64 * 1024**2
-DELTA = 512
-_bids = itertools.count(5000)
-
-
-def make(**opts: Any) -> HFStaticCBEngine:
-    opts.setdefault("mem_budget", BUDGET)
-    eng = create_engine("hf-static-cb", "tiny-random", threads=1, **opts)
-    assert isinstance(eng, HFStaticCBEngine)
-    eng.warm_up()
-    return eng
 
 
 @pytest.fixture(scope="module")
 def hf() -> Any:
-    return create_engine("hf", "tiny-random", threads=1, mem_budget=BUDGET, kv_reuse=False)
-
-
-def req(rid: str, ctx: list[int], n: int, **kw: Any) -> BatchRequest:
-    kw.setdefault("temperature", 0.0)
-    return BatchRequest(rid=rid, token_ids=ctx, max_new_tokens=n, ignore_eos=True, **kw)
-
-
-def serve(engine: Any, reqs: list[BatchRequest], s: int, kv_reuse: bool = True) -> tuple[list[Any], Any]:
-    return engine.serve(BatchMsg(batch_id=next(_bids), slice_len=s, requests=reqs, kv_reuse=kv_reuse))
-
-
-def one_pass(hf: Any, ctxs: list[list[int]], n: int) -> list[list[int]]:
-    outs, _ = serve(hf, [req(f"h{i}", c, n) for i, c in enumerate(ctxs)], n, kv_reuse=False)
-    return [o.token_ids for o in outs]
-
-
-def contexts(n: int, lo: int, hi: int, seed: int = 1) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 49152) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
-
-
-def runner(tokens: int = 4096) -> RowRunner:
-    from transformers import LlamaConfig
-
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=100)
-    return RowRunner(None, cfg, torch.device("cpu"), torch.float32, tokens, 0, (1, 2, 4), (16, 32, 64))
+    return hf_engine()
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 10**9])
@@ -134,7 +104,7 @@ def test_released_kv_is_freed_at_once_or_when_the_row_ends(hf) -> None:
     (out2,), stats = serve(eng, [req("a", ctx + out.token_ids, 8)], 4)
     assert (stats.prefill_tokens, stats.reused_tokens) == (len(ctx) + 4, 0)  # served fresh
     # Released while its row runs: the row ends with its slice, nothing kept.
-    eng.submit(BatchMsg(batch_id=next(_bids), slice_len=4, requests=[req("b", ctx, 12)]))
+    eng.submit(BatchMsg(batch_id=next_batch_id(), slice_len=4, requests=[req("b", ctx, 12)]))
     eng.poll(0.0)
     eng.release(["b"])
     ends = []

@@ -18,26 +18,17 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sclsd.protocol import BatchMsg, BatchRequest  # noqa: E402
+from unit.arena_common import BUDGET, hf_engine, make, next_batch_id  # noqa: E402
+from unit.arena_common import serve as serve_in  # noqa: E402
 from unit.engine_loop import queue_take, run  # noqa: E402
-from worker.engines import create_engine  # noqa: E402
 from worker.engines.hf_static_cb import HFStaticCBEngine  # noqa: E402
 
-BUDGET = 64 * 1024**2
 GEN = 20
-_bids = itertools.count(1000)
-
-
-def make(**opts: Any) -> HFStaticCBEngine:
-    opts.setdefault("mem_budget", BUDGET)
-    eng = create_engine("hf-static-cb", "tiny-random", threads=1, **opts)
-    assert isinstance(eng, HFStaticCBEngine)
-    eng.warm_up()
-    return eng
 
 
 @pytest.fixture(scope="module")
 def hf() -> Any:
-    return create_engine("hf", "tiny-random", threads=1, mem_budget=BUDGET, kv_reuse=False)
+    return hf_engine()
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +55,11 @@ def rows(prompts: list[list[int]], n: int = GEN, prefix: str = "r", **kw: Any) -
 
 
 def serve(engine: Any, reqs: list[BatchRequest], s: int = GEN, kv_reuse: bool = True) -> tuple[list[Any], Any]:
-    return engine.serve(BatchMsg(batch_id=next(_bids), slice_len=s, requests=reqs, kv_reuse=kv_reuse))
+    return serve_in(engine, reqs, s, kv_reuse)
 
 
 def tokens(engine: Any, prompts: list[list[int]], **kw: Any) -> list[list[int]]:
-    outs, _ = serve(engine, rows(prompts, prefix=f"t{next(_bids)}-", **kw), kv_reuse=False)
+    outs, _ = serve(engine, rows(prompts, prefix=f"t{next_batch_id()}-", **kw), kv_reuse=False)
     return [o.token_ids for o in outs]
 
 
@@ -143,7 +134,7 @@ def test_rows_join_and_leave_mid_slice(hf, bucketed) -> None:
         prompt, n, s = plan[rid]
         r = BatchRequest(rid=rid, token_ids=prompt + got[rid], max_new_tokens=n - len(got[rid]),
                          generated=len(got[rid]), temperature=0.0, ignore_eos=True)
-        q.put(BatchMsg(batch_id=next(_bids), slice_len=s, requests=[r]))
+        q.put(BatchMsg(batch_id=next_batch_id(), slice_len=s, requests=[r]))
 
     def done(batch: BatchMsg, outs: Any, stats: Any, error: str | None) -> None:
         assert error is None
@@ -193,7 +184,7 @@ def test_stop_tokens_min_tokens_and_logit_bias_equal_hf(hf, cb, prompts) -> None
     for kw in cases:
         want = tokens(hf, prompts, **kw)
         assert tokens(cb, prompts, **kw) == want, kw
-        got, results = in_grants(cb, f"c{len(kw)}-{next(_bids)}", prompts[0], GEN, 3, **kw)
+        got, results = in_grants(cb, f"c{len(kw)}-{next_batch_id()}", prompts[0], GEN, 3, **kw)
         assert got == want[0], kw
     held = tokens(cb, [prompts[0]], min_tokens=9, logit_bias={full[2]: 100.0}, ignore_eos=False,
                   stop_token_ids=[full[2]])[0]
@@ -243,7 +234,7 @@ def test_streamed_tokens_are_the_outputs(cb, prompts) -> None:
         for o in outs:
             streamed.setdefault(o.rid, []).extend(o.token_ids)
 
-    outs, stats = cb.serve(BatchMsg(batch_id=next(_bids), slice_len=GEN, requests=rows(prompts, prefix="st")), emit)
+    outs, stats = cb.serve(BatchMsg(batch_id=next_batch_id(), slice_len=GEN, requests=rows(prompts, prefix="st")), emit)
     assert {o.rid: o.token_ids for o in outs} == streamed
     assert stats.batch_size == len(prompts) and stats.iterations == GEN and stats.pad_tokens == 0
     assert stats.prefill_tokens == sum(map(len, prompts)) and stats.preemptions == 0

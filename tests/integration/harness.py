@@ -3,9 +3,12 @@ fake engine and model, two workers, slice 8, short heartbeats and Γ."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
+from sclsd import protocol as P
+from sclsd.client import AsyncClient
 from sclsd.launch import DaemonProcess, launch
 
 #: The launcher's handle on a running daemon (status(), wait_workers(), log_text(), stop()).
@@ -28,3 +31,24 @@ def start_daemon(tmp: Path, *, engine: str = "fake", model: str = "fake", worker
     }
     return launch(sections, log=tmp / "sclsd.log", wait_workers=workers if wait else None,
                   timeout=ready_timeout)
+
+
+def hf_reference(prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """Greedy tokens of the static ``hf`` engine on ``tiny-random``, in one pass: what every
+    engine and policy must give for these prompts."""
+    from sclsd.tokenizer import load
+    from worker.engines import create_engine
+
+    tok = load("tiny-random")
+    engine = create_engine("hf", "tiny-random")
+    rows = [P.BatchRequest(rid=str(i), token_ids=tok.encode(p), max_new_tokens=max_tokens,
+                           temperature=0.0, ignore_eos=True) for i, p in enumerate(prompts)]
+    outs, _ = engine.serve(P.BatchMsg(batch_id=1, slice_len=1024, requests=rows))
+    return [o.token_ids for o in outs]
+
+
+async def complete_all(sock: str, prompts: list[str], max_tokens: int) -> list[P.Done]:
+    """Every prompt at once over one connection, greedy, ``max_tokens`` each."""
+    async with AsyncClient(sock) as c:
+        return list(await asyncio.gather(*(
+            c.complete(prompt=p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True) for p in prompts)))

@@ -13,10 +13,7 @@ import asyncio
 
 import pytest
 
-from sclsd import protocol as P
-from sclsd.client import AsyncClient
-
-from .harness import start_daemon
+from .harness import complete_all, hf_reference, start_daemon
 
 pytest.importorskip("ik_llama_cpp")
 
@@ -27,32 +24,13 @@ PROMPTS = ["The capital of France is", "One, two, three,", "Hello", "A B C D E F
            "Once upon a time there was", "Write a haiku", "1 2 3 4 5 6 7 8 9 10", "Why"]
 
 
-def _reference(prompts: list[str], max_tokens: int) -> list[list[int]]:
-    """Greedy tokens of the static ``hf`` engine in one pass."""
-    from sclsd.tokenizer import load
-    from worker.engines import create_engine
-
-    tok = load("tiny-random")
-    engine = create_engine("hf", "tiny-random")
-    rows = [P.BatchRequest(rid=str(i), token_ids=tok.encode(p), max_new_tokens=max_tokens,
-                           temperature=0.0, ignore_eos=True) for i, p in enumerate(prompts)]
-    outs, _ = engine.serve(P.BatchMsg(batch_id=1, slice_len=1024, requests=rows))
-    return [o.token_ids for o in outs]
-
-
-async def _complete_all(sock: str, prompts: list[str], max_tokens: int) -> list[P.Done]:
-    async with AsyncClient(sock) as c:
-        return list(await asyncio.gather(*(
-            c.complete(prompt=p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True) for p in prompts)))
-
-
 @pytest.mark.parametrize("policy", ["scls-cb", "scls"])
 def test_llama_workers_serve_hfs_tokens_in_slices_within_their_kv(tmp_path, policy: str) -> None:
     d = start_daemon(tmp_path, engine="llama", model="tiny-random", workers=2, policy=policy,
                      slice_len=SLICE, ready_timeout=300, worker_opts={"context_tokens": CELLS})
     try:
-        done = asyncio.run(_complete_all(d.sock, PROMPTS * 2, 13))
-        want = _reference(PROMPTS * 2, 13)
+        done = asyncio.run(complete_all(d.sock, PROMPTS * 2, 13))
+        want = hf_reference(PROMPTS * 2, 13)
         for got, ids in zip(done, want, strict=True):
             assert got.finish_reason == "length" and got.timings.slices >= 4  # ceil(13 / 4) slices
             assert got.token_ids == ids

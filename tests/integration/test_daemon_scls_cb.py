@@ -17,7 +17,7 @@ import pytest
 from sclsd import protocol as P
 from sclsd.client import AsyncClient
 
-from .harness import start_daemon
+from .harness import complete_all, hf_reference, start_daemon
 from .opshelp import wait_for, workers_by_id
 
 #: tiny-random: Δ = 512 bytes per token (fp32); 160 tokens of KV per worker, of which the
@@ -46,28 +46,9 @@ def daemon(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     assert d.stop() == 0, d.log_text()
 
 
-def _reference(prompts: list[str], max_tokens: int) -> list[list[int]]:
-    """Greedy tokens of the static ``hf`` engine in one pass."""
-    from sclsd.tokenizer import load
-    from worker.engines import create_engine
-
-    tok = load("tiny-random")
-    engine = create_engine("hf", "tiny-random")
-    rows = [P.BatchRequest(rid=str(i), token_ids=tok.encode(p), max_new_tokens=max_tokens,
-                           temperature=0.0, ignore_eos=True) for i, p in enumerate(prompts)]
-    outs, _ = engine.serve(P.BatchMsg(batch_id=1, slice_len=1024, requests=rows))
-    return [o.token_ids for o in outs]
-
-
-async def _complete_all(sock: str, prompts: list[str], max_tokens: int) -> list[P.Done]:
-    async with AsyncClient(sock) as c:
-        return list(await asyncio.gather(*(
-            c.complete(prompt=p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True) for p in prompts)))
-
-
 def test_grants_give_the_hf_engines_tokens_and_never_overcommit_kv(daemon) -> None:
-    done = asyncio.run(_complete_all(daemon.sock, PROMPTS * 2, 13))
-    want = _reference(PROMPTS * 2, 13)
+    done = asyncio.run(complete_all(daemon.sock, PROMPTS * 2, 13))
+    want = hf_reference(PROMPTS * 2, 13)
     for d, ids in zip(done, want, strict=True):
         assert d.finish_reason == "length"
         assert d.timings.slices == 4  # ceil(13 / 4) grants
@@ -125,7 +106,7 @@ def test_logprobs_and_seeds_across_grants(daemon) -> None:
                 c.complete(**seeded, seed=11), c.complete(**seeded, seed=11), c.complete(**seeded, seed=12)))
 
     lp, first, again, other = asyncio.run(run())
-    assert lp.timings.slices == 3 and lp.token_ids == _reference(["The capital of France is"], 10)[0]
+    assert lp.timings.slices == 3 and lp.token_ids == hf_reference(["The capital of France is"], 10)[0]
     assert lp.logprobs is not None and len(lp.logprobs) == 10
     for e, tok in zip(lp.logprobs, lp.token_ids, strict=True):
         assert e.chosen.id == tok and len(e.top) == 2 and e.top[0].id == tok  # greedy: the likeliest
@@ -136,10 +117,10 @@ def test_logprobs_and_seeds_across_grants(daemon) -> None:
 
 
 def test_a_worker_killed_during_grants_loses_no_request(daemon) -> None:
-    want = _reference(PROMPTS, 40)
+    want = hf_reference(PROMPTS, 40)
 
     async def run() -> list[P.Done]:
-        task = asyncio.ensure_future(_complete_all(daemon.sock, PROMPTS, 40))
+        task = asyncio.ensure_future(complete_all(daemon.sock, PROMPTS, 40))
         w = await asyncio.to_thread(
             wait_for, lambda: (x := workers_by_id(daemon).get("w0")) and x.batches_inflight > 0 and x,
             60, "w0 busy", daemon)

@@ -36,7 +36,7 @@ from ..launch import DaemonProcess, launch
 #: The burst client: its own process (another client to the daemon), ``conns`` connections,
 #: requests spread over them round-robin; prints ``accepted`` once every request was
 #: accepted, ``done`` once every one ended, and exits.
-_BURST = r"""
+BURST_CLIENT = r"""
 import asyncio, sys
 from sclsd.client import AsyncClient
 
@@ -85,7 +85,7 @@ class _Burst:
 
     def __init__(self, sock: str, n: int, tokens: int, conns: int, groups: bool) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _BURST, sock, str(n), str(tokens), str(conns), "1" if groups else "0"],
+            [sys.executable, "-c", BURST_CLIENT, sock, str(n), str(tokens), str(conns), "1" if groups else "0"],
             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def wait_for(self, word: str, timeout: float) -> float:

@@ -15,39 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from sclsd.bench.fairness import BURST_CLIENT
 from sclsd.client import Client
 from sclsd.launch import DaemonProcess as Daemon
 
 from .test_guarantees import daemon_factory, poll
-
-#: The burst: its own process, 64 connections, ``n`` requests of ``tokens`` tokens each;
-#: prints "accepted" once every request was accepted, then waits for them (or to be killed).
-BURST = r"""
-import asyncio, sys
-from sclsd.client import AsyncClient
-
-async def main(sock, n, tokens):
-    clients = [AsyncClient(sock) for _ in range(64)]
-    for c in clients:
-        await c.__aenter__()
-    accepted, started = 0, asyncio.Event()
-
-    async def one(i):
-        nonlocal accepted
-        async for ev in clients[i % 64].stream(prompt_ids=[5, 6, 7], max_tokens=tokens, ignore_eos=True,
-                                               temperature=0.0):
-            if type(ev).__name__ == "Accepted":
-                accepted += 1
-                if accepted == n:
-                    started.set()
-
-    tasks = [asyncio.create_task(one(i)) for i in range(n)]
-    await started.wait()
-    print("accepted", flush=True)
-    await asyncio.gather(*tasks)
-
-asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
-"""
 
 ROWS = 4
 BURST_N = 128
@@ -66,7 +38,7 @@ def _daemon(started: Callable[..., Daemon]) -> Daemon:
 
 
 def _burst(d: Daemon, tokens: int) -> subprocess.Popen[str]:
-    p = subprocess.Popen([sys.executable, "-c", BURST, d.sock, str(BURST_N), str(tokens)],
+    p = subprocess.Popen([sys.executable, "-c", BURST_CLIENT, d.sock, str(BURST_N), str(tokens), "64", "0"],
                          stdout=subprocess.PIPE, text=True)
     assert p.stdout is not None
     line = p.stdout.readline()

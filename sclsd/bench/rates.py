@@ -67,6 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--short-tokens", type=int, default=0, help="a second phase with this many (0: none)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt token ids per request")
     p.add_argument("--slice-len", type=int, default=128, help="S: tokens per grant")
+    p.add_argument("--grant-lookahead", type=float, help="scheduler.grant_lookahead (default: the daemon's own)")
     p.add_argument("--duration", type=float, default=20.0, help="seconds measured per phase")
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of load before measuring")
     p.add_argument("--contexts", default="128,1024,4096", help="context lengths of the bytes-per-grant table")
@@ -374,7 +375,8 @@ def sections(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return {
         "daemon": {"log_level": args.log_level},
         "model": {"name": "fake", "max_gen": max(1024, args.tokens), "max_input": max(1024, args.prompt_len)},
-        "scheduler": {"policy": "scls-cb", "slice_len": args.slice_len},
+        "scheduler": {"policy": "scls-cb", "slice_len": args.slice_len,
+                      **({} if args.grant_lookahead is None else {"grant_lookahead": args.grant_lookahead})},
         "workers": {"spawn": args.workers, "engine": "fake", "threads": 1,
                     "options": {"decode_s": args.decode_s, "max_rows": args.rows, "kv_bytes_per_token": 4096}},
     }

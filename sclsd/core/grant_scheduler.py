@@ -23,7 +23,7 @@ Pure, like the rest of the core: time arrives as an argument.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from .batch import Batch, BatchOutcome
@@ -56,6 +56,8 @@ class SliceGrantScheduler:
             policy, max_failures=max_failures, history=0, stats=GrantStats(),
             max_worker_losses=max_worker_losses)
         """Requests, workers, batches and counts, as every scheduler keeps them."""
+        # Called for every streamed token: the books' own method, not a call that forwards.
+        self.generated: Callable[[str, int, float], None] = self.books.generated
         self.grants = GrantPolicy(cost.estimator, policy.slice_len, self.token_budget())
         #: KV to release that the policy did not decide (a failed grant's): (worker, rid).
         self._release: list[tuple[str, str]] = []
@@ -105,9 +107,6 @@ class SliceGrantScheduler:
 
     def get(self, rid: str) -> Request | None:
         return self.books.get(rid)
-
-    def generated(self, rid: str, k: int, now: float) -> None:
-        self.books.generated(rid, k, now)
 
     def active_workers(self) -> list[str]:
         return self.books.active_workers()

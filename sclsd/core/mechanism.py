@@ -152,15 +152,17 @@ class SchedulerMechanism(Generic[StatsT]):
         return self.live.get(rid)
 
     def generated(self, rid: str, k: int, now: float) -> None:
-        """``k`` tokens of ``rid``'s running slice reached the driver at ``now`` (streamed):
-        they count at once, so a slice that ends without a result (its worker lost, its batch
-        failed) leaves the request's context and budget right for its next one."""
-        if (r := self.live.get(rid)) is not None:
-            self._count(r, k, now)
+        """``k`` tokens of ``rid``'s running slice were streamed at ``now``: they count at once, so
+        a slice that ends without a result leaves the request right for its next one."""
+        r = self.live.get(rid)
+        if r is not None and k > 0:  # _count, inlined: this runs for every streamed token
+            r.num_generated += k
+            if r.first_token is None:
+                r.first_token = now
 
     @staticmethod
     def _count(r: Request, k: int, now: float) -> None:
-        """The one place a request's progress grows: ``k`` more tokens generated."""
+        """Where a request's progress grows (and in :meth:`generated`): ``k`` more tokens."""
         if k > 0:
             r.num_generated += k
             if r.first_token is None:

@@ -84,6 +84,7 @@ class Streaming:
         members = None if len(reqs) == 1 else {r.rid: r for r in reqs}
         seen: set[str] = set()
         get = self.table.get
+        generated = self.sched.generated
         for row in part.outputs:
             rid = row.rid
             req = (reqs[0] if reqs[0].rid == rid else None) if members is None else members.get(rid)
@@ -103,7 +104,7 @@ class Streaming:
                 ids = ids[:req.remaining]
             if not ids:
                 continue
-            self.sched.generated(rid, len(ids), now)  # the request's progress, counted once
+            generated(rid, len(ids), now)  # the request's progress, counted once
             e.tokens_at(now, len(ids))
             if e.streams:
                 chunks.append((e, out.stream(ids, row.logprobs, row.finish_reason)))

@@ -277,6 +277,9 @@ class ServeLoop:
         self.state.busy = bool(self.waited)
         self.holding.progressed()
         self.holding.discard(batch.batch_id)
+        # Evictions ride on the result, in order: the daemon applies a result after
+        # detokenizing it off its loop, so a message of their own could overtake the result
+        # that reported the KV kept.
         evicted = self.engine.take_evicted()
         dropped, caps = self.dropped.pop(batch.batch_id, ([], {}))
         if outputs is not None and stats is not None:

@@ -9,6 +9,7 @@ caps list what is kept (docs/design.md §10).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -87,3 +88,25 @@ def check_graphs(engine: Any, progress: Callable[[str], None] | None = None,
                          max_new_tokens=12, temperature=0.0, ignore_eos=True) for i in range(rows)]
     engine.serve(BatchMsg(batch_id=0, slice_len=12, requests=reqs, kv_reuse=False))
     return True
+
+
+def warm_graphs(engine: Any, progress: Callable[[str], None] | None = None,
+                on_drop: Callable[[], None] | None = None) -> None:
+    """A static engine's warm-up before it registers: capture its decode graphs (CUDA), check
+    them (:func:`check_graphs`) and serve a small batch; if serving with the graphs fails,
+    drop them all (``on_drop`` then resets what the engine built on them): the eager step
+    still serves, and the log says why."""
+    runner: StaticRunner = engine.static
+    t0 = time.perf_counter()
+    runner.warm_up(progress)
+    if runner.captured():
+        try:
+            check_graphs(engine, progress)  # drops the steps whose replay is wrong
+        except Exception as exc:  # noqa: BLE001 - the eager step still serves; say why
+            log.warning("warming: serving with the captured decode steps failed (%s: %s); "
+                        "dropping them, decode runs eagerly", type(exc).__name__, exc)
+            runner.drop_graphs()
+            if on_drop is not None:
+                on_drop()
+    log.info("warm-up done in %.1f s: %d decode graphs captured", time.perf_counter() - t0,
+             len(runner.captured()))

@@ -42,7 +42,7 @@ from worker.engines.base import EngineInfo, SliceEngine, Steps, TokenCursor
 from worker.engines.constraints import stop_ids
 from worker.engines.grammar import batch_grammar
 from worker.engines.grammar import supported as grammar_supported
-from worker.engines.graph_check import check_graphs
+from worker.engines.graph_check import warm_graphs
 from worker.engines.hf_model import TransformersModel, peak_memory
 from worker.engines.kvstore import KVReuse, KVStore, Retained, assemble_past, supports_reuse
 from worker.engines.sampling import BatchSampler, Draw, random_seed
@@ -282,17 +282,7 @@ class HFEngine(TransformersModel, SliceEngine):
         so that no first call of a shape is paid while serving."""
         if self.static is None:
             return
-        t0 = time.perf_counter()
-        self.static.warm_up(progress)
-        if self.static.captured():
-            try:
-                check_graphs(self, progress)  # drops the steps whose replay is wrong
-            except Exception as exc:  # noqa: BLE001 - the eager step still serves; say why
-                log.warning("warming: serving with the captured decode steps failed (%s: %s); "
-                            "dropping them, decode runs eagerly", type(exc).__name__, exc)
-                self.static.drop_graphs()
-        log.info("warm-up done in %.1f s: %d decode graphs captured", time.perf_counter() - t0,
-                 len(self.static.captured()))
+        warm_graphs(self, progress)
 
     # ------------------------------------------------------------------ serving
 

@@ -58,7 +58,7 @@ from worker.engines.base import BatchDone, BatchFailed, Engine, EngineInfo, Even
 from worker.engines.grammar import BatchGrammar, GrammarError, grammar_for, row_error, row_matcher
 from worker.engines.grammar import supported as grammar_supported
 from worker.engines.grant import Grant, grant_stats
-from worker.engines.graph_check import check_graphs
+from worker.engines.graph_check import warm_graphs
 from worker.engines.hf import default_host_bytes, to_host
 from worker.engines.hf_model import TransformersModel, peak_memory
 from worker.engines.kvstore import KVStore, supports_reuse
@@ -153,18 +153,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
         """Before registering: capture the decode graphs (CUDA), check them against the eager
         step and serve a small grant, as ``hf`` does."""
-        t0 = time.perf_counter()
-        self.static.warm_up(progress)
-        if self.static.captured():
-            try:
-                check_graphs(self, progress)  # drops the steps whose replay is wrong
-            except Exception as exc:  # noqa: BLE001 - the eager step still serves; say why
-                log.warning("warming: serving with the captured decode steps failed (%s: %s); "
-                            "dropping them, decode runs eagerly", type(exc).__name__, exc)
-                self.static.drop_graphs()
-                self.rows.reset()
-        log.info("warm-up done in %.1f s: %d decode graphs captured", time.perf_counter() - t0,
-                 len(self.static.captured()))
+        warm_graphs(self, progress, on_drop=self.rows.reset)
 
     # ------------------------------------------------------------------ the engine's four
 

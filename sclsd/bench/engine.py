@@ -141,20 +141,14 @@ def _loop_call(engine: Any, batch: Any, cpu: list[float] | None = None) -> tuple
     """llama.cpp's own greedy loop over ``batch``'s rows in the llama engine's (idle) context:
     (prefill s, decode ms/step), the prefill until every row has its first token; ``cpu``
     (given) gets the process's CPU ms per decode step, as :func:`_serve_call`'s."""
-    from worker.engines.llama_lib import Batch
+    from worker.engines.llama_lib import Batch, prefill_seq
 
     ctx, reqs, gen = engine.ctx, batch.requests, batch.slice_len
     b = Batch(ctx.api, engine.batch_tokens)
     t0 = time.perf_counter()
     last: list[int] = []
     for seq, r in enumerate(reqs):
-        ids = list(r.token_ids)
-        for pos in range(0, len(ids), engine.batch_tokens):
-            part = ids[pos:pos + engine.batch_tokens]
-            b.clear()
-            b.add(part, seq, pos, pos + len(part) == len(ids))
-            if ctx.decode(b) != 0:
-                raise RuntimeError("the prompt does not fit the context")
+        prefill_seq(ctx, b, list(r.token_ids), seq)
         last.append(int(ctx.logits(1)[0].argmax()))
     t1, c1 = time.perf_counter(), time.process_time()
     for step in range(gen - 1):

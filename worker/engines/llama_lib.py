@@ -315,6 +315,17 @@ class Batch:
         return self.n_out - 1
 
 
+def prefill_seq(ctx: Context, batch: Batch, ids: list[int], seq: int) -> None:
+    """Decode ``ids`` into sequence ``seq`` from position 0, in decodes of at most
+    ``batch.capacity`` tokens; the last token's logits are then ``ctx.logits(1)[0]``."""
+    for pos in range(0, len(ids), batch.capacity):
+        part = ids[pos:pos + batch.capacity]
+        batch.clear()
+        batch.add(part, seq, pos, pos + len(part) == len(ids))
+        if ctx.decode(batch) != 0:
+            raise LlamaError("the prompt does not fit the context")
+
+
 def greedy_loop(ctx: Context, prompt: list[int], n: int, seq: int = 0) -> tuple[list[int], float, float]:
     """The library's own greedy decoding of one sequence, without sclsd: the prompt in decodes
     of at most ``ctx.n_batch`` tokens, then one token per decode, each the argmax of its logits.
@@ -324,12 +335,7 @@ def greedy_loop(ctx: Context, prompt: list[int], n: int, seq: int = 0) -> tuple[
     batch = Batch(ctx.api, ctx.n_batch)
     ctx.seq_rm(seq)
     t0 = time.perf_counter()
-    for pos in range(0, len(prompt), ctx.n_batch):
-        part = prompt[pos:pos + ctx.n_batch]
-        batch.clear()
-        batch.add(part, seq, pos, pos + len(part) == len(prompt))
-        if ctx.decode(batch) != 0:
-            raise LlamaError("the prompt does not fit the context")
+    prefill_seq(ctx, batch, prompt, seq)
     out = [int(ctx.logits(1)[0].argmax())]
     t1 = time.perf_counter()
     for i in range(n - 1):

@@ -176,12 +176,13 @@ def prompts(model: str, n: int, length: int) -> list[list[int]]:
 
 
 async def drive(sock: str, name: str, work: list[list[int]], args: argparse.Namespace,
-                progress: bool = True) -> list[Stream]:
-    """Serve every prompt of ``work``, ``args.concurrency`` at a time, streaming; the streams
-    in the order sent."""
+                progress: bool = True, warmup: bool = False) -> list[Stream]:
+    """Serve every prompt of ``work``, ``args.concurrency`` at a time, streaming (with
+    ``--duration``, again and again until it is up; a ``warmup`` serves them once, showing
+    its progress too); the streams in the order sent."""
     streams: list[Stream] = []
     t0 = time.monotonic()
-    duration = getattr(args, "duration", 0.0)
+    duration = 0.0 if warmup else getattr(args, "duration", 0.0)
     todo: Iterator[tuple[int, list[int]]] = iter(enumerate(work))
     if duration > 0:  # prompts reused until the time is up
         todo = ((i, work[i % len(work)]) for i in range(10**9))
@@ -258,7 +259,7 @@ def run_config(name: str, args: argparse.Namespace, work: list[list[int]]) -> di
         st = d.status()
         engines = sorted({w.engine for w in st.workers})
         if args.warmup:
-            asyncio.run(drive(d.sock, f"{name}-warmup", work[: args.warmup], args, progress=False))
+            asyncio.run(drive(d.sock, f"{name}-warmup", work[: args.warmup], args, warmup=True))
         streams = asyncio.run(drive(d.sock, name, work[args.warmup:], args))
         end = d.status()
         counters = dict(end.counters)

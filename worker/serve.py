@@ -296,7 +296,7 @@ class ServeLoop:
                       batch.batch_id, stats.batch_size, stats.input_len, stats.iterations,
                       stats.prefill_s, stats.decode_s)
             res = P.Result(worker_id=self.wid, batch_id=batch.batch_id, outputs=result_rows(outputs, sent),
-                           stats=stats, kv_evicted=evicted)
+                           stats=stats, kv_evicted=evicted, rows=self.engine.rows_now())
         self.send(P.encode(res))
 
 

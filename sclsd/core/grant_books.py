@@ -45,8 +45,9 @@ class GrantRules:
     headroom_cap: float = 0.25
     short: float = 0.25
     """While requests wait for room, a grant is at most ⌈short · S⌉ tokens (and at least
-    ``floor``), so that reservations follow use closely where room is short. 0: always
-    up to S."""
+    ``floor``), so that reservations follow use closely where room is short; not where
+    the workers' free rows are fewer than the requests in line (they wait for a row then,
+    not for KV). 0: always up to S."""
     least: float = 0.125
     """A returning request without room for a full grant on its holder gets what room is
     there, if at least ⌈least · S⌉ tokens (and ``floor``), instead of parking. 0: it parks."""

@@ -12,6 +12,7 @@ Pure: no clock, no I/O.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -166,6 +167,17 @@ class GrantFleet:
     def rows_bounded(self) -> bool:
         """Whether some worker bounds the grants it holds (``rows``)."""
         return any(w.rows for w in self.books.values())
+
+    def free_rows(self) -> float:
+        """Grants the workers in rotation may still take before their rows are all held
+        (infinite where one of them has no bound)."""
+        free = 0
+        for w in self.books.values():
+            if not w.rows:
+                return math.inf
+            if w.active:
+                free += max(0, w.rows - len(w.grants))
+        return free
 
     def any_row(self) -> bool:
         """Whether some worker in rotation may hold another grant."""

@@ -67,7 +67,12 @@ class GrantPlacement(GrantBooks):
             return None
         # A context near the budget gets a shorter grant rather than none.
         tokens = min(self._S, p.remaining, max(1, fleet.budget - p.context))
-        if rules.short and self._others_wait(p):
+        # Short grants make reservations follow use while the line waits for KV room. Where
+        # the free rows cannot take everyone in line, it waits for a row instead: a shorter
+        # grant frees no memory anyone waits for and only adds a return (a round trip, and
+        # on an arena engine a pause and a regroup) every S/4 tokens, so it keeps its S.
+        others = self._others_waiting(p)
+        if rules.short and others and others < fleet.free_rows():
             tokens = min(tokens, rules.tokens(rules.short, self._S))
         need = pages(p.context + tokens, self._page)
         busy = self._busy_cost()
@@ -134,7 +139,7 @@ class GrantPlacement(GrantBooks):
             return cap
         return min(cap, int(rules.headroom * tokens * self.rho / (1.0 - self.rho)))
 
-    def _others_wait(self, p: Pending) -> bool:
-        """Requests other than ``p`` wait in line for room."""
-        return self._q.n_waiting > (1 if p.holder is None and p.rid in self._q else 0)
+    def _others_waiting(self, p: Pending) -> int:
+        """Requests other than ``p`` waiting in line for room."""
+        return self._q.n_waiting - (1 if p.holder is None and p.rid in self._q else 0)
 

@@ -128,6 +128,11 @@ class SliceGrantScheduler:
         self.books.add_worker(wid)
         self.grants.add_worker(wid, rows)
 
+    def set_rows(self, wid: str, rows: int) -> None:
+        """The most grants ``wid`` may hold at once, from now on (its engine's room changed)."""
+        self.grants.set_rows(wid, rows)
+        self.books.changed = True
+
     def set_active(self, wid: str, active: bool) -> Releases:
         """Drain a worker or put it back; a drained worker's kept KV waiting for grants there
         is given up (returned)."""

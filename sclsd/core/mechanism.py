@@ -39,10 +39,8 @@ StatsT = TypeVar("StatsT", bound=SchedulerStats)
 
 class SchedulerMechanism(Generic[StatsT]):
     """Requests and workers as both schedulers keep them (see the module docstring).
-
     Subclasses implement ``due``, ``schedule``, ``kv_evicted`` (``SchedulerInterface``) and
-    :meth:`_released`, and may override the hooks.
-    """
+    :meth:`_released`, and may override the hooks."""
 
     def __init__(self, policy: Policy, *, max_failures: int, history: int,
                  stats: StatsT, max_worker_losses: int = 0) -> None:
@@ -62,8 +60,7 @@ class SchedulerMechanism(Generic[StatsT]):
         self.next_at = float("-inf")
         self.recent: deque[tuple[float, float]] = deque(maxlen=history)
         """(estimated, measured) serving time of the latest batches."""
-        #: Something changed since the last round (a request, a result, a worker): a
-        #: work-conserving round is worth running; cleared by each round.
+        #: Something changed since the last round: a work-conserving round is worth running.
         self.changed = True
         self._bids = itertools.count(1)
         self._deadlines: list[tuple[float, str]] = []
@@ -82,6 +79,9 @@ class SchedulerMechanism(Generic[StatsT]):
         self.workers[wid] = WorkerState(wid)
         self.changed = True
         self._on_worker_added(wid)
+
+    def set_rows(self, wid: str, rows: int) -> None:
+        """Slice rounds ignore a worker's rows (their interval bounds what a worker queues)."""
 
     def set_active(self, wid: str, active: bool) -> Releases:
         """Take a worker in or out of rotation (drain) without touching its batches; returns

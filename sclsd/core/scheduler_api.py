@@ -135,6 +135,11 @@ class SchedulerInterface(Protocol):
         their interval bounds what a worker queues."""
         ...
 
+    def set_rows(self, wid: str, rows: int) -> None:
+        """Worker ``wid`` may hold at most ``rows`` grants at once from now on (its engine's
+        room changed; see :meth:`add_worker`). Slice rounds ignore it."""
+        ...
+
     def set_active(self, wid: str, active: bool) -> Releases:
         """Take a worker out of rotation (drain) or back in; its batches keep running.
         Returns the KV released (a drained worker's kept KV the policy gives up)."""

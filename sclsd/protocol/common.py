@@ -33,8 +33,11 @@ from msgspec import Meta
 #: the rows of requests that ended in the daemon while their batches were in flight (a row
 #: then finishes ``cancelled``, and ``BatchStats`` counts the work saved); ``caps.max_rows``
 #: says how many rows a continuous engine runs at once, so the daemon sends it no more than
-#: that (and a small lookahead): the rest of the line waits in the daemon.
-PROTOCOL_VERSION = 9
+#: that (and a small lookahead): the rest of the line waits in the daemon. 10: ``result``
+#: carries the rows the engine can run at once now (``Result.rows``), where that depends on
+#: what runs (``hf-static-cb``: its arena's slots at the current columns per slot), and the
+#: daemon sends no more than that from then on.
+PROTOCOL_VERSION = 10
 
 #: Default cap on one client / status frame (bytes of msgpack).
 DEFAULT_MAX_FRAME = 4 * 1024 * 1024

@@ -262,6 +262,11 @@ class Result(_Msg, tag="result"):
     unknown: list[str] = []
     """Rows of ``cont`` the worker holds no record of: the batch was not served (and
     ``error`` says so); the daemon sends these requests whole next time, uncharged."""
+    rows: NonNegInt = 0
+    """The rows the engine can run at once now, where that changes with what runs (an arena
+    of fixed-width slots holds fewer rows when a long one widens them); at most
+    ``caps.max_rows``. The daemon holds it to that many rows and its lookahead until the
+    next result says otherwise. 0: ``caps.max_rows``."""
 
 
 class BatchTokens(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

@@ -141,7 +141,10 @@ class ScanGrantPolicy:
         w = self._workers.get(wid)
         if w is None:
             return
-        for p in [p for p in self._returning if p.holder == wid]:
+        # In the order the returning requests go (the largest next grant first, ties in
+        # the order they came), as the policy keeps them.
+        mine = [p for p in self._returning if p.holder == wid]
+        for p in sorted(mine, key=lambda p: -self.decode_cost(p.context, min(self.S, p.remaining))):
             self._drop_holder(p)
 
     def remove_worker(self, wid: str) -> list[str]:

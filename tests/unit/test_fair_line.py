@@ -117,6 +117,23 @@ def test_a_worker_holds_only_its_rows_and_the_rest_waits_in_the_line() -> None:
     assert pol.queued == 88
 
 
+def test_a_worker_whose_room_changes_holds_its_new_rows() -> None:
+    pol = policy(rows=6)
+    for i in range(20):
+        pol.arrive(f"r{i}", 10, 8, group=("u", "p", "c"))
+    assert len(pol.schedule()) == 6
+    pol.set_rows("w0", 3)  # a long row widened every slot: room for three now
+    for i in range(3):
+        pol.end(f"r{i}", 18, 0)
+    assert pol.schedule() == []  # three of six ended: the three left fill the room
+    pol.end("r3", 18, 0)
+    assert [g.rid for g in pol.schedule()] == ["r6"]
+    pol.set_rows("w0", 5)  # narrower again
+    assert [g.rid for g in pol.schedule()] == ["r7", "r8"] and len(pol.grants_on("w0")) == 5
+    pol.set_rows("w0", 0)  # unbounded: as many as the KV budget takes
+    assert len(pol.schedule()) == 20 - 9 and pol.queued == 0
+
+
 def test_the_next_free_row_goes_to_the_next_group_in_turn_not_to_a_returning_request() -> None:
     pol = policy(rows=2)
     for i in range(4):

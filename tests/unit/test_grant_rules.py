@@ -100,6 +100,25 @@ def test_grants_are_short_while_others_wait_for_room() -> None:
     assert [(g.rid, g.tokens) for g in pol.schedule()] == [("a3", 64)]
 
 
+def test_grants_keep_their_length_where_the_line_waits_for_a_row() -> None:
+    rules = GrantRules(stall=0.0, headroom=0.0, short=0.25, least=0.0, floor=1)
+    pol = GrantPolicy(EST, 64, token_budget=100_000, rules=rules)
+    pol.add_worker("a", rows=2)
+    for rid in ("a1", "a2", "a3", "a4"):
+        pol.arrive(rid, 100, 500)
+    # KV for all four, rows for two: the line waits for a row, so grants keep S.
+    assert [(g.rid, g.tokens) for g in pol.schedule()] == [("a1", 64), ("a2", 64)]
+    assert pol.queued == 2
+    pol.end("a1", 164, 436)
+    assert [(g.rid, g.tokens) for g in pol.schedule()] == [("a1", 64)]  # back first, full
+    # Rows for all but KV for two: the line waits for KV, so grants are short.
+    pol = GrantPolicy(EST, 64, token_budget=300, rules=rules)
+    pol.add_worker("a", rows=8)
+    for rid in ("a1", "a2", "a3"):
+        pol.arrive(rid, 100, 500)
+    assert [(g.rid, g.tokens) for g in pol.schedule()] == [("a1", 16), ("a2", 16)]
+
+
 @pytest.mark.parametrize(("least", "granted"), [(0.25, 8), (0.5, 8), (0.5625, None), (0.75, None)])
 def test_a_holder_short_of_room_grants_what_fits_rather_than_park(least: float, granted: int | None) -> None:
     rules = GrantRules(stall=0.0, headroom=0.0, short=0.0, least=least, floor=1)

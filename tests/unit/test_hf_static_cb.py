@@ -249,3 +249,22 @@ def test_caps_and_memory_are_the_arena(cb) -> None:
     assert info.engine == "hf-static-cb" and info.kv_bytes_per_token == 512
     assert info.mem_available == cb.static.arena.nbytes == (BUDGET // 2 // 512) * 512
     assert cb.poll(0.0) == [] and not cb.busy()
+
+
+def test_its_room_in_rows_follows_the_widest_row() -> None:
+    """``rows_now`` (``Result.rows``): the slots the arena holds at the current columns per
+    slot, so a long row paused in place lowers it for every row; 0 with nothing held."""
+    eng = make(mem_budget=2 * 2048 * 512)  # an arena of 2,048 token slots
+    tokens_ = eng.static.arena.tokens
+    assert eng.rows_now() == 0
+    rng = random.Random(3)
+    short = [rng.randrange(3, 49152) for _ in range(30)]
+    long = [rng.randrange(3, 49152) for _ in range(400)]
+    serve(eng, [BatchRequest(rid="short", token_ids=short, max_new_tokens=8, ignore_eos=True)], 4)
+    assert eng.kept() == {"short": 33}  # paused in place: its slot stays held
+    assert eng.rows.c > 0 and eng.rows_now() == min(eng.static.max_rows, tokens_ // eng.rows.c)
+    narrow = eng.rows_now()
+    serve(eng, [BatchRequest(rid="long", token_ids=long, max_new_tokens=8, ignore_eos=True)], 4)
+    assert set(eng.kept()) == {"short", "long"}
+    assert eng.rows.c >= 404 and eng.rows_now() == tokens_ // eng.rows.c < narrow
+    eng.release()

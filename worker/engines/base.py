@@ -250,6 +250,11 @@ class Engine(ABC):
         """Requests whose retained KV the engine dropped by itself since the last call."""
         return []
 
+    def rows_now(self) -> int:
+        """The rows it can run at once now, where that depends on what runs (``Result.rows``);
+        0: ``caps().max_rows`` whatever runs."""
+        return 0
+
     _cancel_marks: CancelMarks | None = None
 
     @property

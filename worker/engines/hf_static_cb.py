@@ -208,6 +208,16 @@ class HFStaticCBEngine(TransformersModel, Engine):
         """Requests whose kept KV was lost since the last call (evicted, or spilled and not kept)."""
         return [*self.rows.take_evicted(), *(self.kv.take_evicted() if self.kv is not None else [])]
 
+    def rows_now(self) -> int:
+        """The rows its slots hold at the current columns per slot (each slot is as wide as the
+        widest row needs: a long row lowers the count for all), at most ``max_rows``; 0 while
+        nothing is held (then ``max_rows``)."""
+        static: RowRunner | None = self.static
+        c = self.rows.c
+        if static is None or not c:
+            return 0
+        return max(1, min(static.max_rows, static.arena.tokens // c))
+
     def kept(self) -> dict[str, int]:
         """rid -> KV tokens kept for it now, paused in place or in the store (for tests and status)."""
         return {**(self.kv.held() if self.kv is not None else {}), **self.rows.held()}

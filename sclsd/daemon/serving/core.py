@@ -177,6 +177,7 @@ class ServingCore:
         elif isinstance(msg, P.Tokens):
             self.streaming.on_tokens(msg, now, out)
         elif isinstance(msg, P.Result):
+            self.members.room(wid, msg.rows)
             self.results.on_result(msg, now, out)
         return out
 

@@ -64,6 +64,8 @@ class WorkerInfo:
     queued_batches: int = 0
     busy: bool = False
     registered_at: float = 0.0
+    rows: int = 0
+    """The rows its engine runs at once, as it last said (``Result.rows``; 0: ``caps.max_rows``)."""
 
 
 @dataclass(eq=False)
@@ -91,6 +93,18 @@ class Membership:
 
     def __contains__(self, wid: object) -> bool:
         return wid in self.workers
+
+    def room(self, wid: str, rows: int) -> None:
+        """A member's result said its engine runs ``rows`` rows at once now (``Result.rows``;
+        0: ``caps.max_rows``): the scheduler holds it to those rows and their lookahead."""
+        info = self.workers.get(wid)
+        if info is None:
+            return
+        cap = info.reg.caps.max_rows
+        rows = min(rows, cap) if rows and cap else (rows or cap)
+        if rows != (info.rows or cap):
+            info.rows = rows
+            self.sched.set_rows(wid, self.cfg.scheduler.grant_rows(rows))
 
     def refusal(self, reg: P.Register) -> str | None:
         """Why this worker cannot serve the daemon's requests, if it cannot."""

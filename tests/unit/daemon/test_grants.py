@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from sclsd import protocol as P
@@ -199,3 +200,29 @@ def test_config_takes_sampling_only_for_hf_cb(tmp_path) -> None:
         with pytest.raises(ConfigError) as exc:
             from_dict({**base, "scheduler": {"policy": policy}, "workers": workers})
         assert exc.value.key == "workers.options.sampling"
+
+
+def test_a_result_s_rows_hold_its_worker_to_them(tmp_path: Path) -> None:
+    """An engine whose room changes with what runs (the arena) says so in each result: the
+    daemon sends it no more rows than that until a result says otherwise (0: its caps')."""
+    drv = WorkerDriver(tmp_path, scheduler={**CB, "grant_lookahead": 0})
+    drv.join("w0", batching="continuous", max_rows=8)
+    for i in range(30):
+        drv.submit("c", f"r{i}", max_tokens=4)
+    drv.step()
+    assert len(drv.batches("w0")) == 8
+    drv.serve("w0", hold=True)
+    drv.held_results["w0"] = [msgspec.structs.replace(r, rows=2) for r in drv.held_results["w0"]]
+    drv.finish("w0")
+    drv.step()
+    assert len(drv.batches("w0")) == 2  # the room it said, not its caps' eight
+    drv.serve("w0", hold=True)
+    drv.held_results["w0"] = [msgspec.structs.replace(r, rows=5) for r in drv.held_results["w0"]]
+    drv.finish("w0")
+    drv.step()
+    assert len(drv.batches("w0")) == 5
+    drv.serve("w0")  # results that say nothing: its caps' eight again
+    drv.step()
+    assert len(drv.batches("w0")) == 8
+    drv.message("w0", P.Result(worker_id="w0", batch_id=10_000, rows=64))  # never above its caps
+    assert drv.core.members.workers["w0"].rows == 8

@@ -33,7 +33,7 @@ import itertools
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any, Literal, overload
 
 from . import defaults
@@ -337,7 +337,7 @@ class AsyncClient:
         self._send(P.Ping(nonce=nonce))
         return await fut
 
-    async def stream(self, **params: Any) -> AsyncIterator[Accepted | Delta | Done]:
+    async def stream(self, **params: Any) -> AsyncGenerator[Accepted | Delta | Done, None]:
         """Submit one request (``n`` with ``n``); yield its events up to and including
         ``Done`` (of each). Leaving early cancels what has not finished."""
         async for ev in self.events(generate_msgs(params)):

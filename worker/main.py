@@ -235,9 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     # A continuous engine by default: it joins a daemon of the default policy (scls-cb, slice
     # grants need continuous batching) and serves the static policies' batches too.
     p.add_argument("--engine", default="auto",
-                   help="engine name: auto (default: llama for a GGUF model on the CPU, else hf-cb; any "
-                        "policy), llama, hf-cb, hf-static-cb (slice grants on hf's static arena), hf or "
-                        "deepspeed (static policies), fake")
+                   help="engine name: auto (default: llama for a GGUF model on the CPU, hf-static-cb on "
+                        "CUDA, else hf-cb; any policy), llama, hf-cb, hf-static-cb (slice grants on hf's "
+                        "static arena), hf or deepspeed (static policies), fake")
+    p.add_argument("--engine-fallback", default=None,
+                   help="the engine to load instead where --engine cannot serve the model (its layers, "
+                        "its attention); the daemon passes it where workers.engine = auto chose for it")
     p.add_argument("--model", default=None, help="model spec (default: the engine's default)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch's; llama.cpp's for llama)")
@@ -333,6 +336,8 @@ def resolve_engine(args: argparse.Namespace) -> str:
 
         spec = args.model or models.DEFAULT_MODEL
         args.engine = defaults.auto_engine(True, spec, args.device)
+        if args.engine_fallback is None:
+            args.engine_fallback = defaults.AUTO_FALLBACK.get(args.engine)
     return str(args.engine)
 
 
@@ -408,12 +413,21 @@ def load_engine(args: argparse.Namespace) -> Any:
     log.info("loading engine %s: model %s on %s%s", args.engine, args.model or "(default)",
              args.device, f" in {args.dtype}" if args.dtype else "")
     from worker.engines import create_engine, engine_class
+    from worker.engines.base import ModelUnsupported
 
     t0 = time.perf_counter()
     with ImportSteps(HEAVY_LIBRARIES):
         engine_class(args.engine)
     log.info("engine %s's code imported in %.1f s", args.engine, time.perf_counter() - t0)
-    return create_engine(args.engine, args.model, args.device, **engine_options(args))
+    try:
+        return create_engine(args.engine, args.model, args.device, **engine_options(args))
+    except ModelUnsupported as exc:
+        if not args.engine_fallback or args.engine_fallback == args.engine:
+            raise
+        log.warning("%s; loading engine %s instead", exc, args.engine_fallback)
+        args.engine = args.engine_fallback
+        opts = {k: v for k, v in engine_options(args).items() if k not in OPTIONS or args.engine in OPTIONS[k].engines}
+        return create_engine(args.engine, args.model, args.device, **opts)
 
 
 #: Libraries whose first import is a step of its own in a worker's start (seconds each on

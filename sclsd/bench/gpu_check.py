@@ -109,6 +109,9 @@ class Sizes:
     arena_shapes: str = "32x256,64x256"
     sat_rate: float = 8.0
     sat_num: int = 80
+    sat_cap: int = 0
+    """The saturation replays' ``max_tokens``: a cap (``max_gen``), each request ended by the
+    client at its trace length (``sclsd-bench replay --max-tokens-cap``); 0: the trace lengths."""
 
 
 #: On a GPU: the targets' shapes (N = 32, P = 256), ShareGPT x 0.5 capped at 1024/1024 at 4 req/s;
@@ -161,6 +164,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tests-k", default=None, help="pytest -k of the tests stage (default: not deepspeed)")
     p.add_argument("--sat-rate", type=float, default=0.0, help="saturation arrivals, req/s (0: 8, 4 with --smoke)")
     p.add_argument("--sat-num", type=int, default=0, help="requests per saturation replay (0: 80, 6 with --smoke)")
+    p.add_argument("--sat-cap", action="store_true",
+                   help="saturation requests ask max_tokens = the cap on output lengths, as clients send a cap, "
+                        "and the client ends each at its trace length, as EOS would (default: max_tokens = the "
+                        "trace length, which an engine sizing rows by it reads as the exact output)")
     p.add_argument("--cap", action="append", default=[], metavar="STAGE=SECONDS",
                    help="override a stage's time cap (live-scls, live-ils, ... or live for all three)")
     p.add_argument("--profile-budget", type=float, default=0.0, help="profiling budget, s (0: 95, 30 with --smoke)")
@@ -399,7 +406,8 @@ def make_plan(args: argparse.Namespace, facts: dict[str, Any], bundle: Path | No
     base = SMOKE if smoke else GPU
     sizes = replace(base, profile_budget_s=args.profile_budget or base.profile_budget_s, num=args.num or base.num,
                     rate=args.rate or base.rate, sat_rate=args.sat_rate or base.sat_rate,
-                    sat_num=args.sat_num or base.sat_num)  # fmt: skip
+                    sat_num=args.sat_num or base.sat_num,
+                    sat_cap=base.max_gen if args.sat_cap else 0)  # fmt: skip
     policies = tuple(p.strip() for p in args.live.split(",") if p.strip())
     bad = set(policies) - set(LIVE_POLICIES)
     if bad:
@@ -437,13 +445,14 @@ def measuring_stages(plan: CheckPlan, out: Path, work: Path, env: dict[str, str]
         return ["engine", "--variant", variant, *model, "--shapes", shapes, "--gen", str(s.gen), "--opts", opts] + (
             ["--ab"] if ab else [])
 
-    def replay(name: str, policy: str, engine: str, rate: float, num: int) -> Stage:
+    def replay(name: str, policy: str, engine: str, rate: float, num: int, cap: int = 0) -> Stage:
         log = work / f"{name}.log"
-        cap, _ = cap_of(name, plan, caps)
+        stage_cap, _ = cap_of(name, plan, caps)
         argv = ["live", "--policy", policy, "--engine", engine, *model, "--trace", plan.trace, "--log", str(log),
                 "--profile", str(profile), "--opts", opts_of[engine], "--num", str(num), "--rate", f"{rate:g}",
                 "--scale", f"{s.scale:g}", "--max-input", str(s.max_input), "--max-gen", str(s.max_gen),
-                "--slice-len", str(s.slice_len), "--ready-timeout", f"{max(10.0, cap - 20):g}"]  # fmt: skip
+                "--slice-len", str(s.slice_len), "--ready-timeout", f"{max(10.0, stage_cap - 20):g}",
+                "--max-tokens-cap", str(cap)]  # fmt: skip
         return stage(name, argv, "live.log", [log])
 
     out_stages: list[Stage] = []
@@ -454,7 +463,7 @@ def measuring_stages(plan: CheckPlan, out: Path, work: Path, env: dict[str, str]
             out_stages.append(stage("arena", engine("hf-static-cb", s.arena_shapes, arena_opts, ab=True), "engine.log"))
         elif name == "sat":
             for policy, eng in plan.sat:
-                out_stages.append(replay(f"sat-{policy}-{eng}", policy, eng, s.sat_rate, s.sat_num))
+                out_stages.append(replay(f"sat-{policy}-{eng}", policy, eng, s.sat_rate, s.sat_num, s.sat_cap))
         elif name == "cb":
             out_stages.append(stage("cb", engine("hf-cb", s.cb_shapes, cb_opts), "engine.log"))
         elif name == "generate":

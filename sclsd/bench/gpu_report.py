@@ -305,6 +305,10 @@ def render(rows_in: Iterable[dict[str, Any]]) -> str:
         out.append(f"Model `{plan.get('model')}` in {plan.get('dtype')} on {plan.get('device')}; trace "
                    f"{plan.get('trace_kind')} ({plan.get('trace')}); deadline {plan.get('deadline_s')} s; "
                    f"stages {', '.join(plan.get('stages', []))}.")
+        cap = (plan.get("sizes") or {}).get("sat_cap")
+        if cap and "sat" in plan.get("stages", []):
+            out.append(f"Saturation requests ask `max_tokens` {cap}, a cap, and the client ends each at its "
+                       "trace length, as EOS would (`--sat-cap`).")
     if plan and not plan.get("smoke") and "llama2-7b" not in str(plan.get("model")):
         out.append(f"The targets are set for the 7B architecture (`random:llama2-7b`); this run served "
                    f"`{plan.get('model')}` (give `--model random:llama2-7b` to judge them).")

@@ -472,7 +472,8 @@ def cmd_live(args: argparse.Namespace) -> int:
         rargs = replay.replay_args(
             socket=d.sock, status_socket=d.status_sock, trace=args.trace, rate=args.rate, num=args.num,
             offset=0, max_input=args.max_input, max_gen=args.max_gen, scale=args.scale, id_range=20000,
-            connections=4, seed=0, label=args.policy, json_out=str(json_out), no_progress=True)
+            connections=4, seed=0, label=args.policy, json_out=str(json_out), no_progress=True,
+            max_tokens_cap=args.max_tokens_cap)
         rc = replay.run(rargs)
         s = json.loads(json_out.read_text()) if json_out.is_file() else {}
         emit({**base, "phase": "replay", "rc": rc, "rate": args.rate, **{k: s.get(k) for k in REPLAY_KEYS}})
@@ -532,6 +533,9 @@ def build_parser() -> argparse.ArgumentParser:
     lv.add_argument("--opts", default="", help="workers.options k=v;k=v")
     for flag, count in (("--num", 40), ("--max-input", 1024), ("--max-gen", 1024), ("--slice-len", 128)):
         lv.add_argument(flag, type=int, default=count)
+    lv.add_argument("--max-tokens-cap", type=int, default=0,
+                    help="requests ask this max_tokens and the client ends each at its trace length "
+                         "(sclsd-bench replay --max-tokens-cap; 0: max_tokens = the trace length)")
     for flag, value in (("--rate", 4.0), ("--scale", 0.5), ("--ready-timeout", 150.0)):
         lv.add_argument(flag, type=float, default=value)
     t = sub.add_parser("tests")

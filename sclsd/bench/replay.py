@@ -4,8 +4,15 @@ Each request is sent at its arrival time (the trace's own, or Poisson at
 ``--rate``) as token ids: ``input_tokens`` random ids (seeded), ``ignore_eos``
 with ``max_tokens`` = the trace's ``output_tokens``, so the daemon generates
 exactly the trace's lengths. The scheduler never reads ``max_tokens`` to plan
-batches (it only caps a request's budget and stops it there), so this keeps the
-generation length unknown to the policy as in reality.
+batches (it only caps a request's budget and stops it there), but an engine may
+size a row by it (``hf-static-cb``'s slot holds its context and the smaller of
+its slice and what is left of ``max_tokens``), and then a whole-request grant
+(``ils``) is sized to the exact output, which no server knows. With
+``--max-tokens-cap N`` each request asks ``max_tokens = N`` instead, as clients
+send a cap, and the client ends it at its trace length, as EOS would (it
+leaves the stream: a ``cancel``, which ends the row at the engine's next step);
+such a request counts as finished (``stop``) when its last trace token
+arrives, with the trace's length (its slices and worker are not reported).
 
 Metrics are those of :mod:`sclsd.eval.metrics` (one definition for the
 simulator and for replays). Times are the client's: arrival = when the request
@@ -26,6 +33,7 @@ import json
 import random
 import sys
 import time
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offset", type=int, default=0, help="skip this many trace rows first")
     p.add_argument("--max-input", type=int, default=1024, help="cap on input tokens")
     p.add_argument("--max-gen", type=int, default=1024, help="cap on output tokens")
+    p.add_argument("--max-tokens-cap", type=int, default=0,
+                   help="send max_tokens = this cap and end each request at its trace length from the "
+                        "client, as EOS would (0: max_tokens = the trace length; module docstring)")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply input and output lengths by this before capping (scaled workloads)")
     p.add_argument("--id-range", type=int, default=20000, help="prompt ids drawn from [3, id_range)")
@@ -117,22 +128,33 @@ async def _run(args: argparse.Namespace) -> tuple[list[RequestRecord], dict[str,
         rec = RequestRecord(rid=f"replay-{i}", arrival=loop.time(), prompt_len=len(prompts[i]))
         records.append(rec)
         token_times: list[float] = []
+        want, cap = int(out[i]), int(args.max_tokens_cap)
+        got = 0
         try:
-            async for ev in clients[i % len(clients)].stream(
-                id=rec.rid, prompt_ids=prompts[i], max_tokens=int(out[i]), ignore_eos=True,
+            events = clients[i % len(clients)].stream(
+                id=rec.rid, prompt_ids=prompts[i], max_tokens=max(cap, want) if cap else want, ignore_eos=True,
                 temperature=0.0,
-            ):
-                if isinstance(ev, Delta) and ev.token_ids:
-                    token_times.append(loop.time())
-                    if rec.first_token is None:
-                        rec.first_token = token_times[0]
-                elif isinstance(ev, Done):
-                    rec.max_gap_s = max_gap(token_times)
-                    rec.finished = loop.time()
-                    rec.finish_reason = ev.finish_reason
-                    rec.output_len = ev.usage.completion_tokens
-                    rec.slices = ev.timings.slices
-                    workers[rec.rid] = ev.worker
+            )
+            async with aclosing(events) as stream:  # leaving it early cancels the request
+                async for ev in stream:
+                    if isinstance(ev, Delta) and ev.token_ids:
+                        token_times.append(loop.time())
+                        if rec.first_token is None:
+                            rec.first_token = token_times[0]
+                        got += len(ev.token_ids)
+                        if cap and got >= want:  # its EOS, which only the trace knows
+                            rec.max_gap_s = max_gap(token_times)
+                            rec.finished = token_times[-1]
+                            rec.finish_reason = "stop"
+                            rec.output_len = want
+                            break
+                    elif isinstance(ev, Done):
+                        rec.max_gap_s = max_gap(token_times)
+                        rec.finished = loop.time()
+                        rec.finish_reason = ev.finish_reason
+                        rec.output_len = ev.usage.completion_tokens
+                        rec.slices = ev.timings.slices
+                        workers[rec.rid] = ev.worker
         except RequestError as exc:
             errors.append(f"{rec.rid}: {exc}")
         finally:

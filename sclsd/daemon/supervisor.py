@@ -30,7 +30,7 @@ from typing import Literal
 
 from ..config import Config
 from ..core.policy import GRANT_POLICIES
-from ..defaults import offline_env
+from ..defaults import AUTO_ENGINE, AUTO_FALLBACK, offline_env
 from ..engine_options import TORCH
 
 log = logging.getLogger("sclsd.workers")
@@ -93,6 +93,8 @@ class Supervisor:
             "--connect", d.worker_endpoint,
             "--id", wid,
             "--engine", self.cfg.engine,
+            *(["--engine-fallback", AUTO_FALLBACK[self.cfg.engine]]
+              if w.engine == AUTO_ENGINE and self.cfg.engine in AUTO_FALLBACK else []),
             "--model", _absolute(self.cfg.model.name),
             "--device", device,
             "--threads", str(w.threads),

@@ -56,3 +56,25 @@ def test_replay_trace_times_and_poisson(daemon, tmp_path: Path) -> None:
                      "--id-range", "256", "--no-progress", "--json", str(out)])
     s = json.loads(out.read_text())
     assert rc == 0 and s["completed"] == 6 and s["scale"] == 0.5
+
+
+def test_a_max_tokens_cap_with_the_client_ending_each_request_at_its_length(daemon, tmp_path: Path) -> None:
+    """``--max-tokens-cap``: requests ask a cap, as clients do, and the client ends each at its
+    trace length, as EOS would: the trace's tokens are counted, every request is ended by a
+    cancel, and none runs to the cap."""
+    from sclsd.client import status
+
+    trace = tmp_path / "t.csv"
+    rows = [(0.00, 5, 9), (0.05, 30, 3), (0.10, 12, 17), (0.20, 8, 12)]
+    trace.write_text("arrival_s,input_tokens,output_tokens\n" + "".join(f"{a},{i},{o}\n" for a, i, o in rows))
+    out = tmp_path / "r.json"
+    before = status(daemon.status_sock).counters
+    rc = bench_main(["replay", "--socket", daemon.sock, "--status-socket", daemon.status_sock,
+                     "--trace", str(trace), "--num", "4", "--id-range", "256", "--no-progress",
+                     "--max-tokens-cap", "400", "--json", str(out)])
+    s = json.loads(out.read_text())
+    assert rc == 0 and s["requests"] == s["completed"] == 4 and s["errors"] == 0
+    assert s["output_tps"] * s["duration_s"] == pytest.approx(sum(o for _, _, o in rows))
+    after = status(daemon.status_sock).counters
+    assert after["cancelled"] - before.get("cancelled", 0) == 4, after
+    assert after["finished"] == before.get("finished", 0)  # none ran to its cap of 400

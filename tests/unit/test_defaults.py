@@ -37,7 +37,7 @@ def test_the_defaults_are_scls_cb_on_llama_for_the_gguf_with_sampling() -> None:
         assert "--dtype" not in cmd and "--batching" not in cmd  # the GGUF's weights as they are
     tiny = C.from_dict({"model": {"name": "tiny-random"}})
     assert tiny.engine == "hf-cb" and _flag(_command(tiny), "--engine") == "hf-cb"
-    assert C.from_dict({"workers": {"device": "cuda"}}).engine == "hf-cb"
+    assert C.from_dict({"workers": {"device": "cuda"}}).engine == "hf-static-cb"
     # Sampling is on unless a config turns it off: the daemon's view before any worker
     # registers, the worker's flag (not passed, so the engine's default) and the engine's.
     assert OPTIONS["sampling"].default is True
@@ -80,9 +80,10 @@ def test_an_explicit_engine_wins_and_a_fitting_pair_loads() -> None:
     assert C.override(cfg, scheduler__policy="sls").engine == "hf"
 
 
-def test_hf_static_cb_serves_scls_cb_with_its_arena_options_and_auto_keeps_hf_cb() -> None:
+def test_hf_static_cb_serves_scls_cb_with_its_arena_options_and_is_auto_on_cuda() -> None:
     """Selectable by name for scls-cb (with the arena's options, passed to its workers); the
-    engine auto picks for grants on CUDA is one constant, hf-cb until a card measured it."""
+    engine auto picks for grants on CUDA is one constant: the arena, measured ahead of hf-cb
+    on a card, with hf-cb as the fallback for a model it cannot hold."""
     cfg = C.from_dict({"workers": {"engine": "hf-static-cb", "device": "cuda",
                                    "options": {"static_share": 0.6, "graph_batch_sizes": "8,32", "kv_reuse": True}}})
     assert cfg.scheduler.policy == "scls-cb" and cfg.engine == "hf-static-cb"
@@ -95,7 +96,11 @@ def test_hf_static_cb_serves_scls_cb_with_its_arena_options_and_auto_keeps_hf_cb
         assert C.from_dict({"model": {"name": "tiny-random"}, "workers": {"device": device}}).engine == (
             "hf-cb" if device == "cpu" else D.CUDA_GRANT_ENGINE)
     assert C.from_dict({"workers": {"device": "cuda"}}).engine == D.CUDA_GRANT_ENGINE
-    assert D.CUDA_GRANT_ENGINE == "hf-cb" and D.auto_engine(True, "m", "cuda:0") == D.CUDA_GRANT_ENGINE
+    assert D.CUDA_GRANT_ENGINE == "hf-static-cb" and D.auto_engine(True, "m", "cuda:0") == D.CUDA_GRANT_ENGINE
+    # Chosen by auto, the arena comes with its fallback for a model it cannot hold; named, not.
+    auto = _command(C.from_dict({"model": {"name": "tiny-random"}, "workers": {"device": "cuda"}}))
+    assert _flag(auto, "--engine") == "hf-static-cb" and _flag(auto, "--engine-fallback") == "hf-cb"
+    assert "--engine-fallback" not in cmd and "--engine-fallback" not in _command(C.load(None))
     assert D.auto_engine(False, "m", "cuda") == "hf" and "hf-static-cb" in D.GRANT_ENGINES
 
 

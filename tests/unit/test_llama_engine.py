@@ -254,7 +254,7 @@ def test_auto_picks_llama_for_a_gguf_on_the_cpu() -> None:
     assert models.DEFAULT_MODEL in BUILTIN_GGUF
     assert auto_engine(True, "smollm2-135m-instruct", "cpu") == "llama"
     assert auto_engine(False, "/m/x.gguf", "cpu") == "llama"
-    assert auto_engine(True, "smollm2-135m-instruct", "cuda") == "hf-cb"
+    assert auto_engine(True, "smollm2-135m-instruct", "cuda") == "hf-static-cb"  # transformers on a GPU
     assert auto_engine(False, "tiny-random", "cpu") == "hf"
     assert auto_engine(True, "fake", "cpu") == "fake"
 

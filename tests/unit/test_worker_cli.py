@@ -38,7 +38,7 @@ def test_hf_cb_on_a_cpu_bounds_the_tokens_of_a_step_unless_told():
 
     assert opts("--engine", "hf-cb")["max_batch_tokens"] == wm.CPU_CB_MAX_BATCH_TOKENS  # hf-cb, cpu
     assert opts("--engine", "hf-cb", "--opt", "max_batch_tokens=512")["max_batch_tokens"] == 512
-    assert "max_batch_tokens" not in opts("--device", "cuda:0")  # auto: hf-cb, transformers sizes it there
+    assert "max_batch_tokens" not in opts("--device", "cuda:0")  # auto: hf-static-cb on CUDA
     assert "max_batch_tokens" not in opts("--engine", "hf")
     assert opts("--model", "tiny-random")["max_batch_tokens"] == wm.CPU_CB_MAX_BATCH_TOKENS  # auto: hf-cb
     assert "max_batch_tokens" not in opts()  # auto: llama, the default model being a GGUF
@@ -151,3 +151,35 @@ def test_a_curve_key_that_starts_with_a_dash_is_one_argument() -> None:
     args, extra = build_parser().parse_known_args(["--connect", "ipc:///x", "--id", "w",
                                                    f"--curve-server-key={key}"])
     assert args.curve_server_key == key and extra == []
+
+
+def test_a_model_the_arena_cannot_hold_gets_the_fallback_engine(monkeypatch, caplog):
+    """With ``--engine-fallback`` (the daemon passes it where ``auto`` chose the arena), a model
+    ``hf-static-cb`` refuses is loaded on the fallback, the arena's own options left out; without
+    it the refusal stands."""
+    pytest.importorskip("torch")
+    import worker.engines.hf_static_cb as arena
+    from worker.engines.base import ModelUnsupported
+
+    monkeypatch.setattr(arena, "supports_reuse", lambda config: False)  # as for sliding-window layers
+
+    def args(*extra: str):
+        return wm.build_parser().parse_args(
+            ["--connect", "ipc:///x", "--id", "w", "--engine", "hf-static-cb", "--model", "tiny-random",
+             "--device", "cpu", "--threads", "1", "--mem-budget", str(64 * 1024**2), "--static-share", "0.6",
+             *extra])
+
+    with caplog.at_level("WARNING", logger="worker"):
+        eng = wm.load_engine(args("--engine-fallback", "hf-cb"))
+    try:
+        assert eng.info().engine == "hf-cb"
+        assert "cache layers are not all full attention" in caplog.text and "loading engine hf-cb" in caplog.text
+    finally:
+        eng.close()
+    with pytest.raises(ModelUnsupported, match="use engine hf-cb"):
+        wm.load_engine(args())
+    # auto on CUDA names the arena and its fallback; on the CPU hf-cb, which needs none.
+    for device, engine, fallback in (("cuda:0", "hf-static-cb", "hf-cb"), ("cpu", "hf-cb", None)):
+        a = wm.build_parser().parse_args(["--connect", "ipc:///x", "--id", "w", "--model", "tiny-random",
+                                          "--device", device])
+        assert (wm.resolve_engine(a), a.engine_fallback) == (engine, fallback)

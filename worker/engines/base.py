@@ -57,13 +57,19 @@ import msgspec
 from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, EngineCaps, RequestOutput
 from worker.engines.grammar import GrammarError, row_error
 
-__all__ = ["BatchDone", "BatchFailed", "CancelMarks", "Emit", "Engine", "EngineInfo", "Event", "NewTokens",
-           "SliceEngine", "Steps", "TokenCursor"]
+__all__ = ["BatchDone", "BatchFailed", "CancelMarks", "Emit", "Engine", "EngineInfo", "Event", "ModelUnsupported",
+           "NewTokens", "SliceEngine", "Steps", "TokenCursor"]
 
 log = logging.getLogger("worker")
 
 #: Hears the new tokens of the batch :meth:`Engine.serve` runs (one output per row that has some).
 Emit = Callable[[list[RequestOutput]], None]
+
+
+class ModelUnsupported(ValueError):
+    """The engine cannot serve this model (its layers, its attention), though another engine
+    can; raised by the constructor once what it loaded is freed. A worker whose engine ``auto``
+    chose loads ``sclsd.defaults.AUTO_FALLBACK``'s engine then."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,7 +54,15 @@ from sclsd.protocol import BatchMsg, EngineCaps, RequestOutput
 from worker.engines.arena_cb import Row
 from worker.engines.arena_rows import RowRunner
 from worker.engines.arena_set import ArenaRows
-from worker.engines.base import BatchDone, BatchFailed, Engine, EngineInfo, Event, NewTokens
+from worker.engines.base import (
+    BatchDone,
+    BatchFailed,
+    Engine,
+    EngineInfo,
+    Event,
+    ModelUnsupported,
+    NewTokens,
+)
 from worker.engines.grammar import BatchGrammar, GrammarError, grammar_for, row_error, row_matcher
 from worker.engines.grammar import supported as grammar_supported
 from worker.engines.grant import Grant, grant_stats
@@ -98,12 +106,14 @@ class HFStaticCBEngine(TransformersModel, Engine):
         self.load(model, device, dtype, mem_budget, threads)
         opts = StaticOptions.parse(self.device.type, True, True, cuda_graphs, static_share, graph_batch_sizes,
                                    graph_cache_tokens, prefill_chunk_tokens, static_buckets)
+        why = None
         if not supports_reuse(self.config):
-            raise ValueError(f"{self.name}: {self.spec.name}'s cache layers are not all full attention "
-                             "(the arena needs them): use engine hf-cb")
-        if attention_kind(self.config) not in STATIC_ATTENTION:
-            raise ValueError(f"{self.name}: {attention_kind(self.config)} attention takes no 4-D mask "
-                             "(the arena needs one): use engine hf-cb")
+            why = f"{self.spec.name}'s cache layers are not all full attention (the arena needs them)"
+        elif attention_kind(self.config) not in STATIC_ATTENTION:
+            why = f"{attention_kind(self.config)} attention takes no 4-D mask (the arena needs one)"
+        if why is not None:
+            self.unload()
+            raise ModelUnsupported(f"{self.name}: {why}: use engine hf-cb")
         self.kv_limit = self.kv_memory(opts.reserve_tokens, opts.reserve_rows)
         """Bytes of KV the arena and the kept KV share, measured once."""
         tokens = int(opts.share * self.kv_limit) // max(1, self.delta)

@@ -156,3 +156,26 @@ def test_the_serve_loop_sends_tokens_before_each_result() -> None:
     first = tokens.batches[0].outputs[0].token_ids
     assert first and first + done.outputs[0].token_ids == run_batches(FakeEngine(vocab=300), [b])[0][1][0].token_ids
     assert failed.batch_id == 8 and "outside vocab" in (failed.error or "")
+
+
+def test_a_result_says_the_rows_the_engine_can_run_now() -> None:
+    """``Result.rows`` is the engine's ``rows_now`` when the batch ends (0: its caps' rows)."""
+
+    class Narrowing(FakeEngine):
+        room = 0
+
+        def rows_now(self) -> int:
+            return self.room
+
+    eng = Narrowing(vocab=300)
+    q: queue.Queue[Any] = queue.Queue()
+    sent: list[bytes] = []
+    q.put((batch(1, req("a", [5, 6], 2), slice_len=2), time.monotonic()))
+    q.put(None)
+    ServeLoop(eng, q, Holding(), RowBook(), State(), "w0", sent.append).run()
+    eng.room = 3
+    q.put((batch(2, req("b", [5, 7], 2), slice_len=2), time.monotonic()))
+    q.put(None)
+    ServeLoop(eng, q, Holding(), RowBook(), State(), "w0", sent.append).run()
+    results = [m for m in map(P.worker_decoder.decode, sent) if isinstance(m, P.Result)]
+    assert [(r.batch_id, r.rows) for r in results] == [(1, 0), (2, 3)]

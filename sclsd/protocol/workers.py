@@ -266,7 +266,8 @@ class Result(_Msg, tag="result"):
     """The rows the engine can run at once now, where that changes with what runs (an arena
     of fixed-width slots holds fewer rows when a long one widens them); at most
     ``caps.max_rows``. The daemon holds it to that many rows and its lookahead until the
-    next result says otherwise. 0: ``caps.max_rows``."""
+    next result says otherwise (an idle arena says what its slots held at their last width).
+    0: ``caps.max_rows``."""
 
 
 class BatchTokens(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

@@ -266,5 +266,8 @@ def test_its_room_in_rows_follows_the_widest_row() -> None:
     narrow = eng.rows_now()
     serve(eng, [BatchRequest(rid="long", token_ids=long, max_new_tokens=8, ignore_eos=True)], 4)
     assert set(eng.kept()) == {"short", "long"}
-    assert eng.rows.c >= 404 and eng.rows_now() == tokens_ // eng.rows.c < narrow
+    wide = eng.rows_now()
+    assert eng.rows.c >= 404 and wide == tokens_ // eng.rows.c < narrow
     eng.release()
+    eng.poll(0.0)  # the next turn lets the released rows' slots go
+    assert eng.kept() == {} and eng.rows_now() == wide  # idle: the room at the columns it last had

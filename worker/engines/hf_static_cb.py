@@ -139,8 +139,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
         self._events: list[Event] = []
         self.kv_peak_tokens = 0
         """Most KV tokens held at once: the running rows' and the kept."""
-        self._room_c = 0
-        """The columns per slot :meth:`rows_now` last counted rows at."""
+        self._room_c = 0  # the columns per slot rows_now last counted rows at
         self.steps = self.step_rows = 0
         """Decode steps run, and the running rows they carried in all (benchmarks, the log at close)."""
 
@@ -221,14 +220,11 @@ class HFStaticCBEngine(TransformersModel, Engine):
         return [*self.rows.take_evicted(), *(self.kv.take_evicted() if self.kv is not None else [])]
 
     def rows_now(self) -> int:
-        """The rows its slots hold at the current columns per slot (each slot is as wide as the
-        widest row needs: a long row lowers the count for all), at most ``max_rows``. With
-        nothing held, at the columns it last had: the next burst is likelier to look like the
-        last than to fit the largest bucket (the first result at other columns corrects it);
-        0 before it ever held a row (then ``max_rows``)."""
+        """Rows its slots hold at the columns per slot (as wide as the widest row needs), at most
+        ``max_rows``; idle, at the columns it last had (the next burst likely looks like the
+        last; the first result at other columns corrects it); 0 before it ever held a row."""
         static: RowRunner | None = self.static
-        if self.rows.c:
-            self._room_c = self.rows.c
+        self._room_c = self.rows.c or self._room_c
         if static is None or not self._room_c:
             return 0
         return max(1, min(static.max_rows, static.arena.tokens // self._room_c))

@@ -25,11 +25,12 @@ scheduling interval).
 Reservations follow use (:class:`GrantRules`): while requests wait for room
 grants shrink to S/4 tokens, so that what is reserved ahead of use stays
 small (not where the free rows are fewer than the requests in line: they
-wait for a row then, and a shorter grant only adds returns); and a request that brings its
-context to a busy worker (new, or moved) must leave room there for the next grants of the requests expected back
-before one finishes and frees its KV, so that returning requests resume
-rather than park. Nothing of this relaxes the bound above: reservations stay
-within the budget, so there is still no preemption and no overflow.
+wait for a row then, and a shorter grant only adds returns); and a request
+that brings its context to a busy worker (new, or moved) must leave room
+there for the next grants of the requests expected back before one finishes
+and frees its KV, so that returning requests resume rather than park.
+Nothing of this relaxes the bound above: reservations stay within the
+budget, so there is still no preemption and no overflow.
 
 A worker's load is the estimated time to finish its granted slices under the
 continuous-batching cost model: an iteration of N requests with contexts l_i
@@ -93,10 +94,10 @@ class GrantPolicy(GrantPlacement):
     def set_rows(self, wid: str, rows: int) -> None:
         """``wid`` holds at most ``rows`` grants at once from now on (0: as many as its KV
         budget takes); grants it holds beyond that run on, and it gets no more until they end."""
-        w = self._fleet.get(wid)
-        if w is None or w.rows == max(0, int(rows)):
+        w, rows = self._fleet.get(wid), max(0, int(rows))
+        if w is None or w.rows == rows:
             return
-        w.rows = max(0, int(rows))
+        w.rows = rows
         self._fleet.touch(w)
         self._changed(w)
 

@@ -141,6 +141,10 @@ OPTIONS: dict[str, Option] = {
     "static_buckets": Option(ARENA, "bool", help="pad batches to bucket shapes without graphs too"),
     "graph_batch_sizes": Option(ARENA, "sizes", help="batch-size buckets"),
     "graph_cache_tokens": Option(ARENA, "sizes", help="cache-length buckets"),
+    "decode_attention": Option(("hf-static-cb",), "choice", Choice("sdpa", "flex"),
+                               help="attention of the arena's decode steps: sdpa (default) reads every column of "
+                                    "the step's slots; flex: FlexAttention reads only each row's own (compiled at "
+                                    "warm-up)"),
     "prefill_chunk_tokens": Option(ARENA, "int", Range(ge=0),
                                    help="most tokens per prefill pass on the static path (0: no chunks; "
                                         "default 8192 on CUDA)"),

@@ -80,41 +80,64 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
 
 
-def parse_shapes(text: str) -> list[tuple[int, int]]:
-    """``"1x128,16x128"`` -> ``[(1, 128), (16, 128)]``."""
-    out = []
+#: A shape's prompts: every row ``P`` tokens, or ``"A-B"``: rows from ``A`` to ``B`` tokens,
+#: evenly spread (:func:`prompt_lens`), as rows of many lengths share a step at saturation.
+Prompts = int | str
+
+
+def parse_shapes(text: str) -> list[tuple[int, Prompts]]:
+    """``"1x128,16x128,32x128-1024"`` -> ``[(1, 128), (16, 128), (32, "128-1024")]``."""
+    out: list[tuple[int, Prompts]] = []
     for part in (p for p in text.replace(" ", "").split(",") if p):
         n, _, p = part.lower().partition("x")
+        lo, dash, hi = p.partition("-")
         try:
-            shape = (int(n), int(p))
+            rows, lens = int(n), (int(lo), int(hi) if dash else int(lo))
         except ValueError:
-            raise SystemExit(f"sclsd-bench engine: --shapes: {part!r} is not NxP") from None
-        if min(shape) < 1:
-            raise SystemExit(f"sclsd-bench engine: --shapes: {part!r} must be positive")
-        out.append(shape)
+            raise SystemExit(f"sclsd-bench engine: --shapes: {part!r} is not NxP or NxA-B") from None
+        if min(rows, *lens) < 1 or lens[0] > lens[1]:
+            raise SystemExit(f"sclsd-bench engine: --shapes: {part!r} must be positive, A <= B")
+        out.append((rows, f"{lens[0]}-{lens[1]}" if dash else lens[0]))
     return out
+
+
+def prompt_lens(n: int, p: Prompts) -> list[int]:
+    """Each row's prompt length in a shape of ``n`` rows (``"A-B"``: A to B, evenly spread)."""
+    if isinstance(p, int):
+        return [p] * n
+    lo, hi = (int(x) for x in p.split("-"))
+    return [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)]
+
+
+def widest(p: Prompts) -> int:
+    """The longest prompt of a shape."""
+    return p if isinstance(p, int) else int(p.split("-")[1])
 
 
 # --------------------------------------------------------------------------- the child
 
 
-def _batch(bid: int, n: int, p: int, gen: int, vocab: int) -> Any:
+def _batch(bid: int, n: int, p: Prompts, gen: int, vocab: int) -> Any:
     import random
 
     from ..protocol import BatchMsg, BatchRequest
 
     rng = random.Random(bid)
-    reqs = [BatchRequest(rid=f"{bid}-{i}", token_ids=[rng.randrange(3, vocab) for _ in range(p)],
-                         max_new_tokens=gen, temperature=0.0, ignore_eos=True) for i in range(n)]
+    reqs = [BatchRequest(rid=f"{bid}-{i}", token_ids=[rng.randrange(3, vocab) for _ in range(length)],
+                         max_new_tokens=gen, temperature=0.0, ignore_eos=True)
+            for i, length in enumerate(prompt_lens(n, p))]
     return BatchMsg(batch_id=bid, slice_len=gen, requests=reqs, kv_reuse=False)
 
 
-def _generate_call(engine: Any, n: int, p: int, gen: int, bid: int) -> tuple[float, float]:
+def _generate_call(engine: Any, n: int, p: Prompts, gen: int, bid: int) -> tuple[float, float]:
     """transformers' generate with a static cache: (prefill s, decode ms/step), the prefill
-    taken as a 1-token generate of the same shape."""
+    taken as a 1-token generate of the same shape (prompts of one length: ``NxP``)."""
     import random
 
     import torch
+
+    if not isinstance(p, int):
+        raise ValueError(f"generate takes prompts of one length (NxP), not {p}")
 
     rng = random.Random(bid)
     vocab = min(int(engine.config.vocab_size), 32000)

@@ -17,7 +17,10 @@ Stages, in this order, each a process of its own under its own time cap (:data:`
 - ``hf``: ms per decode step at 32x256 and 64x256 with the captured graphs, whether they
   were kept, the same step eagerly (A/B, greedy tokens compared), start to ready;
 - ``arena``: ``hf-static-cb`` (continuous batching on hf's static arena) at the same
-  shapes, graphs and eagerly, start to ready;
+  shapes and at 32 rows of 128 to 1,024-token prompts (rows of many lengths, as at
+  saturation), graphs and eagerly, start to ready;
+- ``flex`` (only when named): the same with ``decode_attention = "flex"`` (FlexAttention over
+  each row's own columns, not every column of the step's slots);
 - ``cb``: ``hf-cb`` with its defaults: does it start, its cache, its graph warm-up, ms per step;
 - ``profile``: ``sclsd-worker profile`` within ``--profile-budget`` seconds, its fit's
   RMSE over the mean per sample kind;
@@ -65,11 +68,14 @@ from .gpu_runner import Runner, Stage, read_rows
 #: Default deadline in seconds: one device call of at most 9 minutes, less the start-up.
 DEADLINE_S = 510.0
 #: Stages run by default, in order (``live`` is one stage per policy; ``tests`` only when named).
-STAGES = ("hf", "arena", "cb", "profile", "sat", "live", "generate", "tests")
+STAGES = ("hf", "arena", "flex", "cb", "profile", "sat", "live", "generate", "tests")
 DEFAULT_STAGES = ("hf", "cb", "profile", "live", "generate")
 LIVE_POLICIES = ("scls", "ils", "scls-cb")
-#: Engines a continuous-batching replay (``ils``, ``scls-cb``) may run on.
-CB_ENGINES = ("hf-cb", "hf-static-cb")
+#: Engines a continuous-batching replay (``ils``, ``scls-cb``) may run on: ``hf-static-cb-flex``
+#: is ``hf-static-cb`` with ``decode_attention = "flex"`` (:data:`ENGINE_VARIANTS`).
+CB_ENGINES = ("hf-cb", "hf-static-cb", "hf-static-cb-flex")
+#: Engine names of ``--sat`` and ``--cb-engine`` that are an engine with an option set.
+ENGINE_VARIANTS = {"hf-static-cb-flex": ("hf-static-cb", "decode_attention=flex")}
 #: The saturation replays by default: scls-cb and ils on the arena engine, scls-cb on hf-cb.
 SAT = "scls-cb@hf-static-cb,ils@hf-static-cb,scls-cb@hf-cb"
 #: Named sets of options: ``arena`` measures hf-static-cb against hf's graphs and hf-cb (step
@@ -77,6 +83,9 @@ SAT = "scls-cb@hf-static-cb,ils@hf-static-cb,scls-cb@hf-cb"
 PRESETS: dict[str, dict[str, str]] = {
     "arena": {"stages": "hf,arena,cb,sat,live,tests", "live": "scls-cb", "cb_engine": "hf-static-cb",
               "tests_k": "arena", "model": "random:llama2-7b"},
+    # decode_attention = "flex" against SDPA on the arena: its step, then scls-cb at saturation.
+    "flex": {"stages": "arena,flex,sat", "live": "scls-cb", "cb_engine": "hf-static-cb", "tests_k": "arena",
+             "model": "random:llama2-7b", "sat": "scls-cb@hf-static-cb,scls-cb@hf-static-cb-flex"},
 }
 #: Cards with less memory than this run the 7B architecture, the model the targets are set
 #: for (an 80 GB H100 included); larger cards the 13B.
@@ -106,7 +115,7 @@ class Sizes:
     scale: float
     max_input: int
     max_gen: int
-    arena_shapes: str = "32x256,64x256"
+    arena_shapes: str = "32x256,64x256,32x128-1024"
     sat_rate: float = 8.0
     sat_num: int = 80
     sat_cap: int = 0
@@ -118,7 +127,7 @@ class Sizes:
 #: saturation at 8 req/s, 80 requests.
 GPU = Sizes("32x256,64x256", "32x256", "32x256", 64, 95.0, 128, 40, 4.0, 0.5, 1024, 1024)
 #: On a CPU with the tiny model: the plumbing, in seconds per stage.
-SMOKE = Sizes("2x16", "2x16", "2x16", 8, 30.0, 8, 4, 2.0, 1 / 32, 64, 64, "2x16", 4.0, 6)
+SMOKE = Sizes("2x16", "2x16", "2x16", 8, 30.0, 8, 4, 2.0, 1 / 32, 64, 64, "2x16,2x8-40", 4.0, 6)
 
 #: (cap, minimum) seconds per stage on a GPU; the profile's cap is its budget plus
 #: :data:`PROFILE_MARGIN_S`. Each stage was sized by what the stopgap gpu_verify.sh measured
@@ -126,11 +135,11 @@ SMOKE = Sizes("2x16", "2x16", "2x16", 8, 30.0, 8, 4, 2.0, 1 / 32, 64, 64, "2x16"
 #: ``arena`` as ``hf`` (the same warm-up, graphs and shapes); a ``sat`` replay as a live one
 #: plus the 80 requests' 10 s of arrivals and the queue they build.
 CAPS: dict[str, tuple[float, float]] = {
-    "setup": (180, 10), "facts": (90, 10), "hf": (140, 40), "arena": (140, 40), "cb": (120, 40), "profile": (0, 60),
+    "setup": (180, 10), "facts": (90, 10), "hf": (140, 40), "arena": (140, 40), "flex": (170, 60), "cb": (120, 40), "profile": (0, 60),
     "live": (130, 45), "sat": (150, 60), "generate": (200, 70), "tests": (150, 40),
 }  # fmt: skip
 SMOKE_CAPS: dict[str, tuple[float, float]] = {
-    "setup": (60, 1), "facts": (60, 1), "hf": (90, 5), "arena": (90, 5), "cb": (90, 5), "profile": (0, 10),
+    "setup": (60, 1), "facts": (60, 1), "hf": (90, 5), "arena": (90, 5), "flex": (120, 5), "cb": (90, 5), "profile": (0, 10),
     "live": (90, 10), "sat": (90, 10), "generate": (90, 5), "tests": (120, 5),
 }  # fmt: skip
 #: The profile stage's cap beyond its budget: the interpreter's start and the fit check.
@@ -160,7 +169,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--live", default=None, help=f"live policies, in order (default {','.join(LIVE_POLICIES)})")
     p.add_argument("--cb-engine", default=None, choices=CB_ENGINES,
                    help="engine of the live ils and scls-cb replays (default hf-cb)")
-    p.add_argument("--sat", default=SAT, help="saturation replays, policy@engine, in order")
+    p.add_argument("--sat", default=None, help=f"saturation replays, policy@engine, in order (default {SAT})")
     p.add_argument("--tests-k", default=None, help="pytest -k of the tests stage (default: not deepspeed)")
     p.add_argument("--sat-rate", type=float, default=0.0, help="saturation arrivals, req/s (0: 8, 4 with --smoke)")
     p.add_argument("--sat-num", type=int, default=0, help="requests per saturation replay (0: 80, 6 with --smoke)")
@@ -380,7 +389,7 @@ def apply_preset(args: argparse.Namespace) -> None:
     """``--preset``'s values, then the defaults, for the options not given."""
     preset = PRESETS[args.preset] if args.preset else {}
     defaults = {"stages": ",".join(DEFAULT_STAGES), "live": ",".join(LIVE_POLICIES), "cb_engine": "hf-cb",
-                "tests_k": "not deepspeed"}  # the preset's model: make_plan (it depends on the card)
+                "tests_k": "not deepspeed", "sat": SAT}  # the preset's model: make_plan (it depends on the card)
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, preset.get(key, value))
@@ -432,6 +441,8 @@ def measuring_stages(plan: CheckPlan, out: Path, work: Path, env: dict[str, str]
                      hf_opts: str = "", cb_opts: str = "", arena_opts: str = "") -> list[Stage]:  # fmt: skip
     """The stages after setup and facts, as the runner takes them."""
     opts_of = {"hf": hf_opts, "hf-cb": cb_opts, "hf-static-cb": arena_opts}
+    for name, (real, opt) in ENGINE_VARIANTS.items():
+        opts_of[name] = ";".join(filter(None, (opts_of[real], opt)))
     py = [sys.executable, "-m", "sclsd.bench.gpu_stages"]
     s = plan.sizes
     model = ["--model", plan.model, "--device", plan.device, "--dtype", plan.dtype]
@@ -448,7 +459,7 @@ def measuring_stages(plan: CheckPlan, out: Path, work: Path, env: dict[str, str]
     def replay(name: str, policy: str, engine: str, rate: float, num: int, cap: int = 0) -> Stage:
         log = work / f"{name}.log"
         stage_cap, _ = cap_of(name, plan, caps)
-        argv = ["live", "--policy", policy, "--engine", engine, *model, "--trace", plan.trace, "--log", str(log),
+        argv = ["live", "--policy", policy, "--engine", ENGINE_VARIANTS.get(engine, (engine,))[0], *model, "--trace", plan.trace, "--log", str(log),
                 "--profile", str(profile), "--opts", opts_of[engine], "--num", str(num), "--rate", f"{rate:g}",
                 "--scale", f"{s.scale:g}", "--max-input", str(s.max_input), "--max-gen", str(s.max_gen),
                 "--slice-len", str(s.slice_len), "--ready-timeout", f"{max(10.0, stage_cap - 20):g}",
@@ -461,6 +472,9 @@ def measuring_stages(plan: CheckPlan, out: Path, work: Path, env: dict[str, str]
             out_stages.append(stage("hf", engine("hf", s.hf_shapes, hf_opts, ab=True), "engine.log"))
         elif name == "arena":
             out_stages.append(stage("arena", engine("hf-static-cb", s.arena_shapes, arena_opts, ab=True), "engine.log"))
+        elif name == "flex":
+            flex = opts_of["hf-static-cb-flex"]
+            out_stages.append(stage("flex", engine("hf-static-cb", s.arena_shapes, flex, ab=True), "engine.log"))
         elif name == "sat":
             for policy, eng in plan.sat:
                 out_stages.append(replay(f"sat-{policy}-{eng}", policy, eng, s.sat_rate, s.sat_num, s.sat_cap))

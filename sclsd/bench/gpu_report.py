@@ -323,6 +323,8 @@ def _engines(rows: Rows) -> list[str]:
     out: list[str] = []
     for stage, title in (("hf", "hf (static cache, captured decode graphs)"),
                          ("arena", f"{ARENA_ENGINE} (continuous batching on the static arena, captured decode graphs)"),
+                         ("flex", f"{ARENA_ENGINE} with decode_attention = flex (FlexAttention over each row's "
+                                  "own columns)"),
                          ("cb", "hf-cb (defaults)"),
                          ("generate", "transformers' compiled generate (the in-library reference)")):
         got = rows.find(stage)
@@ -378,7 +380,10 @@ def _live(rows: Rows) -> list[str]:
            "p95 lat s | max gap s (p50 / max of requests) | slices | batch | preempt | errors |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in reps:
-        out.append(f"| {r.get('policy')} | {r.get('engine')} | {_f(r.get('rate'), '{:g}')} | "
+        stage = str(r.get("stage"))
+        # A saturation stage is named for its engine as --sat gives it (an option set: hf-static-cb-flex).
+        engine = stage.removeprefix(f"sat-{r.get('policy')}-") if stage.startswith("sat-") else r.get("engine")
+        out.append(f"| {r.get('policy')} | {engine} | {_f(r.get('rate'), '{:g}')} | "
                    f"{r.get('completed')}/{r.get('requests')} | {_f(r.get('throughput_rps'))} | "
                    f"{_f(r.get('output_tps'), '{:.0f}')} | {_f(r.get('avg_ttft_s'))} | {_f(r.get('avg_tpot_s'), '{:.3f}')} | "
                    f"{_f(r.get('p95_latency_s'), '{:.1f}')} | {_f(r.get('p50_gap_s'))} / {_f(r.get('max_gap_s'))} | "
@@ -392,6 +397,9 @@ def _live(rows: Rows) -> list[str]:
             if arena and "steps" in arena:
                 rows_of += (f"; {arena['steps']} steps of {arena['rows_per_step']:.1f} rows, "
                             f"{arena['prefills']} prefill turns")
+            if arena and "cols_per_step" in arena:
+                rows_of += (f"; {arena['cols_per_step']} KV columns read per step, {arena['own_pct']} % the rows' "
+                            f"own; {arena['relayouts']} relayouts, {arena['prefill_s']:.1f} s of prefill")
             out.append(f"- {r['stage']}: worker ready in {r.get('worker_ready_in_s')} s (its own clock); restarts "
                        f"{r.get('worker_exits')}, graphs dropped {r.get('graphs_dropped')}, tracebacks "
                        f"{r.get('tracebacks')}{rows_of}; {_f(r.get('total_s'), '{:.0f}')} s in all")

@@ -224,7 +224,7 @@ class _Keep:
         return outs, stats
 
 
-def _ab(engine: Any, n: int, p: int, gen: int, vocab: int) -> dict[str, Any]:
+def _ab(engine: Any, n: int, p: Any, gen: int, vocab: int) -> dict[str, Any]:
     """The same batch with the captured graphs and eagerly: ms/step and whether the greedy
     tokens agree (fp16 reduction order may legitimately move a row)."""
     from . import engine as eb
@@ -311,13 +311,13 @@ def cmd_engine(args: argparse.Namespace) -> int:
                         prefill, ms = eb._serve_call(eng, eb._batch(bid, n, p, args.gen, vocab))
                     row.update(prefill_s=round(prefill, 4), ms_per_step=round(ms, 3))
                     if getattr(eng, "static", None) is not None:
-                        row["graphs_kept"] = graphs_kept(eng, n, p + args.gen - 1)
+                        row["graphs_kept"] = graphs_kept(eng, n, eb.widest(p) + args.gen - 1)
                 except Exception as exc:  # noqa: BLE001 - a failing shape is a result
                     traceback.print_exc()
                     row["error"] = _error(exc)
                     rc = 1
                 emit(row)
-            if args.ab and graphs_kept(eng, n, p + args.gen - 1):
+            if args.ab and graphs_kept(eng, n, eb.widest(p) + args.gen - 1):
                 try:
                     emit({**base, "phase": "ab", "n": n, "p": p, **_ab(eng, n, p, args.gen, vocab)})
                 except Exception as exc:  # noqa: BLE001
@@ -402,10 +402,13 @@ def log_facts(log: Path) -> dict[str, Any]:
     # hf-static-cb's own account at close: how its grants' rows came back and what moved.
     m = re.search(r"rows resumed in place (\d+), copied in from the store (\d+), paused rows spilled (\d+), "
                   r"rows moved between slots (\d+), rows that waited for room (\d+)"
-                  r"(?:; (\d+) decode steps of ([0-9.]+) rows on average, (\d+) prefill turns)?", text)
+                  r"(?:; (\d+) decode steps of ([0-9.]+) rows on average, (\d+) prefill turns)?"
+                  r"(?:; (\d+) KV columns read per step, (\d+) % of them the rows' own; (\d+) relayouts, "
+                  r"([0-9.]+) s of prefill)?", text)
     if m:
-        keys = ("resumed", "loaded", "spilled", "moved", "waited", "steps", "rows_per_step", "prefills")
-        out["arena_rows"] = {k: (float(v) if k == "rows_per_step" else int(v))
+        keys = ("resumed", "loaded", "spilled", "moved", "waited", "steps", "rows_per_step", "prefills",
+                "cols_per_step", "own_pct", "relayouts", "prefill_s")
+        out["arena_rows"] = {k: (float(v) if k in ("rows_per_step", "prefill_s") else int(v))
                              for k, v in zip(keys, m.groups(), strict=True) if v is not None}
     return out
 

@@ -44,3 +44,27 @@ def test_captured_row_steps_give_the_eager_tokens() -> None:
         assert [o.token_ids for o in outs] == [o.token_ids for o in mixed_ref]
     finally:
         eng.close()
+
+
+def test_captured_flex_steps_give_the_eager_tokens() -> None:
+    """``decode_attention = "flex"``: FlexAttention's compiled kernel inside the captured steps
+    (its block mask rewritten from the rows' positions within each replay) gives the eager
+    loop's tokens, with rows leaving at different steps; every bucket keeps its graph."""
+    from worker.engines import create_engine
+
+    eager = create_engine("hf", "tiny-random", device="cuda:0", dtype="float32", static_cache=False, kv_reuse=False)
+    lens = [3, GEN, 7, 11]
+    reqs = [BatchRequest(rid=f"f{i}", token_ids=p, max_new_tokens=n, temperature=0.0, ignore_eos=True)
+            for i, (p, n) in enumerate(zip(prompts(), lens, strict=True))]
+    ref, _ = eager.serve(BatchMsg(batch_id=4, slice_len=GEN, requests=reqs, kv_reuse=False))
+    eager.close()
+    eng = create_engine("hf-static-cb", "tiny-random", device="cuda:0", dtype="float32",
+                        graph_batch_sizes="1,2,4,8", graph_cache_tokens="128,256", decode_attention="flex")
+    try:
+        eng.warm_up()
+        assert eng.static.captured() == [(n, c) for n in (1, 2, 4, 8) for c in (128, 256)]
+        assert all(s.blocks is not None for s in eng.static.steps.values())
+        outs, _ = eng.serve(BatchMsg(batch_id=5, slice_len=GEN, requests=reqs, kv_reuse=False))
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    finally:
+        eng.close()

@@ -330,3 +330,27 @@ def test_a_lone_row_too_large_for_the_arena_ends_on_an_idle_engine() -> None:
     eng.submit(BatchMsg(batch_id=next(_bids), slice_len=8, requests=[req("big", [7] * 60, 8)]))
     (end,) = done_of(run_until(eng, done_of, limit=3))
     assert end.outputs[0].error is not None and "arena holds 40" in end.outputs[0].error and not eng.busy()
+
+
+def test_the_account_counts_the_steps_kv_reads_the_rows_own_and_relayouts(caplog) -> None:
+    """Each decode step reads its bucket's rows × the columns per slot; the rows' own columns
+    are each one's KV up to its current token; a row that needs wider slots while another
+    runs moves both (one relayout). The account at close says all three."""
+    eng = make(static_buckets=True, graph_batch_sizes="2,8", graph_cache_tokens="32,64")
+    eng.read_behind = False
+    a, b = contexts(2, 12, 13, seed=5)
+    (out,), _ = serve(eng, [req("a", a, 5)], 5)
+    assert len(out.token_ids) == 5
+    # Context 12, 5 tokens: rows of 12 + 5 columns take the 32-column bucket, 2 rows (1 a dummy).
+    assert (eng.steps, eng.cols_read, eng.cols_own) == (5, 5 * 2 * 32, 12 + 13 + 14 + 15 + 16)
+    assert eng.rows.counts["relayouts"] == 0
+    eng.submit(BatchMsg(batch_id=next(_bids), slice_len=8, requests=[req("a2", a, 8)], kv_reuse=False))
+    seen = run_until(eng, lambda s: len(tokens_of(s, "a2")) >= 2)
+    # b needs 36 + 8 columns: both rows move to 64-column slots.
+    eng.submit(BatchMsg(batch_id=next(_bids), slice_len=8, requests=[req("b", b + a + a, 8)], kv_reuse=False))
+    seen += run_until(eng, lambda s: len(done_of(s)) == 2)
+    assert tokens_of(seen, "b") and eng.rows.counts["relayouts"] == 1
+    with caplog.at_level("INFO", logger="worker.engines.hf_static_cb"):
+        eng.close()
+    read, own = eng.cols_read / eng.steps, 100 * eng.cols_own / eng.cols_read
+    assert f"{read:.0f} KV columns read per step, {own:.0f} % of them the rows' own; 1 relayouts" in caplog.text

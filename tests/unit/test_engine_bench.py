@@ -12,9 +12,18 @@ from sclsd.bench import engine as E
 
 def test_shapes_are_parsed_and_checked() -> None:
     assert E.parse_shapes("1x128, 16X128,32x256") == [(1, 128), (16, 128), (32, 256)]
-    for bad in ("3", "ax2", "0x5"):
+    for bad in ("3", "ax2", "0x5", "4x9-3", "4x0-3", "4x2-"):
         with pytest.raises(SystemExit):
             E.parse_shapes(bad)
+
+
+def test_a_shape_of_many_prompt_lengths_spreads_them_evenly() -> None:
+    """``NxA-B``: rows of A to B tokens (rows of many lengths share a step at saturation)."""
+    (n, p), = E.parse_shapes("5x100-500")
+    assert (n, p) == (5, "100-500") and E.prompt_lens(n, p) == [100, 200, 300, 400, 500]
+    assert E.widest(p) == 500 and E.prompt_lens(3, 7) == [7, 7, 7] and E.prompt_lens(1, "4-9") == [4]
+    batch = E._batch(1, n, p, 4, 1000)
+    assert [len(r.token_ids) for r in batch.requests] == [100, 200, 300, 400, 500]
 
 
 def test_table_has_cold_and_warm_per_shape_and_the_floor() -> None:

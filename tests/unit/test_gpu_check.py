@@ -173,7 +173,8 @@ def test_the_arena_preset_measures_hf_static_cb_against_hf_and_hf_cb(tmp_path: P
     assert by["tests"].argv[-3:] == ["tests", "-k", "arena"]  # its CUDA test only, last, if time is left
     arena = by["arena"].argv
     assert arena[arena.index("--variant") + 1] == "hf-static-cb" and "--ab" in arena
-    assert arena[arena.index("--shapes") + 1] == "32x256,64x256" and arena[arena.index("--opts") + 1] == "static_share=0.6"
+    assert arena[arena.index("--shapes") + 1] == "32x256,64x256,32x128-1024"
+    assert arena[arena.index("--opts") + 1] == "static_share=0.6"
     for name, engine, opts in (("sat-ils-hf-static-cb", "hf-static-cb", "static_share=0.6"),
                                ("sat-scls-cb-hf-cb", "hf-cb", "kv_padding_tokens=1024")):
         argv = by[name].argv
@@ -187,7 +188,28 @@ def test_the_arena_preset_measures_hf_static_cb_against_hf_and_hf_cb(tmp_path: P
                     "/t.csv", "file")
     assert (p.stages, p.cb_engine) == (("arena",), "hf-cb")
     s = G.make_plan(args("--preset", "arena", "--smoke", "--sat", "ils@hf-cb"), {}, None, "/t.csv", "file")
-    assert (s.sizes.sat_rate, s.sizes.sat_num, s.sizes.arena_shapes, s.sat) == (4.0, 6, "2x16", (("ils", "hf-cb"),))
+    assert (s.sizes.sat_rate, s.sizes.sat_num, s.sizes.arena_shapes, s.sat) == (4.0, 6, "2x16,2x8-40",
+                                                                                 (("ils", "hf-cb"),))
+
+
+def test_the_flex_preset_measures_flex_decode_against_sdpa_on_the_arena(tmp_path: Path) -> None:
+    """``--preset flex``: the arena's step with SDPA and with FlexAttention (rows of many
+    lengths among the shapes), then scls-cb at saturation on each; the flex engine is
+    hf-static-cb with ``decode_attention=flex`` beside the arena's own options."""
+    plan = G.make_plan(args("--preset", "flex"), cuda_facts(80), None, "/t.csv", "file")
+    assert plan.stages == ("arena", "flex", "sat") and plan.model == "random:llama2-7b"
+    assert plan.sat == (("scls-cb", "hf-static-cb"), ("scls-cb", "hf-static-cb-flex"))
+    by = {s.name: s for s in G.measuring_stages(plan, tmp_path / "out", tmp_path, {}, {}, "", "", "static_share=0.6")}
+    assert list(by) == ["arena", "flex", "sat-scls-cb-hf-static-cb", "sat-scls-cb-hf-static-cb-flex"]
+    flex = by["flex"].argv
+    assert flex[flex.index("--variant") + 1] == "hf-static-cb" and "32x128-1024" in flex[flex.index("--shapes") + 1]
+    assert flex[flex.index("--opts") + 1] == "static_share=0.6;decode_attention=flex"
+    sat = by["sat-scls-cb-hf-static-cb-flex"].argv
+    assert sat[sat.index("--engine") + 1] == "hf-static-cb"
+    assert sat[sat.index("--opts") + 1] == "static_share=0.6;decode_attention=flex"
+    plain = by["sat-scls-cb-hf-static-cb"].argv
+    assert plain[plain.index("--opts") + 1] == "static_share=0.6"
+    assert G.parse_sat("ils@hf-static-cb-flex") == (("ils", "hf-static-cb-flex"),)
 
 
 @pytest.mark.parametrize("bad", ["scls@hf-cb", "ils@hf", "scls-cb", "scls-cb@hf-cb,ils@deepspeed"])

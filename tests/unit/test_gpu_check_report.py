@@ -217,6 +217,18 @@ def test_the_summary_has_the_arena_targets_and_the_saturation_table() -> None:
     assert "arena 52.0 s" in R.ready(R.Rows(rows)).measured
 
 
+def test_a_replay_on_an_engine_with_an_option_set_is_named_for_it() -> None:
+    """``--sat scls-cb@hf-static-cb-flex`` runs hf-static-cb with decode_attention=flex: its
+    row in the table says hf-static-cb-flex, beside the plain arena's; its engine stage has
+    a section of its own."""
+    flex = {**sat("scls-cb", "hf-static-cb", 3300), "stage": "sat-scls-cb-hf-static-cb-flex"}
+    shape = {"stage": "flex", "phase": "shape", "n": 32, "p": "128-1024", "call": "warm", "ms_per_step": 9.5,
+             "prefill_s": 0.3}
+    text = R.render([sat("scls-cb", "hf-static-cb", 3000), flex, shape])
+    assert "| scls-cb | hf-static-cb | 8 | 80/80 |" in text and "| scls-cb | hf-static-cb-flex | 8 | 80/80 |" in text
+    assert "decode_attention = flex" in text and "- N=32 P=128-1024 warm: 9.50 ms/step" in text
+
+
 def test_a_replay_shows_its_tpot_gaps_slices_and_the_arena_rows_account(tmp_path: Any) -> None:
     """The daemon log's account of hf-static-cb's rows (resumed in place, copied in, spilled)
     reaches the replay's results and its summary line, beside TPOT and the gaps."""
@@ -226,14 +238,16 @@ def test_a_replay_shows_its_tpot_gaps_slices_and_the_arena_rows_account(tmp_path
     log.write_text("... sclsd-worker[w0] INFO worker: engine hf-static-cb ready in 33.1s: registering\n"
                    "... hf-static-cb: rows resumed in place 170, copied in from the store 3, paused rows spilled 4, "
                    "rows moved between slots 212, rows that waited for room 0; 2105 decode steps of 37.4 rows on "
-                   "average, 81 prefill turns\n")
+                   "average, 81 prefill turns; 41216 KV columns read per step, 47 % of them the rows' own; "
+                   "12 relayouts, 3.4 s of prefill\n")
     facts = log_facts(log)
     assert facts["arena_rows"] == {"resumed": 170, "loaded": 3, "spilled": 4, "moved": 212, "waited": 0,
-                                   "steps": 2105, "rows_per_step": 37.4, "prefills": 81}
+                                   "steps": 2105, "rows_per_step": 37.4, "prefills": 81, "cols_per_step": 41216,
+                                   "own_pct": 47, "relayouts": 12, "prefill_s": 3.4}
     assert facts["worker_ready_in_s"] == [33.1] and "arena_rows" not in log_facts(tmp_path / "sat.log.none")
     row = {**sat("scls-cb", "hf-static-cb", 800), "avg_tpot_s": 0.042, "p50_gap_s": 0.31, "max_gap_s": 0.9,
            "slices_per_req": 2.96}
     text = R.render([row, {"stage": "sat-scls-cb-hf-static-cb", "phase": "stopped", "total_s": 60, **facts}])
     assert "| 0.042 |" in text and "| 0.31 / 0.90 | 2.96 |" in text
     assert "arena rows resumed in place 170, copied in 3, spilled 4, moved 212, waited 0; 2105 steps of 37.4 rows, " \
-        "81 prefill turns" in text
+        "81 prefill turns; 41216 KV columns read per step, 47 % the rows' own; 12 relayouts, 3.4 s of prefill" in text

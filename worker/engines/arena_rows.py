@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from worker.engines.arena_attention import RowBlocks, fits, use
 from worker.engines.arena_slots import Op
 from worker.engines.static_cache import DecodeStep, StaticRunner, StepPlan
 
@@ -124,6 +125,8 @@ class RowStep(DecodeStep):
         self.cache = row_cache(runner.slot_views(0, n, c), self.pos)
         self.cols = torch.arange(c, device=runner.device).view(1, 1, 1, c)
         self.mask: Any = None  # the mask follows from pos, inside the step
+        self.blocks = RowBlocks(self.pos, n, c) if runner.flex and fits(c) else None
+        """FlexAttention's block mask (``decode_attention = "flex"``), else an SDPA mask."""
         self.graph: Any = None
         self.logits: Any = None
         self.bucket = False
@@ -132,8 +135,12 @@ class RowStep(DecodeStep):
         """Run the model on every row's token at its own column, advance the columns (dummies
         stay at their slot's last)."""
         r = self.runner
-        mask = self.cols <= self.pos.view(self.n, 1, 1, 1)
-        out = r.model(input_ids=self.ids, attention_mask=r.attention_mask(mask), position_ids=self.pos,
+        if self.blocks is not None:
+            self.blocks.update()
+            mask = self.blocks.mask
+        else:
+            mask = r.attention_mask(self.cols <= self.pos.view(self.n, 1, 1, 1))
+        out = r.model(input_ids=self.ids, attention_mask=mask, position_ids=self.pos,
                       past_key_values=self.cache, use_cache=True)
         self.pos.add_(1).clamp_(max=self.c - 1)
         return out.logits[:, -1, :]
@@ -157,10 +164,14 @@ class RowRunner(StaticRunner):
 
     step_class = RowStep
 
-    def __init__(self, *args: Any, max_rows: int = 0, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, max_rows: int = 0, flex: bool = False, **kwargs: Any) -> None:
         """:class:`~worker.engines.static_cache.StaticRunner`'s arguments; ``max_rows``: most rows
-        running at once (0: as many as the arena has slots)."""
+        running at once (0: as many as the arena has slots); ``flex``: decode steps attend
+        with FlexAttention over each row's own columns (:mod:`worker.engines.arena_attention`)."""
         super().__init__(*args, **kwargs)
+        self.flex = bool(flex)
+        if self.flex:
+            use(self.model, self.pos)
         a = self.arena
         self.slot = a.heads * a.head_dim
         """Elements of one token's keys (or values) in one layer."""

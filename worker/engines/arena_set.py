@@ -71,10 +71,12 @@ class ArenaRows(Joining):
         """Requests reported kept whose KV was lost since the last :meth:`take_evicted`."""
         self.waited_rows = 0
         """Rows that waited for arena room while others ran (since the engine started)."""
-        self.counts = {"resumed": 0, "loaded": 0, "spilled": 0, "moved": 0, "prefills": 0}
+        self.counts = {"resumed": 0, "loaded": 0, "spilled": 0, "moved": 0, "prefills": 0, "relayouts": 0}
         """Since the engine started: rows resumed in place, rows whose KV was copied in from
         the store, paused rows spilled to it, rows copied from one slot to another, turns
-        that prefilled newcomers."""
+        that prefilled newcomers, changes of the columns per slot (each moves every row held)."""
+        self.prefill_s = 0.0
+        """Seconds the prefill turns took (on CUDA up to the device's end of each)."""
         self._version = 0
         self._due = (-1, False)
 
@@ -102,14 +104,17 @@ class ArenaRows(Joining):
             return {}
         return {rid: len(p.tokens) for rid, p in list(self.paused.items()) if rid not in rids}
 
-    def account(self, steps: int, step_rows: int) -> str:
+    def account(self, steps: int, step_rows: int, cols_read: int, cols_own: int) -> str:
         """What the rows went through since the engine started, for the log at close (and
-        ``sclsd-bench gpu-check``, which reads it there)."""
-        c = self.counts
+        ``sclsd-bench gpu-check``, which reads it there); ``cols_read`` and ``cols_own``: the
+        KV columns the decode steps read, and those the running rows held."""
+        c, per = self.counts, max(1, steps)
         return (f"rows resumed in place {c['resumed']}, copied in from the store {c['loaded']}, paused rows "
                 f"spilled {c['spilled']}, rows moved between slots {c['moved']}, rows that waited for room "
-                f"{self.waited_rows}; {steps} decode steps of {step_rows / max(1, steps):.1f} rows on average, "
-                f"{c['prefills']} prefill turns")
+                f"{self.waited_rows}; {steps} decode steps of {step_rows / per:.1f} rows on average, "
+                f"{c['prefills']} prefill turns; {cols_read / per:.0f} KV columns read per step, "
+                f"{100 * cols_own / max(1, cols_read):.0f} % of them the rows' own; {c['relayouts']} relayouts, "
+                f"{self.prefill_s:.1f} s of prefill")
 
     def take_evicted(self) -> list[str]:
         out, self.evicted = self.evicted, []
@@ -243,6 +248,7 @@ class ArenaRows(Joining):
         pl = place([(s, n) for _, s, n in quiet], [(s, n) for _, s, n in loud],
                    [(p.slot, len(p.tokens)) for p in held], cap)
         old, new = self.c or g.c, g.c
+        self.counts["relayouts"] += old != new
         now = [(s, n) for _, s, n in quiet + loud] + [(p.slot, len(p.tokens)) for p in held]
         if new < old:  # shrinking: the rows first take the new columns where they are
             self.runner.relayout(_lens(now), old, new)
@@ -285,6 +291,7 @@ class ArenaRows(Joining):
 
             torch.cuda.synchronize(self.device)  # the prefill's time is its grants'
         spent = time.perf_counter() - t0
+        self.prefill_s += spent
         total = sum(len(p) for p, _ in parts) or 1
         for j, (p, _) in zip(loud, parts, strict=True):
             j.row.grant.prefill_s += spent * len(p) / total

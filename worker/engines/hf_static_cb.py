@@ -102,7 +102,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
                  kv_retain_bytes: int | None = None, kv_host_bytes: int | None = None,
                  cuda_graphs: Any = "auto", static_share: float = 0.5, graph_batch_sizes: Any = None,
                  graph_cache_tokens: Any = None, prefill_chunk_tokens: int | None = None,
-                 static_buckets: Any = None, max_rows: int | None = None) -> None:
+                 static_buckets: Any = None, max_rows: int | None = None, decode_attention: str = "sdpa") -> None:
         self.load(model, device, dtype, mem_budget, threads)
         opts = StaticOptions.parse(self.device.type, True, True, cuda_graphs, static_share, graph_batch_sizes,
                                    graph_cache_tokens, prefill_chunk_tokens, static_buckets)
@@ -111,6 +111,8 @@ class HFStaticCBEngine(TransformersModel, Engine):
             why = f"{self.spec.name}'s cache layers are not all full attention (the arena needs them)"
         elif attention_kind(self.config) not in STATIC_ATTENTION:
             why = f"{attention_kind(self.config)} attention takes no 4-D mask (the arena needs one)"
+        if why is None and decode_attention == "flex" and attention_kind(self.config) != "sdpa":
+            why = f"decode_attention = \"flex\" replaces SDPA, and {self.spec.name} runs {attention_kind(self.config)}"
         if why is not None:
             self.unload()
             raise ModelUnsupported(f"{self.name}: {why}: use engine hf-cb")
@@ -122,7 +124,8 @@ class HFStaticCBEngine(TransformersModel, Engine):
         self.static = RowRunner(self.model, self.config, self.device, self.dtype, tokens, self.pad_id,
                                 opts.batch_sizes, opts.cache_tokens, opts.graphs, opts.prefill_chunk_tokens,
                                 self.max_context, opts.buckets, max_rows=min(int(max_rows or opts.reserve_rows),
-                                                                             opts.reserve_rows))
+                                                                             opts.reserve_rows),
+                                flex=decode_attention == "flex")
         log.info("arena: %d token slots (%.2f GiB of %.2f GiB for KV), CUDA graphs %s", tokens,
                  self.static.arena.nbytes / 2**30, self.kv_limit / 2**30, "on" if self.static.graphs_on else "off")
         self.kv = self._kv_store(kv_reuse, kv_retain_bytes, kv_host_bytes)
@@ -142,6 +145,10 @@ class HFStaticCBEngine(TransformersModel, Engine):
         self._room_c = 0  # the columns per slot rows_now last counted rows at
         self.steps = self.step_rows = 0
         """Decode steps run, and the running rows they carried in all (benchmarks, the log at close)."""
+        self.cols_read = self.cols_own = 0
+        """Over every decode step: the KV columns its attention read (its bucket's rows × the
+        columns per slot), and those the running rows held (each row's own, to its current
+        token): the share of the step's KV reads that were not padding."""
 
     # ------------------------------------------------------------------ facts
 
@@ -235,7 +242,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
 
     def close(self) -> None:
         """Drop the arena, its graphs, the rows and the kept KV, then the model."""
-        log.info("%s: %s", self.name, self.rows.account(self.steps, self.step_rows))
+        log.info("%s: %s", self.name, self.rows.account(self.steps, self.step_rows, self.cols_read, self.cols_own))
         self.rows.reset()
         self.rows.runner = None  # type: ignore[assignment]
         self.static = None  # type: ignore[assignment]
@@ -279,8 +286,12 @@ class HFStaticCBEngine(TransformersModel, Engine):
         step = self.static.step_for(geo.plan)
         rows = list(self.rows.slots)
         k, n = len(rows), geo.plan.n
+        live = [r for r in rows if not r.ended]
+        own = sum(r.fed + 1 for r in live)
         self.steps += 1
-        self.step_rows += sum(not r.ended for r in rows)
+        self.step_rows += len(live)
+        self.cols_read += n * geo.c
+        self.cols_own += own
         if self.rows.dirty:
             pad = [self.pad_id] * (n - k)
             ids = torch.tensor([r.next_input() for r in rows] + pad, dtype=torch.long)
@@ -298,7 +309,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
         assert self._sampler is not None
         draw = self._sampler.sample(step.run())
         self._last = draw.tokens
-        self._track_peak()
+        self._track_peak(own)
         return _Flight(draw.start(), draw, self._sampler, self._grammar, rows)
 
     def _read(self, fl: _Flight) -> None:
@@ -387,8 +398,9 @@ class HFStaticCBEngine(TransformersModel, Engine):
         log.info("KV kept between grants: up to %d bytes, %d more in host memory", budget, host)
         return KVStore(budget, host, to_host)
 
-    def _track_peak(self) -> None:
-        held = sum(r.fed + 1 for r in self.rows.live()) + sum(len(p.tokens) for p in self.rows.paused.values())
+    def _track_peak(self, running: int) -> None:
+        """``running``: the KV columns the running rows hold."""
+        held = running + sum(len(p.tokens) for p in self.rows.paused.values())
         if self.kv is not None:
             held += (self.kv.nbytes + self.kv.host_nbytes) // max(1, self.delta)
         self.kv_peak_tokens = max(self.kv_peak_tokens, held)

@@ -1,0 +1,130 @@
+"""Decode attention that reads each row's own columns: ``hf-static-cb``'s
+``decode_attention = "flex"``.
+
+**Why.** A decode step of the arena (:class:`~worker.engines.arena_rows.RowStep`) hands the
+model ``n`` slots of ``c`` columns, ``c`` a cache bucket at least the widest row's context and
+slice, and SDPA reads all ``n × c`` columns of keys and values through a 4-D mask. At
+saturation most of that is padding: the rows are of many lengths, the bucket rounds the widest
+up, and a bucket's spare rows are dummies. On the card that is bandwidth: 512 KiB of KV per
+column for a 7B model in fp16, against 13 GB of weights read once per step (the engine's
+account at close says how many columns a step read and what share were the rows' own).
+
+**How.** PyTorch's FlexAttention (``torch.nn.attention.flex_attention``, compiled by
+``torch.compile``: Triton on CUDA, C++ on the CPU) skips whole blocks of ``KV_BLOCK`` columns
+that a block mask leaves out. :class:`RowBlocks` is one step's block mask: row ``i`` sees
+columns ``<= pos[i]`` (the arena's layout: a row's KV is left-aligned, its current token at
+column ``pos[i]``), so its blocks before ``(pos[i] + 1) // KV_BLOCK`` are full, the next one
+partly seen (masked by :func:`_sees`) and the rest skipped. The mask's tensors are static
+buffers that :meth:`RowBlocks.update` rewrites from ``pos`` on the device, inside the step,
+so a captured step stays valid while the rows grow.
+
+The model's attention implementation becomes :data:`NAME` (:func:`use`), registered with
+transformers: a query of one token with a :class:`~torch.nn.attention.flex_attention.BlockMask`
+runs FlexAttention, anything else (prefills, steps whose columns are not whole blocks) runs
+transformers' own SDPA with its boolean mask, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("worker")
+
+__all__ = ["KV_BLOCK", "NAME", "RowBlocks", "attention", "fits", "use"]
+
+#: The implementation name the model's config takes (registered with transformers by :func:`use`).
+NAME = "sclsd_arena"
+#: Columns per block of the block mask: a step's columns per slot must be a multiple of it.
+KV_BLOCK = 128
+
+_compiled: Any = None
+_pos_all: Any = None
+"""The runner's whole ``pos`` buffer: the one tensor :func:`_sees` reads (every step's rows are
+its first ``n``), so that one mask function serves every step and its compiled kernel."""
+
+
+def fits(c: int) -> bool:
+    """Whether a step of ``c`` columns per slot can run FlexAttention (whole blocks)."""
+    return c > 0 and c % KV_BLOCK == 0
+
+
+def _sees(b: Any, h: Any, q: Any, kv: Any) -> Any:
+    """The mask function: row ``b`` sees the columns up to its current token's."""
+    del h, q
+    return kv <= _pos_all[b]
+
+
+def _flex() -> Any:
+    """FlexAttention, compiled once per process (the kernel is generated from the mask function
+    and the shapes: on CUDA with dynamic shapes, one compile for every bucket; on the CPU,
+    where inductor's template does not take them, one per shape)."""
+    global _compiled
+    if _compiled is None:
+        import torch
+        from torch.nn.attention.flex_attention import flex_attention
+
+        dynamic = _pos_all is not None and _pos_all.device.type == "cuda"
+        _compiled = torch.compile(flex_attention, dynamic=dynamic, fullgraph=True)
+    return _compiled
+
+
+def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
+              scaling: float | None = None, **kwargs: Any) -> tuple[Any, None]:
+    """transformers' attention interface: FlexAttention for a decode step given a block mask,
+    SDPA otherwise (module docstring). Returns ``([batch, q, heads, head_dim], None)``."""
+    from torch.nn.attention.flex_attention import BlockMask
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if not isinstance(attention_mask, BlockMask):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    out = _flex()(query, key, value, block_mask=attention_mask, scale=scaling,
+                  enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use(model: Any, pos: Any) -> None:
+    """Make ``model`` attend through :func:`attention`; ``pos``: the runner's ``[rows, 1]``
+    position buffer, which every step's rows index from 0."""
+    global _pos_all, _compiled
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(NAME, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # masks it is not given are SDPA's
+    if _pos_all is not pos:
+        _pos_all, _compiled = pos.view(-1), None
+    model.config._attn_implementation = NAME
+
+
+class RowBlocks:
+    """The block mask of a decode step over slots ``[0, n)`` of ``c`` columns (module
+    docstring); :attr:`mask` is what the step passes as its attention mask."""
+
+    def __init__(self, pos: Any, n: int, c: int) -> None:
+        import torch
+        from torch.nn.attention.flex_attention import BlockMask
+
+        if not fits(c):
+            raise ValueError(f"{c} columns per slot are not whole blocks of {KV_BLOCK}")
+        blocks = c // KV_BLOCK
+        dev = pos.device
+        self.pos = pos
+        self.limit = blocks - 1
+        i32 = torch.int32
+        self.full = torch.zeros((n, 1, 1), dtype=i32, device=dev)
+        self.full_idx = torch.arange(blocks, dtype=i32, device=dev).view(1, 1, 1, blocks).repeat(n, 1, 1, 1)
+        self.part = torch.zeros((n, 1, 1), dtype=i32, device=dev)
+        self.part_idx = torch.zeros((n, 1, 1, blocks), dtype=i32, device=dev)
+        self.mask = BlockMask.from_kv_blocks(self.part, self.part_idx, self.full, self.full_idx,
+                                             BLOCK_SIZE=(KV_BLOCK, KV_BLOCK), mask_mod=_sees,
+                                             seq_lengths=(1, c), compute_q_blocks=False)
+
+    def update(self) -> None:
+        """Rewrite the mask from ``pos`` (device ops only: a captured step replays them)."""
+        seen = self.pos.view(-1, 1, 1) + 1
+        whole = seen // KV_BLOCK
+        self.full.copy_(whole)
+        self.part.copy_((seen % KV_BLOCK) != 0)
+        self.part_idx[:, :, :, 0].copy_(whole.clamp(max=self.limit))

@@ -405,6 +405,9 @@ def log_facts(log: Path) -> dict[str, Any]:
                   r"(?:; (\d+) decode steps of ([0-9.]+) rows on average, (\d+) prefill turns)?"
                   r"(?:; (\d+) KV columns read per step, (\d+) % of them the rows' own; (\d+) relayouts, "
                   r"([0-9.]+) s of prefill)?", text)
+    flex = re.search(r'decode_attention = "flex" failed \((.*?)\); decode attends with SDPA', text)
+    if flex:
+        out["flex_failed"] = flex.group(1)[:300]
     if m:
         keys = ("resumed", "loaded", "spilled", "moved", "waited", "steps", "rows_per_step", "prefills",
                 "cols_per_step", "own_pct", "relayouts", "prefill_s")

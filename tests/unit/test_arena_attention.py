@@ -74,6 +74,56 @@ def test_flex_attention_gives_sdpas_output_over_each_rows_own_columns() -> None:
                           atol=1e-5)
 
 
+def test_the_recompile_limit_holds_in_the_thread_that_attends() -> None:
+    """torch's settings are per thread: the limit that lets every bucket shape compile is set
+    in the thread that attends (the worker's serve thread), not only where the engine was built."""
+    import threading
+
+    import torch._dynamo
+
+    A.use(_Model(), torch.zeros(4, 1, dtype=torch.long), shapes=50)
+    seen: list[int] = []
+
+    def attend() -> None:
+        before = torch._dynamo.config.recompile_limit
+        A._limits()
+        seen.extend((before, torch._dynamo.config.recompile_limit))
+
+    t = threading.Thread(target=attend)
+    t.start()
+    t.join()
+    assert seen[0] < 50 + A.RECOMPILE_MARGIN <= seen[1]
+
+
+def test_a_failing_flex_falls_back_to_sdpa_once_and_says_why(monkeypatch, caplog) -> None:
+    """FlexAttention failing (its compile, on a box whose torch cannot) does not fail the rows:
+    that step and every later one attend with SDPA over the same columns, and the reason is
+    logged once; a new engine tries FlexAttention again."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    tried = {"n": 0}
+
+    def broken() -> Any:
+        tried["n"] += 1
+        raise RuntimeError("no kernel for this card\nmore detail")
+
+    pos = torch.tensor([3, 200]).view(2, 1)
+    A.use(_Model(), pos)
+    monkeypatch.setattr(A, "_flex", broken)
+    rb = A.RowBlocks(pos, 2, 256)
+    rb.update()
+    q, k, v = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 256, 8), torch.randn(2, 2, 256, 8)
+    seen = torch.arange(256).view(1, 1, 1, 256) <= pos.view(2, 1, 1, 1)
+    with caplog.at_level("ERROR", logger="worker"):
+        for _ in range(3):
+            out, _ = A.attention(torch.nn.Module(), q, k, v, rb.mask, scaling=0.5)
+            assert torch.allclose(out, sdpa(q, k, v, attn_mask=seen, scale=0.5).transpose(1, 2), atol=1e-6)
+    assert tried["n"] == 1 and A.failed() == "RuntimeError: no kernel for this card"
+    assert caplog.text.count('decode_attention = "flex" failed (RuntimeError: no kernel for this card)') == 1
+    A.use(_Model(), torch.zeros(4, 1, dtype=torch.long))
+    assert A.failed() is None
+
+
 def test_the_engine_with_flex_decode_gives_hf_tokens_with_rows_joining_and_leaving(monkeypatch) -> None:
     """Rows of 5 to 150 tokens, one joining while the others run (slots of 128 and 256
     columns: whole blocks), each ending at its own length: every row's greedy tokens are
@@ -101,6 +151,16 @@ def test_the_engine_with_flex_decode_gives_hf_tokens_with_rows_joining_and_leavi
     layers = int(eng.config.num_hidden_layers)
     assert calls["flex"] >= layers * eng.steps > 0  # every layer of every step
     eng.close()
+
+
+def test_flex_runs_in_bucket_shapes_and_off_cuda_needs_them() -> None:
+    """Each step shape compiles a kernel on the CPU: flex runs batches in bucket shapes unless
+    told otherwise, and without buckets off CUDA the engine refuses to start, saying why."""
+    eng = make(decode_attention="flex", graph_batch_sizes="2", graph_cache_tokens="128")
+    assert eng.static.bucketing and eng.static.buckets() == [(2, 128)]
+    eng.close()
+    with pytest.raises(ValueError, match="leave static_buckets on"):
+        make(decode_attention="flex", static_buckets=False)
 
 
 def test_the_option_takes_sdpa_or_flex_on_hf_static_cb_only() -> None:

@@ -27,18 +27,29 @@ transformers' own SDPA with its boolean mask, as before.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 log = logging.getLogger("worker")
 
-__all__ = ["KV_BLOCK", "NAME", "RowBlocks", "attention", "fits", "use"]
+__all__ = ["KV_BLOCK", "NAME", "RowBlocks", "attention", "failed", "fits", "use"]
 
 #: The implementation name the model's config takes (registered with transformers by :func:`use`).
 NAME = "sclsd_arena"
 #: Columns per block of the block mask: a step's columns per slot must be a multiple of it.
 KV_BLOCK = 128
 
+#: Recompiles of the compiled FlexAttention allowed beyond one per bucket shape (torch's own
+#: limit, 8, is below the shapes the CPU compiles one by one; past it torch raises).
+RECOMPILE_MARGIN = 8
+
 _compiled: Any = None
+_limit = 0
+"""The recompile limit :func:`use` asked for (torch's settings are per thread: each thread that
+attends sets it, :func:`_limits`)."""
+_threads = threading.local()
+_failed: str | None = None
+"""Why FlexAttention failed in this process, if it did: decode attends with SDPA since."""
 _pos_all: Any = None
 """The runner's whole ``pos`` buffer: the one tensor :func:`_sees` reads (every step's rows are
 its first ``n``), so that one mask function serves every step and its compiled kernel."""
@@ -72,29 +83,63 @@ def _flex() -> Any:
 def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
               scaling: float | None = None, **kwargs: Any) -> tuple[Any, None]:
     """transformers' attention interface: FlexAttention for a decode step given a block mask,
-    SDPA otherwise (module docstring). Returns ``([batch, q, heads, head_dim], None)``."""
+    SDPA otherwise (module docstring); if FlexAttention fails (its compile, say), the step and
+    every later one attend with SDPA and the reason is logged once. Returns ``([batch, q,
+    heads, head_dim], None)``."""
+    import torch
     from torch.nn.attention.flex_attention import BlockMask
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if not isinstance(attention_mask, BlockMask):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
-    out = _flex()(query, key, value, block_mask=attention_mask, scale=scaling,
-                  enable_gqa=query.shape[1] != key.shape[1])
-    return out.transpose(1, 2).contiguous(), None
+    global _failed
+    if isinstance(attention_mask, BlockMask) and _failed is None:
+        _limits()
+        try:
+            out = _flex()(query, key, value, block_mask=attention_mask, scale=scaling,
+                          enable_gqa=query.shape[1] != key.shape[1])
+            return out.transpose(1, 2).contiguous(), None
+        except Exception as exc:  # noqa: BLE001 - the rows are served all the same; say why, once
+            _failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            log.error('decode_attention = "flex" failed (%s); decode attends with SDPA from now on', _failed)
+    if isinstance(attention_mask, BlockMask):  # the boolean mask the block mask stands for
+        n, c = key.shape[0], key.shape[2]
+        cols = torch.arange(c, device=key.device).view(1, 1, 1, c)
+        attention_mask = cols <= _pos_all[:n].view(n, 1, 1, 1)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, **kwargs)
 
 
-def use(model: Any, pos: Any) -> None:
+def _limits() -> None:
+    """Raise torch's recompile limits to :data:`_limit` in this thread, once (the serve thread
+    attends, not the thread that built the engine)."""
+    if getattr(_threads, "limit", 0) == _limit:
+        return
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, _limit)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 2 * _limit)
+    _threads.limit = _limit
+
+
+def failed() -> str | None:
+    """Why FlexAttention failed in this process (None: it has not)."""
+    return _failed
+
+
+def use(model: Any, pos: Any, shapes: int = 0) -> None:
     """Make ``model`` attend through :func:`attention`; ``pos``: the runner's ``[rows, 1]``
-    position buffer, which every step's rows index from 0."""
-    global _pos_all, _compiled
+    position buffer, which every step's rows index from 0; ``shapes``: the step shapes it may
+    compile for (its buckets), which torch's recompile limit is raised to take."""
+    global _pos_all, _compiled, _failed, _limit
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    _limit = max(_limit, shapes + RECOMPILE_MARGIN)
 
     AttentionInterface.register(NAME, attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # masks it is not given are SDPA's
     if _pos_all is not pos:
-        _pos_all, _compiled = pos.view(-1), None
+        _pos_all, _compiled, _failed = pos.view(-1), None, None
     model.config._attn_implementation = NAME
 
 

@@ -171,7 +171,7 @@ class RowRunner(StaticRunner):
         super().__init__(*args, **kwargs)
         self.flex = bool(flex)
         if self.flex:
-            use(self.model, self.pos)
+            use(self.model, self.pos, len(self.batch_buckets) * len(self.cache_buckets))
         a = self.arena
         self.slot = a.heads * a.head_dim
         """Elements of one token's keys (or values) in one layer."""

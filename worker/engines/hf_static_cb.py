@@ -46,11 +46,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sclsd import models
 from sclsd.protocol import BatchMsg, EngineCaps, RequestOutput
+from worker.engines import arena_attention
 from worker.engines.arena_cb import Row
 from worker.engines.arena_rows import RowRunner
 from worker.engines.arena_set import ArenaRows
@@ -106,6 +107,12 @@ class HFStaticCBEngine(TransformersModel, Engine):
         self.load(model, device, dtype, mem_budget, threads)
         opts = StaticOptions.parse(self.device.type, True, True, cuda_graphs, static_share, graph_batch_sizes,
                                    graph_cache_tokens, prefill_chunk_tokens, static_buckets)
+        if decode_attention == "flex" and opts.buckets is None:
+            opts = replace(opts, buckets=True)  # bucket shapes: few kernels to compile, all at warm-up
+        if decode_attention == "flex" and self.device.type != "cuda" and not opts.buckets:
+            self.unload()
+            raise ValueError(f'{self.name}: decode_attention = "flex" off CUDA compiles its kernel for each step '
+                             "shape (the CPU's has no dynamic shapes): leave static_buckets on to bound them")
         why = None
         if not supports_reuse(self.config):
             why = f"{self.spec.name}'s cache layers are not all full attention (the arena needs them)"
@@ -243,6 +250,9 @@ class HFStaticCBEngine(TransformersModel, Engine):
     def close(self) -> None:
         """Drop the arena, its graphs, the rows and the kept KV, then the model."""
         log.info("%s: %s", self.name, self.rows.account(self.steps, self.step_rows, self.cols_read, self.cols_own))
+        if self.static is not None and self.static.flex and arena_attention.failed():
+            log.warning('%s: decode_attention = "flex" failed (%s); its decode steps attended with SDPA',
+                        self.name, arena_attention.failed())
         self.rows.reset()
         self.rows.runner = None  # type: ignore[assignment]
         self.static = None  # type: ignore[assignment]

@@ -32,18 +32,23 @@ class _Model:
 def test_the_block_mask_follows_each_rows_position() -> None:
     """Row i sees columns <= pos[i]: its whole blocks before, the block holding pos[i] partly
     (none when pos[i] ends a block), nothing after; rewritten in place as pos moves."""
-    pos = torch.tensor([0, 127, 128, 300, 383]).view(5, 1)
+    pos = torch.tensor([0, 127, 128, 300, 383, 383]).view(6, 1)
+    live = torch.tensor([5])
     A.use(_Model(), pos)
-    rb = A.RowBlocks(pos, 5, 384)
+    rb = A.RowBlocks(pos, 6, 384, live)
     rb.update()
-    assert rb.full.view(-1).tolist() == [0, 1, 1, 2, 3] and rb.part.view(-1).tolist() == [1, 0, 1, 1, 0]
-    assert rb.mask.to_dense().view(5, 3).tolist() == [[1, 0, 0], [1, 0, 0], [1, 1, 0], [1, 1, 1], [1, 1, 1]]
-    pos.add_(1).clamp_(max=383)
+    # The sixth row is the bucket's dummy (its slot's last column): its last block only.
+    assert rb.full.view(-1).tolist() == [0, 1, 1, 2, 3, 0] and rb.part.view(-1).tolist() == [1, 0, 1, 1, 0, 1]
+    assert rb.mask.to_dense().view(6, 3).tolist() == [[1, 0, 0], [1, 0, 0], [1, 1, 0], [1, 1, 1], [1, 1, 1],
+                                                      [0, 0, 1]]
+    pos[:5].add_(1).clamp_(max=383)
+    live.fill_(6)  # the rows change: six real rows now
     rb.update()
-    assert rb.mask.to_dense().view(5, 3).tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 1, 1]]
+    assert rb.mask.to_dense().view(6, 3).tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 1, 1],
+                                                      [1, 1, 1]]
     assert _Model.config._attn_implementation == A.NAME
     with pytest.raises(ValueError, match="whole blocks"):
-        A.RowBlocks(pos, 5, 320)
+        A.RowBlocks(pos, 6, 320, live)
 
 
 def test_flex_attention_gives_sdpas_output_over_each_rows_own_columns() -> None:
@@ -56,7 +61,7 @@ def test_flex_attention_gives_sdpas_output_over_each_rows_own_columns() -> None:
     n, heads, kv_heads, c, d = 3, 4, 2, 256, 16
     pos = torch.tensor([5, 130, 255]).view(n, 1)
     A.use(_Model(), pos)
-    rb = A.RowBlocks(pos, n, c)
+    rb = A.RowBlocks(pos, n, c, torch.tensor([n]))
     rb.update()
     q = torch.randn(n, heads, 1, d, generator=g)
     k, v = torch.randn(n, kv_heads, c, d, generator=g), torch.randn(n, kv_heads, c, d, generator=g)
@@ -110,7 +115,7 @@ def test_a_failing_flex_falls_back_to_sdpa_once_and_says_why(monkeypatch, caplog
     pos = torch.tensor([3, 200]).view(2, 1)
     A.use(_Model(), pos)
     monkeypatch.setattr(A, "_flex", broken)
-    rb = A.RowBlocks(pos, 2, 256)
+    rb = A.RowBlocks(pos, 2, 256, torch.tensor([2]))
     rb.update()
     q, k, v = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 256, 8), torch.randn(2, 2, 256, 8)
     seen = torch.arange(256).view(1, 1, 1, 256) <= pos.view(2, 1, 1, 1)
@@ -136,7 +141,8 @@ def test_the_engine_with_flex_decode_gives_hf_tokens_with_rows_joining_and_leavi
         return real()
 
     monkeypatch.setattr(A, "_flex", counted)
-    eng = make(static_buckets=True, graph_batch_sizes="2,4", graph_cache_tokens="128,256", decode_attention="flex")
+    # Buckets of 4 rows: three rows run beside a dummy, which FlexAttention gives one block.
+    eng = make(static_buckets=True, graph_batch_sizes="4", graph_cache_tokens="128,256", decode_attention="flex")
     assert eng.static.flex
     ctxs = contexts(3, 5, 150, seed=11)
     lens = (12, 30, 20)

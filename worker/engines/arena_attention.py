@@ -145,9 +145,11 @@ def use(model: Any, pos: Any, shapes: int = 0) -> None:
 
 class RowBlocks:
     """The block mask of a decode step over slots ``[0, n)`` of ``c`` columns (module
-    docstring); :attr:`mask` is what the step passes as its attention mask."""
+    docstring); :attr:`mask` is what the step passes as its attention mask. ``live``: a
+    one-element device tensor, the step's real rows (running or ended in it); the bucket's rows
+    after them are dummies, whose outputs are never read: each sees its slot's last block only."""
 
-    def __init__(self, pos: Any, n: int, c: int) -> None:
+    def __init__(self, pos: Any, n: int, c: int, live: Any) -> None:
         import torch
         from torch.nn.attention.flex_attention import BlockMask
 
@@ -157,6 +159,8 @@ class RowBlocks:
         dev = pos.device
         self.pos = pos
         self.limit = blocks - 1
+        self.live = live
+        self.rows = torch.arange(n, device=dev).view(n, 1, 1)
         i32 = torch.int32
         self.full = torch.zeros((n, 1, 1), dtype=i32, device=dev)
         self.full_idx = torch.arange(blocks, dtype=i32, device=dev).view(1, 1, 1, blocks).repeat(n, 1, 1, 1)
@@ -167,9 +171,13 @@ class RowBlocks:
                                              seq_lengths=(1, c), compute_q_blocks=False)
 
     def update(self) -> None:
-        """Rewrite the mask from ``pos`` (device ops only: a captured step replays them)."""
+        """Rewrite the mask from ``pos`` and ``live`` (device ops only: a captured step replays
+        them)."""
+        import torch
+
         seen = self.pos.view(-1, 1, 1) + 1
         whole = seen // KV_BLOCK
-        self.full.copy_(whole)
-        self.part.copy_((seen % KV_BLOCK) != 0)
-        self.part_idx[:, :, :, 0].copy_(whole.clamp(max=self.limit))
+        dummy = self.rows >= self.live
+        self.full.copy_(whole.masked_fill(dummy, 0))
+        self.part.copy_(((seen % KV_BLOCK) != 0) | dummy)
+        self.part_idx[:, :, :, 0].copy_(torch.where(dummy, self.limit, whole.clamp(max=self.limit)))

@@ -125,7 +125,7 @@ class RowStep(DecodeStep):
         self.cache = row_cache(runner.slot_views(0, n, c), self.pos)
         self.cols = torch.arange(c, device=runner.device).view(1, 1, 1, c)
         self.mask: Any = None  # the mask follows from pos, inside the step
-        self.blocks = RowBlocks(self.pos, n, c) if runner.flex and fits(c) else None
+        self.blocks = RowBlocks(self.pos, n, c, runner.live) if runner.flex and fits(c) else None
         """FlexAttention's block mask (``decode_attention = "flex"``), else an SDPA mask."""
         self.graph: Any = None
         self.logits: Any = None
@@ -146,9 +146,11 @@ class RowStep(DecodeStep):
         return out.logits[:, -1, :]
 
     def probe(self, ids: Any, past: int) -> None:
-        """The graph check's inputs: every row feeds ``ids`` at column ``past``."""
+        """The graph check's inputs: every row feeds ``ids`` at column ``past`` (every row real)."""
         self.ids.copy_(ids)
         self.pos.fill_(past)
+        assert isinstance(self.runner, RowRunner)
+        self.runner.live.fill_(self.n)
 
 
 @dataclass(frozen=True)
@@ -168,8 +170,13 @@ class RowRunner(StaticRunner):
         """:class:`~worker.engines.static_cache.StaticRunner`'s arguments; ``max_rows``: most rows
         running at once (0: as many as the arena has slots); ``flex``: decode steps attend
         with FlexAttention over each row's own columns (:mod:`worker.engines.arena_attention`)."""
+        import torch
+
         super().__init__(*args, **kwargs)
         self.flex = bool(flex)
+        self.live = torch.zeros(1, dtype=torch.long, device=self.device)
+        """The real rows of the step (the rest of its bucket are dummies): FlexAttention's
+        block mask gives a dummy its slot's last block only."""
         if self.flex:
             use(self.model, self.pos, len(self.batch_buckets) * len(self.cache_buckets))
         a = self.arena

@@ -308,6 +308,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
             pos = torch.tensor([r.fed for r in rows] + [geo.c - 1] * (n - k), dtype=torch.long)
             step.ids.copy_(ids.view(n, 1), non_blocking=True)
             step.pos.copy_(pos.view(n, 1), non_blocking=True)
+            self.static.live.fill_(k)
             matchers = {i: r.matcher for i, r in enumerate(rows) if r.matcher is not None}
             self._grammar = BatchGrammar.of(matchers, self.device) if matchers else None
             steps = min(DRAWS_AHEAD, max(r.cap - len(r.state.out) for r in rows))

@@ -87,13 +87,13 @@ def serve_all(engine: Any, reqs: dict[str, tuple[list[int], int]], slice_len: in
 
     for rid in reqs:
         put(rid)
-    steps0, rows0, counts0 = engine.steps, engine.step_rows, dict(engine.rows.counts)
+    steps0, rows0, counts0 = engine.rows.tally.steps, engine.rows.tally.rows, dict(engine.rows.counts)
     c0, w0 = time.process_time(), time.perf_counter()
     drive(engine, take, on_event)
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
-    steps = engine.steps - steps0
+    steps = engine.rows.tally.steps - steps0
     counts = {k: v - counts0.get(k, 0) for k, v in engine.rows.counts.items()}
-    return {"steps": steps, "rows_per_step": round((engine.step_rows - rows0) / max(1, steps), 2),
+    return {"steps": steps, "rows_per_step": round((engine.rows.tally.rows - rows0) / max(1, steps), 2),
             "prefill_turns": counts.pop("prefills"), "rows": counts, "cpu_s": round(cpu, 3),
             "wall_s": round(wall, 3), "tokens": sum(map(len, got.values())), "outputs": got}
 

@@ -155,7 +155,7 @@ def test_the_engine_with_flex_decode_gives_hf_tokens_with_rows_joining_and_leavi
     for i, (c, n) in enumerate(zip(ctxs, lens, strict=True)):
         assert tokens_of(seen, f"r{i}") == one_pass(hf, [c], n)[0]
     layers = int(eng.config.num_hidden_layers)
-    assert calls["flex"] >= layers * eng.steps > 0  # every layer of every step
+    assert calls["flex"] >= layers * eng.rows.tally.steps > 0  # every layer of every step
     eng.close()
 
 

@@ -342,7 +342,8 @@ def test_the_account_counts_the_steps_kv_reads_the_rows_own_and_relayouts(caplog
     (out,), _ = serve(eng, [req("a", a, 5)], 5)
     assert len(out.token_ids) == 5
     # Context 12, 5 tokens: rows of 12 + 5 columns take the 32-column bucket, 2 rows (1 a dummy).
-    assert (eng.steps, eng.cols_read, eng.cols_own) == (5, 5 * 2 * 32, 12 + 13 + 14 + 15 + 16)
+    t = eng.rows.tally
+    assert (t.steps, t.cols_read, t.cols_own) == (5, 5 * 2 * 32, 12 + 13 + 14 + 15 + 16)
     assert eng.rows.counts["relayouts"] == 0
     eng.submit(BatchMsg(batch_id=next(_bids), slice_len=8, requests=[req("a2", a, 8)], kv_reuse=False))
     seen = run_until(eng, lambda s: len(tokens_of(s, "a2")) >= 2)
@@ -352,5 +353,5 @@ def test_the_account_counts_the_steps_kv_reads_the_rows_own_and_relayouts(caplog
     assert tokens_of(seen, "b") and eng.rows.counts["relayouts"] == 1
     with caplog.at_level("INFO", logger="worker.engines.hf_static_cb"):
         eng.close()
-    read, own = eng.cols_read / eng.steps, 100 * eng.cols_own / eng.cols_read
+    read, own = t.cols_read / t.steps, 100 * t.cols_own / t.cols_read
     assert f"{read:.0f} KV columns read per step, {own:.0f} % of them the rows' own; 1 relayouts" in caplog.text

@@ -29,6 +29,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from sclsd.protocol import RequestOutput
@@ -40,10 +41,31 @@ from worker.engines.kvstore import KVStore, Retained
 
 log = logging.getLogger("worker")
 
-__all__ = ["ArenaRows"]
+__all__ = ["ArenaRows", "StepTally"]
 
 #: ``done(row, output)``: a row left the engine with its output.
 Done = Callable[[Row, RequestOutput], None]
+
+
+@dataclass
+class StepTally:
+    """What the decode steps ran since the engine started (benchmarks, the log at close)."""
+
+    steps: int = 0
+    rows: int = 0
+    """Running rows, over every step."""
+    cols_read: int = 0
+    """KV columns the steps' attention read: each step's bucket rows × its columns per slot."""
+    cols_own: int = 0
+    """Those the running rows held (each row's own, to its current token): the share of the
+    steps' KV reads that was not padding."""
+
+    def add(self, rows: int, n: int, c: int, own: int) -> None:
+        """One step of ``rows`` running rows in ``n`` slots of ``c`` columns, holding ``own``."""
+        self.steps += 1
+        self.rows += rows
+        self.cols_read += n * c
+        self.cols_own += own
 
 
 class ArenaRows(Joining):
@@ -77,6 +99,7 @@ class ArenaRows(Joining):
         that prefilled newcomers, changes of the columns per slot (each moves every row held)."""
         self.prefill_s = 0.0
         """Seconds the prefill turns took (on CUDA up to the device's end of each)."""
+        self.tally = StepTally()
         self._version = 0
         self._due = (-1, False)
 
@@ -104,11 +127,11 @@ class ArenaRows(Joining):
             return {}
         return {rid: len(p.tokens) for rid, p in list(self.paused.items()) if rid not in rids}
 
-    def account(self, steps: int, step_rows: int, cols_read: int, cols_own: int) -> str:
-        """What the rows went through since the engine started, for the log at close (and
-        ``sclsd-bench gpu-check``, which reads it there); ``cols_read`` and ``cols_own``: the
-        KV columns the decode steps read, and those the running rows held."""
-        c, per = self.counts, max(1, steps)
+    def account(self) -> str:
+        """What the rows and the steps went through since the engine started, for the log at
+        close (and ``sclsd-bench gpu-check``, which reads it there)."""
+        c, t = self.counts, self.tally
+        steps, step_rows, cols_read, cols_own, per = t.steps, t.rows, t.cols_read, t.cols_own, max(1, t.steps)
         return (f"rows resumed in place {c['resumed']}, copied in from the store {c['loaded']}, paused rows "
                 f"spilled {c['spilled']}, rows moved between slots {c['moved']}, rows that waited for room "
                 f"{self.waited_rows}; {steps} decode steps of {step_rows / per:.1f} rows on average, "

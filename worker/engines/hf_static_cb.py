@@ -51,7 +51,6 @@ from typing import Any
 
 from sclsd import models
 from sclsd.protocol import BatchMsg, EngineCaps, RequestOutput
-from worker.engines import arena_attention
 from worker.engines.arena_cb import Row
 from worker.engines.arena_rows import RowRunner
 from worker.engines.arena_set import ArenaRows
@@ -93,6 +92,46 @@ class _Flight:
     rows: list[Row]
 
 
+def _kv_store(reuse: bool, retain: int | None, host: int | None, kv_limit: int, arena_bytes: int,
+              device_type: str) -> KVStore | None:
+    """Kept KV's store: the KV memory (``kv_limit``) the arena leaves, or ``kv_retain_bytes``,
+    and host memory behind it (on CUDA, by default); None without ``kv_reuse``."""
+    if not reuse:
+        return None
+    budget = kv_limit - arena_bytes if retain is None else int(retain)
+    if host is None:
+        host = default_host_bytes(device_type, kv_limit)
+    log.info("KV kept between grants: up to %d bytes, %d more in host memory", budget, host)
+    return KVStore(budget, host, to_host)
+
+
+def _unsupported(model: str, config: Any, decode_attention: str) -> str | None:
+    """Why the arena cannot serve ``model`` (None: it can): its cache layers must all be full
+    attention, its attention take a 4-D mask, and SDPA's for FlexAttention to replace it."""
+    kind = attention_kind(config)
+    if not supports_reuse(config):
+        return f"{model}'s cache layers are not all full attention (the arena needs them)"
+    if kind not in STATIC_ATTENTION:
+        return f"{kind} attention takes no 4-D mask (the arena needs one)"
+    if decode_attention == "flex" and kind != "sdpa":
+        return f'decode_attention = "flex" replaces SDPA, and {model} runs {kind}'
+    return None
+
+
+def _attention_options(opts: StaticOptions, decode_attention: str, device_type: str) -> StaticOptions:
+    """``opts`` for ``decode_attention``: FlexAttention runs batches in bucket shapes unless told
+    otherwise (few kernels to compile, all at warm-up on CUDA); off CUDA, where each shape
+    compiles its own kernel, it needs them (ValueError)."""
+    if decode_attention != "flex":
+        return opts
+    if opts.buckets is None:
+        opts = replace(opts, buckets=True)
+    if device_type != "cuda" and not opts.buckets:
+        raise ValueError(f'{HFStaticCBEngine.name}: decode_attention = "flex" off CUDA compiles its kernel for '
+                         "each step shape (the CPU's has no dynamic shapes): leave static_buckets on to bound them")
+    return opts
+
+
 class HFStaticCBEngine(TransformersModel, Engine):
     """Continuous batching over the static arena (see the module docstring)."""
 
@@ -107,19 +146,12 @@ class HFStaticCBEngine(TransformersModel, Engine):
         self.load(model, device, dtype, mem_budget, threads)
         opts = StaticOptions.parse(self.device.type, True, True, cuda_graphs, static_share, graph_batch_sizes,
                                    graph_cache_tokens, prefill_chunk_tokens, static_buckets)
-        if decode_attention == "flex" and opts.buckets is None:
-            opts = replace(opts, buckets=True)  # bucket shapes: few kernels to compile, all at warm-up
-        if decode_attention == "flex" and self.device.type != "cuda" and not opts.buckets:
+        try:
+            opts = _attention_options(opts, decode_attention, self.device.type)
+            why = _unsupported(self.spec.name, self.config, decode_attention)
+        except ValueError:
             self.unload()
-            raise ValueError(f'{self.name}: decode_attention = "flex" off CUDA compiles its kernel for each step '
-                             "shape (the CPU's has no dynamic shapes): leave static_buckets on to bound them")
-        why = None
-        if not supports_reuse(self.config):
-            why = f"{self.spec.name}'s cache layers are not all full attention (the arena needs them)"
-        elif attention_kind(self.config) not in STATIC_ATTENTION:
-            why = f"{attention_kind(self.config)} attention takes no 4-D mask (the arena needs one)"
-        if why is None and decode_attention == "flex" and attention_kind(self.config) != "sdpa":
-            why = f"decode_attention = \"flex\" replaces SDPA, and {self.spec.name} runs {attention_kind(self.config)}"
+            raise
         if why is not None:
             self.unload()
             raise ModelUnsupported(f"{self.name}: {why}: use engine hf-cb")
@@ -135,7 +167,8 @@ class HFStaticCBEngine(TransformersModel, Engine):
                                 flex=decode_attention == "flex")
         log.info("arena: %d token slots (%.2f GiB of %.2f GiB for KV), CUDA graphs %s", tokens,
                  self.static.arena.nbytes / 2**30, self.kv_limit / 2**30, "on" if self.static.graphs_on else "off")
-        self.kv = self._kv_store(kv_reuse, kv_retain_bytes, kv_host_bytes)
+        self.kv = _kv_store(kv_reuse, kv_retain_bytes, kv_host_bytes, self.kv_limit, self.static.arena.nbytes,
+                            self.device.type)
         self.read_behind = self.device.type == "cuda"
         """Queue step k+1 before reading step k's tokens (on CUDA, where kernels run async)."""
         self.vocab = int(self.config.vocab_size)
@@ -150,12 +183,6 @@ class HFStaticCBEngine(TransformersModel, Engine):
         self.kv_peak_tokens = 0
         """Most KV tokens held at once: the running rows' and the kept."""
         self._room_c = 0  # the columns per slot rows_now last counted rows at
-        self.steps = self.step_rows = 0
-        """Decode steps run, and the running rows they carried in all (benchmarks, the log at close)."""
-        self.cols_read = self.cols_own = 0
-        """Over every decode step: the KV columns its attention read (its bucket's rows × the
-        columns per slot), and those the running rows held (each row's own, to its current
-        token): the share of the step's KV reads that were not padding."""
 
     # ------------------------------------------------------------------ facts
 
@@ -249,10 +276,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
 
     def close(self) -> None:
         """Drop the arena, its graphs, the rows and the kept KV, then the model."""
-        log.info("%s: %s", self.name, self.rows.account(self.steps, self.step_rows, self.cols_read, self.cols_own))
-        if self.static is not None and self.static.flex and arena_attention.failed():
-            log.warning('%s: decode_attention = "flex" failed (%s); its decode steps attended with SDPA',
-                        self.name, arena_attention.failed())
+        log.info("%s: %s", self.name, self.rows.account())
         self.rows.reset()
         self.rows.runner = None  # type: ignore[assignment]
         self.static = None  # type: ignore[assignment]
@@ -298,10 +322,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
         k, n = len(rows), geo.plan.n
         live = [r for r in rows if not r.ended]
         own = sum(r.fed + 1 for r in live)
-        self.steps += 1
-        self.step_rows += len(live)
-        self.cols_read += n * geo.c
-        self.cols_own += own
+        self.rows.tally.add(len(live), n, geo.c, own)
         if self.rows.dirty:
             pad = [self.pad_id] * (n - k)
             ids = torch.tensor([r.next_input() for r in rows] + pad, dtype=torch.long)
@@ -397,17 +418,6 @@ class HFStaticCBEngine(TransformersModel, Engine):
             self._events.append(BatchFailed(g.batch, f"{type(exc).__name__}: {exc}", exc))
 
     # ------------------------------------------------------------------ memory
-
-    def _kv_store(self, reuse: bool, retain: int | None, host: int | None) -> KVStore | None:
-        """Kept KV's store: the KV memory the arena leaves (or ``kv_retain_bytes``), and host
-        memory behind it (on CUDA, by default)."""
-        if not reuse:
-            return None
-        budget = self.kv_limit - self.static.arena.nbytes if retain is None else int(retain)
-        if host is None:
-            host = default_host_bytes(self.device.type, self.kv_limit)
-        log.info("KV kept between grants: up to %d bytes, %d more in host memory", budget, host)
-        return KVStore(budget, host, to_host)
 
     def _track_peak(self, running: int) -> None:
         """``running``: the KV columns the running rows hold."""

@@ -68,7 +68,7 @@ def _sees(b: Any, h: Any, q: Any, kv: Any) -> Any:
 
 def _flex() -> Any:
     """FlexAttention, compiled once per process (the kernel is generated from the mask function
-    and the shapes: on CUDA with dynamic shapes, one compile for every bucket; on the CPU,
+    and the shapes: on CUDA with dynamic shapes, a few graphs for every bucket; on the CPU,
     where inductor's template does not take them, one per shape)."""
     global _compiled
     if _compiled is None:

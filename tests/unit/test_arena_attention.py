@@ -34,8 +34,8 @@ def test_the_block_mask_follows_each_rows_position() -> None:
     (none when pos[i] ends a block), nothing after; rewritten in place as pos moves."""
     pos = torch.tensor([0, 127, 128, 300, 383, 383]).view(6, 1)
     live = torch.tensor([5])
-    A.use(_Model(), pos)
-    rb = A.RowBlocks(pos, 6, 384, live)
+    A.use(_Model())
+    rb = A.RowBlocks(pos, 6, 384, live, A.row_mask(pos.view(-1)))
     rb.update()
     # The sixth row is the bucket's dummy (its slot's last column): its last block only.
     assert rb.full.view(-1).tolist() == [0, 1, 1, 2, 3, 0] and rb.part.view(-1).tolist() == [1, 0, 1, 1, 0, 1]
@@ -48,7 +48,7 @@ def test_the_block_mask_follows_each_rows_position() -> None:
                                                       [1, 1, 1]]
     assert _Model.config._attn_implementation == A.NAME
     with pytest.raises(ValueError, match="whole blocks"):
-        A.RowBlocks(pos, 6, 320, live)
+        A.RowBlocks(pos, 6, 320, live, A.row_mask(pos.view(-1)))
 
 
 def test_flex_attention_gives_sdpas_output_over_each_rows_own_columns() -> None:
@@ -60,8 +60,8 @@ def test_flex_attention_gives_sdpas_output_over_each_rows_own_columns() -> None:
     g = torch.Generator().manual_seed(3)
     n, heads, kv_heads, c, d = 3, 4, 2, 256, 16
     pos = torch.tensor([5, 130, 255]).view(n, 1)
-    A.use(_Model(), pos)
-    rb = A.RowBlocks(pos, n, c, torch.tensor([n]))
+    A.use(_Model())
+    rb = A.RowBlocks(pos, n, c, torch.tensor([n]), A.row_mask(pos.view(-1)))
     rb.update()
     q = torch.randn(n, heads, 1, d, generator=g)
     k, v = torch.randn(n, kv_heads, c, d, generator=g), torch.randn(n, kv_heads, c, d, generator=g)
@@ -86,7 +86,7 @@ def test_the_recompile_limit_holds_in_the_thread_that_attends() -> None:
 
     import torch._dynamo
 
-    A.use(_Model(), torch.zeros(4, 1, dtype=torch.long), shapes=50)
+    A.use(_Model(), shapes=50)
     seen: list[int] = []
 
     def attend() -> None:
@@ -108,14 +108,14 @@ def test_a_failing_flex_falls_back_to_sdpa_once_and_says_why(monkeypatch, caplog
 
     tried = {"n": 0}
 
-    def broken() -> Any:
+    def broken(cuda: bool) -> Any:
         tried["n"] += 1
         raise RuntimeError("no kernel for this card\nmore detail")
 
     pos = torch.tensor([3, 200]).view(2, 1)
-    A.use(_Model(), pos)
+    A.use(_Model())
     monkeypatch.setattr(A, "_flex", broken)
-    rb = A.RowBlocks(pos, 2, 256, torch.tensor([2]))
+    rb = A.RowBlocks(pos, 2, 256, torch.tensor([2]), A.row_mask(pos.view(-1)))
     rb.update()
     q, k, v = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 256, 8), torch.randn(2, 2, 256, 8)
     seen = torch.arange(256).view(1, 1, 1, 256) <= pos.view(2, 1, 1, 1)
@@ -125,7 +125,7 @@ def test_a_failing_flex_falls_back_to_sdpa_once_and_says_why(monkeypatch, caplog
             assert torch.allclose(out, sdpa(q, k, v, attn_mask=seen, scale=0.5).transpose(1, 2), atol=1e-6)
     assert tried["n"] == 1 and A.failed() == "RuntimeError: no kernel for this card"
     assert caplog.text.count('decode_attention = "flex" failed (RuntimeError: no kernel for this card)') == 1
-    A.use(_Model(), torch.zeros(4, 1, dtype=torch.long))
+    A.use(_Model())
     assert A.failed() is None
 
 
@@ -136,9 +136,9 @@ def test_the_engine_with_flex_decode_gives_hf_tokens_with_rows_joining_and_leavi
     calls = {"flex": 0}
     real = A._flex
 
-    def counted() -> Any:
+    def counted(cuda: bool) -> Any:
         calls["flex"] += 1
-        return real()
+        return real(cuda)
 
     monkeypatch.setattr(A, "_flex", counted)
     # Buckets of 4 rows: three rows run beside a dummy, which FlexAttention gives one block.

@@ -14,7 +14,7 @@ account at close says how many columns a step read and what share were the rows'
 that a block mask leaves out. :class:`RowBlocks` is one step's block mask: row ``i`` sees
 columns ``<= pos[i]`` (the arena's layout: a row's KV is left-aligned, its current token at
 column ``pos[i]``), so its blocks before ``(pos[i] + 1) // KV_BLOCK`` are full, the next one
-partly seen (masked by :func:`_sees`) and the rest skipped. The mask's tensors are static
+partly seen (masked by :func:`row_mask`'s function) and the rest skipped. The mask's tensors are static
 buffers that :meth:`RowBlocks.update` rewrites from ``pos`` on the device, inside the step,
 so a captured step stays valid while the rows grow.
 
@@ -32,7 +32,7 @@ from typing import Any
 
 log = logging.getLogger("worker")
 
-__all__ = ["KV_BLOCK", "NAME", "RowBlocks", "attention", "failed", "fits", "use"]
+__all__ = ["KV_BLOCK", "NAME", "RowBlocks", "attention", "failed", "fits", "row_mask", "use"]
 
 #: The implementation name the model's config takes (registered with transformers by :func:`use`).
 NAME = "sclsd_arena"
@@ -43,16 +43,14 @@ KV_BLOCK = 128
 #: limit, 8, is below the shapes the CPU compiles one by one; past it torch raises).
 RECOMPILE_MARGIN = 8
 
-_compiled: Any = None
+_compiled: dict[bool, Any] = {}
+"""FlexAttention compiled, by whether its shapes are dynamic (CUDA) or not."""
 _limit = 0
 """The recompile limit :func:`use` asked for (torch's settings are per thread: each thread that
 attends sets it, :func:`_limits`)."""
 _threads = threading.local()
 _failed: str | None = None
-"""Why FlexAttention failed in this process, if it did: decode attends with SDPA since."""
-_pos_all: Any = None
-"""The runner's whole ``pos`` buffer: the one tensor :func:`_sees` reads (every step's rows are
-its first ``n``), so that one mask function serves every step and its compiled kernel."""
+"""Why FlexAttention failed since the last :func:`use`, if it did: decode attends with SDPA since."""
 
 
 def fits(c: int) -> bool:
@@ -60,24 +58,29 @@ def fits(c: int) -> bool:
     return c > 0 and c % KV_BLOCK == 0
 
 
-def _sees(b: Any, h: Any, q: Any, kv: Any) -> Any:
-    """The mask function: row ``b`` sees the columns up to its current token's."""
-    del h, q
-    return kv <= _pos_all[b]
+def row_mask(pos_all: Any) -> Any:
+    """The mask function of a runner's steps: row ``b`` sees the columns up to its current
+    token's, ``pos_all[b]``. ``pos_all`` is the runner's whole position buffer, flat (every
+    step's rows are its first ``n``), so one function serves all its steps: the compiled
+    kernel takes the tensor it reads as an input, not as part of its code."""
+
+    def sees(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        del h, q
+        return kv <= pos_all[b]
+
+    return sees
 
 
-def _flex() -> Any:
+def _flex(cuda: bool) -> Any:
     """FlexAttention, compiled once per process (the kernel is generated from the mask function
     and the shapes: on CUDA with dynamic shapes, a few graphs for every bucket; on the CPU,
     where inductor's template does not take them, one per shape)."""
-    global _compiled
-    if _compiled is None:
+    if cuda not in _compiled:
         import torch
         from torch.nn.attention.flex_attention import flex_attention
 
-        dynamic = _pos_all is not None and _pos_all.device.type == "cuda"
-        _compiled = torch.compile(flex_attention, dynamic=dynamic, fullgraph=True)
-    return _compiled
+        _compiled[cuda] = torch.compile(flex_attention, dynamic=cuda, fullgraph=True)
+    return _compiled[cuda]
 
 
 def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
@@ -94,16 +97,17 @@ def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any
     if isinstance(attention_mask, BlockMask) and _failed is None:
         _limits()
         try:
-            out = _flex()(query, key, value, block_mask=attention_mask, scale=scaling,
-                          enable_gqa=query.shape[1] != key.shape[1])
+            out = _flex(query.device.type == "cuda")(query, key, value, block_mask=attention_mask, scale=scaling,
+                                                     enable_gqa=query.shape[1] != key.shape[1])
             return out.transpose(1, 2).contiguous(), None
         except Exception as exc:  # noqa: BLE001 - the rows are served all the same; say why, once
             _failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
             log.error('decode_attention = "flex" failed (%s); decode attends with SDPA from now on', _failed)
     if isinstance(attention_mask, BlockMask):  # the boolean mask the block mask stands for
-        n, c = key.shape[0], key.shape[2]
-        cols = torch.arange(c, device=key.device).view(1, 1, 1, c)
-        attention_mask = cols <= _pos_all[:n].view(n, 1, 1, 1)
+        n, c, dev = key.shape[0], key.shape[2], key.device
+        zero = torch.zeros((), dtype=torch.long, device=dev)  # the head and the query: it reads neither
+        attention_mask = attention_mask.mask_mod(torch.arange(n, device=dev).view(n, 1, 1, 1), zero, zero,
+                                                 torch.arange(c, device=dev).view(1, 1, 1, c))
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, **kwargs)
 
@@ -126,11 +130,11 @@ def failed() -> str | None:
     return _failed
 
 
-def use(model: Any, pos: Any, shapes: int = 0) -> None:
-    """Make ``model`` attend through :func:`attention`; ``pos``: the runner's ``[rows, 1]``
-    position buffer, which every step's rows index from 0; ``shapes``: the step shapes it may
-    compile for (its buckets), which torch's recompile limit is raised to take."""
-    global _pos_all, _compiled, _failed, _limit
+def use(model: Any, shapes: int = 0) -> None:
+    """Make ``model`` attend through :func:`attention` (and try FlexAttention again, had it
+    failed); ``shapes``: the step shapes it may compile for (its buckets), which torch's
+    recompile limit is raised to take."""
+    global _failed, _limit
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
@@ -138,18 +142,18 @@ def use(model: Any, pos: Any, shapes: int = 0) -> None:
 
     AttentionInterface.register(NAME, attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # masks it is not given are SDPA's
-    if _pos_all is not pos:
-        _pos_all, _compiled, _failed = pos.view(-1), None, None
+    _failed = None
     model.config._attn_implementation = NAME
 
 
 class RowBlocks:
     """The block mask of a decode step over slots ``[0, n)`` of ``c`` columns (module
-    docstring); :attr:`mask` is what the step passes as its attention mask. ``live``: a
+    docstring); :attr:`mask` is what the step passes as its attention mask. ``pos``: the step's
+    rows' positions (``[n, 1]``); ``sees``: the runner's :func:`row_mask`; ``live``: a
     one-element device tensor, the step's real rows (running or ended in it); the bucket's rows
     after them are dummies, whose outputs are never read: each sees its slot's last block only."""
 
-    def __init__(self, pos: Any, n: int, c: int, live: Any) -> None:
+    def __init__(self, pos: Any, n: int, c: int, live: Any, sees: Any) -> None:
         import torch
         from torch.nn.attention.flex_attention import BlockMask
 
@@ -167,7 +171,7 @@ class RowBlocks:
         self.part = torch.zeros((n, 1, 1), dtype=i32, device=dev)
         self.part_idx = torch.zeros((n, 1, 1, blocks), dtype=i32, device=dev)
         self.mask = BlockMask.from_kv_blocks(self.part, self.part_idx, self.full, self.full_idx,
-                                             BLOCK_SIZE=(KV_BLOCK, KV_BLOCK), mask_mod=_sees,
+                                             BLOCK_SIZE=(KV_BLOCK, KV_BLOCK), mask_mod=sees,
                                              seq_lengths=(1, c), compute_q_blocks=False)
 
     def update(self) -> None:

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from worker.engines.arena_attention import RowBlocks, fits, use
+from worker.engines.arena_attention import RowBlocks, fits, row_mask, use
 from worker.engines.arena_slots import Op
 from worker.engines.static_cache import DecodeStep, StaticRunner, StepPlan
 
@@ -125,7 +125,7 @@ class RowStep(DecodeStep):
         self.cache = row_cache(runner.slot_views(0, n, c), self.pos)
         self.cols = torch.arange(c, device=runner.device).view(1, 1, 1, c)
         self.mask: Any = None  # the mask follows from pos, inside the step
-        self.blocks = RowBlocks(self.pos, n, c, runner.live) if runner.flex and fits(c) else None
+        self.blocks = RowBlocks(self.pos, n, c, runner.live, runner.sees) if runner.flex and fits(c) else None
         """FlexAttention's block mask (``decode_attention = "flex"``), else an SDPA mask."""
         self.graph: Any = None
         self.logits: Any = None
@@ -177,8 +177,10 @@ class RowRunner(StaticRunner):
         self.live = torch.zeros(1, dtype=torch.long, device=self.device)
         """The real rows of the step (the rest of its bucket are dummies): FlexAttention's
         block mask gives a dummy its slot's last block only."""
+        self.sees = row_mask(self.pos.view(-1)) if self.flex else None
+        """FlexAttention's mask function over this runner's positions (``flex``)."""
         if self.flex:
-            use(self.model, self.pos, len(self.batch_buckets) * len(self.cache_buckets))
+            use(self.model, len(self.batch_buckets) * len(self.cache_buckets))
         a = self.arena
         self.slot = a.heads * a.head_dim
         """Elements of one token's keys (or values) in one layer."""

@@ -400,6 +400,9 @@ def _live(rows: Rows) -> list[str]:
             if arena and "cols_per_step" in arena:
                 rows_of += (f"; {arena['cols_per_step']} KV columns read per step, {arena['own_pct']} % the rows' "
                             f"own; {arena['relayouts']} relayouts, {arena['prefill_s']:.1f} s of prefill")
+            if arena and "turns_s" in arena:
+                rows_of += (f", {arena['turns_s']:.1f} s in turns: {arena['ms_per_step']:.1f} ms a step besides "
+                            "prefill")
             if r.get("flex_failed"):
                 rows_of += f"; FlexAttention FAILED, decode fell back to SDPA: {_short(r['flex_failed'])}"
             out.append(f"- {r['stage']}: worker ready in {r.get('worker_ready_in_s')} s (its own clock); restarts "

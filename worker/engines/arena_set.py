@@ -59,6 +59,9 @@ class StepTally:
     cols_own: int = 0
     """Those the running rows held (each row's own, to its current token): the share of the
     steps' KV reads that was not padding."""
+    turns_s: float = 0.0
+    """Seconds of the engine's turns that had work: the steps, their prefills and regroups, and
+    on CUDA the waits for the device (each turn reads a step's tokens)."""
 
     def add(self, rows: int, n: int, c: int, own: int) -> None:
         """One step of ``rows`` running rows in ``n`` slots of ``c`` columns, holding ``own``."""
@@ -137,7 +140,8 @@ class ArenaRows(Joining):
                 f"{self.waited_rows}; {steps} decode steps of {step_rows / per:.1f} rows on average, "
                 f"{c['prefills']} prefill turns; {cols_read / per:.0f} KV columns read per step, "
                 f"{100 * cols_own / max(1, cols_read):.0f} % of them the rows' own; {c['relayouts']} relayouts, "
-                f"{self.prefill_s:.1f} s of prefill")
+                f"{self.prefill_s:.1f} s of prefill, {t.turns_s:.1f} s in turns: "
+                f"{1000 * max(0.0, t.turns_s - self.prefill_s) / per:.1f} ms a step besides prefill")
 
     def take_evicted(self) -> list[str]:
         out, self.evicted = self.evicted, []

@@ -242,12 +242,14 @@ class HFStaticCBEngine(TransformersModel, Engine):
         if self.rows.busy() or self._flight is not None:
             import torch
 
+            t0 = time.perf_counter()
             try:
                 with torch.inference_mode():
                     self._turn()
             except Exception as exc:  # noqa: BLE001 - the worker outlives a failing turn
                 log.error("%s: a turn failed; failing the grants in flight", self.name, exc_info=exc)
                 self._fail_all(exc)
+            self.rows.tally.turns_s += time.perf_counter() - t0
         events, self._events = self._events, []
         return events
 

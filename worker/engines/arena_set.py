@@ -59,6 +59,8 @@ class StepTally:
     cols_own: int = 0
     """Those the running rows held (each row's own, to its current token): the share of the
     steps' KV reads that was not padding."""
+    prefill_s: float = 0.0
+    """Seconds the prefill turns took (on CUDA up to the device's end of each)."""
     turns_s: float = 0.0
     """Seconds of the engine's turns that had work: the steps, their prefills and regroups, and
     on CUDA the waits for the device (each turn reads a step's tokens)."""
@@ -100,8 +102,6 @@ class ArenaRows(Joining):
         """Since the engine started: rows resumed in place, rows whose KV was copied in from
         the store, paused rows spilled to it, rows copied from one slot to another, turns
         that prefilled newcomers, changes of the columns per slot (each moves every row held)."""
-        self.prefill_s = 0.0
-        """Seconds the prefill turns took (on CUDA up to the device's end of each)."""
         self.tally = StepTally()
         self._version = 0
         self._due = (-1, False)
@@ -133,15 +133,14 @@ class ArenaRows(Joining):
     def account(self) -> str:
         """What the rows and the steps went through since the engine started, for the log at
         close (and ``sclsd-bench gpu-check``, which reads it there)."""
-        c, t = self.counts, self.tally
-        steps, step_rows, cols_read, cols_own, per = t.steps, t.rows, t.cols_read, t.cols_own, max(1, t.steps)
+        c, t, per = self.counts, self.tally, max(1, self.tally.steps)
         return (f"rows resumed in place {c['resumed']}, copied in from the store {c['loaded']}, paused rows "
                 f"spilled {c['spilled']}, rows moved between slots {c['moved']}, rows that waited for room "
-                f"{self.waited_rows}; {steps} decode steps of {step_rows / per:.1f} rows on average, "
-                f"{c['prefills']} prefill turns; {cols_read / per:.0f} KV columns read per step, "
-                f"{100 * cols_own / max(1, cols_read):.0f} % of them the rows' own; {c['relayouts']} relayouts, "
-                f"{self.prefill_s:.1f} s of prefill, {t.turns_s:.1f} s in turns: "
-                f"{1000 * max(0.0, t.turns_s - self.prefill_s) / per:.1f} ms a step besides prefill")
+                f"{self.waited_rows}; {t.steps} decode steps of {t.rows / per:.1f} rows on average, "
+                f"{c['prefills']} prefill turns; {t.cols_read / per:.0f} KV columns read per step, "
+                f"{100 * t.cols_own / max(1, t.cols_read):.0f} % of them the rows' own; {c['relayouts']} relayouts, "
+                f"{t.prefill_s:.1f} s of prefill, {t.turns_s:.1f} s in turns: "
+                f"{1000 * max(0.0, t.turns_s - t.prefill_s) / per:.1f} ms a step besides prefill")
 
     def take_evicted(self) -> list[str]:
         out, self.evicted = self.evicted, []
@@ -318,7 +317,7 @@ class ArenaRows(Joining):
 
             torch.cuda.synchronize(self.device)  # the prefill's time is its grants'
         spent = time.perf_counter() - t0
-        self.prefill_s += spent
+        self.tally.prefill_s += spent
         total = sum(len(p) for p, _ in parts) or 1
         for j, (p, _) in zip(loud, parts, strict=True):
             j.row.grant.prefill_s += spent * len(p) / total

@@ -358,3 +358,36 @@ def test_the_account_counts_the_steps_kv_reads_the_rows_own_and_relayouts(caplog
     # The turns that had work took time, and more of it than their prefills.
     ms = 1000 * (t.turns_s - t.prefill_s) / t.steps
     assert t.turns_s > t.prefill_s > 0 and f"s in turns: {ms:.1f} ms a step besides prefill" in caplog.text
+
+
+def test_rows_the_arena_holds_between_two_buckets_step_in_a_bucket(hf) -> None:
+    """320 token slots: at 64 columns the arena holds 5 rows, not the next bucket's 8, so 3 rows
+    of 64 columns step in a bucket of 5 (2 dummies) rather than in a shape of their own (eager
+    on CUDA), with ``hf``'s tokens; a row wider than every cache bucket steps outside them, and
+    the account says how often that happened."""
+    eng = make(static_buckets=True, graph_batch_sizes="2,8", graph_cache_tokens="32,64", mem_budget=640 * DELTA)
+    eng.read_behind = False
+    assert eng.static.arena.tokens == 320 and (5, 64) in eng.static.buckets()
+    ctx = contexts(3, 40, 48, seed=11)
+    outs, _ = serve(eng, [req(f"r{i}", c, 8) for i, c in enumerate(ctx)], 8)
+    assert [o.token_ids for o in outs] == one_pass(hf, ctx, 8)
+    t = eng.rows.tally
+    assert (t.steps, t.loose, t.cols_read) == (8, 0, 8 * 5 * 64)
+    wide = contexts(1, 70, 71, seed=12)
+    (out,), _ = serve(eng, [req("w", wide[0], 4)], 4)
+    assert out.token_ids == one_pass(hf, wide, 4)[0] and (t.steps, t.loose) == (12, 4)
+    assert "4 steps outside the buckets" in eng.rows.account()
+
+
+def test_rows_in_a_bucket_take_no_row_that_would_make_them_step_outside_one(hf) -> None:
+    """320 token slots hold 5 rows of 64 columns in a bucket; a 6th row of the same grant would
+    fit only in the rows' own shape (6 × 48 columns, eager on CUDA), so it waits for room in a
+    bucket and runs once the others end, every row with ``hf``'s tokens."""
+    eng = make(static_buckets=True, graph_batch_sizes="2,8", graph_cache_tokens="32,64", mem_budget=640 * DELTA)
+    eng.read_behind = False
+    ctx = contexts(6, 38, 41, seed=13)
+    outs, _ = serve(eng, [req(f"r{i}", c, 8) for i, c in enumerate(ctx)], 8)
+    assert [o.token_ids for o in outs] == one_pass(hf, ctx, 8)
+    t = eng.rows.tally
+    assert t.loose == 0 and eng.rows.waited_rows == 1
+    assert (t.steps, t.cols_read) == (16, 8 * 5 * 64 + 8 * 2 * 64)

@@ -112,6 +112,40 @@ def test_common_7b_shapes_on_an_h100_find_a_bucket():
     assert opts.reserve_rows >= 512
 
 
+def test_every_cache_bucket_has_a_bucket_of_as_many_rows_as_the_arena_holds_there():
+    """Where the next batch bucket does not fit the arena at a cache bucket, the most rows that
+    do are a bucket too: on the H100's arena 48 rows of 1,536 columns do not fit, so 33 to 42
+    such rows (which the engine admits, ``tokens // c``) would step in no bucket, eagerly. A
+    list of sizes that ends below what the arena holds gets no such bucket."""
+    from transformers import LlamaConfig
+
+    tiny = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       vocab_size=100)
+    opts = StaticOptions.parse("cpu", True, True, False, 0.5, None, None, None, True)
+    runner = opts.runner(None, tiny, torch.device("cpu"), torch.float32, 2 * H100_ARENA_TOKENS * DELTA_7B,
+                         DELTA_7B, 0, max_context=4096)
+    runner.warm_up()
+    shapes = runner.buckets()
+    assert shapes == runner.bucket_shapes()
+    for c in runner.cache_buckets:
+        most = H100_ARENA_TOKENS // c
+        assert max(n for n, bc in shapes if bc == c) == min(most, max(DEFAULT_BATCH_SIZES)), c
+        listed = [n for n, bc in shapes if bc == c and n in DEFAULT_BATCH_SIZES]
+        assert listed == [n for n in DEFAULT_BATCH_SIZES if n * c <= H100_ARENA_TOKENS], c
+    assert (42, 1536) in shapes and (63, 1024) in shapes and (48, 1536) not in shapes
+    for rows in (33, 40, 42):
+        plan = runner.plan(rows, 1024 + 128)
+        assert plan is not None and (plan.n, plan.c) == (42, 1536)
+    short = StaticOptions.parse("cpu", True, True, False, 0.5, "2,8", "32,64", None, True)
+    small = short.runner(None, tiny, torch.device("cpu"), torch.float32, 2 * 1000 * DELTA_7B, DELTA_7B, 0, max_context=4096)
+    small.warm_up()
+    assert small.buckets() == [(2, 32), (2, 64), (8, 32), (8, 64)]
+    listed = StaticOptions.parse("cpu", True, True, False, 0.5, "2,8,32", "32,64", None, True)
+    fill = listed.runner(None, tiny, torch.device("cpu"), torch.float32, 2 * 1000 * DELTA_7B, DELTA_7B, 0, max_context=4096)
+    fill.warm_up()
+    assert fill.buckets() == [(2, 32), (2, 64), (8, 32), (8, 64), (15, 64), (31, 32)]
+
+
 class Replay:
     """A captured step stood in for on the CPU: the step's own body, its logits then changed by
     ``change`` (as a graph's replay returns them)."""

@@ -60,6 +60,7 @@ class Joining:
     runner: RowRunner
     kv: KVStore | None
     waiting: deque[Row]
+    geometry: Geometry | None
     paused: dict[str, Paused]
     """Rows paused in place, oldest first."""
     waited_rows: int
@@ -83,12 +84,13 @@ class Joining:
 
     def head_fits(self, live: list[Row]) -> bool:
         """Whether the first waiting row (in join order) fits beside ``live``, with every
-        paused row but its own spilled if need be."""
+        paused row but its own spilled if need be (in a bucket, where ``live`` step in one)."""
         if not self.waiting:
             return False
         head = next((r for r in self.waiting if self.returning(r)), self.waiting[0])
         need = max([head.need, *(r.need for r in live)])
-        return self.runner.geometry(len(live) + 1, need, len(live) + 1) is not None
+        loose = not live or self.geometry is None or not self.geometry.bucket
+        return self.runner.geometry(len(live) + 1, need, len(live) + 1, loose) is not None
 
     def choose(self, live: list[Row]) -> Choice:
         """Who of the waiting rows joins ``live`` now, and with what (module docstring)."""
@@ -112,7 +114,11 @@ class Joining:
                 break
             own = self.paused.get(row.rid) if used else None
             held = [p for p in out.held if p is not own]
-            if self.runner.geometry(k + 1, max(need, row.need), k + 1) is None:
+            # Rows that step in a bucket (a captured graph, on CUDA) take no row that would make
+            # them step outside one (eagerly): it waits for room in a bucket instead.
+            now = self._geometry(k, need, held) if k else None
+            loose = now is None or not now.bucket
+            if self.runner.geometry(k + 1, max(need, row.need), k + 1, loose) is None:
                 if k == 0:  # not even alone
                     self.waiting.remove(row)
                     if own is not None:
@@ -125,7 +131,7 @@ class Joining:
             # The oldest paused rows spill until it fits, those no waiting row claims first
             # (a claimed one spilled now is copied back in when its row joins).
             victims = sorted(held, key=lambda p: p.rid in claimed)
-            while self._geometry(k + 1, max(need, row.need), held) is None:
+            while self._geometry(k + 1, max(need, row.need), held, loose) is None:
                 v = victims.pop(0)
                 held.remove(v)
                 self._spill([v])
@@ -142,9 +148,9 @@ class Joining:
         out.geometry = self._geometry(k, need, out.held) if k else None
         return out
 
-    def _geometry(self, rows: int, need: int, held: list[Paused]) -> Geometry | None:
+    def _geometry(self, rows: int, need: int, held: list[Paused], loose: bool = True) -> Geometry | None:
         reserve = max((p.reserve for p in held), default=0)
-        return self.runner.geometry(rows, max(need, reserve), rows + len(held))
+        return self.runner.geometry(rows, max(need, reserve), rows + len(held), loose)
 
     def _join(self, row: Row, own: Paused | None) -> Join:
         """``row`` joining: its paused KV resumed, or the store's checked out."""

@@ -159,6 +159,8 @@ class Geometry:
 
     c: int
     plan: StepPlan
+    bucket: bool = False
+    """The step is a bucket's (prepared at warm-up: a captured graph on CUDA)."""
 
 
 class RowRunner(StaticRunner):
@@ -180,7 +182,7 @@ class RowRunner(StaticRunner):
         self.sees = row_mask(self.pos.view(-1)) if self.flex else None
         """FlexAttention's mask function over this runner's positions (``flex``)."""
         if self.flex:
-            use(self.model, len(self.batch_buckets) * len(self.cache_buckets))
+            use(self.model, len(self.bucket_shapes()))
         a = self.arena
         self.slot = a.heads * a.head_dim
         """Elements of one token's keys (or values) in one layer."""
@@ -202,21 +204,22 @@ class RowRunner(StaticRunner):
                 return c
         return -(-need // 64) * 64
 
-    def geometry(self, rows: int, need: int, slots: int = 0) -> Geometry | None:
+    def geometry(self, rows: int, need: int, slots: int = 0, loose: bool = True) -> Geometry | None:
         """Where ``rows`` rows needing at most ``need`` columns each run, the arena holding
         ``slots`` rows in all (paused rows beside them): columns :meth:`layout_columns` (or
         ``need`` itself when that does not fit), the smallest prepared bucket of rows at those
-        columns, else the rows' own shape; None when the arena cannot hold them."""
+        columns, else (``loose``) the rows' own shape; None when the arena cannot hold them."""
         if rows > self.max_rows:
             return None
+        bucketing = self.bucketing and self.use_graphs
         for c in dict.fromkeys((self.layout_columns(need), need)):
             if not self.arena.fits(max(rows, slots), c):
                 continue
-            if self.bucketing and self.use_graphs:
+            if bucketing:
                 for n, bc in self.buckets():
                     if bc == c and n >= rows:
-                        return Geometry(c, StepPlan(rows, n, c, self.steps[(n, c)].graph is not None))
-            if self.arena.fits(rows, c):
+                        return Geometry(c, StepPlan(rows, n, c, self.steps[(n, c)].graph is not None), True)
+            if (loose or not bucketing) and self.arena.fits(rows, c):
                 return Geometry(c, StepPlan(rows, rows, c, False))
         return None
 

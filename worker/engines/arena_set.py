@@ -64,10 +64,15 @@ class StepTally:
     turns_s: float = 0.0
     """Seconds of the engine's turns that had work: the steps, their prefills and regroups, and
     on CUDA the waits for the device (each turn reads a step's tokens)."""
+    loose: int = 0
+    """Steps in a shape that is no bucket while batches run in bucket shapes: on CUDA with graphs,
+    eager steps (several times a captured one's cost for a 7B model)."""
 
-    def add(self, rows: int, n: int, c: int, own: int) -> None:
-        """One step of ``rows`` running rows in ``n`` slots of ``c`` columns, holding ``own``."""
+    def add(self, rows: int, n: int, c: int, own: int, loose: bool = False) -> None:
+        """One step of ``rows`` running rows in ``n`` slots of ``c`` columns, holding ``own``;
+        ``loose``: its shape is no bucket (:attr:`loose`)."""
         self.steps += 1
+        self.loose += loose
         self.rows += rows
         self.cols_read += n * c
         self.cols_own += own
@@ -140,7 +145,8 @@ class ArenaRows(Joining):
                 f"{c['prefills']} prefill turns; {t.cols_read / per:.0f} KV columns read per step, "
                 f"{100 * t.cols_own / max(1, t.cols_read):.0f} % of them the rows' own; {c['relayouts']} relayouts, "
                 f"{t.prefill_s:.1f} s of prefill, {t.turns_s:.1f} s in turns: "
-                f"{1000 * max(0.0, t.turns_s - t.prefill_s) / per:.1f} ms a step besides prefill")
+                f"{1000 * max(0.0, t.turns_s - t.prefill_s) / per:.1f} ms a step besides prefill; "
+                f"{t.loose} steps outside the buckets")
 
     def take_evicted(self) -> list[str]:
         out, self.evicted = self.evicted, []

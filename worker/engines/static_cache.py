@@ -313,6 +313,8 @@ class StaticRunner:
         self.cache_buckets = tuple(c for c in cache_tokens if c <= max(limit, min(cache_tokens)))
         smallest = min(self.cache_buckets, default=1)
         self.batch_buckets = tuple(n for n in batch_sizes if self.arena.fits(n, smallest))
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        """The batch buckets asked for, those the arena cannot hold at any cache bucket too."""
         # Static inputs, shared by every step (each uses a prefix). As many rows as the arena
         # admits (a row takes at least one slot), not the largest bucket: a batch of more rows
         # runs eagerly in its own shape over these same buffers.
@@ -344,6 +346,21 @@ class StaticRunner:
     def buckets(self) -> list[tuple[int, int]]:
         """The ``(n, c)`` bucket steps prepared at warm-up (captured or not), ascending."""
         return sorted(k for k, s in self.steps.items() if s.bucket)
+
+    def bucket_shapes(self) -> list[tuple[int, int]]:
+        """The ``(n, c)`` shapes warm-up prepares, ascending: at each cache bucket ``c``, every
+        batch bucket the arena holds there and, where the next batch bucket asked for does not
+        fit, the most rows that do (``tokens // c``). Without that fill, rows between the two
+        (33 to 42 at 1,536 columns in an H100's arena for a 7B, where 48 rows do not fit) would
+        step in no bucket: eagerly, at several times a captured step's cost."""
+        out: list[tuple[int, int]] = []
+        for c in self.cache_buckets:
+            fit = [n for n in self.batch_buckets if self.arena.fits(n, c)]
+            out += [(n, c) for n in fit]
+            most = self.arena.tokens // c
+            if fit and any(n > most for n in self.batch_sizes) and most > fit[-1]:
+                out.append((most, c))
+        return sorted(out)
 
     def plan(self, rows: int, need: int) -> StepPlan | None:
         """Where a batch of ``rows`` needing ``need`` cache columns runs: the smallest bucket
@@ -392,8 +409,7 @@ class StaticRunner:
         import torch
 
         t0 = time.perf_counter()
-        todo = [(n, c) for n in self.batch_buckets for c in self.cache_buckets if self.arena.fits(n, c)]
-        todo.sort(key=lambda nc: (-nc[0], -nc[1]))
+        todo = sorted(self.bucket_shapes(), key=lambda nc: (-nc[0], -nc[1]))
         if not self.bucketing:
             todo = []
         capture = self.graphs_on and self.device.type == "cuda"

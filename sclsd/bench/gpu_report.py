@@ -403,6 +403,8 @@ def _live(rows: Rows) -> list[str]:
             if arena and "turns_s" in arena:
                 rows_of += (f", {arena['turns_s']:.1f} s in turns: {arena['ms_per_step']:.1f} ms a step besides "
                             "prefill")
+            if arena and "loose_steps" in arena:
+                rows_of += f"; {arena['loose_steps']} steps outside the buckets (eager with graphs)"
             if r.get("flex_failed"):
                 rows_of += f"; FlexAttention FAILED, decode fell back to SDPA: {_short(r['flex_failed'])}"
             out.append(f"- {r['stage']}: worker ready in {r.get('worker_ready_in_s')} s (its own clock); restarts "

@@ -258,5 +258,5 @@ def test_a_replay_shows_its_tpot_gaps_slices_and_the_arena_rows_account(tmp_path
     assert "| 0.042 |" in text and "| 0.31 / 0.90 | 2.96 |" in text
     assert "arena rows resumed in place 170, copied in 3, spilled 4, moved 212, waited 0; 2105 steps of 37.4 rows, " \
         "81 prefill turns; 41216 KV columns read per step, 47 % the rows' own; 12 relayouts, 3.4 s of prefill, " \
-        "41.2 s in turns: 17.9 ms a step besides prefill" in text
+        "41.2 s in turns: 17.9 ms a step besides prefill; 77 steps outside the buckets (eager with graphs)" in text
     assert "FlexAttention FAILED, decode fell back to SDPA: BackendCompilerFailed: no triton" in text

@@ -405,6 +405,8 @@ def _live(rows: Rows) -> list[str]:
                             "prefill")
             if arena and "loose_steps" in arena:
                 rows_of += f"; {arena['loose_steps']} steps outside the buckets (eager with graphs)"
+            if arena and "regroups" in arena:
+                rows_of += f", {arena['regroups']} regroups"
             if r.get("flex_failed"):
                 rows_of += f"; FlexAttention FAILED, decode fell back to SDPA: {_short(r['flex_failed'])}"
             out.append(f"- {r['stage']}: worker ready in {r.get('worker_ready_in_s')} s (its own clock); restarts "

@@ -240,7 +240,7 @@ def test_a_replay_shows_its_tpot_gaps_slices_and_the_arena_rows_account(tmp_path
                    "rows moved between slots 212, rows that waited for room 0; 2105 decode steps of 37.4 rows on "
                    "average, 81 prefill turns; 41216 KV columns read per step, 47 % of them the rows' own; "
                    "12 relayouts, 3.4 s of prefill, 41.2 s in turns: 17.9 ms a step besides prefill; 77 steps "
-                   "outside the buckets\n")
+                   "outside the buckets, 240 regroups\n")
     assert "flex_failed" not in log_facts(log)
     with log.open("a") as f:
         f.write('... ERROR worker: decode_attention = "flex" failed (BackendCompilerFailed: no triton); decode '
@@ -250,7 +250,7 @@ def test_a_replay_shows_its_tpot_gaps_slices_and_the_arena_rows_account(tmp_path
     assert facts["arena_rows"] == {"resumed": 170, "loaded": 3, "spilled": 4, "moved": 212, "waited": 0,
                                    "steps": 2105, "rows_per_step": 37.4, "prefills": 81, "cols_per_step": 41216,
                                    "own_pct": 47, "relayouts": 12, "prefill_s": 3.4, "turns_s": 41.2,
-                                   "ms_per_step": 17.9, "loose_steps": 77}
+                                   "ms_per_step": 17.9, "loose_steps": 77, "regroups": 240}
     assert facts["worker_ready_in_s"] == [33.1] and "arena_rows" not in log_facts(tmp_path / "sat.log.none")
     row = {**sat("scls-cb", "hf-static-cb", 800), "avg_tpot_s": 0.042, "p50_gap_s": 0.31, "max_gap_s": 0.9,
            "slices_per_req": 2.96}
@@ -258,5 +258,5 @@ def test_a_replay_shows_its_tpot_gaps_slices_and_the_arena_rows_account(tmp_path
     assert "| 0.042 |" in text and "| 0.31 / 0.90 | 2.96 |" in text
     assert "arena rows resumed in place 170, copied in 3, spilled 4, moved 212, waited 0; 2105 steps of 37.4 rows, " \
         "81 prefill turns; 41216 KV columns read per step, 47 % the rows' own; 12 relayouts, 3.4 s of prefill, " \
-        "41.2 s in turns: 17.9 ms a step besides prefill; 77 steps outside the buckets (eager with graphs)" in text
+        "41.2 s in turns: 17.9 ms a step besides prefill; 77 steps outside the buckets (eager with graphs), 240 regroups" in text
     assert "FlexAttention FAILED, decode fell back to SDPA: BackendCompilerFailed: no triton" in text

@@ -103,10 +103,12 @@ class ArenaRows(Joining):
         """Requests reported kept whose KV was lost since the last :meth:`take_evicted`."""
         self.waited_rows = 0
         """Rows that waited for arena room while others ran (since the engine started)."""
-        self.counts = {"resumed": 0, "loaded": 0, "spilled": 0, "moved": 0, "prefills": 0, "relayouts": 0}
+        self.counts = {"resumed": 0, "loaded": 0, "spilled": 0, "moved": 0, "prefills": 0, "relayouts": 0,
+                       "regroups": 0}
         """Since the engine started: rows resumed in place, rows whose KV was copied in from
         the store, paused rows spilled to it, rows copied from one slot to another, turns
-        that prefilled newcomers, changes of the columns per slot (each moves every row held)."""
+        that prefilled newcomers, changes of the columns per slot (each moves every row held),
+        regroups (each rebuilds the sampler and, on CUDA, drains the pipeline for a step)."""
         self.tally = StepTally()
         self._version = 0
         self._due = (-1, False)
@@ -146,7 +148,7 @@ class ArenaRows(Joining):
                 f"{100 * t.cols_own / max(1, t.cols_read):.0f} % of them the rows' own; {c['relayouts']} relayouts, "
                 f"{t.prefill_s:.1f} s of prefill, {t.turns_s:.1f} s in turns: "
                 f"{1000 * max(0.0, t.turns_s - t.prefill_s) / per:.1f} ms a step besides prefill; "
-                f"{t.loose} steps outside the buckets")
+                f"{t.loose} steps outside the buckets, {c['regroups']} regroups")
 
     def take_evicted(self) -> list[str]:
         out, self.evicted = self.evicted, []
@@ -255,6 +257,7 @@ class ArenaRows(Joining):
         live = self.live()
         choice = self.choose(live)
         self._layout(live, choice)
+        self.counts["regroups"] += 1
         self._touch()
 
     def _layout(self, live: list[Row], choice: Choice) -> None:

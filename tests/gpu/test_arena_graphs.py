@@ -68,3 +68,34 @@ def test_captured_flex_steps_give_the_eager_tokens() -> None:
         assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     finally:
         eng.close()
+
+
+def test_a_bucket_of_as_many_rows_as_the_arena_holds_is_captured_and_gives_the_eager_tokens() -> None:
+    """An arena of a few hundred token slots: at each cache bucket where 16 rows do not fit, the
+    most rows that do are a captured bucket too, and that many rows step in its graph with the
+    eager loop's tokens, none outside the buckets."""
+    import random
+
+    from worker.engines import create_engine
+
+    eng = create_engine("hf-static-cb", "tiny-random", device="cuda:0", dtype="float32",
+                        graph_batch_sizes="2,16", graph_cache_tokens="32,64", static_share=2.5e-6)
+    try:
+        eng.warm_up()
+        tokens = eng.static.arena.tokens
+        most = tokens // 64
+        assert 2 < most < 16, tokens  # the free memory sets the arena: it must be of this size
+        assert eng.static.captured() == eng.static.bucket_shapes() and (most, 64) in eng.static.captured()
+        rng = random.Random(7)
+        ctx = [[rng.randrange(3, 49152) for _ in range(rng.randrange(36, 44))] for _ in range(most)]
+        eager = create_engine("hf", "tiny-random", device="cuda:0", dtype="float32", static_cache=False,
+                              kv_reuse=False)
+        reqs = [BatchRequest(rid=f"b{i}", token_ids=c, max_new_tokens=8, temperature=0.0, ignore_eos=True)
+                for i, c in enumerate(ctx)]
+        ref, _ = eager.serve(BatchMsg(batch_id=6, slice_len=8, requests=reqs, kv_reuse=False))
+        eager.close()
+        outs, _ = eng.serve(BatchMsg(batch_id=7, slice_len=8, requests=reqs, kv_reuse=False))
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+        assert eng.rows.tally.loose == 0
+    finally:
+        eng.close()

@@ -271,3 +271,14 @@ def test_its_room_in_rows_follows_the_widest_row() -> None:
     eng.release()
     eng.poll(0.0)  # the next turn lets the released rows' slots go
     assert eng.kept() == {} and eng.rows_now() == wide  # idle: the room at the columns it last had
+
+
+def test_in_bucket_shapes_its_room_in_rows_is_the_largest_bucket_at_its_columns() -> None:
+    """Where batches run in bucket shapes, rows past the largest bucket at the rows' columns would
+    wait in the engine (they would step outside the buckets: eagerly, on CUDA), so ``rows_now``
+    says that bucket's rows, not what the arena holds: 8 of the 32 that fit at 64 columns."""
+    eng = make(mem_budget=2 * 2048 * 512, static_buckets=True, graph_batch_sizes="2,8", graph_cache_tokens="32,64")
+    rng = random.Random(4)
+    ctx = [rng.randrange(3, 49152) for _ in range(40)]
+    serve(eng, [BatchRequest(rid="r", token_ids=ctx, max_new_tokens=8, ignore_eos=True)], 8)
+    assert eng.rows.c == 64 and eng.static.arena.tokens // 64 == 32 and eng.rows_now() == 8

@@ -223,6 +223,16 @@ class RowRunner(StaticRunner):
                 return Geometry(c, StepPlan(rows, rows, c, False))
         return None
 
+    def rows_at(self, c: int) -> int:
+        """Most rows that step together at ``c`` columns per slot: what the arena holds there,
+        and where batches run in bucket shapes, the largest bucket at ``c`` (rows in a bucket take
+        no row that would step them outside one: :mod:`worker.engines.arena_join`); at most
+        :attr:`max_rows`."""
+        most = self.arena.tokens // max(1, c)
+        if self.bucketing and self.use_graphs:
+            most = max((n for n, bc in self.buckets() if bc == c), default=most)
+        return max(1, min(self.max_rows, most))
+
     def plan(self, rows: int, need: int) -> StepPlan | None:
         """The step ``rows`` rows needing ``need`` columns decode in (:meth:`geometry`)."""
         g = self.geometry(rows, need)

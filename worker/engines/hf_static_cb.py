@@ -263,14 +263,15 @@ class HFStaticCBEngine(TransformersModel, Engine):
         return [*self.rows.take_evicted(), *(self.kv.take_evicted() if self.kv is not None else [])]
 
     def rows_now(self) -> int:
-        """Rows its slots hold at the columns per slot (as wide as the widest row needs), at most
-        ``max_rows``; idle, at the columns it last had (the next burst likely looks like the
-        last; the first result at other columns corrects it); 0 before it ever held a row."""
+        """Rows that step together at the columns per slot (as wide as the widest row needs:
+        :meth:`~worker.engines.arena_rows.RowRunner.rows_at`); idle, at the columns it last had
+        (the next burst likely looks like the last; the first result at other columns corrects
+        it); 0 before it ever held a row."""
         static: RowRunner | None = self.static
         self._room_c = self.rows.c or self._room_c
         if static is None or not self._room_c:
             return 0
-        return max(1, min(static.max_rows, static.arena.tokens // self._room_c))
+        return static.rows_at(self._room_c)
 
     def kept(self) -> dict[str, int]:
         """rid -> KV tokens kept for it now, paused in place or in the store (for tests and status)."""

@@ -136,6 +136,9 @@ def test_every_cache_bucket_has_a_bucket_of_as_many_rows_as_the_arena_holds_ther
     for rows in (33, 40, 42):
         plan = runner.plan(rows, 1024 + 128)
         assert plan is not None and (plan.n, plan.c) == (42, 1536)
+    # A fill bucket is no cheaper home for short rows: 33 rows of 300 columns take 48 × 384.
+    plan = runner.plan(33, 300)
+    assert plan is not None and (plan.n, plan.c) == (48, 384)
     short = StaticOptions.parse("cpu", True, True, False, 0.5, "2,8", "32,64", None, True)
     small = short.runner(None, tiny, torch.device("cpu"), torch.float32, 2 * 1000 * DELTA_7B, DELTA_7B, 0, max_context=4096)
     small.warm_up()

@@ -365,9 +365,13 @@ class StaticRunner:
     def plan(self, rows: int, need: int) -> StepPlan | None:
         """Where a batch of ``rows`` needing ``need`` cache columns runs: the smallest bucket
         that holds it, else its own shape; None when the arena cannot hold it at all."""
-        for n, c in self.buckets() if self.use_graphs else ():
-            if n >= rows and c >= need:
-                return StepPlan(rows, n, c, self.steps[(n, c)].graph is not None)
+        # The bucket of fewest slots (n·c): the step reads all of them. On a grid of sizes that is
+        # the smallest batch bucket's smallest cache bucket; a fill bucket (bucket_shapes) holds
+        # more rows than the batch bucket below it, but only at its wide cache bucket.
+        held = [(n * c, n, c) for n, c in (self.buckets() if self.use_graphs else ()) if n >= rows and c >= need]
+        if held:
+            _, n, c = min(held)
+            return StepPlan(rows, n, c, self.steps[(n, c)].graph is not None)
         if self.arena.fits(rows, need):
             return StepPlan(rows, rows, need, False)
         return None

@@ -313,8 +313,8 @@ class StaticRunner:
         self.cache_buckets = tuple(c for c in cache_tokens if c <= max(limit, min(cache_tokens)))
         smallest = min(self.cache_buckets, default=1)
         self.batch_buckets = tuple(n for n in batch_sizes if self.arena.fits(n, smallest))
-        self.batch_sizes = tuple(sorted(set(batch_sizes)))
-        """The batch buckets asked for, those the arena cannot hold at any cache bucket too."""
+        self.largest_batch = max(batch_sizes, default=0)
+        """The largest batch bucket asked for, held by the arena or not (:meth:`bucket_shapes`)."""
         # Static inputs, shared by every step (each uses a prefix). As many rows as the arena
         # admits (a row takes at least one slot), not the largest bucket: a batch of more rows
         # runs eagerly in its own shape over these same buffers.
@@ -358,13 +358,13 @@ class StaticRunner:
             fit = [n for n in self.batch_buckets if self.arena.fits(n, c)]
             out += [(n, c) for n in fit]
             most = self.arena.tokens // c
-            if fit and any(n > most for n in self.batch_sizes) and most > fit[-1]:
+            if fit and self.largest_batch > most > max(fit):
                 out.append((most, c))
         return sorted(out)
 
     def plan(self, rows: int, need: int) -> StepPlan | None:
-        """Where a batch of ``rows`` needing ``need`` cache columns runs: the smallest bucket
-        that holds it, else its own shape; None when the arena cannot hold it at all."""
+        """Where a batch of ``rows`` needing ``need`` cache columns runs: the bucket of fewest
+        slots that holds it, else its own shape; None when the arena cannot hold it at all."""
         # The bucket of fewest slots (n·c): the step reads all of them. On a grid of sizes that is
         # the smallest batch bucket's smallest cache bucket; a fill bucket (bucket_shapes) holds
         # more rows than the batch bucket below it, but only at its wide cache bucket.

@@ -137,7 +137,7 @@ OPTIONS: dict[str, Option] = {
     "cuda_graphs": Option(TORCH, "switch", help="capture decode steps as CUDA graphs (auto: with CUDA)"),
     "static_share": Option(ARENA, "float", Range(gt=0.0, le=1.0),
                            help="the static cache's share of KV memory, the rest keeping KV across slices "
-                                "(default 0.5)"),
+                                "(default 0.5; hf-static-cb 0.9)"),
     "static_buckets": Option(ARENA, "bool", help="pad batches to bucket shapes without graphs too"),
     "graph_batch_sizes": Option(ARENA, "sizes", help="batch-size buckets"),
     "graph_cache_tokens": Option(ARENA, "sizes", help="cache-length buckets"),

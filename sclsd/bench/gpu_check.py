@@ -72,10 +72,13 @@ STAGES = ("hf", "arena", "flex", "cb", "profile", "sat", "live", "generate", "te
 DEFAULT_STAGES = ("hf", "cb", "profile", "live", "generate")
 LIVE_POLICIES = ("scls", "ils", "scls-cb")
 #: Engines a continuous-batching replay (``ils``, ``scls-cb``) may run on: ``hf-static-cb-flex``
-#: is ``hf-static-cb`` with ``decode_attention = "flex"`` (:data:`ENGINE_VARIANTS`).
-CB_ENGINES = ("hf-cb", "hf-static-cb", "hf-static-cb-flex")
-#: Engine names of ``--sat`` and ``--cb-engine`` that are an engine with an option set.
-ENGINE_VARIANTS = {"hf-static-cb-flex": ("hf-static-cb", "decode_attention=flex")}
+#: is ``hf-static-cb`` with ``decode_attention = "flex"``, ``hf-static-cb-half`` the same engine
+#: with the arena at half the KV memory, as ``hf``'s (:data:`ENGINE_VARIANTS`).
+CB_ENGINES = ("hf-cb", "hf-static-cb", "hf-static-cb-flex", "hf-static-cb-half")
+#: Engine names of ``--sat`` and ``--cb-engine`` that are an engine with an option set (the
+#: variant's option wins over the same one in ``--arena-opts``).
+ENGINE_VARIANTS = {"hf-static-cb-flex": ("hf-static-cb", "decode_attention=flex"),
+                   "hf-static-cb-half": ("hf-static-cb", "static_share=0.5")}
 #: The saturation replays by default: scls-cb and ils on the arena engine, scls-cb on hf-cb.
 SAT = "scls-cb@hf-static-cb,ils@hf-static-cb,scls-cb@hf-cb"
 #: Named sets of options: ``arena`` measures hf-static-cb against hf's graphs and hf-cb (step

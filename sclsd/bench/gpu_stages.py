@@ -255,6 +255,14 @@ def _cb_facts(engine: Any) -> dict[str, Any]:
             "warmed_shapes": getattr(engine, "warmed_shapes", None)}  # fmt: skip
 
 
+def parse_opts(text: str) -> dict[str, Any]:
+    """``k=v;k=v`` (``--opts``) as typed values, as ``sclsd-worker`` takes them; a later key
+    wins over an earlier one (an engine variant's option over the same in ``--arena-opts``)."""
+    from worker.main import parse_value
+
+    return {k.strip(): parse_value(v) for k, _, v in (kv.partition("=") for kv in text.split(";") if kv)}
+
+
 def cmd_engine(args: argparse.Namespace) -> int:
     """Load one engine variant, warm it up, time each shape cold and warm (``sclsd-bench
     engine``'s measurement), with the graphs' state of every shape."""
@@ -264,7 +272,6 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
     force_offline()
     from worker.engines import create_engine
-    from worker.main import parse_value
 
     from . import engine as eb
 
@@ -278,9 +285,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
     logging.getLogger().addHandler(Warnings(logging.WARNING))
     engine_name, opts = eb.VARIANTS[args.variant]
     opts = {**opts, "dtype": args.dtype}
-    for kv in filter(None, args.opts.split(";")):
-        k, _, v = kv.partition("=")
-        opts[k.strip()] = parse_value(v)
+    opts.update(parse_opts(args.opts))
     if args.device == "cpu":
         opts.setdefault("threads", 1)
     base = {"variant": args.variant, "model": args.model, "device": args.device}
@@ -454,13 +459,11 @@ REPLAY_KEYS = ("requests", "completed", "errors", "duration_s", "throughput_rps"
 def cmd_live(args: argparse.Namespace) -> int:
     """A daemon with one worker, one replay of the trace, the daemon stopped."""
     signal.signal(signal.SIGTERM, _on_sigterm)
-    from worker.main import parse_value
-
     from ..launch import launch
     from . import replay
 
     profile = Path(args.profile) if args.profile and Path(args.profile).is_file() else None
-    options = {k.strip(): parse_value(v) for k, _, v in (kv.partition("=") for kv in args.opts.split(";") if kv)}
+    options = parse_opts(args.opts)
     sections = live_sections(args.policy, model=args.model, device=args.device, dtype=args.dtype,
                              slice_len=args.slice_len, max_input=args.max_input, max_gen=args.max_gen,
                              profile=profile, options=options, engine=args.engine or None)  # fmt: skip

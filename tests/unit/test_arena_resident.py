@@ -134,7 +134,7 @@ def test_a_paused_row_spills_when_room_is_needed_and_comes_back_exact(hf, monkey
     """An arena of 40 token slots: a paused row of 24 columns stays until a newcomer needs its
     room, then goes to the store (one cut), and its next grant copies it back (one load) and
     gives the one-pass tokens; the newcomer's own tokens are right too."""
-    eng = make(mem_budget=80 * DELTA)
+    eng = make(static_share=0.5, mem_budget=80 * DELTA)
     copies = Copies(eng, monkeypatch)
     a, b = contexts(2, 20, 21, seed=11)
     (oa,), _ = serve(eng, [req("a", a, 8)], 4)
@@ -149,7 +149,7 @@ def test_a_paused_row_spills_when_room_is_needed_and_comes_back_exact(hf, monkey
 
 
 def test_a_spill_the_store_cannot_keep_is_reported_evicted(hf) -> None:
-    eng = make(mem_budget=80 * DELTA, kv_retain_bytes=0, kv_host_bytes=0)
+    eng = make(static_share=0.5, mem_budget=80 * DELTA, kv_retain_bytes=0, kv_host_bytes=0)
     a, b = contexts(2, 20, 21, seed=11)
     (oa,), _ = serve(eng, [req("a", a, 8)], 4)
     assert oa.kv_tokens == len(a) + 3 and eng.kept() == {"a": len(a) + 3}  # paused in place
@@ -161,7 +161,7 @@ def test_a_spill_the_store_cannot_keep_is_reported_evicted(hf) -> None:
 
 
 def test_release_and_cancel_of_a_paused_row_free_its_slot(hf) -> None:
-    eng = make(mem_budget=80 * DELTA)  # 40 token slots: a paused row leaves no room for another
+    eng = make(static_share=0.5, mem_budget=80 * DELTA)  # 40 token slots: a paused row leaves no room for another
     a, b, c = contexts(3, 20, 21, seed=12)
     (oa,), _ = serve(eng, [req("a", a, 8)], 4)
     eng.release(["a"])
@@ -326,7 +326,7 @@ def test_without_chunks_a_turn_prefills_one_grant_and_returning_rows_come_with_i
 
 
 def test_a_lone_row_too_large_for_the_arena_ends_on_an_idle_engine() -> None:
-    eng = make(mem_budget=80 * DELTA)  # 40 token slots
+    eng = make(static_share=0.5, mem_budget=80 * DELTA)  # 40 token slots
     eng.submit(BatchMsg(batch_id=next(_bids), slice_len=8, requests=[req("big", [7] * 60, 8)]))
     (end,) = done_of(run_until(eng, done_of, limit=3))
     assert end.outputs[0].error is not None and "arena holds 40" in end.outputs[0].error and not eng.busy()
@@ -365,7 +365,7 @@ def test_rows_the_arena_holds_between_two_buckets_step_in_a_bucket(hf) -> None:
     of 64 columns step in a bucket of 5 (2 dummies) rather than in a shape of their own (eager
     on CUDA), with ``hf``'s tokens; a row wider than every cache bucket steps outside them, and
     the account says how often that happened."""
-    eng = make(static_buckets=True, graph_batch_sizes="2,8", graph_cache_tokens="32,64", mem_budget=640 * DELTA)
+    eng = make(static_buckets=True, graph_batch_sizes="2,8", graph_cache_tokens="32,64", static_share=0.5, mem_budget=640 * DELTA)
     eng.read_behind = False
     assert eng.static.arena.tokens == 320 and (5, 64) in eng.static.buckets()
     ctx = contexts(3, 40, 48, seed=11)
@@ -384,7 +384,7 @@ def test_rows_in_a_bucket_take_no_row_that_would_make_them_step_outside_one(hf) 
     """320 token slots hold 5 rows of 64 columns in a bucket; a 6th row of the same grant would
     fit only in the rows' own shape (6 × 48 columns, eager on CUDA), so it waits for room in a
     bucket and runs once the others end, every row with ``hf``'s tokens."""
-    eng = make(static_buckets=True, graph_batch_sizes="2,8", graph_cache_tokens="32,64", mem_budget=640 * DELTA)
+    eng = make(static_buckets=True, graph_batch_sizes="2,8", graph_cache_tokens="32,64", static_share=0.5, mem_budget=640 * DELTA)
     eng.read_behind = False
     ctx = contexts(6, 38, 41, seed=13)
     outs, _ = serve(eng, [req(f"r{i}", c, 8) for i, c in enumerate(ctx)], 8)

@@ -82,7 +82,7 @@ def test_rows_wait_for_room_and_a_row_that_never_fits_fails_alone(hf) -> None:
     """An arena of 200 token slots: eight rows needing 30 columns each cannot run at once
     (240); the last wait for rows to leave and still give the one-pass tokens. A row that
     needs more than the whole arena ends with the reason; its neighbours are served."""
-    eng = make(mem_budget=400 * DELTA)
+    eng = make(static_share=0.5, mem_budget=400 * DELTA)
     assert eng.static.arena.tokens == 200
     ctxs = contexts(8, 20, 21)
     outs, _ = serve(eng, [req(f"w{i}", c, 10) for i, c in enumerate(ctxs)], 10)
@@ -159,7 +159,7 @@ def test_kept_kv_moves_to_host_memory_and_comes_back(hf) -> None:
     the device and room in host memory: each newcomer spills the paused row before it to the
     store, the older spilled entry goes on to the host, and its request's next grant copies
     it back instead of prefilling."""
-    eng = make(mem_budget=80 * DELTA, kv_retain_bytes=40 * DELTA, kv_host_bytes=10**7)
+    eng = make(static_share=0.5, mem_budget=80 * DELTA, kv_retain_bytes=40 * DELTA, kv_host_bytes=10**7)
     a, b, c = contexts(3, 20, 21, seed=9)
     (oa,), _ = serve(eng, [req("a", a, 8)], 4)
     assert eng.kept() == {"a": len(a) + 3} and eng.kv is not None and eng.kv.held() == {}  # paused in place
@@ -247,7 +247,7 @@ def test_close_lets_go_of_the_arena_and_the_kept_kv() -> None:
     import gc
     import weakref
 
-    eng = make(mem_budget=80 * DELTA)  # one row of 24 columns at a time: the second spills the first
+    eng = make(static_share=0.5, mem_budget=80 * DELTA)  # one row of 24 columns at a time: the second spills the first
     outs = [serve(eng, [req(f"c{i}", c, 12)], 4)[0][0] for i, c in enumerate(contexts(2, 20, 21))]
     assert all(o.kv_tokens > 0 for o in outs) and eng.kv is not None and eng.kv.nbytes > 0
     assert set(eng.kept()) == {"c0", "c1"} and set(eng.rows.paused) == {"c1"}
@@ -274,7 +274,7 @@ def test_a_cancelled_row_leaves_at_the_next_step_keeping_nothing(read_behind: bo
 def test_cancels_reach_waiting_rows_and_whole_batches() -> None:
     from unit.test_cancel_rows import batch, done_of, run_until, tokens_of
 
-    eng = make(mem_budget=400 * DELTA)  # 200 token slots: a second 150-column row must wait
+    eng = make(static_share=0.5, mem_budget=400 * DELTA)  # 200 token slots: a second 150-column row must wait
     eng.submit(batch(1, req("a", [5] * 120, 30), slice_len=30))
     eng.submit(batch(2, req("w", [6] * 120, 30), slice_len=30))
     seen = run_until(eng, lambda s: len(tokens_of(s, "a")) >= 1)

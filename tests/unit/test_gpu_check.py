@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from sclsd.bench import gpu_check as G
+from sclsd.bench import gpu_stages as S
 from sclsd.bench.gpu_stages import live_sections, why_not_ready
 from sclsd.eval.traces import load_trace
 
@@ -210,6 +211,23 @@ def test_the_flex_preset_measures_flex_decode_against_sdpa_on_the_arena(tmp_path
     plain = by["sat-scls-cb-hf-static-cb"].argv
     assert plain[plain.index("--opts") + 1] == "static_share=0.6"
     assert G.parse_sat("ils@hf-static-cb-flex") == (("ils", "hf-static-cb-flex"),)
+
+
+def test_the_half_variant_runs_the_arena_at_half_the_kv_memory(tmp_path: Path) -> None:
+    """``hf-static-cb-half``: the arena engine with ``static_share=0.5`` (the split before the
+    arena took 0.9), which wins over a share in ``--arena-opts``; its replay's log and stage
+    are its own, so the report sets it beside the default's."""
+    plan = G.make_plan(args("--preset", "arena", "--stages", "sat", "--sat",
+                            "scls-cb@hf-static-cb,scls-cb@hf-static-cb-half"), cuda_facts(80), None, "/t.csv", "file")
+    by = {s.name: s for s in G.measuring_stages(plan, tmp_path / "out", tmp_path, {}, {}, "", "",
+                                                "static_share=0.6;static_buckets=true")}
+    assert list(by) == ["sat-scls-cb-hf-static-cb", "sat-scls-cb-hf-static-cb-half"]
+    half = by["sat-scls-cb-hf-static-cb-half"].argv
+    assert half[half.index("--engine") + 1] == "hf-static-cb"
+    opts = half[half.index("--opts") + 1]
+    assert opts == "static_share=0.6;static_buckets=true;static_share=0.5"
+    assert S.parse_opts(opts) == {"static_share": 0.5, "static_buckets": True}  # the later share wins
+    assert str(tmp_path / "sat-scls-cb-hf-static-cb-half.log") in half
 
 
 @pytest.mark.parametrize("bad", ["scls@hf-cb", "ils@hf", "scls-cb", "scls-cb@hf-cb,ils@deepspeed"])

@@ -247,14 +247,16 @@ def test_caps_and_memory_are_the_arena(cb) -> None:
     assert caps.min_tokens and caps.logit_bias and caps.graph_batch_sizes == []
     assert caps.max_rows == 512 and make(max_rows=48).caps().max_rows == 48  # what one step may run
     assert info.engine == "hf-static-cb" and info.kv_bytes_per_token == 512
-    assert info.mem_available == cb.static.arena.nbytes == (BUDGET // 2 // 512) * 512
+    # The arena takes 0.9 of the KV memory (M_ava), the store of spilled rows the rest.
+    assert info.mem_available == cb.static.arena.nbytes == (int(0.9 * BUDGET) // 512) * 512
+    assert cb.kv is not None and cb.kv.budget == BUDGET - cb.static.arena.nbytes
     assert cb.poll(0.0) == [] and not cb.busy()
 
 
 def test_its_room_in_rows_follows_the_widest_row() -> None:
     """``rows_now`` (``Result.rows``): the slots the arena holds at the current columns per
     slot, so a long row paused in place lowers it for every row; 0 with nothing held."""
-    eng = make(mem_budget=2 * 2048 * 512)  # an arena of 2,048 token slots
+    eng = make(static_share=0.5, mem_budget=2 * 2048 * 512)  # an arena of 2,048 token slots
     tokens_ = eng.static.arena.tokens
     assert eng.rows_now() == 0
     rng = random.Random(3)
@@ -277,7 +279,7 @@ def test_in_bucket_shapes_its_room_in_rows_is_the_largest_bucket_at_its_columns(
     """Where batches run in bucket shapes, rows past the largest bucket at the rows' columns would
     wait in the engine (they would step outside the buckets: eagerly, on CUDA), so ``rows_now``
     says that bucket's rows, not what the arena holds: 8 of the 32 that fit at 64 columns."""
-    eng = make(mem_budget=2 * 2048 * 512, static_buckets=True, graph_batch_sizes="2,8", graph_cache_tokens="32,64")
+    eng = make(static_share=0.5, mem_budget=2 * 2048 * 512, static_buckets=True, graph_batch_sizes="2,8", graph_cache_tokens="32,64")
     rng = random.Random(4)
     ctx = [rng.randrange(3, 49152) for _ in range(40)]
     serve(eng, [BatchRequest(rid="r", token_ids=ctx, max_new_tokens=8, ignore_eos=True)], 8)

@@ -80,6 +80,13 @@ __all__ = ["HFStaticCBEngine"]
 #: Uniform numbers drawn ahead per sampled row when the rows change (the table grows on demand).
 DRAWS_AHEAD = 8
 
+#: The arena's share of the KV memory by default. ``hf`` gives half to the kept-KV store, which
+#: holds every request's KV between its slices; here a paused row keeps its KV in its arena slot
+#: and the store takes only the rows a joining row spills, which come back within a few turns.
+#: So most of the memory is the arena (the rows a step holds at saturation, and M_ava), the rest
+#: the spills' store, with pinned host memory behind it on CUDA.
+ARENA_SHARE = 0.9
+
 
 @dataclass
 class _Flight:
@@ -140,7 +147,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
     def __init__(self, model: str = models.DEFAULT_MODEL, device: str = "cpu", dtype: Any = None,
                  mem_budget: int | None = None, threads: int | None = None, kv_reuse: bool = True,
                  kv_retain_bytes: int | None = None, kv_host_bytes: int | None = None,
-                 cuda_graphs: Any = "auto", static_share: float = 0.5, graph_batch_sizes: Any = None,
+                 cuda_graphs: Any = "auto", static_share: float = ARENA_SHARE, graph_batch_sizes: Any = None,
                  graph_cache_tokens: Any = None, prefill_chunk_tokens: int | None = None,
                  static_buckets: Any = None, max_rows: int | None = None, decode_attention: str = "sdpa") -> None:
         self.load(model, device, dtype, mem_budget, threads)

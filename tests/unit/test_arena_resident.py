@@ -160,6 +160,30 @@ def test_a_spill_the_store_cannot_keep_is_reported_evicted(hf) -> None:
     assert oa.token_ids + oa2.token_ids == one_pass(hf, [a], 8)[0]
 
 
+def test_a_spill_with_no_device_memory_drops_the_kv_and_the_newcomer_still_runs(hf, monkeypatch) -> None:
+    """The store's copies may find no device memory (the arena takes most of it): the paused
+    row's KV is dropped and reported evicted, the joining row takes its slot and runs, the
+    account says so, and the paused request's next grant prefills again, with the one-pass
+    tokens. Nothing fails."""
+    eng = make(static_share=0.5, mem_budget=80 * DELTA)
+
+    def no_memory(*_a: Any, **_k: Any) -> Any:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+    a, b = contexts(2, 20, 21, seed=11)
+    (oa,), _ = serve(eng, [req("a", a, 8)], 4)
+    assert set(eng.rows.paused) == {"a"}
+    monkeypatch.setattr(eng.rows.runner, "cut", no_memory)
+    (ob,), _ = serve(eng, [req("b", b, 4)], 4)  # needs a's room
+    assert ob.error is None and ob.token_ids == one_pass(hf, [b], 4)[0]
+    assert eng.take_evicted() == ["a"] and eng.kept() == {} and eng.rows.paused == {}
+    assert eng.rows.counts["spill_oom"] == 1 and "1 spills dropped for want of device memory" in eng.rows.account()
+    monkeypatch.undo()
+    (oa2,), stats = serve(eng, [req("a", a + oa.token_ids, 4, generated=4)], 4)
+    assert (stats.prefill_tokens, stats.reused_tokens) == (len(a) + 4, 0)
+    assert oa.token_ids + oa2.token_ids == one_pass(hf, [a], 8)[0]
+
+
 def test_release_and_cancel_of_a_paused_row_free_its_slot(hf) -> None:
     eng = make(static_share=0.5, mem_budget=80 * DELTA)  # 40 token slots: a paused row leaves no room for another
     a, b, c = contexts(3, 20, 21, seed=12)

@@ -260,3 +260,10 @@ def test_a_replay_shows_its_tpot_gaps_slices_and_the_arena_rows_account(tmp_path
         "81 prefill turns; 41216 KV columns read per step, 47 % the rows' own; 12 relayouts, 3.4 s of prefill, " \
         "41.2 s in turns: 17.9 ms a step besides prefill; 77 steps outside the buckets (eager with graphs), 240 regroups" in text
     assert "FlexAttention FAILED, decode fell back to SDPA: BackendCompilerFailed: no triton" in text
+    assert "for want of device memory" not in text
+    # Spills whose copies found no device memory come last, only when there were any.
+    log.write_text(log.read_text().replace("240 regroups\n", "240 regroups, 2 spills dropped for want of device memory\n"))
+    oom = log_facts(log)
+    assert oom["arena_rows"]["spill_oom"] == 2 and oom["arena_rows"]["regroups"] == 240
+    text = R.render([row, {"stage": "sat-scls-cb-hf-static-cb", "phase": "stopped", "total_s": 60, **oom}])
+    assert "240 regroups, 2 spills dropped for want of device memory" in text

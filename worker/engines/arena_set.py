@@ -104,11 +104,12 @@ class ArenaRows(Joining):
         self.waited_rows = 0
         """Rows that waited for arena room while others ran (since the engine started)."""
         self.counts = {"resumed": 0, "loaded": 0, "spilled": 0, "moved": 0, "prefills": 0, "relayouts": 0,
-                       "regroups": 0}
+                       "regroups": 0, "spill_oom": 0}
         """Since the engine started: rows resumed in place, rows whose KV was copied in from
         the store, paused rows spilled to it, rows copied from one slot to another, turns
         that prefilled newcomers, changes of the columns per slot (each moves every row held),
-        regroups (each rebuilds the sampler and, on CUDA, drains the pipeline for a step)."""
+        regroups (each rebuilds the sampler and, on CUDA, drains the pipeline for a step),
+        spills whose copies found no device memory (their rows' KV dropped)."""
         self.tally = StepTally()
         self._version = 0
         self._due = (-1, False)
@@ -148,7 +149,8 @@ class ArenaRows(Joining):
                 f"{100 * t.cols_own / max(1, t.cols_read):.0f} % of them the rows' own; {c['relayouts']} relayouts, "
                 f"{t.prefill_s:.1f} s of prefill, {t.turns_s:.1f} s in turns: "
                 f"{1000 * max(0.0, t.turns_s - t.prefill_s) / per:.1f} ms a step besides prefill; "
-                f"{t.loose} steps outside the buckets, {c['regroups']} regroups")
+                f"{t.loose} steps outside the buckets, {c['regroups']} regroups"
+                + (f", {c['spill_oom']} spills dropped for want of device memory" if c["spill_oom"] else ""))
 
     def take_evicted(self) -> list[str]:
         out, self.evicted = self.evicted, []
@@ -336,12 +338,27 @@ class ArenaRows(Joining):
         store does not keep is reported evicted (unless released meanwhile)."""
         if not entries:
             return
+        import torch
+
         assert self.kv is not None
         span = max(p.slot for p in entries) + 1
-        cuts = self.runner.cut([p.slot for p in entries], [len(p.tokens) for p in entries], span, self.c)
+        try:
+            cuts: list[tuple[list[Any], int]] | None = self.runner.cut(
+                [p.slot for p in entries], [len(p.tokens) for p in entries], span, self.c)
+        except torch.OutOfMemoryError as exc:
+            # The copies need device memory beside the arena (the store's share, and a row's
+            # KV more while the store makes room); without it the rows' KV goes as the
+            # store's evictions go, and the joining row still gets their slots. Its requests
+            # prefill again at their next grant: slower, nothing lost.
+            log.warning("hf-static-cb: no device memory to spill %d paused rows (%s): their KV is "
+                        "dropped, reported evicted", len(entries), str(exc).splitlines()[0] if str(exc) else "OOM")
+            cuts = None
+            self.counts["spill_oom"] += 1
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         pending, every = self.releases.peek()
-        for p, (kv, nbytes) in zip(entries, cuts, strict=True):
-            kept = self.kv.put(p.rid, Retained(p.tokens, nbytes, kv))
+        for i, p in enumerate(entries):
+            kept = cuts is not None and self.kv.put(p.rid, Retained(p.tokens, cuts[i][1], cuts[i][0]))
             self.kv.done([p.rid])
             del self.paused[p.rid]
             if not kept and not every and p.rid not in pending:

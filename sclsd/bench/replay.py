@@ -12,7 +12,10 @@ its slice and what is left of ``max_tokens``), and then a whole-request grant
 send a cap, and the client ends it at its trace length, as EOS would (it
 leaves the stream: a ``cancel``, which ends the row at the engine's next step);
 such a request counts as finished (``stop``) when its last trace token
-arrives, with the trace's length (its slices and worker are not reported).
+arrives, with the trace's length. Its ``done`` never comes, so neither does its worker
+(its completion time counts for none) nor its slices: ``slices_per_req`` is then the rows
+the daemon's results carried over the run (its ``batch_rows`` counter, read once no worker
+holds a batch) per request, the slice the cancel ended included.
 
 Metrics are those of :mod:`sclsd.eval.metrics` (one definition for the
 simulator and for replays). Times are the client's: arrival = when the request
@@ -176,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     wall0 = time.monotonic()
     records, req_worker, errors = asyncio.run(_run(args))
     wall = time.monotonic() - wall0
-    after = status(args.status_socket)
+    after = settled(args.status_socket) if args.max_tokens_cap else status(args.status_socket)
     c0, c1 = before.counters, after.counters
 
     def diff(key: str) -> int:
@@ -195,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
     summary: dict[str, Any] = summarize(records, batches, worker_completion=completion, slo=slo)
     done = max(1, summary["completed"])
     summary["pad_tokens_per_req"] = diff("pad_tokens") / done
+    if args.max_tokens_cap:  # the requests' own counts never came (module docstring)
+        summary["slices_per_req"] = diff("batch_rows") / done
     summary["invalid_tokens_per_req"] = diff("invalid_tokens") / done
     # Continuous engines: preemptions during the run, and the most KV any engine held.
     summary["preemptions"] = diff("preemptions")
@@ -222,6 +227,18 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(summary, indent=2) + "\n")
     return 0 if not errors and summary["completed"] == summary["requests"] else 1
+
+
+def settled(sock: str, timeout: float = 10.0) -> Any:
+    """The daemon's status once no worker holds a batch (at most ``timeout`` seconds on): the
+    rows the client's cancels ended reach the counters with their grants' results, a step or
+    so after the client left."""
+    deadline = time.monotonic() + timeout
+    st = status(sock)
+    while any(w.batches_inflight for w in st.workers) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        st = status(sock)
+    return st
 
 
 def format_summary(s: dict[str, Any]) -> str:

@@ -206,3 +206,30 @@ def test_hf_cb_never_takes_the_static_path():
         assert not hasattr(cb, "static")
     finally:
         cb.close()
+
+
+def _rss() -> int:
+    """This process's resident bytes (Linux: /proc/self/statm, in pages)."""
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs /proc (Linux)")
+def test_a_cpu_arena_costs_the_memory_its_rows_wrote_not_all_of_it_at_start():
+    """The arena in host memory is zeros that the kernel commits only when written: 1 GiB of
+    it costs little until rows write, then about what they wrote; it reads as zeros and takes
+    writes as any tensor."""
+    from worker.engines.static_cache import zeros
+
+    before = _rss()
+    buf = zeros(2**28, torch.float32, "cpu")  # 1 GiB
+    assert buf.numel() == 2**28 and buf.dtype == torch.float32
+    assert _rss() - before < 64 * 2**20
+    buf[: 2**24].fill_(1.5)  # 64 MiB written
+    grown = _rss() - before
+    assert 60 * 2**20 < grown < 160 * 2**20, grown
+    assert float(buf[2**24 - 1]) == 1.5 and float(buf[2**24]) == 0.0 and float(buf[-1]) == 0.0
+    half = zeros(8, torch.bfloat16, "cpu")
+    assert half.dtype == torch.bfloat16 and half.tolist() == [0.0] * 8

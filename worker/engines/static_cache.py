@@ -171,6 +171,22 @@ def layer_shape(config: Any) -> tuple[int, int, int]:
     return int(config.num_hidden_layers), int(kv_heads), int(head_dim)
 
 
+def zeros(n: int, dtype: Any, device: Any) -> Any:
+    """``n`` zeros of ``dtype`` on ``device``. In host memory they are an anonymous mapping,
+    whose pages the kernel gives zeroed and commits only when written, so a CPU worker's arena
+    (most of its memory budget) costs the memory its rows have used, not all of it at start
+    (``torch.zeros`` writes every page)."""
+    import mmap
+
+    import torch
+
+    if torch.device(device).type != "cpu" or n == 0:
+        return torch.zeros(n, dtype=dtype, device=device)
+    size = torch.tensor([], dtype=dtype).element_size()
+    # The tensor holds a reference to the mapping: it lives as long as the tensor does.
+    return torch.frombuffer(mmap.mmap(-1, n * size), dtype=dtype, count=n)
+
+
 class KVArena:
     """Per-layer flat key and value buffers of ``tokens`` token slots (module docstring)."""
 
@@ -183,8 +199,7 @@ class KVArena:
         self.device = device
         slot = self.heads * self.head_dim
         # Zeros: a slot never written is still a finite number.
-        self.kv = [(torch.zeros(self.tokens * slot, dtype=dtype, device=device),
-                    torch.zeros(self.tokens * slot, dtype=dtype, device=device))
+        self.kv = [(zeros(self.tokens * slot, dtype, device), zeros(self.tokens * slot, dtype, device))
                    for _ in range(self.layers)]  # fmt: skip
         #: Where each layer writes next (one element per layer: ``StaticLayer`` advances its own).
         self.counters = torch.zeros(self.layers, dtype=torch.long, device=device)

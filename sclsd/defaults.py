@@ -65,12 +65,13 @@ OFFLINE_ENV: dict[str, str] = {
 }
 
 
-#: The engine ``auto`` picks for slice grants on CUDA workers (:func:`auto_engine`):
+#: The engine ``auto`` picks for slice grants on a transformers model (:func:`auto_engine`):
 #: ``hf-static-cb``, whose step on an H100 is ``hf``'s with graphs (2.4× faster than ``hf-cb``'s)
-#: and which served ``scls-cb`` 1.7-2.0× ``hf-cb``'s tokens/s at saturation (docs/benchmarks.md,
+#: and which served ``scls-cb`` 1.7-2.0× ``hf-cb``'s tokens/s at saturation; on the CPU, without
+#: graphs, 1.4× ``hf-cb``'s requests/s in ``sclsd-bench streams`` (docs/benchmarks.md,
 #: "Continuous batching on the static arena"). A model the arena cannot hold (sliding-window
 #: or linear-attention layers) gets :data:`AUTO_FALLBACK`'s engine instead.
-CUDA_GRANT_ENGINE = "hf-static-cb"
+AUTO_GRANT_ENGINE = "hf-static-cb"
 #: Where ``auto`` chose an engine that cannot serve the model (it raises
 #: ``worker.engines.base.ModelUnsupported`` at load), the engine the worker loads instead.
 AUTO_FALLBACK: dict[str, str] = {"hf-static-cb": "hf-cb"}
@@ -93,16 +94,16 @@ def auto_engine(grants: bool, model: str, device: str = "cpu") -> str:
     (no other engine can serve it; the supervisor tells it which batching the policy needs);
     ``llama`` for a GGUF model (:func:`is_gguf`: the built-in one is) on a CPU, under either
     policy (llama.cpp's kernels, continuous batching: it takes grants and static slices
-    alike); otherwise for grants ``hf-cb`` (they need continuous batching; on CUDA
-    :data:`CUDA_GRANT_ENGINE`, with :data:`AUTO_FALLBACK` for a model it cannot hold), ``hf``
-    for the static policies (the paper's padded slices)."""
+    alike); otherwise for grants :data:`AUTO_GRANT_ENGINE` (they need continuous batching),
+    with :data:`AUTO_FALLBACK` for a model it cannot hold, and ``hf`` for the static policies
+    (the paper's padded slices)."""
     if model == "fake":
         return "fake"
     if is_gguf(model) and str(device).startswith("cpu"):
         return "llama"
     if not grants:
         return "hf"
-    return CUDA_GRANT_ENGINE if device.startswith("cuda") else "hf-cb"
+    return AUTO_GRANT_ENGINE
 
 
 def offline_env(env: Mapping[str, str] | None = None) -> dict[str, str]:

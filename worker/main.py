@@ -329,8 +329,8 @@ CPU_CB_MAX_BATCH_TOKENS = 128
 
 def resolve_engine(args: argparse.Namespace) -> str:
     """``--engine``, with ``auto`` resolved as the daemon resolves ``workers.engine = "auto"``
-    under its default policy: llama for a GGUF model on the CPU, else hf-cb
-    (:func:`sclsd.defaults.auto_engine`)."""
+    under its default policy: llama for a GGUF model on the CPU, else hf-static-cb with hf-cb
+    as its fallback (:func:`sclsd.defaults.auto_engine`)."""
     if args.engine == "auto":
         from sclsd import defaults, models
 

@@ -36,7 +36,10 @@ def test_the_defaults_are_scls_cb_on_llama_for_the_gguf_with_sampling() -> None:
         assert _flag(cmd, "--engine") == "llama"
         assert "--dtype" not in cmd and "--batching" not in cmd  # the GGUF's weights as they are
     tiny = C.from_dict({"model": {"name": "tiny-random"}})
-    assert tiny.engine == "hf-cb" and _flag(_command(tiny), "--engine") == "hf-cb"
+    # A transformers model takes the arena on the CPU too (1.4x hf-cb's requests/s there), with
+    # hf-cb as its fallback for a model it cannot hold.
+    assert tiny.engine == "hf-static-cb" and _flag(_command(tiny), "--engine") == "hf-static-cb"
+    assert _flag(_command(tiny), "--engine-fallback") == "hf-cb"
     assert C.from_dict({"workers": {"device": "cuda"}}).engine == "hf-static-cb"
     # Sampling is on unless a config turns it off: the daemon's view before any worker
     # registers, the worker's flag (not passed, so the engine's default) and the engine's.
@@ -59,7 +62,7 @@ def test_a_static_policy_alone_switches_a_transformers_model_to_hf(policy: str) 
     over = C.override(C.load(REPO / "etc" / "sclsd.toml"), scheduler__policy=policy, model__name="tiny-random")
     assert over.engine == "hf"
     # Back to the default policy: the engine follows again.
-    assert C.override(over, scheduler__policy="scls-cb").engine == "hf-cb"
+    assert C.override(over, scheduler__policy="scls-cb").engine == "hf-static-cb"
     # The default GGUF on the CPU stays on llama, which serves static slices too.
     assert C.from_dict({"scheduler": {"policy": policy}}).engine == "llama"
 
@@ -80,10 +83,11 @@ def test_an_explicit_engine_wins_and_a_fitting_pair_loads() -> None:
     assert C.override(cfg, scheduler__policy="sls").engine == "hf"
 
 
-def test_hf_static_cb_serves_scls_cb_with_its_arena_options_and_is_auto_on_cuda() -> None:
+def test_hf_static_cb_serves_scls_cb_with_its_arena_options_and_is_auto_for_a_transformers_model() -> None:
     """Selectable by name for scls-cb (with the arena's options, passed to its workers); the
-    engine auto picks for grants on CUDA is one constant: the arena, measured ahead of hf-cb
-    on a card, with hf-cb as the fallback for a model it cannot hold."""
+    engine auto picks for grants on a transformers model is one constant, on CUDA and on the
+    CPU: the arena, measured ahead of hf-cb on a card and on the CPU, with hf-cb as the
+    fallback for a model it cannot hold."""
     cfg = C.from_dict({"workers": {"engine": "hf-static-cb", "device": "cuda",
                                    "options": {"static_share": 0.6, "graph_batch_sizes": "8,32", "kv_reuse": True}}})
     assert cfg.scheduler.policy == "scls-cb" and cfg.engine == "hf-static-cb"
@@ -94,9 +98,9 @@ def test_hf_static_cb_serves_scls_cb_with_its_arena_options_and_is_auto_on_cuda(
     assert exc.value.key == "workers.options.num_blocks"
     for device in ("cpu", "cuda"):  # a transformers model (the built-in GGUF runs on llama on the CPU)
         assert C.from_dict({"model": {"name": "tiny-random"}, "workers": {"device": device}}).engine == (
-            "hf-cb" if device == "cpu" else D.CUDA_GRANT_ENGINE)
-    assert C.from_dict({"workers": {"device": "cuda"}}).engine == D.CUDA_GRANT_ENGINE
-    assert D.CUDA_GRANT_ENGINE == "hf-static-cb" and D.auto_engine(True, "m", "cuda:0") == D.CUDA_GRANT_ENGINE
+            D.AUTO_GRANT_ENGINE)
+    assert C.from_dict({"workers": {"device": "cuda"}}).engine == D.AUTO_GRANT_ENGINE
+    assert D.AUTO_GRANT_ENGINE == "hf-static-cb" and D.auto_engine(True, "m", "cuda:0") == D.AUTO_GRANT_ENGINE
     # Chosen by auto, the arena comes with its fallback for a model it cannot hold; named, not.
     auto = _command(C.from_dict({"model": {"name": "tiny-random"}, "workers": {"device": "cuda"}}))
     assert _flag(auto, "--engine") == "hf-static-cb" and _flag(auto, "--engine-fallback") == "hf-cb"

@@ -40,7 +40,7 @@ def test_hf_cb_on_a_cpu_bounds_the_tokens_of_a_step_unless_told():
     assert opts("--engine", "hf-cb", "--opt", "max_batch_tokens=512")["max_batch_tokens"] == 512
     assert "max_batch_tokens" not in opts("--device", "cuda:0")  # auto: hf-static-cb on CUDA
     assert "max_batch_tokens" not in opts("--engine", "hf")
-    assert opts("--model", "tiny-random")["max_batch_tokens"] == wm.CPU_CB_MAX_BATCH_TOKENS  # auto: hf-cb
+    assert "max_batch_tokens" not in opts("--model", "tiny-random")  # auto: hf-static-cb
     assert "max_batch_tokens" not in opts()  # auto: llama, the default model being a GGUF
 
 
@@ -178,8 +178,8 @@ def test_a_model_the_arena_cannot_hold_gets_the_fallback_engine(monkeypatch, cap
         eng.close()
     with pytest.raises(ModelUnsupported, match="use engine hf-cb"):
         wm.load_engine(args())
-    # auto on CUDA names the arena and its fallback; on the CPU hf-cb, which needs none.
-    for device, engine, fallback in (("cuda:0", "hf-static-cb", "hf-cb"), ("cpu", "hf-cb", None)):
+    # auto names the arena and its fallback for a transformers model, on CUDA and on the CPU.
+    for device, engine, fallback in (("cuda:0", "hf-static-cb", "hf-cb"), ("cpu", "hf-static-cb", "hf-cb")):
         a = wm.build_parser().parse_args(["--connect", "ipc:///x", "--id", "w", "--model", "tiny-random",
                                           "--device", device])
         assert (wm.resolve_engine(a), a.engine_fallback) == (engine, fallback)

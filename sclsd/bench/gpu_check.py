@@ -172,7 +172,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--live", default=None, help=f"live policies, in order (default {','.join(LIVE_POLICIES)})")
     p.add_argument("--cb-engine", default=None, choices=CB_ENGINES,
                    help="engine of the live ils and scls-cb replays (default hf-cb)")
-    p.add_argument("--sat", default=None, help=f"saturation replays, policy@engine, in order (default {SAT})")
+    p.add_argument("--sat", default=None, help=f"saturation replays, policy@engine, in order (default {SAT}; "
+                                                f"engines: {', '.join(CB_ENGINES)})")
     p.add_argument("--tests-k", default=None, help="pytest -k of the tests stage (default: not deepspeed)")
     p.add_argument("--sat-rate", type=float, default=0.0, help="saturation arrivals, req/s (0: 8, 4 with --smoke)")
     p.add_argument("--sat-num", type=int, default=0, help="requests per saturation replay (0: 80, 6 with --smoke)")

@@ -65,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", default="auto",
                    help="workers.engine of the default and scls configurations (auto: the defaults')")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--opt", action="append", default=[], metavar="K=V",
+                   help="[workers.options] K = V of the default and scls configurations (repeatable)")
     p.add_argument("--num", type=int, default=48, help="measured requests per configuration")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (closed loop)")
     p.add_argument("--prompt-tokens", type=int, default=128)
@@ -91,6 +93,11 @@ def sections(name: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     }
     if getattr(args, "engine", "auto") != "auto":
         out["workers"]["engine"] = args.engine
+    opts = getattr(args, "opt", None) or []
+    if opts and name != "ils":
+        from worker.main import parse_value
+
+        out["workers"]["options"] = {k.strip(): parse_value(v) for k, _, v in (o.partition("=") for o in opts)}
     if name == "scls":
         out["scheduler"] = {"policy": "scls", "slice_len": args.slice_len}
     elif name == "ils":

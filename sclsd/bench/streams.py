@@ -59,14 +59,17 @@ CONFIGS = ("default", "scls", "ils")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from worker.main import parse_opt
+
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--engine", default="auto",
                    help="workers.engine of the default and scls configurations (auto: the defaults')")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    p.add_argument("--opt", action="append", default=[], metavar="K=V",
-                   help="[workers.options] K = V of the default and scls configurations (repeatable)")
+    p.add_argument("--opt", action="append", type=parse_opt, default=[], metavar="KEY=VALUE",
+                   help="[workers.options] KEY = VALUE of the default and scls configurations, as "
+                        "sclsd-worker --opt takes it (repeatable)")
     p.add_argument("--num", type=int, default=48, help="measured requests per configuration")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (closed loop)")
     p.add_argument("--prompt-tokens", type=int, default=128)
@@ -95,9 +98,7 @@ def sections(name: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         out["workers"]["engine"] = args.engine
     opts = getattr(args, "opt", None) or []
     if opts and name != "ils":
-        from worker.main import parse_value
-
-        out["workers"]["options"] = {k.strip(): parse_value(v) for k, _, v in (o.partition("=") for o in opts)}
+        out["workers"]["options"] = dict(opts)
     if name == "scls":
         out["scheduler"] = {"policy": "scls", "slice_len": args.slice_len}
     elif name == "ils":

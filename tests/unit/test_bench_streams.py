@@ -72,7 +72,10 @@ def test_the_configs_are_the_default_static_scls_and_ils() -> None:
         "sls", 1, "hf-cb")
     assert "streams" in SUBCOMMANDS
     # --opt: the engine's options in the default and scls configurations, typed and checked.
-    tuned = argparse.Namespace(**vars(args), engine="hf-static-cb", opt=["prefill_chunk_tokens=64", "kv_reuse=true"])
+    from worker.main import parse_opt
+
+    tuned = argparse.Namespace(**vars(args), engine="hf-static-cb",
+                               opt=[parse_opt("prefill_chunk_tokens=64"), parse_opt("kv-reuse=true")])
     cfg = C.from_dict({k: v for k, v in S.sections("default", tuned).items() if k != "daemon"})
     assert cfg.engine == "hf-static-cb" and cfg.workers.options == {"prefill_chunk_tokens": 64, "kv_reuse": True}
     assert "options" not in S.sections("ils", tuned)["workers"]  # ils keeps hf-cb as it is

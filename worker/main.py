@@ -557,6 +557,10 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     stop["runtime"] = runtime
+    if stop["reason"] is not None:  # a signal between the check above and the line before
+        log.info("%s during start-up: exiting", stop["reason"])
+        close_engine(engine)
+        return 0
     rc = 1
     try:
         rc = runtime.run()

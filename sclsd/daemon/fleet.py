@@ -62,6 +62,11 @@ class Fleet:
         log.warning("worker=%r pid=%d registration refused: %s", reg.worker_id, reg.pid, why)
         self.transport.send(peer, P.Shutdown())
 
+    def turn_away(self, peer: bytes, reg: P.Register) -> None:
+        """A worker registers while the daemon stops: it is told to exit, not welcomed."""
+        log.info("worker=%s pid=%d registered while the daemon stops: told to exit", reg.worker_id, reg.pid)
+        self.transport.send(peer, P.Shutdown())
+
     def bind(self, peer: bytes, wid: str) -> None:
         """``peer`` is member ``wid`` from now on."""
         self._unknown_asked.pop(peer, None)

@@ -384,7 +384,10 @@ class Server:
             self.admission.close()  # grammar checks nobody can hear any more
         serving = self.core is not None
         self.fleet.shutdown_all()
-        # Workers that never registered were told nothing: a failed start kills them now.
+        # Workers that have not registered (loading, or restarted after a loss) were told
+        # nothing over the socket: a signal tells them, so they are not left to the kill below.
+        self.supervisor.terminate(self.fleet.peers)
+        # A failed start kills them now.
         # A worker closes its engine and exits in about a second once told to; on a busy
         # machine in several: it is given WORKER_EXIT_S before it is killed (TimeoutStopSec
         # in systemd/sclsd.service leaves room for it after the drain).

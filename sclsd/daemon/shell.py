@@ -103,6 +103,9 @@ class Shell:
         go back to the pool. Neither is killed: it lives and serves."""
         core = self.core
         wid = reg.worker_id
+        if self.fleet.stopping:
+            self.fleet.turn_away(peer, reg)
+            return
         why = self.fleet.authenticate(reg) or core.join_refusal(reg)
         if why is not None:
             self.fleet.refuse(peer, reg, why)

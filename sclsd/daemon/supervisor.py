@@ -198,6 +198,17 @@ class Supervisor:
             if t.done() and not t.cancelled() and t.exception() is not None:
                 raise RuntimeError(f"background task {t.get_name()} failed") from t.exception()
 
+    def terminate(self, members: Container[str]) -> None:
+        """SIGTERM the local processes that are no ``members`` (the daemon is stopping): a worker
+        still loading was told nothing over the socket, and one registering now is turned away;
+        the signal makes it exit as soon as its engine has loaded, without registering. No
+        restart follows."""
+        self._stopping = True
+        for wid, proc in self.procs.items():
+            if wid not in members and proc.returncode is None:
+                log.info("worker=%s pid=%d has not registered: SIGTERM (it exits once loaded)", wid, proc.pid)
+                proc.send_signal(signal.SIGTERM)
+
     async def stop(self, timeout: float = 30.0) -> None:
         """Wait for the local processes (already asked to shut down), kill stragglers."""
         self._stopping = True

@@ -76,3 +76,39 @@ def test_sigterm_after_serving_with_kept_kv_exits_cleanly(engine: str, tmp_path:
     closed = re.findall(r"sclsd-worker\[(w\d)\] INFO worker: engine closed in [\d.]+ s: kept KV", text)
     assert sorted(closed) == ["w0", "w1"], text[-3000:]
     assert len(ended) == 6
+
+
+def test_sigterm_while_a_restarted_worker_loads_stops_it_without_the_kill(tmp_path: Path) -> None:
+    """A worker that is loading at SIGTERM (here: restarted after a crash) was told nothing over
+    the socket: the daemon signals it, and it exits once loaded instead of registering and
+    waiting to be killed (which took the daemon's whole 30 s of grace before)."""
+    import os
+    import signal
+
+    log = tmp_path / "sclsd.log"
+    d = launch({"daemon": {"drain_timeout_s": 1.0, "log_level": "info"}, "model": {"name": "tiny-random"},
+                "scheduler": {"policy": "scls-cb", "slice_len": 4},
+                "workers": {"engine": "hf-static-cb", "spawn": 2, "threads": 1, "restart_backoff_s": 0.0}},
+               log=log, wait_workers=2, timeout=300)
+    try:
+        victim = next(w for w in d.status().workers if w.id == "w0")
+        os.kill(victim.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        # Until it logged a loading step: its signal handler is installed by then (a signal
+        # before that ends the bare interpreter, which proves nothing here).
+        while not any(w.id == "w0" and w.state == "loading" and w.pid != victim.pid and w.step
+                      for w in d.status().loading):
+            assert time.monotonic() < deadline, d.status()
+            time.sleep(0.05)
+    finally:
+        t0 = time.monotonic()
+        rc = d.stop(timeout=120)
+        took = time.monotonic() - t0
+    text = log.read_text()
+    assert rc == 0, text[-3000:]
+    assert not re.search(r"did not exit in time|killing", text), text[-3000:]
+    assert re.search(r"worker=w0 pid=\d+ has not registered: SIGTERM", text), text[-3000:]
+    # It exits at the end of its load (or, had it registered first, when turned away).
+    assert re.search(r"sclsd-worker\[w0\] INFO worker: SIGTERM during start-up: exiting"
+                     r"|worker=w0 pid=\d+ registered while the daemon stops", text), text[-3000:]
+    assert took < 25, (took, text[-3000:])

@@ -184,6 +184,17 @@ def test_registration_refuses_a_model_that_does_not_fit_the_tokenizer(daemon) ->
     daemon(body)
 
 
+def test_a_worker_registering_while_the_daemon_stops_is_told_to_exit(daemon) -> None:
+    async def body(h: Harness) -> None:
+        h.server.fleet.shutdown_all()  # the daemon stops: its members were told
+        late = h.worker("w1")  # a worker that was loading registers now
+        await late.got.wait()
+        assert isinstance(late.received[-1], P.Shutdown) and "w1" not in h.members()
+        assert h.server.fleet.refused == 0  # turned away, not refused: nothing was wrong with it
+
+    daemon(body)
+
+
 def test_reregistration_with_the_secret_replaces_the_old_connection(daemon) -> None:
     async def body(h: Harness) -> None:
         old = h.worker("w0", hold=True)

@@ -1,25 +1,37 @@
 """``sclsd-bench chaos``: kill workers at random under a stream of requests; nothing may be
 lost or duplicated, and every token must be right.
 
-Starts a daemon with ``--workers`` fake workers (``decode_s`` per iteration, so slices
-take time and a kill lands in the middle of a batch), then for ``--minutes`` keeps
-``--window`` greedy requests in flight on each of ``--clients`` connections (random
-prompts and lengths, most of them streamed, some ending at their natural EOS) while a
-killer SIGKILLs a registered worker every ``--kill-every`` seconds on average, one
-with a batch in flight when there is one. The supervisor restarts each; the daemon
-puts the dead worker's requests back in the pool.
+Starts a daemon with ``--workers`` workers, then for ``--minutes`` keeps ``--window``
+requests in flight on each of ``--clients`` connections (random prompts and lengths, most
+of them streamed, some ending at their natural EOS, a share cancelled by the client
+after their first tokens) while a killer SIGKILLs a registered worker every
+``--kill-every`` seconds on average, one with a batch in flight when there is one. The
+supervisor restarts each; the daemon puts the dead worker's requests back in the pool.
 
-The fake engine's tokens are a function of the prompt and the position, so a request
-that lost slices to a kill and was served again must stream exactly the tokens of one
-uninterrupted pass (:func:`reference_tokens`). Checked per request: ``accepted``, then
-exactly one terminal event; streamed tokens equal to the reference and to the
-``done``'s count. At the end, once the daemon holds no request and no batch is out, a
+Two kinds of workers (:class:`Workload`):
+
+- ``fake`` (the default; ``decode_s`` per iteration, so slices take time and a kill lands
+  in the middle of a batch): its tokens are a function of the prompt and the position
+  (:func:`reference_tokens`), greedy requests only;
+- a transformers engine (``hf``, ``hf-cb``, ``hf-static-cb``) on ``tiny-random`` (fp32, on
+  the CPU), under ``scls-cb`` for the grant engines: greedy requests and, for a share,
+  seeded sampling (a seeded row's draw of its token ``g`` depends on ``(seed, g)`` only), so
+  both have one right answer, ``hf``'s one pass (:class:`HFReference`, computed after the
+  run, in batches). fp32 logits differ by about 1e-6 with the rows beside them, so a pick
+  within 1e-4 of another (a near tie) may go either way: a request whose tokens first differ
+  at such a pick, right up to it, counts as a near tie, not as wrong.
+
+A request that lost slices to a kill and was served again must give exactly the tokens of
+one uninterrupted pass. Checked per request: ``accepted``, then exactly one terminal event;
+its tokens equal to the reference and to the ``done``'s count, or, for one the client
+cancelled and that ended ``cancelled``, a prefix of it (a ``cancelled`` end the client never
+asked for is wrong). At the end, once the daemon holds no request and no batch is out, a
 ping round trip on every connection brings in anything still on the way: an event of a
 request that already ended counts as a duplicate.
 
-Reported: sent, accepted, done, refused, errors (by code), **lost** (sent without a
-terminal event), **duplicated**, **wrong** (tokens that differ), kills (and of those,
-mid-batch), worker restarts, the requests the dead workers held (put back in the pool),
+Reported: sent, accepted, done (of them ``cancelled``), refused, errors (by code), **lost**
+(sent without a terminal event), **duplicated**, **wrong** (tokens that differ), kills (and of
+those, mid-batch), worker restarts, the requests the dead workers held (put back in the pool),
 requests per second and e2e latency.
 """
 
@@ -36,27 +48,72 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from .. import protocol as P
 from ..client import status
 from ..launch import launch
 from .api_bench import ZERO_PROFILE
 
+#: Engines checked against ``hf``'s one pass on ``tiny-random`` (the transformers engines).
+HF_ENGINES = ("hf", "hf-cb", "hf-static-cb")
+ENGINES = ("fake", *HF_ENGINES)
+#: The policy each engine is driven with unless told: the grant engines' is ``scls-cb``.
+POLICY = {"fake": "scls", "hf": "scls", "hf-cb": "scls-cb", "hf-static-cb": "scls-cb"}
+#: The model of the transformers engines: deterministic weights, small enough for a CPU.
+HF_MODEL = "tiny-random"
+#: Rows per ``hf`` batch when the references are computed.
+REF_BATCH = 32
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=5.0, help="how long requests are sent and workers killed")
-    p.add_argument("--workers", type=int, default=3, help="fake workers the daemon spawns")
+    p.add_argument("--workers", type=int, default=3, help="workers the daemon spawns")
+    p.add_argument("--engine", default="fake", choices=ENGINES,
+                   help=f"the workers' engine: fake (tokens checked against its formula) or a transformers "
+                        f"engine on {HF_MODEL} (tokens checked against hf's one pass)")
+    p.add_argument("--policy", default=None, help="the scheduler's policy (default: scls-cb for hf-cb and "
+                                                   "hf-static-cb, else scls)")
     p.add_argument("--clients", type=int, default=4, help="client connections")
     p.add_argument("--window", type=int, default=4, help="requests in flight per connection")
     p.add_argument("--kill-every", type=float, default=2.0,
                    help="mean seconds between worker kills (0: none, a baseline)")
+    p.add_argument("--cancels", type=float, default=0.1,
+                   help="share of requests the client cancels (a streamed one after its first tokens)")
+    p.add_argument("--seeded", type=float, default=0.3,
+                   help="share of requests sampled with a seed (transformers engines; the fake engine is greedy)")
     p.add_argument("--decode-s", type=float, default=0.005, help="the fake engine's seconds per iteration")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--keep-dir", default=None, help="run the daemon in this directory and keep it (log)")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the workers run and what the clients send."""
+
+    engine: str = "fake"
+    policy: str | None = None
+    """The scheduler's policy (None: :data:`POLICY`'s for the engine)."""
+    cancels: float = 0.1
+    """Share of requests the client cancels: a streamed one after a random number of its tokens
+    (fewer than it asks for), another once it is accepted."""
+    seeded: float = 0.0
+    """Share of requests sampled (temperature 0.8, top-p 0.95) with a seed; the rest greedy.
+    Transformers engines only: the fake engine's tokens do not depend on sampling."""
+
+    @property
+    def fake(self) -> bool:
+        return self.engine == "fake"
+
+    @property
+    def policy_name(self) -> str:
+        return self.policy or POLICY[self.engine]
 
 
 def reference_tokens(prompt: list[int], max_tokens: int, ignore_eos: bool) -> list[int]:
@@ -69,6 +126,88 @@ def reference_tokens(prompt: list[int], max_tokens: int, ignore_eos: bool) -> li
     return out[0].token_ids
 
 
+class HFReference:
+    """``hf``'s one pass on ``tiny-random``: the tokens every engine must give a request, greedy
+    or seeded, and for a request that differs, how near the reference's pick was to another."""
+
+    def __init__(self, model: str = HF_MODEL) -> None:
+        from worker.engines import create_engine
+
+        self.engine = create_engine("hf", model)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def tokens(self, specs: list[P.Generate], progress: bool = False) -> list[list[int]]:
+        """What ``hf`` generates for each request in one pass, in batches of :data:`REF_BATCH`
+        requests of similar prompt lengths."""
+        out: list[list[int]] = [[] for _ in specs]
+        order = sorted(range(len(specs)), key=lambda i: len(specs[i].prompt_ids or ()))
+        for a in range(0, len(order), REF_BATCH):
+            idx = order[a:a + REF_BATCH]
+            rows = [P.BatchRequest(rid=str(i), token_ids=list(specs[i].prompt_ids or ()),
+                                   max_new_tokens=specs[i].max_tokens or 1, temperature=specs[i].temperature,
+                                   top_p=specs[i].top_p, seed=specs[i].seed, ignore_eos=specs[i].ignore_eos)
+                    for i in idx]
+            longest = max(r.max_new_tokens for r in rows)  # one pass: a slice as long as the longest
+            outs, _ = self.engine.serve(P.BatchMsg(batch_id=a + 1, slice_len=longest, requests=rows))
+            for o in outs:
+                out[int(o.rid)] = o.token_ids
+            if progress and (a // REF_BATCH) % 20 == 19:
+                print(f"  references: {a + len(idx)} of {len(specs)}", file=sys.stderr, flush=True)
+        return out
+
+    def margin(self, spec: P.Generate, context: list[int], position: int) -> float:
+        """How near the pick of token ``position`` after ``context`` (the prompt and the tokens
+        before it) was to another pick, in probability: greedy, the gap between the two most
+        likely tokens; seeded, the distance of the draw from its token's edges in the cumulative
+        distribution (:func:`~worker.engines.sampling.inverse_transform`'s), or of the nucleus'
+        edge from ``top_p``, the smaller. fp32 logits differ by about 1e-6 with the rows beside
+        them, so a pick nearer than that to another may go either way in a batch."""
+        import torch
+
+        from worker.engines.sampling import filter_logits, uniform
+
+        engine: Any = self.engine  # a transformers engine: its model and device
+        with torch.inference_mode():
+            ids = torch.tensor([context], dtype=torch.long, device=engine.device)
+            x = engine.model(input_ids=ids).logits[:, -1, :].float().cpu()
+        if spec.seed is None or spec.temperature == 0:
+            top = torch.softmax(x[0], -1, dtype=torch.float64).topk(2).values
+            return float(top[0] - top[1])
+        t = torch.tensor([spec.temperature])
+        y = filter_logits(x, t, torch.tensor([spec.top_k]), torch.tensor([spec.top_p]), torch.tensor([spec.min_p]))
+        cdf = torch.softmax(y, -1, dtype=torch.float64).cumsum(-1)[0]
+        target = uniform(spec.seed, position) * float(cdf[-1])
+        tok = int(torch.searchsorted(cdf, torch.tensor([target], dtype=torch.float64), right=True))
+        lo = float(cdf[tok - 1]) if tok > 0 else 0.0
+        edge = (torch.softmax(x[0] / t, -1, dtype=torch.float64).sort(descending=True).values.cumsum(-1)
+                - spec.top_p).abs().min()
+        return min(target - lo, float(cdf[min(tok, len(cdf) - 1)]) - target, float(edge))
+
+
+#: A pick nearer than this to another (in probability, :meth:`HFReference.margin`) is a near tie:
+#: a request that differs from the reference first there is counted apart, not as wrong.
+NEAR_TIE = 1e-4
+
+#: ``margin(finished, first difference)``: how near the reference's pick there was to another.
+Margin = Callable[["Finished", int], float]
+
+
+@dataclass
+class Finished:
+    """A request's end, as the client saw it, for the token check after the run."""
+
+    spec: P.Generate
+    accepted: bool
+    tokens: list[int]
+    """Streamed, or the ``done``'s ``token_ids``."""
+    counted: int
+    """The ``done``'s ``usage.completion_tokens``."""
+    reason: str
+    cancel_sent: bool
+
+
 @dataclass
 class Tally:
     """What every connection saw, summed."""
@@ -76,19 +215,66 @@ class Tally:
     sent: int = 0
     accepted: int = 0
     done: int = 0
+    cancelled: int = 0
+    """Of ``done``: ended ``cancelled`` (the client cancelled them before their end)."""
     refused: Counter[str] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
     duplicated: int = 0
+    late_cancels: int = 0
+    """Cancels the daemon answered ``unknown_id``: sent while the request's own end was on its way."""
     unexpected: int = 0
     """Events for no request sent on the connection (or none at all)."""
     wrong: int = 0
     latencies: list[float] = field(default_factory=list)
+    finished: list[Finished] = field(default_factory=list)
+    """The requests that ended ``done``, their tokens checked by :func:`check_tokens`."""
     examples: list[str] = field(default_factory=list)
     """The first few problems, for the report."""
+    near_ties: int = 0
+    """Requests that first differ from the reference where its pick was a near tie
+    (:func:`check_tokens`), right up to there."""
+    ties: list[str] = field(default_factory=list)
+    """What each near tie was (the first few)."""
+    wrong_ones: list[dict[str, Any]] = field(default_factory=list)
+    """Each wrong request: its spec, its tokens and the reference (``--keep-dir``: ``wrong.json``)."""
 
     def problem(self, what: str) -> None:
         if len(self.examples) < 5:
             self.examples.append(what)
+
+
+def check_tokens(tally: Tally, refs: list[list[int]], margin: Margin | None = None) -> None:
+    """Count in ``tally.wrong`` the finished requests whose tokens are not ``refs`` (one per
+    :attr:`Tally.finished`): all of the reference, or for one the client cancelled that ended
+    ``cancelled``, a prefix of it; and as many as the ``done`` counted. With ``margin``, one
+    whose tokens first differ where the reference's pick was a near tie (:data:`NEAR_TIE`),
+    and are right up to there, counts in ``tally.near_ties`` instead."""
+    for f, want in zip(tally.finished, refs, strict=True):
+        got = f.tokens
+        if f.reason == "cancelled":
+            right = f.cancel_sent and got == want[:len(got)]
+        else:
+            right = got == want
+        if f.accepted and right and f.counted == len(got):
+            continue
+        first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+                     min(len(got), len(want)))
+        near = None
+        if margin is not None and f.accepted and f.counted == len(got) and first < min(len(got), len(want)):
+            near = margin(f, first)
+        kind = f"seed {f.spec.seed}" if f.spec.seed is not None else "greedy"
+        what = (f"{f.spec.id} ({kind}, {len(f.spec.prompt_ids or ())} prompt tokens): {len(got)} tokens "
+                f"({f.reason}), {f.counted} counted, reference {len(want)}; first difference at token {first}"
+                + (f", where the reference's pick was {near:.1e} from another" if near is not None else "")
+                + f"; cancel sent: {f.cancel_sent}")
+        if near is not None and near < NEAR_TIE:
+            tally.near_ties += 1
+            tally.ties.append(what)
+            continue
+        tally.wrong += 1
+        tally.problem(what)
+        tally.wrong_ones.append({"spec": msgspec.to_builtins(f.spec), "got": got, "want": want,
+                                 "reason": f.reason, "counted": f.counted, "cancel_sent": f.cancel_sent})
 
 
 @dataclass
@@ -97,30 +283,43 @@ class _Req:
     t0: float
     accepted: bool = False
     tokens: list[int] = field(default_factory=list)
+    cancel_after: int = 0
+    """Cancel once this many tokens came (streamed) or once accepted (not streamed); 0: never."""
+    cancel_sent: bool = False
 
 
 class ChaosClient:
     """One connection that keeps ``window`` requests in flight and checks what comes back."""
 
     def __init__(self, name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 tally: Tally, window: int, rng: random.Random) -> None:
+                 tally: Tally, window: int, rng: random.Random, work: Workload | None = None) -> None:
         self.name = name
         self.reader = reader
         self.writer = writer
         self.tally = tally
         self.rng = rng
+        self.work = work or Workload()
         self.slots = asyncio.Semaphore(window)
         self.inflight: dict[str, _Req] = {}
-        self.ended: set[str] = set()
+        self.ended: dict[str, str] = {}
+        """Requests that ended: ``cancel raced`` for one whose cancel was sent and that did not
+        end ``cancelled`` (its cancel's ``unknown_id`` may still come), else ``ended``."""
         self.pong = asyncio.Event()
         self._n = 0
 
-    def _next(self) -> P.Generate:
+    def _next(self) -> tuple[P.Generate, int]:
+        """The next request, and when to cancel it (:attr:`_Req.cancel_after`)."""
         self._n += 1
         rng = self.rng
-        return P.Generate(id=f"{self.name}-{self._n}", max_tokens=rng.randint(1, 64), temperature=0.0,
+        seeded = not self.work.fake and rng.random() < self.work.seeded
+        max_tokens = rng.randint(1, 64)
+        spec = P.Generate(id=f"{self.name}-{self._n}", max_tokens=max_tokens,
+                          temperature=0.8 if seeded else 0.0, top_p=0.95 if seeded else 1.0,
+                          seed=rng.randrange(2**31) if seeded else None,
                           prompt_ids=[rng.randrange(3, 256) for _ in range(rng.randint(1, 30))],
                           ignore_eos=rng.random() < 0.8, stream=rng.random() < 0.75)
+        cancel = rng.random() < self.work.cancels
+        return spec, (rng.randint(1, max(1, max_tokens - 1)) if cancel else 0)
 
     async def send_until(self, deadline: float) -> None:
         """Send requests, ``window`` at a time, until ``deadline`` (loop time)."""
@@ -130,9 +329,9 @@ class ChaosClient:
             if loop.time() >= deadline:
                 self.slots.release()
                 return
-            spec = self._next()
+            spec, cancel_after = self._next()
             assert spec.id is not None
-            self.inflight[spec.id] = _Req(spec, loop.time())
+            self.inflight[spec.id] = _Req(spec, loop.time(), cancel_after=cancel_after)
             self.tally.sent += 1
             self.writer.write(P.frame(spec))
 
@@ -152,6 +351,12 @@ class ChaosClient:
             return
         rid = getattr(ev, "id", None)
         if rid in self.ended:
+            if isinstance(ev, P.Error) and ev.code == "unknown_id" and self.ended[rid] == "cancel raced":
+                # The answer to a cancel sent while the request's own end was on its way (the
+                # daemon no longer knew it): one such answer per cancel, and only then.
+                self.ended[rid] = "answered"
+                self.tally.late_cancels += 1
+                return
             self.tally.duplicated += 1
             self.tally.problem(f"{type(ev).__name__} for {rid} after its terminal event")
             return
@@ -163,16 +368,27 @@ class ChaosClient:
         if isinstance(ev, P.Accepted):
             req.accepted = True
             self.tally.accepted += 1
+            self._maybe_cancel(req)
         elif isinstance(ev, P.Delta):
             req.tokens += ev.token_ids
+            self._maybe_cancel(req)
         elif isinstance(ev, (P.Done, P.Error)):
             self._end(req, ev)
+
+    def _maybe_cancel(self, req: _Req) -> None:
+        due = req.cancel_after and not req.cancel_sent and (
+            len(req.tokens) >= req.cancel_after if req.spec.stream else req.accepted)
+        if due:
+            assert req.spec.id is not None
+            req.cancel_sent = True
+            self.writer.write(P.frame(P.Cancel(id=req.spec.id)))
 
     def _end(self, req: _Req, ev: P.Done | P.Error) -> None:
         spec = req.spec
         assert spec.id is not None and spec.prompt_ids is not None and spec.max_tokens is not None
         del self.inflight[spec.id]
-        self.ended.add(spec.id)
+        raced = req.cancel_sent and not (isinstance(ev, P.Done) and ev.finish_reason == "cancelled")
+        self.ended[spec.id] = "cancel raced" if raced else "ended"
         self.slots.release()
         t = self.tally
         if isinstance(ev, P.Error):
@@ -180,13 +396,11 @@ class ChaosClient:
             t.problem(f"{spec.id}: error {ev.code}: {ev.message}")
             return
         t.done += 1
+        t.cancelled += ev.finish_reason == "cancelled"
         t.latencies.append(asyncio.get_running_loop().time() - req.t0)
         got = req.tokens if spec.stream else (ev.token_ids or [])
-        want = reference_tokens(spec.prompt_ids, spec.max_tokens, spec.ignore_eos)
-        if not req.accepted or got != want or ev.usage.completion_tokens != len(got):
-            t.wrong += 1
-            t.problem(f"{spec.id}: {len(got)} tokens, {ev.usage.completion_tokens} counted, "
-                      f"reference {len(want)}; equal: {got == want}")
+        t.finished.append(Finished(spec, req.accepted, got, ev.usage.completion_tokens, ev.finish_reason,
+                                   req.cancel_sent))
 
     async def finish(self, timeout: float) -> None:
         """Wait (bounded) until every request sent has ended."""
@@ -242,22 +456,24 @@ async def _progress(tally: Tally, killer: Killer, t0: float, deadline: float, ev
     loop = asyncio.get_running_loop()
     while (now := loop.time()) < deadline:
         await asyncio.sleep(min(every_s, deadline - now))
-        print(f"  {loop.time() - t0:5.0f}s: {tally.sent} sent, {tally.done} done, {killer.kills} kills, "
-              f"{tally.duplicated} duplicated, {tally.wrong} wrong", file=sys.stderr, flush=True)
+        print(f"  {loop.time() - t0:5.0f}s: {tally.sent} sent, {tally.done} done ({tally.cancelled} cancelled), "
+              f"{killer.kills} kills, {tally.duplicated} duplicated, {sum(tally.errors.values())} errors",
+              file=sys.stderr, flush=True)
 
 
 async def drive(sock: str, status_sock: str, *, seconds: float, clients: int, window: int,
                 kill_every: float, seed: int, settle_s: float = 120.0,
-                progress_s: float = 0.0) -> dict[str, Any]:
+                progress_s: float = 0.0, work: Workload | None = None) -> tuple[dict[str, Any], Tally]:
     """Requests on ``clients`` connections and kills for ``seconds``; then wait for every
     request (at most ``settle_s``), a settled daemon and a ping round trip per connection.
-    With ``progress_s`` > 0, a progress line on stderr that often."""
+    With ``progress_s`` > 0, a progress line on stderr that often. Returns the result and the
+    tally, whose tokens :func:`check_tokens` checks (``wrong`` is not counted yet)."""
     rng = random.Random(seed)
     tally = Tally()
     conns = []
     for i in range(clients):
         reader, writer = await asyncio.open_unix_connection(sock, limit=1 << 22)
-        conns.append(ChaosClient(f"c{i}", reader, writer, tally, window, random.Random(rng.random())))
+        conns.append(ChaosClient(f"c{i}", reader, writer, tally, window, random.Random(rng.random()), work))
     readers = [asyncio.create_task(c.read(), name=f"read-{c.name}") for c in conns]
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -275,17 +491,17 @@ async def drive(sock: str, status_sock: str, *, seconds: float, clients: int, wi
     lat = sorted(tally.latencies)
     return {
         "seconds": round(seconds, 1), "workers": len(st.workers), "clients": clients, "window": window,
-        "sent": tally.sent, "accepted": tally.accepted, "done": tally.done,
+        "sent": tally.sent, "accepted": tally.accepted, "done": tally.done, "cancelled": tally.cancelled,
         "refused": dict(tally.refused), "errors": dict(tally.errors),
-        "lost": sum(len(c.inflight) for c in conns), "duplicated": tally.duplicated, "wrong": tally.wrong,
+        "lost": sum(len(c.inflight) for c in conns), "duplicated": tally.duplicated,
+        "late_cancels": tally.late_cancels,
         "unexpected": tally.unexpected,
         "kills": killer.kills, "kills_mid_batch": killer.mid_batch,
         "worker_restarts": st.counters.get("worker_restarts", 0),
         "requests_per_s": round(tally.done / wall, 1) if wall > 0 else 0.0,
         "e2e_p50_s": round(lat[len(lat) // 2], 3) if lat else None,
         "e2e_p99_s": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 3) if lat else None,
-        "problems": tally.examples,
-    }
+    }, tally
 
 
 def _settled(status_sock: str, timeout: float) -> P.StatusSnapshot:
@@ -302,32 +518,44 @@ def _settled(status_sock: str, timeout: float) -> P.StatusSnapshot:
         time.sleep(0.1)
 
 
-def sections(workers: int, decode_s: float, profile: Path, log_level: str = "warning") -> dict[str, Any]:
-    """The daemon's config: fake workers restarted at once and never given up on (each kill
-    is deliberate, not a crash loop), and no failure limit per request (a request may lose
-    any number of slices to kills, none of them its fault, and must still be served, so its
-    tokens can be checked)."""
+def sections(workers: int, decode_s: float, profile: Path, log_level: str = "warning",
+             work: Workload | None = None) -> dict[str, Any]:
+    """The daemon's config: workers restarted at once and never given up on (each kill is
+    deliberate, not a crash loop), and no failure limit per request (a request may lose any
+    number of slices to kills, none of them its fault, and must still be served, so its tokens
+    can be checked). Fake workers get a zero-time profile and fast heartbeats; transformers
+    workers the daemon's own defaults (a CPU worker busy beside others is slow, not dead)."""
+    work = work or Workload()
+    sched = {"policy": work.policy_name, "slice_len": 8, "gamma_s": 0.02, "max_failures": 1_000_000,
+             "max_worker_losses": 0}
+    pool = {"spawn": workers, "engine": work.engine, "threads": 1, "restart_backoff_s": 0.2,
+            "quick_failure_s": 0.0}
+    if not work.fake:
+        return {"daemon": {"log_level": log_level}, "model": {"name": HF_MODEL}, "scheduler": sched,
+                "workers": pool}
     return {
         "daemon": {"log_level": log_level, "heartbeat_interval_s": 0.25, "heartbeat_timeout_s": 5.0},
         "model": {"name": "fake"},
-        "scheduler": {"policy": "scls", "slice_len": 8, "gamma_s": 0.02, "profile": str(profile),
-                      "max_failures": 1_000_000, "max_worker_losses": 0},
-        "workers": {"spawn": workers, "engine": "fake", "threads": 1, "restart_backoff_s": 0.2,
-                    "quick_failure_s": 0.0, "options": {"decode_s": decode_s}},
+        "scheduler": {**sched, "profile": str(profile)},
+        "workers": {**pool, "options": {"decode_s": decode_s}},
     }
 
 
 def run_chaos(*, seconds: float, workers: int = 3, clients: int = 4, window: int = 4, kill_every: float = 2.0,
               decode_s: float = 0.005, seed: int = 1, dir: str | None = None,
-              log_level: str = "warning", progress_s: float = 0.0) -> dict[str, Any]:
-    """Start a daemon, :func:`drive` it, stop it; the result, with the daemon's exit code."""
+              log_level: str = "warning", progress_s: float = 0.0, work: Workload | None = None) -> dict[str, Any]:
+    """Start a daemon, :func:`drive` it, stop it, check the tokens; the result, with the
+    daemon's exit code."""
+    work = work or Workload()
     with tempfile.TemporaryDirectory(prefix="sclsd-chaos-") as tmp:
         profile = Path(tmp) / "zero-profile.json"
         profile.write_text(json.dumps(ZERO_PROFILE))
-        d = launch(sections(workers, decode_s, profile, log_level), dir=dir, wait_workers=workers)
+        d = launch(sections(workers, decode_s, profile, log_level, work), dir=dir, wait_workers=workers,
+                   timeout=120.0 if work.fake else 300.0)
         try:
-            result = asyncio.run(drive(d.sock, d.status_sock, seconds=seconds, clients=clients, window=window,
-                                       kill_every=kill_every, seed=seed, progress_s=progress_s))
+            result, tally = asyncio.run(drive(d.sock, d.status_sock, seconds=seconds, clients=clients,
+                                              window=window, kill_every=kill_every, seed=seed,
+                                              progress_s=progress_s, work=work))
             # The daemon logs each dead worker's requests as it puts them back in the pool.
             result["requests_hit_by_kills"] = sum(
                 int(n) for n in re.findall(r"worker=\S+ lost with (\d+) requests", d.log.read_text()))
@@ -337,6 +565,25 @@ def run_chaos(*, seconds: float, workers: int = 3, clients: int = 4, window: int
         finally:
             code = d.stop()
     result["daemon_exit"] = code
+    specs = [f.spec for f in tally.finished]
+    if work.fake:
+        refs = [reference_tokens(list(s.prompt_ids or ()), s.max_tokens or 1, s.ignore_eos) for s in specs]
+        check_tokens(tally, refs)
+    else:
+        if progress_s > 0:
+            print(f"  checking {len(specs)} requests against hf's one pass ...", file=sys.stderr, flush=True)
+        ref = HFReference()
+        try:
+            refs = ref.tokens(specs, progress=progress_s > 0)
+            check_tokens(tally, refs, lambda f, i: ref.margin(f.spec, [*(f.spec.prompt_ids or ()), *f.tokens[:i]], i))
+        finally:
+            ref.close()
+    if dir is not None and tally.wrong_ones:
+        (Path(dir) / "wrong.json").write_text(json.dumps(tally.wrong_ones, indent=1))
+    result["wrong"] = tally.wrong
+    result["near_ties"] = tally.near_ties
+    result["problems"] = tally.examples
+    result["ties"] = tally.ties[:5]
     return result
 
 
@@ -350,16 +597,19 @@ def run(args: argparse.Namespace) -> int:
     bad = [f"--{k.replace('_', '-')} must be {why}" for k, ok_, why in (
         ("minutes", args.minutes > 0, "> 0"), ("workers", 1 <= args.workers <= 64, "in 1..64"),
         ("clients", args.clients >= 1, ">= 1"), ("window", args.window >= 1, ">= 1"),
-        ("kill_every", args.kill_every >= 0, ">= 0"), ("decode_s", args.decode_s >= 0, ">= 0")) if not ok_]
+        ("kill_every", args.kill_every >= 0, ">= 0"), ("decode_s", args.decode_s >= 0, ">= 0"),
+        ("cancels", 0 <= args.cancels <= 1, "in 0..1"), ("seeded", 0 <= args.seeded <= 1, "in 0..1")) if not ok_]
     if bad:
         print(f"sclsd-bench chaos: {'; '.join(bad)}", file=sys.stderr)
         return 2
+    work = Workload(engine=args.engine, policy=args.policy, cancels=args.cancels, seeded=args.seeded)
     kills = f"a kill every ~{args.kill_every:g}s" if args.kill_every > 0 else "no kills"
-    print(f"chaos: {args.workers} fake workers, {args.clients} clients x {args.window} requests, "
-          f"{kills}, for {args.minutes:g} min ...", file=sys.stderr)
+    what = "fake workers" if work.fake else f"{args.engine} workers on {HF_MODEL}"
+    print(f"chaos: {args.workers} {what} ({work.policy_name}), {args.clients} clients x {args.window} requests, "
+          f"{kills}, {args.cancels:.0%} cancelled, for {args.minutes:g} min ...", file=sys.stderr)
     result = run_chaos(seconds=args.minutes * 60, workers=args.workers, clients=args.clients,
                        window=args.window, kill_every=args.kill_every, decode_s=args.decode_s,
-                       seed=args.seed, dir=args.keep_dir, progress_s=15.0)
+                       seed=args.seed, dir=args.keep_dir, progress_s=15.0, work=work)
     if args.json:
         print(json.dumps(result))
     else:

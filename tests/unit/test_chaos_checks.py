@@ -1,5 +1,6 @@
 """The checks of ``sclsd-bench chaos`` catch what they are there for: a duplicate terminal
-event, a duplicated delta, wrong tokens, a request never ended (the run itself:
+event, a duplicated delta, wrong tokens, a request never ended, a ``cancelled`` end nobody
+asked for or whose tokens are not a prefix of the reference (the run itself:
 ``tests/integration/test_chaos.py``)."""
 
 from __future__ import annotations
@@ -8,7 +9,16 @@ import asyncio
 import random
 
 from sclsd import protocol as P
-from sclsd.bench.chaos import ChaosClient, Tally, _Req, reference_tokens
+from sclsd.bench.chaos import (
+    NEAR_TIE,
+    ChaosClient,
+    Finished,
+    Tally,
+    Workload,
+    _Req,
+    check_tokens,
+    reference_tokens,
+)
 
 
 class _Sink:
@@ -19,8 +29,9 @@ class _Sink:
         self.frames.append(data)
 
 
-def _done(rid: str, n: int, token_ids: list[int] | None = None) -> P.Done:
-    return P.Done(id=rid, finish_reason="length", usage=P.Usage(prompt_tokens=3, completion_tokens=n),
+def _done(rid: str, n: int, token_ids: list[int] | None = None, reason: str = "length") -> P.Done:
+    return P.Done(id=rid, finish_reason=reason,  # type: ignore[arg-type]
+                  usage=P.Usage(prompt_tokens=3, completion_tokens=n),
                   timings=P.Timings(queued_s=0.0, e2e_s=0.1, ttft_s=0.05, slices=1), token_ids=token_ids)
 
 
@@ -52,5 +63,73 @@ def test_the_checks_count_duplicates_wrong_tokens_and_lost_requests() -> None:
         return tally, c
 
     tally, c = asyncio.run(main())
+    check_tokens(tally, [reference_tokens(list(f.spec.prompt_ids or ()), 6, True) for f in tally.finished])
     assert (tally.done, tally.duplicated, tally.wrong, tally.unexpected) == (4, 2, 1, 1), tally
     assert list(c.inflight) == ["lost"]
+
+
+def test_a_cancel_is_sent_when_due_and_a_cancelled_end_must_be_asked_for_and_a_prefix() -> None:
+    async def main() -> tuple[Tally, ChaosClient, _Sink]:
+        tally = Tally()
+        sink = _Sink()
+        c = ChaosClient("t", asyncio.StreamReader(), sink, tally, 8, random.Random(1),  # type: ignore[arg-type]
+                        Workload(cancels=1.0))
+        loop = asyncio.get_running_loop()
+        after = {"asked": 2, "short": 2, "unasked": 0, "wrongcut": 2, "whole": 1, "raced": 6}
+        for rid, n in after.items():
+            spec = P.Generate(id=rid, prompt_ids=[5, 6, 7], max_tokens=6, temperature=0.0, ignore_eos=True,
+                              stream=rid != "whole")
+            c.inflight[rid] = _Req(spec, loop.time(), cancel_after=n)
+            await c.slots.acquire()
+            c._event(P.Accepted(id=rid, prompt_tokens=3))
+        ref = reference_tokens([5, 6, 7], 6, True)
+        assert [r for r in after if c.inflight[r].cancel_sent] == ["whole"]  # not streamed: cancelled at once
+        c._event(P.Delta(id="asked", token_ids=ref[:1], text=""))
+        assert not c.inflight["asked"].cancel_sent  # one token of the two it waits for
+        c._event(P.Delta(id="asked", token_ids=ref[1:3], text=""))
+        assert c.inflight["asked"].cancel_sent
+        c._event(_done("asked", 3, reason="cancelled"))
+        c._event(P.Delta(id="short", token_ids=ref[:2], text=""))
+        c._event(_done("short", 6, reason="cancelled"))  # counted 6, streamed 2
+        c._event(P.Delta(id="unasked", token_ids=ref[:2], text=""))
+        c._event(_done("unasked", 2, reason="cancelled"))  # the client never cancelled it
+        c._event(P.Delta(id="wrongcut", token_ids=[ref[0], ref[2]], text=""))
+        c._event(_done("wrongcut", 2, reason="cancelled"))
+        c._event(_done("whole", 0, token_ids=[], reason="cancelled"))
+        # A cancel sent while the request's own end was on its way: the daemon's unknown_id
+        # answers it, once; after a cancelled end, none may come.
+        c._event(P.Delta(id="raced", token_ids=ref, text=""))
+        c._event(_done("raced", 6))
+        late = P.Error(code="unknown_id", message="no live request", id="raced")
+        c._event(late)
+        c._event(late)
+        c._event(P.Error(code="unknown_id", message="no live request", id="asked"))
+        return tally, c, sink
+
+    tally, c, sink = asyncio.run(main())
+    assert len(sink.frames) == 5  # the cancels of asked, short, wrongcut, whole and raced
+    check_tokens(tally, [reference_tokens([5, 6, 7], 6, True)] * len(tally.finished))
+    assert (tally.done, tally.cancelled, tally.wrong) == (6, 5, 3), tally
+    assert (tally.late_cancels, tally.duplicated) == (1, 2), tally
+    wrong = [p.split(" ")[0] for p in tally.examples if not p.startswith("Error")]
+    assert sorted(wrong) == ["short", "unasked", "wrongcut"], tally.examples
+
+
+def test_a_difference_at_a_near_tie_is_counted_apart_and_any_other_is_wrong() -> None:
+    spec = P.Generate(id="s", prompt_ids=[5, 6, 7], max_tokens=4, temperature=0.8, seed=3)
+    want = [10, 11, 12, 13]
+    tally = Tally(finished=[
+        Finished(spec, True, [10, 11, 99, 98], 4, "length", False),  # differs at 2, a near tie there
+        Finished(spec, True, [10, 99, 98, 97], 4, "length", False),  # differs at 1, a clear pick there
+        Finished(spec, True, [10, 11, 99, 98], 3, "length", False),  # miscounted: wrong whatever the pick
+    ])
+    asked: list[int] = []
+
+    def margin(f: Finished, first: int) -> float:
+        asked.append(first)
+        return NEAR_TIE / 10 if first == 2 else 0.3
+
+    check_tokens(tally, [want] * 3, margin)
+    assert (tally.near_ties, tally.wrong) == (1, 2), tally
+    assert asked == [2, 1]  # the miscounted one is wrong without asking
+    assert "first difference at token 2" in tally.ties[0] and "1.0e-05 from another" in tally.ties[0]

@@ -321,7 +321,10 @@ class HFEngine(TransformersModel, SliceEngine):
         taken, used = self._take_kv(batch)
         try:
             run, taken, used = self._run_for(batch, taken, used)
-            sampler = BatchSampler(reqs, [r.seed for r in rows], vocab, dev, steps=batch.slice_len,
+            # Uniforms drawn ahead for the steps the batch can run (the table grows on demand):
+            # a slice longer than every row's budget would draw them for nothing.
+            steps = min(batch.slice_len, max(r.max_new_tokens for r in reqs))
+            sampler = BatchSampler(reqs, [r.seed for r in rows], vocab, dev, steps=steps,
                                    eos=self.eos, grammar=grammar)
             cursor = TokenCursor([r.rid for r in reqs])
             t0 = time.perf_counter()

@@ -16,7 +16,7 @@ Two kinds of workers (:class:`Workload`):
 - a transformers engine (``hf``, ``hf-cb``, ``hf-static-cb``) on ``tiny-random`` (fp32, on
   the CPU), under ``scls-cb`` for the grant engines: greedy requests and, for a share,
   seeded sampling (a seeded row's draw of its token ``g`` depends on ``(seed, g)`` only), so
-  both have one right answer, ``hf``'s one pass (:class:`HFReference`, computed after the
+  both have one right answer, ``hf``'s one pass (:class:`~sclsd.bench.chaos_checks.HFReference`, computed after the
   run, in batches). fp32 logits differ by about 1e-6 with the rows beside them, so a pick
   within 1e-4 of another (a near tie) may go either way: a request whose tokens first differ
   at such a pick, right up to it, counts as a near tie, not as wrong.
@@ -47,28 +47,21 @@ import signal
 import sys
 import tempfile
 import time
-from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import msgspec
 
 from .. import protocol as P
 from ..client import status
 from ..launch import launch
 from .api_bench import ZERO_PROFILE
+from .chaos_checks import HF_MODEL, Finished, HFReference, Tally, check_tokens, reference_tokens
 
 #: Engines checked against ``hf``'s one pass on ``tiny-random`` (the transformers engines).
 HF_ENGINES = ("hf", "hf-cb", "hf-static-cb")
 ENGINES = ("fake", *HF_ENGINES)
 #: The policy each engine is driven with unless told: the grant engines' is ``scls-cb``.
 POLICY = {"fake": "scls", "hf": "scls", "hf-cb": "scls-cb", "hf-static-cb": "scls-cb"}
-#: The model of the transformers engines: deterministic weights, small enough for a CPU.
-HF_MODEL = "tiny-random"
-#: Rows per ``hf`` batch when the references are computed.
-REF_BATCH = 32
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,167 +107,6 @@ class Workload:
     @property
     def policy_name(self) -> str:
         return self.policy or POLICY[self.engine]
-
-
-def reference_tokens(prompt: list[int], max_tokens: int, ignore_eos: bool) -> list[int]:
-    """What the fake engine generates for a greedy request served in one pass."""
-    from worker.engines.fake import FakeEngine
-
-    out, _ = FakeEngine().serve(P.BatchMsg(batch_id=1, slice_len=10**6, requests=[
-        P.BatchRequest(rid="r", token_ids=list(prompt), max_new_tokens=max_tokens, temperature=0.0,
-                       ignore_eos=ignore_eos)]))
-    return out[0].token_ids
-
-
-class HFReference:
-    """``hf``'s one pass on ``tiny-random``: the tokens every engine must give a request, greedy
-    or seeded, and for a request that differs, how near the reference's pick was to another."""
-
-    def __init__(self, model: str = HF_MODEL) -> None:
-        from worker.engines import create_engine
-
-        self.engine = create_engine("hf", model)
-
-    def close(self) -> None:
-        self.engine.close()
-
-    def tokens(self, specs: list[P.Generate], progress: bool = False) -> list[list[int]]:
-        """What ``hf`` generates for each request in one pass, in batches of :data:`REF_BATCH`
-        requests of similar prompt lengths."""
-        out: list[list[int]] = [[] for _ in specs]
-        order = sorted(range(len(specs)), key=lambda i: len(specs[i].prompt_ids or ()))
-        for a in range(0, len(order), REF_BATCH):
-            idx = order[a:a + REF_BATCH]
-            rows = [P.BatchRequest(rid=str(i), token_ids=list(specs[i].prompt_ids or ()),
-                                   max_new_tokens=specs[i].max_tokens or 1, temperature=specs[i].temperature,
-                                   top_p=specs[i].top_p, seed=specs[i].seed, ignore_eos=specs[i].ignore_eos)
-                    for i in idx]
-            longest = max(r.max_new_tokens for r in rows)  # one pass: a slice as long as the longest
-            outs, _ = self.engine.serve(P.BatchMsg(batch_id=a + 1, slice_len=longest, requests=rows))
-            for o in outs:
-                out[int(o.rid)] = o.token_ids
-            if progress and (a // REF_BATCH) % 20 == 19:
-                print(f"  references: {a + len(idx)} of {len(specs)}", file=sys.stderr, flush=True)
-        return out
-
-    def margin(self, spec: P.Generate, context: list[int], position: int) -> float:
-        """How near the pick of token ``position`` after ``context`` (the prompt and the tokens
-        before it) was to another pick, in probability: greedy, the gap between the two most
-        likely tokens; seeded, the distance of the draw from its token's edges in the cumulative
-        distribution (:func:`~worker.engines.sampling.inverse_transform`'s), or of the nucleus'
-        edge from ``top_p``, the smaller. fp32 logits differ by about 1e-6 with the rows beside
-        them, so a pick nearer than that to another may go either way in a batch."""
-        import torch
-
-        from worker.engines.sampling import filter_logits, uniform
-
-        engine: Any = self.engine  # a transformers engine: its model and device
-        with torch.inference_mode():
-            ids = torch.tensor([context], dtype=torch.long, device=engine.device)
-            x = engine.model(input_ids=ids).logits[:, -1, :].float().cpu()
-        if spec.seed is None or spec.temperature == 0:
-            top = torch.softmax(x[0], -1, dtype=torch.float64).topk(2).values
-            return float(top[0] - top[1])
-        t = torch.tensor([spec.temperature])
-        y = filter_logits(x, t, torch.tensor([spec.top_k]), torch.tensor([spec.top_p]), torch.tensor([spec.min_p]))
-        cdf = torch.softmax(y, -1, dtype=torch.float64).cumsum(-1)[0]
-        target = uniform(spec.seed, position) * float(cdf[-1])
-        tok = int(torch.searchsorted(cdf, torch.tensor([target], dtype=torch.float64), right=True))
-        lo = float(cdf[tok - 1]) if tok > 0 else 0.0
-        edge = (torch.softmax(x[0] / t, -1, dtype=torch.float64).sort(descending=True).values.cumsum(-1)
-                - spec.top_p).abs().min()
-        return min(target - lo, float(cdf[min(tok, len(cdf) - 1)]) - target, float(edge))
-
-
-#: A pick nearer than this to another (in probability, :meth:`HFReference.margin`) is a near tie:
-#: a request that differs from the reference first there is counted apart, not as wrong.
-NEAR_TIE = 1e-4
-
-#: ``margin(finished, first difference)``: how near the reference's pick there was to another.
-Margin = Callable[["Finished", int], float]
-
-
-@dataclass
-class Finished:
-    """A request's end, as the client saw it, for the token check after the run."""
-
-    spec: P.Generate
-    accepted: bool
-    tokens: list[int]
-    """Streamed, or the ``done``'s ``token_ids``."""
-    counted: int
-    """The ``done``'s ``usage.completion_tokens``."""
-    reason: str
-    cancel_sent: bool
-
-
-@dataclass
-class Tally:
-    """What every connection saw, summed."""
-
-    sent: int = 0
-    accepted: int = 0
-    done: int = 0
-    cancelled: int = 0
-    """Of ``done``: ended ``cancelled`` (the client cancelled them before their end)."""
-    refused: Counter[str] = field(default_factory=Counter)
-    errors: Counter[str] = field(default_factory=Counter)
-    duplicated: int = 0
-    late_cancels: int = 0
-    """Cancels the daemon answered ``unknown_id``: sent while the request's own end was on its way."""
-    unexpected: int = 0
-    """Events for no request sent on the connection (or none at all)."""
-    wrong: int = 0
-    latencies: list[float] = field(default_factory=list)
-    finished: list[Finished] = field(default_factory=list)
-    """The requests that ended ``done``, their tokens checked by :func:`check_tokens`."""
-    examples: list[str] = field(default_factory=list)
-    """The first few problems, for the report."""
-    near_ties: int = 0
-    """Requests that first differ from the reference where its pick was a near tie
-    (:func:`check_tokens`), right up to there."""
-    ties: list[str] = field(default_factory=list)
-    """What each near tie was (the first few)."""
-    wrong_ones: list[dict[str, Any]] = field(default_factory=list)
-    """Each wrong request: its spec, its tokens and the reference (``--keep-dir``: ``wrong.json``)."""
-
-    def problem(self, what: str) -> None:
-        if len(self.examples) < 5:
-            self.examples.append(what)
-
-
-def check_tokens(tally: Tally, refs: list[list[int]], margin: Margin | None = None) -> None:
-    """Count in ``tally.wrong`` the finished requests whose tokens are not ``refs`` (one per
-    :attr:`Tally.finished`): all of the reference, or for one the client cancelled that ended
-    ``cancelled``, a prefix of it; and as many as the ``done`` counted. With ``margin``, one
-    whose tokens first differ where the reference's pick was a near tie (:data:`NEAR_TIE`),
-    and are right up to there, counts in ``tally.near_ties`` instead."""
-    for f, want in zip(tally.finished, refs, strict=True):
-        got = f.tokens
-        if f.reason == "cancelled":
-            right = f.cancel_sent and got == want[:len(got)]
-        else:
-            right = got == want
-        if f.accepted and right and f.counted == len(got):
-            continue
-        first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
-                     min(len(got), len(want)))
-        near = None
-        if margin is not None and f.accepted and f.counted == len(got) and first < min(len(got), len(want)):
-            near = margin(f, first)
-        kind = f"seed {f.spec.seed}" if f.spec.seed is not None else "greedy"
-        what = (f"{f.spec.id} ({kind}, {len(f.spec.prompt_ids or ())} prompt tokens): {len(got)} tokens "
-                f"({f.reason}), {f.counted} counted, reference {len(want)}; first difference at token {first}"
-                + (f", where the reference's pick was {near:.1e} from another" if near is not None else "")
-                + f"; cancel sent: {f.cancel_sent}")
-        if near is not None and near < NEAR_TIE:
-            tally.near_ties += 1
-            tally.ties.append(what)
-            continue
-        tally.wrong += 1
-        tally.problem(what)
-        tally.wrong_ones.append({"spec": msgspec.to_builtins(f.spec), "got": got, "want": want,
-                                 "reason": f.reason, "counted": f.counted, "cancel_sent": f.cancel_sent})
 
 
 @dataclass

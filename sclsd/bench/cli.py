@@ -31,6 +31,8 @@ SUBCOMMANDS = {
     "fairness": ("sclsd.bench.fairness", "how long a bystander waits behind another client's burst"),
     "grammars": ("sclsd.bench.grammars", "what other clients' hostile grammars cost a bystander (sclsd-http "
                  "and the Unix socket)"),
+    "sampling": ("sclsd.bench.sampling", "what picking sampled tokens (temperature, top-p) costs a CPU decode "
+                 "step, beside greedy"),
     "detok": ("sclsd.bench.detok", "the daemon's detokenizing cost per streamed message, by output length"),
     "tokenize-memory": ("sclsd.bench.tokmem", "what POST /tokenize of a large prompt costs sclsd-http in memory"),
     "rates": ("sclsd.bench.rates", "the daemon at GPU token rates: fake workers streaming 64 rows at 10 ms a "

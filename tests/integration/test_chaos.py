@@ -10,7 +10,7 @@ token right. The longer run is ``sclsd-bench chaos`` (docs/benchmarks.md); both 
 
 from __future__ import annotations
 
-from sclsd.bench.chaos import ok, run_chaos
+from sclsd.bench.chaos import Workload, ok, run_chaos
 
 SECONDS = 15.0
 
@@ -24,3 +24,17 @@ def test_killing_workers_at_random_loses_and_duplicates_nothing() -> None:
     assert r["kills_mid_batch"] >= 3 and r["requests_hit_by_kills"] >= 3, r
     assert r["worker_restarts"] >= r["kills"] - 1, r
     assert r["sent"] == r["accepted"] == r["done"] >= 100, r
+
+
+def test_killing_real_workers_under_cancels_and_seeds_loses_nothing_and_tokens_stay_right() -> None:
+    """The default engine of slice grants, ``hf-static-cb`` on ``tiny-random``: workers SIGKILLed
+    mid-grant, a share of the requests seeded and a share cancelled by their clients. Every
+    request ends once; greedy and seeded ones give ``hf``'s one pass (one that first differs at a
+    near tie, right up to it, is counted apart: fp32 logits differ with the rows beside them)."""
+    r = run_chaos(seconds=10.0, workers=2, clients=2, window=2, kill_every=3.0, seed=3,
+                  work=Workload(engine="hf-static-cb", cancels=0.15, seeded=0.3))
+    assert ok(r), r
+    assert r["kills"] >= 2 and r["requests_hit_by_kills"] >= 1, r
+    assert r["sent"] == r["accepted"] == r["done"] >= 30, r
+    assert r["cancelled"] >= 1, r
+    assert r["near_ties"] <= 2, r

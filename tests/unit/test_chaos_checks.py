@@ -9,16 +9,8 @@ import asyncio
 import random
 
 from sclsd import protocol as P
-from sclsd.bench.chaos import (
-    NEAR_TIE,
-    ChaosClient,
-    Finished,
-    Tally,
-    Workload,
-    _Req,
-    check_tokens,
-    reference_tokens,
-)
+from sclsd.bench.chaos import ChaosClient, Workload, _Req
+from sclsd.bench.chaos_checks import NEAR_TIE, Finished, Tally, check_tokens, reference_tokens
 
 
 class _Sink:

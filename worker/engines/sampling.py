@@ -63,6 +63,11 @@ def uniform(seed: int, position: int) -> float:
     return (mix_seed(seed, position) >> 10) / float(1 << 53)
 
 
+#: Tokens a top-k or top-p cut on the CPU looks at first: the most likely, found without sorting
+#: the vocabulary (:func:`_cut_candidates`); a row whose cut they do not settle is sorted in full.
+CUT_CANDIDATES = 256
+
+
 def filter_logits(x: Any, temperature: Any, top_k: Any, top_p: Any, min_p: Any,
                   cuts: tuple[bool, bool, bool] = (True, True, True)) -> Any:
     """Scale ``[rows, vocab]`` fp32 logits by each row's temperature and mask them to its
@@ -74,27 +79,93 @@ def filter_logits(x: Any, temperature: Any, top_k: Any, top_p: Any, min_p: Any,
     import torch
 
     x = x / temperature.unsqueeze(1)
-    vocab = x.shape[-1]
     any_k, any_p, any_min = cuts
     if any_k or any_p:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        if any_k:
-            cut_k = (top_k > 0) & (top_k < vocab)
-            k = torch.where(cut_k, top_k, torch.full_like(top_k, vocab)).clamp(1, vocab)
-            kth = sorted_x.gather(1, (k - 1).unsqueeze(1))
-            sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
-        if any_p:
-            probs = torch.softmax(sorted_x, dim=-1)
-            # Drop a token when the tokens ranked above it already reach top_p.
-            drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p.unsqueeze(1)
-            drop[:, 0] = False
-            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.empty_like(x).scatter_(1, order, sorted_x)
+        cut = _cut_candidates if x.device.type == "cpu" else _cut_sorted
+        x = cut(x, top_k, top_p, any_k, any_p)
     if any_min:
         # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p): no softmax needed.
         floor = x.max(dim=-1, keepdim=True).values + torch.log(min_p.clamp(min=1e-30)).unsqueeze(1)
         x = torch.where((min_p > 0.0).unsqueeze(1) & (x < floor), torch.full_like(x, float("-inf")), x)
     return x
+
+
+def _cut_sorted(x: Any, top_k: Any, top_p: Any, any_k: bool, any_p: bool) -> Any:
+    """Top-k and top-p over the whole vocabulary sorted (on a device: no host sync)."""
+    import torch
+
+    vocab = x.shape[-1]
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    if any_k:
+        cut_k = (top_k > 0) & (top_k < vocab)
+        k = torch.where(cut_k, top_k, torch.full_like(top_k, vocab)).clamp(1, vocab)
+        kth = sorted_x.gather(1, (k - 1).unsqueeze(1))
+        sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+    if any_p:
+        probs = torch.softmax(sorted_x, dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p; top-p 1 cuts
+        # nothing (in fp32 the sum reaches 1.0 before the least likely tokens).
+        drop = ((torch.cumsum(probs, dim=-1) - probs) >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        drop[:, 0] = False
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, sorted_x)
+
+
+def _cut_candidates(x: Any, top_k: Any, top_p: Any, any_k: bool, any_p: bool) -> Any:
+    """The cut of :func:`_cut_sorted` from each row's most likely tokens, found without sorting
+    the vocabulary: a full sort of a 49,152-token vocabulary costs about 3.7 ms a row on one
+    core, a large part of a small model's decode step, while the nucleus at top-p 0.95 is mostly
+    a few hundred or thousand tokens. A row's cut is a floor on its logits: its k-th value, and
+    the least likely token its nucleus keeps, settled once the candidates' share of the whole
+    distribution reaches top-p. The candidates start at :data:`CUT_CANDIDATES` (or the largest
+    top-k) and grow eightfold for the rows not settled yet, up to a quarter of the vocabulary;
+    rows still not settled are sorted in full. It differs from the sorted cut only in exact ties
+    at the nucleus' edge (all tied tokens are kept, not those the sort happened to put first)."""
+    import torch
+
+    rows, vocab = x.shape
+    ks = [int(k) for k in top_k.tolist()] if any_k else []
+    m = max([CUT_CANDIDATES, *(k for k in ks if 0 < k < vocab)])
+    out = x.clone()
+    todo = torch.arange(rows)
+    while todo.numel() and 4 * m <= vocab:
+        rest = _cut_top(x[todo], top_k[todo], top_p[todo], any_k, any_p, m)
+        done = rest[1]
+        out[todo[done]] = rest[0][done]
+        todo = todo[~done]
+        m *= 8
+    if todo.numel():
+        out[todo] = _cut_sorted(x[todo], top_k[todo], top_p[todo], any_k, any_p)
+    return out
+
+
+def _cut_top(x: Any, top_k: Any, top_p: Any, any_k: bool, any_p: bool, m: int) -> tuple[Any, Any]:
+    """:func:`_cut_candidates`' cut from the ``m`` most likely tokens (``m`` at least every top-k
+    below the vocabulary): the rows cut, and which of them it settled."""
+    import torch
+
+    rows, vocab = x.shape
+    vals, _ = torch.topk(x, m, dim=-1)  # descending
+    floor = torch.full((rows, 1), float("-inf"), dtype=x.dtype, device=x.device)
+    if any_k:
+        cut_k = (top_k > 0) & (top_k < vocab)
+        kth = vals.gather(1, (top_k.clamp(1, m) - 1).unsqueeze(1))
+        floor = torch.where(cut_k.unsqueeze(1), kth, floor)
+    settled = torch.ones(rows, dtype=torch.bool)
+    if any_p:
+        kept_x = x.masked_fill(x < floor, float("-inf"))
+        cand = vals.masked_fill(vals < floor, float("-inf"))
+        probs = torch.exp(cand - torch.logsumexp(kept_x, dim=-1, keepdim=True))
+        cum = torch.cumsum(probs, dim=-1)
+        p = top_p.unsqueeze(1)
+        drop = (cum - probs) >= p
+        drop[:, 0] = False
+        last = (~drop).sum(dim=-1, keepdim=True) - 1  # the least likely candidate kept
+        floor = torch.maximum(floor, torch.where(p < 1.0, cand.gather(1, last), floor))
+        # Settled when the candidates' mass reaches top-p (every other token's share of the
+        # ones above it does too); top-p 1 cuts nothing.
+        settled = ((cum[:, -1:] >= p) | (p >= 1.0)).squeeze(1)
+    return x.masked_fill(x < floor, float("-inf")), settled
 
 
 def inverse_transform(x: Any, u: Any, temperature: Any, top_k: Any, top_p: Any, min_p: Any,

@@ -447,3 +447,26 @@ def test_hf_applies_min_tokens_and_logit_bias(hf_engine: Any) -> None:
     (banned,), _ = hf_engine.serve(P.BatchMsg(batch_id=4, slice_len=6, requests=[P.BatchRequest(
         **base, ignore_eos=True, logit_bias={first: -100.0})]))
     assert first not in banned.token_ids
+
+
+def test_the_cpu_cut_from_candidates_keeps_what_a_full_sort_keeps() -> None:
+    from worker.engines.sampling import CUT_CANDIDATES, _cut_candidates, _cut_sorted
+
+    gen = torch.Generator().manual_seed(5)
+    vocab = 4 * CUT_CANDIDATES
+    # Peaked rows (a trained model's: the nucleus among the candidates) and flat ones (a random
+    # model's: the candidates' mass short of top-p, so those rows are sorted in full).
+    x = torch.cat([torch.randn(12, vocab, generator=gen) * 6, torch.randn(6, vocab, generator=gen) * 0.1])
+    n = x.shape[0]
+    top_k = torch.tensor([0, 5, 0, 40, 2 * CUT_CANDIDATES, 0, vocab, 1, 0, 3, 0, 0] + [0, 7, 0, 0, 600, 0])
+    top_p = torch.tensor([0.95, 1.0, 0.5, 0.9, 0.99, 1.0, 0.8, 0.3, 0.999, 1.0, 0.6, 0.97]
+                         + [0.95, 0.9, 1.0, 0.5, 0.99, 0.2])
+    for any_k, any_p in ((True, True), (True, False), (False, True)):
+        got = _cut_candidates(x, top_k, top_p, any_k, any_p)
+        want = _cut_sorted(x, top_k, top_p, any_k, any_p)
+        assert torch.equal(got == float("-inf"), want == float("-inf")), (any_k, any_p)
+        assert torch.equal(got[got != float("-inf")], x[got != float("-inf")])
+    kept = (_cut_candidates(x, top_k, top_p, True, True) != float("-inf")).sum(dim=1)
+    assert kept[1] == 5 and kept[7] == 1 and kept[5] == vocab  # the cuts did cut, and top-p 1 keeps all
+    assert int(kept[12:].max()) > CUT_CANDIDATES  # flat rows: their nucleus is past the candidates
+    assert n == len(top_k) == len(top_p)

@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in turn, results under ``out/`` and figures under ``docs/img/``.
 
-    python -m sclsd.bench.all [--only batcher,figures,long,grants,sim,api,rates,fairness,cpu,streams,live] [--skip live]
+    python -m sclsd.bench.all [--only batcher,figures,long,grants,sim,api,rates,fairness,sampling,cpu,streams,live] [--skip live]
 
 Steps (each is one ``sclsd-bench`` subcommand, run as its own process):
 
@@ -25,6 +25,8 @@ Steps (each is one ``sclsd-bench`` subcommand, run as its own process):
 - ``engine``: ms per decode step of each engine on the default model, cold and warm, the
   ``llama`` engine beside llama.cpp's own loop (on a GPU box ``sclsd-bench gpu-check`` runs
   it on a 7B/13B model);
+- ``sampling``: what a sampled token (temperature, top-p) costs the ``llama`` engine's step beside a
+  greedy one, 8 rows (out/sampling/sampling.json; ``--rows 1`` for one stream);
 - ``cpu``: the default on a CPU (``llama`` workers) through sclsd-http beside llama.cpp's own
   greedy loop: one stream, 8 streams, time to first token (out/cpu/cpu.md);
 - ``streams``: the default (scls-cb; llama for the built-in GGUF) vs static scls vs ILS on real CPU workers under
@@ -62,6 +64,7 @@ STEPS: dict[str, list[str]] = {
     "grammars": ["sclsd.bench.cli", "grammars"],
     "engine": ["sclsd.bench.cli", "engine", "--model", "smollm2-135m-instruct", "--shapes", "1x64,8x128",
                "--gen", "16", "--out", "out/engine"],
+    "sampling": ["sclsd.bench.cli", "sampling", "--out", "out/sampling"],
     "cpu": ["sclsd.bench.cli", "cpu", "--out", "out/cpu"],
     "streams": ["sclsd.bench.cli", "streams", "--out", "out/streams"],
     "live": ["sclsd.bench.cli", "live", "--trace", TRACE, "--out", "out/live"],

@@ -211,3 +211,26 @@ def test_a_dead_generation_thread_fails_the_poll_not_the_batch(engines) -> None:
     assert not cb.busy() and cb._mgr is None
     batch = P.BatchMsg(batch_id=41, slice_len=4, requests=rows(PROMPTS[:1], 4, ignore_eos=True))
     assert cb.serve(batch)[0][0].token_ids == hf.serve(batch)[0][0].token_ids
+
+
+def test_starting_the_manager_leaves_no_reseed_behind() -> None:
+    """transformers builds the manager's batch processor in its own thread, and that reseeds
+    torch's global RNG: the engine returns only once it has, so a model drawn from a fixed seed
+    right after (tiny-random, another engine's) gets the same weights as before. It got others
+    when the reseed landed in the middle of the draw."""
+    from sclsd.models import load_model
+    from worker.engines import create_engine
+
+    def weights() -> float:
+        return float(sum(p.double().sum() for p in load_model("tiny-random").parameters()))
+
+    before = weights()
+    cb = create_engine("hf-cb", "tiny-random", threads=1, num_blocks=64, sampling=False)
+    try:
+        refused = P.BatchMsg(batch_id=1, slice_len=4, requests=[
+            P.BatchRequest(rid="s", token_ids=[1, 2], max_new_tokens=4, temperature=0.7)])
+        with pytest.raises(RuntimeError, match="greedy"):
+            cb.serve(refused)  # starts the manager, and returns at once
+        assert weights() == before
+    finally:
+        cb.close()

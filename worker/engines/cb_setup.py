@@ -217,7 +217,26 @@ def start_manager(model: Any, gen_config: Any, cache_opts: dict[str, Any], sampl
     # mgr.start() without its non-daemon thread: kept KV keeps the manager alive between
     # batches, and a process that forgot close() must still be able to exit.
     mgr.background_thread_status.clear()
+    prior = mgr.batch_processor
     mgr._generation_thread = threading.Thread(target=mgr._run_generation_loop,
                                               name="hf-cb-generation", daemon=True)
     mgr._generation_thread.start()
+    wait_for_processor(mgr, prior)
     return mgr, control, name, rules
+
+
+def wait_for_processor(mgr: Any, prior: Any, timeout_s: float = 300.0) -> None:
+    """Return once the manager's thread has built its batch processor (another than ``prior``,
+    the warm-up's on CUDA), or has died (its error reaches the first request). Building it
+    reseeds torch's global RNG from that thread (transformers' ``set_tp_seed``); left to run
+    on its own, the reseed lands in the middle of whatever this process does next: a model
+    drawn from a fixed seed got other weights. There is no event to wait on, so it is polled."""
+    import time
+
+    end = time.monotonic() + timeout_s
+    while mgr.batch_processor is None or mgr.batch_processor is prior:
+        if not mgr._generation_thread.is_alive():
+            return
+        if time.monotonic() > end:
+            raise RuntimeError(f"hf-cb: transformers' generation thread built no batch processor in {timeout_s:.0f}s")
+        time.sleep(0.005)

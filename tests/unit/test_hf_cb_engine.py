@@ -234,3 +234,32 @@ def test_starting_the_manager_leaves_no_reseed_behind() -> None:
         assert weights() == before
     finally:
         cb.close()
+
+
+def test_the_wait_for_the_processor_ends_when_built_dead_or_kept() -> None:
+    import threading
+
+    from worker.engines.cb_setup import wait_for_processor
+
+    class Mgr:
+        def __init__(self, processor: object, thread: threading.Thread) -> None:
+            self.batch_processor = processor
+            self._generation_thread = thread
+
+    stop = threading.Event()
+    alive = threading.Thread(target=stop.wait, daemon=True)
+    alive.start()
+    try:
+        warm = object()
+        # Built: a processor other than the warm-up's is there.
+        wait_for_processor(Mgr(object(), alive), warm, timeout_s=5.0)
+        # Kept: a transformers that keeps the warm-up's processor ends the wait without an error.
+        wait_for_processor(Mgr(warm, alive), warm, timeout_s=0.05)
+        # None built and no warm-up: that is an error, named.
+        with pytest.raises(RuntimeError, match="built no batch processor"):
+            wait_for_processor(Mgr(None, alive), None, timeout_s=0.05)
+    finally:
+        stop.set()
+        alive.join()
+    # Dead: its error reaches the first request; the wait does not hang on it.
+    wait_for_processor(Mgr(None, alive), None, timeout_s=5.0)

@@ -323,7 +323,7 @@ class HFEngine(TransformersModel, SliceEngine):
             run, taken, used = self._run_for(batch, taken, used)
             # Uniforms drawn ahead for the steps the batch can run (the table grows on demand):
             # a slice longer than every row's budget would draw them for nothing.
-            steps = min(batch.slice_len, max(r.max_new_tokens for r in reqs))
+            steps = min(batch.slice_len, max((r.max_new_tokens for r in reqs), default=1))
             sampler = BatchSampler(reqs, [r.seed for r in rows], vocab, dev, steps=steps,
                                    eos=self.eos, grammar=grammar)
             cursor = TokenCursor([r.rid for r in reqs])

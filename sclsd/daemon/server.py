@@ -387,10 +387,10 @@ class Server:
         # Workers that have not registered (loading, or restarted after a loss) were told
         # nothing over the socket: a signal tells them, so they are not left to the kill below.
         self.supervisor.terminate(self.fleet.peers)
-        # A failed start kills them now.
         # A worker closes its engine and exits in about a second once told to; on a busy
         # machine in several: it is given WORKER_EXIT_S before it is killed (TimeoutStopSec
-        # in systemd/sclsd.service leaves room for it after the drain).
+        # in systemd/sclsd.service leaves room for it after the drain). A failed start
+        # (nothing served) kills them at once.
         await self.supervisor.stop(timeout=WORKER_EXIT_S if serving else 0.0)
         await self.transport.stop()
         if self._metrics_http is not None:

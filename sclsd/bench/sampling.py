@@ -60,7 +60,7 @@ class CutCounter:
     def __enter__(self) -> CutCounter:
         import worker.engines.sampling as s
 
-        self._saved = (s._cut_top, s._cut_sorted)
+        self._saved = (s._top_floor, s._cut_sorted)
         top, full = self._saved
 
         def counted_top(x: Any, *a: Any) -> Any:
@@ -71,13 +71,13 @@ class CutCounter:
             self.sorted_rows += int(x.shape[0])
             return full(x, *a)
 
-        s._cut_top, s._cut_sorted = counted_top, counted_sorted  # type: ignore[assignment]
+        s._top_floor, s._cut_sorted = counted_top, counted_sorted  # type: ignore[assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
         import worker.engines.sampling as s
 
-        s._cut_top, s._cut_sorted = self._saved
+        s._top_floor, s._cut_sorted = self._saved
 
 
 def _batch(bid: int, prompts: list[list[int]], rows: int, gen: int, temperature: float, top_p: float) -> Any:

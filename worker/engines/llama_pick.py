@@ -95,7 +95,9 @@ def pick(rows: Sequence[tuple[RowPick, list[int], int]], logits: np.ndarray, voc
         else:
             hard.append(i)
     if hard:
-        _sample([rows[i] for i in hard], logits[hard], vocab, eos, hard, tokens, lps)
+        # Every row sampled (the common case of a client's default temperature): no copy.
+        _sample([rows[i] for i in hard], logits if len(hard) == len(rows) else logits[hard], vocab, eos, hard,
+                tokens, lps)
     return tokens, lps
 
 

@@ -126,8 +126,16 @@ def _cut_candidates(x: Any, top_k: Any, top_p: Any, any_k: bool, any_p: bool) ->
     rows, vocab = x.shape
     ks = [int(k) for k in top_k.tolist()] if any_k else []
     m = max([CUT_CANDIDATES, *(k for k in ks if 0 < k < vocab)])
-    out = x.clone()
-    todo = torch.arange(rows)
+    if 4 * m <= vocab:
+        # The common case, every row settled by the first candidates, costs no copy.
+        first, done = _cut_top(x, top_k, top_p, any_k, any_p, m)
+        if bool(done.all()):
+            return first
+        out = first
+        todo = torch.arange(rows)[~done]
+        m *= 8
+    else:
+        out, todo = x.clone(), torch.arange(rows)
     while todo.numel() and 4 * m <= vocab:
         rest = _cut_top(x[todo], top_k[todo], top_p[todo], any_k, any_p, m)
         done = rest[1]
@@ -139,13 +147,14 @@ def _cut_candidates(x: Any, top_k: Any, top_p: Any, any_k: bool, any_p: bool) ->
     return out
 
 
-def _cut_top(x: Any, top_k: Any, top_p: Any, any_k: bool, any_p: bool, m: int) -> tuple[Any, Any]:
-    """:func:`_cut_candidates`' cut from the ``m`` most likely tokens (``m`` at least every top-k
-    below the vocabulary): the rows cut, and which of them it settled."""
+def _top_floor(x: Any, top_k: Any, top_p: Any, any_k: bool, any_p: bool, m: int) -> tuple[Any, Any, Any, Any]:
+    """Each row's ``m`` most likely tokens (values and ids, most likely first), the floor its
+    top-k and top-p cuts put on its logits (``[rows, 1]``, -inf where nothing is cut), and
+    whether those candidates settled it (:func:`_cut_candidates`)."""
     import torch
 
     rows, vocab = x.shape
-    vals, _ = torch.topk(x, m, dim=-1)  # descending
+    vals, ids = torch.topk(x, m, dim=-1)  # descending
     floor = torch.full((rows, 1), float("-inf"), dtype=x.dtype, device=x.device)
     if any_k:
         cut_k = (top_k > 0) & (top_k < vocab)
@@ -153,7 +162,8 @@ def _cut_top(x: Any, top_k: Any, top_p: Any, any_k: bool, any_p: bool, m: int) -
         floor = torch.where(cut_k.unsqueeze(1), kth, floor)
     settled = torch.ones(rows, dtype=torch.bool)
     if any_p:
-        kept_x = x.masked_fill(x < floor, float("-inf"))
+        # Without a top-k every token counts towards the whole distribution's mass.
+        kept_x = x.masked_fill(x < floor, float("-inf")) if any_k else x
         cand = vals.masked_fill(vals < floor, float("-inf"))
         probs = torch.exp(cand - torch.logsumexp(kept_x, dim=-1, keepdim=True))
         cum = torch.cumsum(probs, dim=-1)
@@ -165,6 +175,13 @@ def _cut_top(x: Any, top_k: Any, top_p: Any, any_k: bool, any_p: bool, m: int) -
         # Settled when the candidates' mass reaches top-p (every other token's share of the
         # ones above it does too); top-p 1 cuts nothing.
         settled = ((cum[:, -1:] >= p) | (p >= 1.0)).squeeze(1)
+    return vals, ids, floor, settled
+
+
+def _cut_top(x: Any, top_k: Any, top_p: Any, any_k: bool, any_p: bool, m: int) -> tuple[Any, Any]:
+    """:func:`_cut_candidates`' cut from the ``m`` most likely tokens (``m`` at least every top-k
+    below the vocabulary): the rows cut, and which of them it settled."""
+    _, _, floor, settled = _top_floor(x, top_k, top_p, any_k, any_p, m)
     return x.masked_fill(x < floor, float("-inf")), settled
 
 
@@ -173,7 +190,19 @@ def inverse_transform(x: Any, u: Any, temperature: Any, top_k: Any, top_p: Any, 
     """The token each row of ``[rows, vocab]`` fp32 logits ``x`` draws with the uniform number
     ``u[row]`` (``[rows]`` float64): the first token, in vocabulary order, whose cumulative
     probability after :func:`filter_logits` exceeds ``u`` times the total (module docstring).
-    Every engine that seeds a request draws through this, so they agree token for token."""
+    Every engine that seeds a request draws through this, so they agree token for token.
+
+    On the CPU a row whose cuts keep only tokens among its most likely few hundred (or few
+    thousand) is drawn from those alone (:func:`_draw_from_candidates`); the others, and every
+    row on a device, over the whole vocabulary."""
+    if x.device.type == "cpu" and any(cuts):
+        return _draw_from_candidates(x, u, temperature, top_k, top_p, min_p, cuts)
+    return _draw_full(x, u, temperature, top_k, top_p, min_p, cuts)
+
+
+def _draw_full(x: Any, u: Any, temperature: Any, top_k: Any, top_p: Any, min_p: Any,
+               cuts: tuple[bool, bool, bool]) -> Any:
+    """:func:`inverse_transform` over the whole vocabulary."""
     import torch
 
     y = filter_logits(x, temperature, top_k, top_p, min_p, cuts)
@@ -181,6 +210,51 @@ def inverse_transform(x: Any, u: Any, temperature: Any, top_k: Any, top_p: Any, 
     cdf = torch.cumsum(probs, dim=-1)
     target = (u * cdf[:, -1]).unsqueeze(1)
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=x.shape[-1] - 1)
+
+
+def _draw_from_candidates(x: Any, u: Any, temperature: Any, top_k: Any, top_p: Any, min_p: Any,
+                          cuts: tuple[bool, bool, bool]) -> Any:
+    """:func:`inverse_transform` on the CPU from each row's most likely tokens. Every cut is a
+    floor on a row's logits (its k-th value, its nucleus' least likely token, ``min_p`` times its
+    most likely token's probability: :func:`filter_logits`), so when a row's floor lies above
+    its least likely candidate the kept tokens are candidates, and the draw runs over them in
+    vocabulary order, with their cumulative sum, as over the whole vocabulary where every other
+    token's probability is 0. After a decode step of a small model the whole-vocabulary passes
+    (the masked copy, a float64 softmax and its cumulative sum: four arrays of 49,152 numbers a
+    row for SmolLM2) ran on caches the model had just filled and cost about as much as the cut
+    itself. Rows whose floor the candidates do not settle, or that keep tokens tied with their
+    least likely candidate, are drawn over the whole vocabulary."""
+    import torch
+
+    any_k, any_p, any_min = cuts
+    rows, vocab = x.shape
+    # x / 1 is x: a pass over the whole vocabulary saved for the rows at temperature 1.
+    y = x if bool((temperature == 1.0).all()) else x / temperature.unsqueeze(1)
+    ks = [int(k) for k in top_k.tolist()] if any_k else []
+    m = max([CUT_CANDIDATES, *(k for k in ks if 0 < k < vocab)])
+    out = torch.empty(rows, dtype=torch.long)
+    todo = torch.arange(rows)
+    while todo.numel() and 4 * m <= vocab:
+        vals, ids, floor, settled = _top_floor(y[todo], top_k[todo], top_p[todo], any_k, any_p, m)
+        if any_min:
+            mp = min_p[todo].unsqueeze(1)
+            floor = torch.where(mp > 0.0, torch.maximum(floor, vals[:, :1] + torch.log(mp.clamp(min=1e-30))), floor)
+        least = vals[:, -1:]
+        # Every kept token is a candidate: the floor above the least likely candidate, or
+        # every token below the candidates already masked out (-inf: a grammar, a bias).
+        done = settled & ((floor > least) | (least == float("-inf"))).squeeze(1) & (vals[:, 0] > float("-inf"))
+        if bool(done.any()):
+            w = torch.exp(vals.double() - vals[:, :1].double()).masked_fill(vals < floor, 0.0)
+            order = ids.argsort(dim=-1)  # vocabulary order
+            cdf = torch.cumsum(w.gather(1, order), dim=-1)
+            target = (u[todo] * cdf[:, -1]).unsqueeze(1)
+            j = torch.searchsorted(cdf, target, right=True).clamp(max=m - 1)
+            out[todo[done]] = ids.gather(1, order.gather(1, j)).squeeze(1)[done]
+        todo = todo[~done]
+        m *= 8
+    if todo.numel():
+        out[todo] = _draw_full(x[todo], u[todo], temperature[todo], top_k[todo], top_p[todo], min_p[todo], cuts)
+    return out
 
 
 def token_logprobs(lp: Any, tokens: Any, k: int) -> tuple[Any, Any, Any]:
@@ -360,13 +434,14 @@ class BatchSampler:
             x = self.penalize(x)
         if self.constrained:
             x = self.rules.apply(x, self.step)  # a new tensor: raw stays the logprobs' source
-        tokens = x.argmax(dim=-1)
+        # No greedy row (a batch of sampled rows): no argmax pass over the vocabulary.
+        tokens = x.argmax(dim=-1) if self.all_greedy or any(self.greedy_rows) else None
         if not self.all_greedy:
             if self.step >= self._u.shape[0]:  # more steps than announced: extend the table
                 self._u = torch.cat([self._u, self.uniforms(self._u.shape[0], self._u.shape[0])])
             drawn = inverse_transform(x, self._u[self.step], self.temperature, self.top_k, self.top_p,
                                       self.min_p, self.cuts)
-            tokens = torch.where(self.greedy, tokens, drawn)
+            tokens = drawn if tokens is None else torch.where(self.greedy, tokens, drawn)
         draw = Draw(tokens)
         if self.k >= 0:
             draw.chosen, draw.top_values, draw.top_ids = token_logprobs(

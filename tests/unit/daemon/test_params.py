@@ -449,6 +449,52 @@ def test_hf_applies_min_tokens_and_logit_bias(hf_engine: Any) -> None:
     assert first not in banned.token_ids
 
 
+def test_the_cpu_draw_from_candidates_draws_what_the_whole_vocabulary_draws(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.engines import sampling as S
+
+    gen = torch.Generator().manual_seed(11)
+    vocab = 32 * S.CUT_CANDIDATES  # room for both tries of candidates (256, then 2,048)
+    # Rows settled by 256 candidates, by 2,048, by none (drawn over the whole vocabulary); rows
+    # of integer logits (ties at every floor); a row with all but 9 tokens masked and no cut.
+    peaked, medium, flat = (torch.randn(8, vocab, generator=gen) * s for s in (6.0, 1.5, 0.1))
+    ties = torch.round(torch.randn(8, vocab, generator=gen) * 3)
+    masked = torch.full((1, vocab), float("-inf"))
+    masked[0, torch.randperm(vocab, generator=gen)[:9]] = torch.randn(9, generator=gen)
+    # A row whose k-th value (k = the candidates) is tied with thousands of tokens past them.
+    plateau = torch.zeros((1, vocab))
+    plateau[0, torch.randperm(vocab, generator=gen)[:100]] = 1.0
+    x = torch.cat([peaked, medium, flat, ties, masked, plateau])
+    n = x.shape[0]
+    pick = torch.randint(0, 4, (n,), generator=gen)
+    temperature = torch.tensor([0.7, 1.0, 1.0, 1.3])[pick]
+    top_k = torch.tensor([0, 0, 50, 0])[torch.randint(0, 4, (n,), generator=gen)]
+    top_p = torch.tensor([0.95, 0.8, 1.0, 0.99])[pick]
+    min_p = torch.tensor([0.0, 0.0, 0.05, 0.0])[torch.randint(0, 4, (n,), generator=gen)]
+    top_p[-2:] = 1.0
+    top_k[-2:] = torch.tensor([0, S.CUT_CANDIDATES])
+    min_p[-1] = 0.0
+    full_rows: list[int] = []
+    draw_full = S._draw_full
+
+    def counted(x: torch.Tensor, *a: object) -> torch.Tensor:
+        full_rows.append(int(x.shape[0]))
+        return draw_full(x, *a)  # type: ignore[arg-type]
+
+    for temps in (temperature, torch.ones(n)):
+        cuts = (bool(((top_k > 0) & (top_k < vocab)).any()), bool((top_p < 1).any()), bool((min_p > 0).any()))
+        for _ in range(40):
+            u = torch.rand(n, generator=gen, dtype=torch.float64)
+            want = S._draw_full(x, u, temps, top_k, top_p, min_p, cuts)
+            with monkeypatch.context() as m:
+                m.setattr(S, "_draw_full", counted)
+                got = S.inverse_transform(x, u, temps, top_k, top_p, min_p, cuts)
+            assert torch.equal(got, want)
+    # The candidates drew every peaked, medium and masked row (17); the flat rows and the plateau
+    # always took the long way, and so may the tied ones.
+    assert all(9 <= rows <= n - 17 for rows in full_rows), full_rows
+
+
 def test_the_cpu_cut_from_candidates_keeps_what_a_full_sort_keeps() -> None:
     from worker.engines.sampling import CUT_CANDIDATES, _cut_candidates, _cut_sorted
 
@@ -466,6 +512,12 @@ def test_the_cpu_cut_from_candidates_keeps_what_a_full_sort_keeps() -> None:
         want = _cut_sorted(x, top_k, top_p, any_k, any_p)
         assert torch.equal(got == float("-inf"), want == float("-inf")), (any_k, any_p)
         assert torch.equal(got[got != float("-inf")], x[got != float("-inf")])
+        # Peaked rows alone (every row settled by the first candidates: no copy, no second
+        # pass), and a vocabulary too small for candidates (sorted in full).
+        for rows, width in ((slice(0, 12), vocab), (slice(None), 2 * CUT_CANDIDATES)):
+            xs, ks, ps = x[rows, :width], top_k[rows].clamp(max=width), top_p[rows]
+            got = _cut_candidates(xs, ks, ps, any_k, any_p)
+            assert torch.equal(got, _cut_sorted(xs, ks, ps, any_k, any_p)), (any_k, any_p, width)
     kept = (_cut_candidates(x, top_k, top_p, True, True) != float("-inf")).sum(dim=1)
     assert kept[1] == 5 and kept[7] == 1 and kept[5] == vocab  # the cuts did cut, and top-p 1 keeps all
     assert int(kept[12:].max()) > CUT_CANDIDATES  # flat rows: their nucleus is past the candidates

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,8 +32,10 @@ def processes_mentioning(text: str) -> list[str]:
 
 
 def test_smoke_run_measures_kills_an_overrunning_stage_and_writes_the_summary(tmp_path: Path) -> None:
-    out, work, sockets = tmp_path / "out", tmp_path / "work", tmp_path / "s"
-    env = {**os.environ, "SCLSD_TEST_TMP": str(sockets)}  # the daemons' directories, to look for leftovers
+    out, work = tmp_path / "out", tmp_path / "work"
+    # The daemons' directories, short: a Unix socket's path holds at most 107 bytes.
+    sockets = Path(tempfile.mkdtemp(prefix="gc-", dir="/tmp"))
+    env = {**os.environ, "SCLSD_TEST_TMP": str(sockets)}  # to look for leftovers by
     res = subprocess.run(
         [sys.executable, "-m", "sclsd.bench.cli", "gpu-check", "--smoke", "--out", str(out), "--work", str(work),
          "--stages", "hf,live", "--live", "scls,ils", "--cap", "live-ils=5", "--deadline", "240"],
@@ -40,8 +44,9 @@ def test_smoke_run_measures_kills_an_overrunning_stage_and_writes_the_summary(tm
     assert res.returncode == 1, res.stderr[-3000:]  # one stage timed out
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     ends = {r["stage"]: r for r in rows if r.get("phase") == "end"}
+    logs = "".join((out / n).read_text()[-4000:] for n in ("live.log", "engine.log") if (out / n).exists())
     assert {k: v["status"] for k, v in ends.items()} == {
-        "setup": "ok", "facts": "ok", "hf": "ok", "live-scls": "ok", "live-ils": "timed out"}, ends
+        "setup": "ok", "facts": "ok", "hf": "ok", "live-scls": "ok", "live-ils": "timed out"}, (ends, logs)
     assert ends["live-ils"]["seconds"] < 5 + 3 and "5 s cap" in ends["live-ils"]["note"]
     plan = next(r for r in rows if r["stage"] == "plan")
     assert (plan["smoke"], plan["model"], plan["device"], plan["trace_kind"]) == (True, "tiny-random", "cpu",
@@ -54,6 +59,7 @@ def test_smoke_run_measures_kills_an_overrunning_stage_and_writes_the_summary(tm
     assert rows[-1]["stage"] == "done"
     # The killed stage's daemon and worker went with it.
     assert processes_mentioning(str(sockets)) == []
+    shutil.rmtree(sockets, ignore_errors=True)
 
     summary = (out / "summary.md").read_text()
     assert summary.startswith("# sclsd-bench gpu-check") and "Smoke run" in summary

@@ -72,7 +72,8 @@ def test_sigterm_after_serving_with_kept_kv_exits_cleanly(engine: str, tmp_path:
         t.join(timeout=30)
     text = log.read_text()
     assert rc == 0, text[-3000:]
-    assert not re.search(r"did not exit in time|killing", text), text[-3000:]
+    # The stop's own kill (the crash above may log "killing its process" when a send finds it gone).
+    assert "did not exit in time" not in text, text[-3000:]
     closed = re.findall(r"sclsd-worker\[(w\d)\] INFO worker: engine closed in [\d.]+ s: kept KV", text)
     assert sorted(closed) == ["w0", "w1"], text[-3000:]
     assert len(ended) == 6
@@ -106,7 +107,8 @@ def test_sigterm_while_a_restarted_worker_loads_stops_it_without_the_kill(tmp_pa
         took = time.monotonic() - t0
     text = log.read_text()
     assert rc == 0, text[-3000:]
-    assert not re.search(r"did not exit in time|killing", text), text[-3000:]
+    # The stop's own kill (the crash above may log "killing its process" when a send finds it gone).
+    assert "did not exit in time" not in text, text[-3000:]
     assert re.search(r"worker=w0 pid=\d+ has not registered: SIGTERM", text), text[-3000:]
     # It exits at the end of its load (or, had it registered first, when turned away).
     assert re.search(r"sclsd-worker\[w0\] INFO worker: SIGTERM during start-up: exiting"

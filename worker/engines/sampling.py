@@ -84,10 +84,24 @@ def filter_logits(x: Any, temperature: Any, top_k: Any, top_p: Any, min_p: Any,
         cut = _cut_candidates if x.device.type == "cpu" else _cut_sorted
         x = cut(x, top_k, top_p, any_k, any_p)
     if any_min:
-        # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p): no softmax needed.
-        floor = x.max(dim=-1, keepdim=True).values + torch.log(min_p.clamp(min=1e-30)).unsqueeze(1)
+        floor = _min_p_floor(x.max(dim=-1, keepdim=True).values, min_p)
         x = torch.where((min_p > 0.0).unsqueeze(1) & (x < floor), torch.full_like(x, float("-inf")), x)
     return x
+
+
+def _min_p_floor(top: Any, min_p: Any) -> Any:
+    """The min-p floor of rows whose likeliest logit is ``top`` (``[rows, 1]``):
+    p_i < min_p * p_max  <=>  x_i < x_max + log(min_p), so no softmax is needed."""
+    import torch
+
+    return top + torch.log(min_p.clamp(min=1e-30)).unsqueeze(1)
+
+
+def _first_candidates(top_k: Any, any_k: bool, vocab: int) -> int:
+    """How many of each row's most likely tokens a CPU cut tries first: :data:`CUT_CANDIDATES`,
+    or the largest top-k below the vocabulary."""
+    ks = [int(k) for k in top_k.tolist()] if any_k else []
+    return max([CUT_CANDIDATES, *(k for k in ks if 0 < k < vocab)])
 
 
 def _cut_sorted(x: Any, top_k: Any, top_p: Any, any_k: bool, any_p: bool) -> Any:
@@ -124,24 +138,20 @@ def _cut_candidates(x: Any, top_k: Any, top_p: Any, any_k: bool, any_p: bool) ->
     import torch
 
     rows, vocab = x.shape
-    ks = [int(k) for k in top_k.tolist()] if any_k else []
-    m = max([CUT_CANDIDATES, *(k for k in ks if 0 < k < vocab)])
-    if 4 * m <= vocab:
-        # The common case, every row settled by the first candidates, costs no copy.
-        first, done = _cut_top(x, top_k, top_p, any_k, any_p, m)
-        if bool(done.all()):
-            return first
-        out = first
-        todo = torch.arange(rows)[~done]
-        m *= 8
-    else:
-        out, todo = x.clone(), torch.arange(rows)
+    m = _first_candidates(top_k, any_k, vocab)
+    out: Any = None
+    todo = torch.arange(rows)
     while todo.numel() and 4 * m <= vocab:
-        rest = _cut_top(x[todo], top_k[todo], top_p[todo], any_k, any_p, m)
-        done = rest[1]
-        out[todo[done]] = rest[0][done]
+        first = out is None  # all rows: no copy of the logits to index them
+        cut, done = _cut_top(x if first else x[todo], top_k[todo], top_p[todo], any_k, any_p, m)
+        if first:
+            out = cut  # a new tensor; the rows it did not settle are cut again below
+        else:
+            out[todo[done]] = cut[done]
         todo = todo[~done]
         m *= 8
+    if out is None:
+        out = x.clone()
     if todo.numel():
         out[todo] = _cut_sorted(x[todo], top_k[todo], top_p[todo], any_k, any_p)
     return out
@@ -230,15 +240,15 @@ def _draw_from_candidates(x: Any, u: Any, temperature: Any, top_k: Any, top_p: A
     rows, vocab = x.shape
     # x / 1 is x: a pass over the whole vocabulary saved for the rows at temperature 1.
     y = x if bool((temperature == 1.0).all()) else x / temperature.unsqueeze(1)
-    ks = [int(k) for k in top_k.tolist()] if any_k else []
-    m = max([CUT_CANDIDATES, *(k for k in ks if 0 < k < vocab)])
+    m = _first_candidates(top_k, any_k, vocab)
     out = torch.empty(rows, dtype=torch.long)
     todo = torch.arange(rows)
     while todo.numel() and 4 * m <= vocab:
-        vals, ids, floor, settled = _top_floor(y[todo], top_k[todo], top_p[todo], any_k, any_p, m)
+        sub = y if todo.numel() == rows else y[todo]  # all rows: no copy
+        vals, ids, floor, settled = _top_floor(sub, top_k[todo], top_p[todo], any_k, any_p, m)
         if any_min:
-            mp = min_p[todo].unsqueeze(1)
-            floor = torch.where(mp > 0.0, torch.maximum(floor, vals[:, :1] + torch.log(mp.clamp(min=1e-30))), floor)
+            mp = min_p[todo]
+            floor = torch.where((mp > 0.0).unsqueeze(1), torch.maximum(floor, _min_p_floor(vals[:, :1], mp)), floor)
         least = vals[:, -1:]
         # Every kept token is a candidate: the floor above the least likely candidate, or
         # every token below the candidates already masked out (-inf: a grammar, a bias).

@@ -72,8 +72,9 @@ class RowBook:
                 rec = self._rows[c.rid]
                 ids = rec.token_ids if c.known == len(rec.token_ids) and not c.tail else (
                     rec.token_ids[:c.known] + c.tail)
+                # The prompt's log-probabilities came with the request's first slice here.
                 row = msgspec.structs.replace(rec, token_ids=ids, max_new_tokens=c.max_new_tokens,
-                                              generated=c.generated)
+                                              generated=c.generated, prompt_logprobs=None)
                 self._rows[c.rid] = row
                 rows.append(row)
             return msgspec.structs.replace(batch, requests=rows, cont=[], forget=[])

@@ -74,10 +74,13 @@ class TokenStream:
             acc = rows.get(o.rid)
             if acc is None:
                 rows[o.rid] = P.RequestOutput(rid=o.rid, token_ids=list(o.token_ids), start=sent.get(o.rid, 0),
-                                              finish_reason=o.finish_reason, logprobs=list(o.logprobs))
+                                              finish_reason=o.finish_reason, logprobs=list(o.logprobs),
+                                              prompt_logprobs=o.prompt_logprobs)
             else:
                 acc.token_ids.extend(o.token_ids)
                 acc.logprobs.extend(o.logprobs)
+                if o.prompt_logprobs and not acc.prompt_logprobs:
+                    acc.prompt_logprobs = o.prompt_logprobs
                 acc.finish_reason = o.finish_reason
         now = self.clock()
         if first or now >= self.next_at:
@@ -107,12 +110,16 @@ class TokenStream:
 
 def result_rows(outputs: list[P.RequestOutput], sent: dict[str, int]) -> list[P.RequestOutput]:
     """A Result's rows from the engine's ``outputs`` (every token of the slice): each row's
-    tokens after the ``sent[rid]`` that ``tokens`` messages carried, ``start`` saying so."""
+    tokens after the ``sent[rid]`` that ``tokens`` messages carried, ``start`` saying so (and
+    its ``prompt_logprobs`` only if no such message carried any of its tokens)."""
     rows = []
     for o in outputs:
         k = min(sent.get(o.rid, 0), len(o.token_ids))
+        # Tokens parts that went out carried the row's first part, and with it its prompt's
+        # log-probabilities: the result does not send them again.
         rows.append(o if k == 0 else msgspec.structs.replace(
-            o, token_ids=o.token_ids[k:], start=k, logprobs=o.logprobs[k:] if o.logprobs else []))
+            o, token_ids=o.token_ids[k:], start=k, logprobs=o.logprobs[k:] if o.logprobs else [],
+            prompt_logprobs=[]))
     return rows
 
 

@@ -1,5 +1,5 @@
 """What admission refuses in a ``generate`` by the workers' abilities: sampling the engine
-cannot do, ``min_tokens`` / ``logit_bias`` / ``structured`` it does not apply or with a bad
+cannot do, ``min_tokens`` / ``logit_bias`` / ``structured`` / ``prompt_logprobs`` it does not apply or with a bad
 value, chat messages for a tokenizer without a chat template. Pure checks, no I/O."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def sampling_refusal(cfg: Config, caps: list[P.EngineCaps], g: P.Generate) -> st
 
 def feature_refusal(cfg: Config, caps: list[P.EngineCaps], tok: Tokenizer, g: P.Generate
                     ) -> tuple[str, str] | None:
-    """(the field, why) when ``g``'s ``min_tokens``, ``logit_bias`` or ``structured`` cannot
+    """(the field, why) when ``g``'s ``min_tokens``, ``logit_bias``, ``structured`` or ``prompt_logprobs`` cannot
     be served: a bad value, or workers that do not apply it (their ``caps``; before any has
     registered, the configured engine's)."""
     engine = cfg.engine
@@ -69,4 +69,7 @@ def feature_refusal(cfg: Config, caps: list[P.EngineCaps], tok: Tokenizer, g: P.
     if g.structured is not None:
         if not can("grammar"):
             return "structured", f"structured output: these workers ({engine}) do not enforce grammars"
+    if g.prompt_logprobs is not None and not can("prompt_logprobs"):
+        return "prompt_logprobs", (f"prompt_logprobs: these workers ({engine}) do not compute the prompt's "
+                                   "log-probabilities")
     return None

@@ -103,6 +103,12 @@ class Generate(_Msg, tag="generate"):
     """Return the log-probability of each generated token (``delta``/``done`` ``logprobs``)."""
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0
     """Also return this many most likely tokens at each position (implies ``logprobs``)."""
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    """Return the log-probability of every prompt token after the first, given the tokens
+    before it, with this many most likely tokens at each position (vLLM's ``prompt_logprobs``;
+    0: the prompt's own tokens only; None: none). Computed in the request's prefill, so a
+    request with it is served without KV cached from others; needs the feature
+    ``prompt_logprobs`` in :attr:`Pong.features` and workers whose engine computes them."""
     user: Annotated[str, Meta(max_length=256)] | None = None
     """An end-user id, logged with the request (OpenAI's ``user``)."""
     group: Annotated[str, Meta(max_length=256)] | None = None
@@ -162,6 +168,9 @@ class Delta(_Msg, tag="delta"):
     logprobs: list[TokenLogprobs] | None = None
     """With ``logprobs``: those of ``token_ids`` (or of tokens streamed earlier, when a
     worker sent their tokens before their log-probabilities), in order."""
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """With ``prompt_logprobs``: once, in the first delta after the prefill, one entry per
+    prompt token after the first (position i + 1 of the prompt is entry i)."""
 
 
 class Usage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -205,6 +214,9 @@ class Done(_Msg, tag="done"):
     """Worker that served the last slice."""
     logprobs: list[TokenLogprobs] | None = None
     """Non-streaming requests with ``logprobs``: one entry per token of ``token_ids``."""
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """With ``prompt_logprobs``, when no ``delta`` carried them (a request that does not
+    stream): one entry per prompt token after the first, as in :attr:`Delta.prompt_logprobs`."""
 
 
 class Error(_Msg, tag="error"):
@@ -227,8 +239,9 @@ class Pong(_Msg, tag="pong"):
 
 #: Optional ``generate`` fields a daemon applies only once it says so in ``Pong.features``:
 #: ``min_tokens`` > 0, a non-empty ``logit_bias``, ``skip_special_tokens = false``, ``structured``,
-#: ``include_stop_str = true``.
-GENERATE_FEATURES = ("min_tokens", "logit_bias", "skip_special_tokens", "structured", "include_stop_str")
+#: ``include_stop_str = true``, ``prompt_logprobs`` set.
+GENERATE_FEATURES = ("min_tokens", "logit_bias", "skip_special_tokens", "structured", "include_stop_str",
+                     "prompt_logprobs")
 
 
 class WorkerStateReply(_Msg, tag="worker_state"):

@@ -36,8 +36,11 @@ from msgspec import Meta
 #: that (and a small lookahead): the rest of the line waits in the daemon. 10: ``result``
 #: carries the rows the engine can run at once now (``Result.rows``), where that depends on
 #: what runs (``hf-static-cb``: its arena's slots at the current columns per slot), and the
-#: daemon sends no more than that from then on.
-PROTOCOL_VERSION = 10
+#: daemon sends no more than that from then on. 11: ``generate``'s ``prompt_logprobs`` (the
+#: log-probability of each prompt token after the first, vLLM's), asked of an engine by a batch
+#: row's ``prompt_logprobs`` and carried by the row's first output (``RequestOutput``), and to
+#: the client by ``delta``/``done``; ``caps.prompt_logprobs`` says an engine computes them.
+PROTOCOL_VERSION = 11
 
 #: Default cap on one client / status frame (bytes of msgpack).
 DEFAULT_MAX_FRAME = 4 * 1024 * 1024

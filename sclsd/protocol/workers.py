@@ -45,6 +45,8 @@ class EngineCaps(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     """Rows' ``logit_bias`` is applied."""
     grammar: bool = False
     """Rows' ``grammar`` is enforced (structured output)."""
+    prompt_logprobs: bool = False
+    """Rows' ``prompt_logprobs`` are computed (``RequestOutput.prompt_logprobs``)."""
 
 
 class Register(_Msg, tag="register"):
@@ -142,6 +144,11 @@ class BatchRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     logprobs: bool = False
     """Send ``RequestOutput.logprobs`` for this row."""
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    """Compute the log-probability of every token of the prompt after the first, with this
+    many most likely tokens at each position, in the prefill of the request's first slice
+    (``generated`` 0; the whole prompt, no KV taken from elsewhere), and send them with the
+    row's first output (``RequestOutput.prompt_logprobs``). None: none."""
     min_tokens: NonNegInt = 0
     """EOS and the stop tokens cannot end the request before it has this many tokens (counted
     over the whole request: ``generated`` plus this slice's)."""
@@ -208,6 +215,11 @@ class RequestOutput(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     None: the slice ended."""
     logprobs: list[TokenLogprobs] = []
     """Rows asked for ``logprobs``: one entry per token of ``token_ids``."""
+    prompt_logprobs: list[TokenLogprobs] = []
+    """Rows asked for ``prompt_logprobs`` in their first slice: one entry per prompt token
+    after the first, on the row's first ``tokens`` part and on its output in the
+    engine's result (a ``result`` whose row ``tokens`` messages already carried leaves them
+    out); the daemon takes the first it gets."""
     kv_tokens: NonNegInt = 0
     """In a :class:`Result`: tokens of this request's context whose KV the worker keeps after
     the slice (its next slice there prefills only the rest); 0: none kept."""

@@ -318,3 +318,54 @@ def test_sampled_rows_keep_torch_on_one_thread(llama) -> None:
     finally:
         torch.set_num_threads(before)
     llama.release()
+
+
+def test_prompt_logprobs_are_the_models_over_the_whole_prompt(llama, hf) -> None:
+    """A row asking for its prompt's log-probabilities gets, for each prompt token after the
+    first, the model's log-softmax at the position before it (hf's full forward of the same
+    weights), over prefill chunks (48 tokens: more than one decode on a CPU that caps steps at
+    31), beside rows that ask for nothing; its tokens are the ones it gets without asking, the
+    first streamed part carries them, and a later slice of the request computes none."""
+    import torch
+
+    def reference(prompt: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(hf.model(torch.tensor([prompt])).logits[0].float(), dim=-1)[:-1]
+
+    reqs = [row("a", PROMPT, 5, prompt_logprobs=3, ignore_eos=True),
+            row("b", PROMPT[:9], 4, prompt_logprobs=0, logprobs=True, ignore_eos=True),
+            row("c", PROMPT[:20], 4, ignore_eos=True)]
+    q: queue.Queue = queue.Queue()
+    done: dict[int, list[P.RequestOutput]] = {}
+    parts: dict[str, list[P.RequestOutput]] = {}
+
+    def on_done(b, outs, _stats, err) -> None:
+        assert err is None
+        done[b.batch_id] = outs
+        q.put(None)
+
+    def on_tokens(_bid, outs) -> None:
+        for o in outs:
+            parts.setdefault(o.rid, []).append(o)
+
+    q.put(batch(110, reqs))
+    run(llama, queue_take(q), on_done, on_tokens)
+    a, b, c = done[110]
+    for out, prompt, k in ((a, PROMPT, 3), (b, PROMPT[:9], 0)):
+        ref = reference(prompt)
+        assert [e.chosen.id for e in out.prompt_logprobs] == prompt[1:]
+        for p, e in enumerate(out.prompt_logprobs):  # within the fp16 KV cache's noise
+            assert abs(e.chosen.logprob - ref[p, prompt[p + 1]].item()) < 0.05
+            assert len(e.top) == k
+            assert max((abs(t.logprob - ref[p, t.id].item()) for t in e.top), default=0) < 0.05
+            top = ref[p].topk(k).values.tolist() if k else []
+            assert max((abs(t.logprob - v) for t, v in zip(e.top, top, strict=True)), default=0) < 0.05
+        assert parts[out.rid][0].prompt_logprobs == out.prompt_logprobs
+        assert all(not p.prompt_logprobs for p in parts[out.rid][1:])
+    assert not c.prompt_logprobs and len(b.logprobs) == 4
+    plain, _ = llama.serve(batch(111, [row(r.rid + "-plain", r.token_ids, 5 if r.rid == "a" else 4, ignore_eos=True)
+                                       for r in reqs]))
+    assert [o.token_ids for o in plain] == [o.token_ids for o in (a, b, c)]
+    (later,), _ = llama.serve(batch(112, [row("a", PROMPT + a.token_ids, 3, prompt_logprobs=3, generated=5)]))
+    assert not later.prompt_logprobs and len(later.token_ids) == 3
+    llama.release()

@@ -394,16 +394,19 @@ class TokenCursor:
         self.sent = [0] * len(rids)
 
     def new(
-        self, outs: list[list[int]], reasons: list[Any], logprobs: list[list[Any]] | None = None
+        self, outs: list[list[int]], reasons: list[Any], logprobs: list[list[Any]] | None = None,
+        prompt: list[list[Any]] | None = None,
     ) -> list[RequestOutput]:
         """What each row generated beyond what an earlier call returned (rows with nothing new
-        are left out). ``logprobs``: per row, aligned with ``outs`` (rows that asked for them)."""
+        are left out). ``logprobs``: per row, aligned with ``outs`` (rows that asked for them);
+        ``prompt``: per row, its prompt's log-probabilities, sent with its first tokens."""
         new: list[RequestOutput] = []
         for i, toks in enumerate(outs):
             k = self.sent[i]
             if len(toks) > k:
                 lps = logprobs[i][k : len(toks)] if logprobs is not None else []
+                plps = prompt[i] if prompt is not None and k == 0 else []
                 new.append(RequestOutput(rid=self.rids[i], token_ids=toks[k:],
-                                         finish_reason=reasons[i], logprobs=lps))  # fmt: skip
+                                         finish_reason=reasons[i], logprobs=lps, prompt_logprobs=plps))  # fmt: skip
                 self.sent[i] = len(toks)
         return new

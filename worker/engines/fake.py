@@ -41,7 +41,14 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from sclsd.protocol import BatchMsg, BatchRequest, BatchStats, EngineCaps, RequestOutput
+from sclsd.protocol import (
+    BatchMsg,
+    BatchRequest,
+    BatchStats,
+    EngineCaps,
+    RequestOutput,
+    TokenLogprobs,
+)
 from worker.engines.base import EngineInfo, Event, SliceEngine, Steps, TokenCursor
 from worker.engines.constraints import RowConstraints, first_allowed
 from worker.engines.fake_cb import ContinuousRows
@@ -73,7 +80,7 @@ class FakeRow:
     way of serving a request (static batches, slices, continuous rows) gives the same tokens.
     """
 
-    __slots__ = ("eng", "req", "rules", "natural", "state", "matcher", "out", "lps", "reason")
+    __slots__ = ("eng", "req", "rules", "natural", "state", "matcher", "out", "lps", "plps", "reason")
 
     def __init__(self, eng: FakeEngine, r: BatchRequest, matcher: Any = None) -> None:
         self.eng = eng
@@ -88,6 +95,12 @@ class FakeRow:
         self.matcher = matcher
         self.out: list[int] = []
         self.lps: list[Any] = []
+        self.plps: list[TokenLogprobs] = []
+        """The prompt's log-probabilities (made up, stable), in the request's first slice."""
+        if r.prompt_logprobs is not None and r.generated == 0:
+            p = r.token_ids
+            self.plps = [synthetic_logprobs(p[i], r.prompt_logprobs, mix_seed(h ^ 0x9E0, i), FIRST_ORDINARY_ID,
+                                            eng.vocab) for i in range(1, len(p))]
         self.reason: str | None = None
         """``stop`` or ``length`` once the row finished, ``cancelled`` once the daemon ended it
         (None: it may go on)."""
@@ -177,7 +190,7 @@ class FakeEngine(SliceEngine):
             mem_available=self.mem_budget,
             eos_token_ids=[EOS_ID],
             vocab_size=self.vocab,
-            caps=EngineCaps(batching=self.batching, grammar=self.grammar,  # type: ignore[arg-type]
+            caps=EngineCaps(batching=self.batching, grammar=self.grammar, prompt_logprobs=True,  # type: ignore[arg-type]
                             max_rows=self.max_rows if self.batching == "continuous" else 0),
         )
 
@@ -282,7 +295,8 @@ class FakeEngine(SliceEngine):
             for row in rows:
                 if row.reason is None:
                     row.step()
-            yield cursor.new([row.out for row in rows], [row.reason for row in rows], [row.lps for row in rows])
+            yield cursor.new([row.out for row in rows], [row.reason for row in rows], [row.lps for row in rows],
+                             [row.plps for row in rows])
             self.end_cancelled(rows)
         t2 = time.perf_counter()
         outs = [row.out for row in rows]
@@ -291,7 +305,8 @@ class FakeEngine(SliceEngine):
 
         outputs = [
             RequestOutput(rid=r.rid, token_ids=outs[i], finish_reason=reasons[i],  # type: ignore[arg-type]
-                          logprobs=rows[i].lps, kv_tokens=kept[i], reused_tokens=used[i])
+                          logprobs=rows[i].lps, prompt_logprobs=rows[i].plps, kv_tokens=kept[i],
+                          reused_tokens=used[i])
             for i, r in enumerate(reqs)
         ]
         stats = BatchStats(

@@ -58,6 +58,8 @@ class Row(Protocol):
     req: BatchRequest
     out: list[int]
     lps: list[Any]
+    plps: list[Any]
+    """The prompt's log-probabilities, when the row computes them (sent with its first tokens)."""
     reason: str | None
 
     def step(self) -> int: ...
@@ -246,7 +248,7 @@ class ContinuousRows:
             if len(row.out) > lv.sent:
                 by_batch.setdefault(lv.grant.batch.batch_id, []).append(RequestOutput(
                     rid=row.req.rid, token_ids=row.out[lv.sent:], finish_reason=row.reason,  # type: ignore[arg-type]
-                    logprobs=row.lps[lv.sent:]))
+                    logprobs=row.lps[lv.sent:], prompt_logprobs=row.plps if lv.sent == 0 else []))
                 lv.sent = len(row.out)
         yield from by_batch.items()
 
@@ -262,7 +264,8 @@ class ContinuousRows:
                     kept = len(tokens)
             kv.store.done([r.rid])
         g.outputs[r.rid] = RequestOutput(rid=r.rid, token_ids=row.out, finish_reason=row.reason,  # type: ignore[arg-type]
-                                         logprobs=row.lps, kv_tokens=kept, reused_tokens=lv.used)
+                                         logprobs=row.lps, prompt_logprobs=row.plps, kv_tokens=kept,
+                                         reused_tokens=lv.used)
         g.left -= 1
         if g.left == 0:
             self._finish(g)

@@ -140,11 +140,11 @@ class LlamaEngine(Engine):
 
     def caps(self) -> EngineCaps:
         """Continuous batching of at most ``max_rows`` rows a step; sampling, seeds, min_tokens,
-        logit_bias and log-probabilities per request; grammars where llguidance is installed;
-        KV per token."""
+        logit_bias and log-probabilities per request (the prompt's too); grammars where
+        llguidance is installed; KV per token."""
         return EngineCaps(batching="continuous", sampling=True, seeded=True, max_context=self.max_context,
                           max_rows=self.max_rows, kv_page_tokens=1, min_tokens=True, logit_bias=True,
-                          grammar=_has_llguidance())
+                          grammar=_has_llguidance(), prompt_logprobs=True)
 
     def profile(self) -> dict[str, Any] | None:
         """The built-in profile of the default model on one thread (measured with this engine,

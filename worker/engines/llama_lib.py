@@ -296,9 +296,11 @@ class Batch:
     def room(self) -> int:
         return self.capacity - self.n
 
-    def add(self, tokens: list[int], seq: int, pos: int, logits: bool) -> int:
+    def add(self, tokens: list[int], seq: int, pos: int, logits: bool, every: bool = False) -> int:
         """Add ``tokens`` of sequence ``seq`` at positions from ``pos``; with ``logits`` the last
-        one's logits are computed. Returns that row's index among the decode's logits (-1: none)."""
+        one's logits are computed. Returns that row's index among the decode's logits (-1: none).
+        ``every``: every token's logits are computed (a prompt scored), and the index returned
+        is the first token's."""
         k, n = len(tokens), self.n
         if k == 0 or n + k > self.capacity:
             raise ValueError(f"{k} tokens do not fit a batch of {self.capacity} holding {n}")
@@ -308,6 +310,10 @@ class Batch:
         self.want[n:n + k] = 0
         self.n = n + k
         self.struct.n_tokens = self.n
+        if every:
+            self.want[n:n + k] = 1
+            self.n_out += k
+            return self.n_out - k
         if not logits:
             return -1
         self.want[n + k - 1] = 1

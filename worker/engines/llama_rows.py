@@ -66,6 +66,14 @@ class _Row:
     sent: int = 0
     """Tokens already in a :class:`~worker.engines.base.NewTokens` event."""
     reused: int = 0
+    plps: list[TokenLogprobs] = field(default_factory=list)
+    """Its prompt's log-probabilities, filled as the prefill's chunks are decoded."""
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prefill computes its prompt's log-probabilities (``prompt_logprobs`` in
+        the request's first slice, the whole prompt prefilled here)."""
+        return self.req.prompt_logprobs is not None and self.req.generated == 0 and self.reused == 0
 
     @property
     def reserve(self) -> int:
@@ -163,13 +171,23 @@ class Running:
         if not self.rows:
             return
         t0 = time.perf_counter()
-        outs, fed = self._decode()
+        outs, fed, scored = self._decode()
         self.steps += 1
         self._track_peak()
+        if scored:
+            try:
+                self._score(scored)
+            except Exception as exc:  # noqa: BLE001 - these batches fail, the engine goes on
+                log.exception("the prompt's log-probabilities failed")
+                for g in dict.fromkeys(r.grant for r, _, _, _ in scored):
+                    self._fail(g, exc)
+                outs = [(r, j) for r, j in outs if r in self.rows]
         if outs:
             picked = [r for r, _ in outs]
             try:
-                logits = self.ctx.logits(len(outs))
+                logits = self.ctx.logits(self.batch.n_out)
+                if len(logits) != len(outs):  # a prompt's logits came too: the picks' rows only
+                    logits = logits[[j for _, j in outs]]
                 toks, lps = pick([(r.picks, r.tokens, r.req.generated + len(r.out)) for r in picked],
                                  logits, self.vocab, self.eos)
             except Exception as exc:  # noqa: BLE001 - these batches fail, the engine goes on
@@ -230,15 +248,20 @@ class Running:
             g.prefill_tokens += len(row.tokens) - row.fed
             self.rows.append(row)
 
-    def _decode(self) -> tuple[list[tuple[_Row, int]], list[tuple[_Row, int]]]:
+    def _decode(self) -> tuple[list[tuple[_Row, int]], list[tuple[_Row, int]],
+                               list[tuple[_Row, int, int, int]]]:
         """Decode the step's tokens (module docstring): the rows that get logits, with their
-        index among them, and every row fed, with its tokens. A decode that finds no room defragments the cache, then moves
-        kept KV out, then leaves the prefills for a later step; LlamaError if none helps."""
+        index among them; every row fed, with its tokens; and the prompt chunks scored (a row
+        whose prompt's log-probabilities are asked for gets every fed token's logits), each as
+        (row, index of its first logits, first position, positions). A decode that finds no
+        room defragments the cache, then moves kept KV out, then leaves the prefills for a
+        later step; LlamaError if none helps."""
         for attempt in range(4):
             b = self.batch
             b.clear()
             outs: list[tuple[_Row, int]] = []
             fed: list[tuple[_Row, int]] = []
+            scored: list[tuple[_Row, int, int, int]] = []
             decoding = [r for r in self.rows if r.fed == len(r.tokens) - 1]
             prefilling = [r for r in self.rows if r.fed < len(r.tokens) - 1] if attempt < 3 else []
             for r in decoding + prefilling:
@@ -246,7 +269,14 @@ class Running:
                 if k <= 0:
                     break
                 last = r.fed + k == len(r.tokens)
-                j = b.add(r.tokens[r.fed:r.fed + k], r.seq, r.fed, last)
+                # Positions up to the prompt's last but one predict a prompt token.
+                score = min(k, len(r.tokens) - 1 - r.fed) if r.scores_prompt else 0
+                if score > 0:
+                    j0 = b.add(r.tokens[r.fed:r.fed + k], r.seq, r.fed, last, every=True)
+                    scored.append((r, j0, r.fed, score))
+                    j = j0 + k - 1
+                else:
+                    j = b.add(r.tokens[r.fed:r.fed + k], r.seq, r.fed, last)
                 fed.append((r, k))
                 if last:
                     outs.append((r, j))
@@ -256,7 +286,7 @@ class Running:
             if rc == 0:
                 for r, k in fed:
                     r.fed += k
-                return outs, fed
+                return outs, fed, scored
             if rc < 0:
                 raise LlamaError(f"llama_decode failed ({rc})")
             log.info("no room in the KV cache for %d tokens (attempt %d): %s", b.n, attempt + 1,
@@ -269,6 +299,19 @@ class Running:
                 self.ctx.defrag()
         raise LlamaError(f"no room in the KV cache of {self.ctx.n_ctx} cells for {len(self.rows)} rows")
 
+    def _score(self, scored: list[tuple[_Row, int, int, int]]) -> None:
+        """The prompt's log-probabilities of the chunks just decoded: the logits at position p
+        give prompt token p + 1's."""
+        import torch
+
+        from worker.engines.sampling import prompt_logprobs
+
+        logits = torch.from_numpy(self.ctx.logits(self.batch.n_out))
+        for r, j0, p0, n in scored:
+            k = r.req.prompt_logprobs or 0
+            targets = torch.tensor(r.tokens[p0 + 1:p0 + 1 + n], dtype=torch.long)
+            r.plps.extend(prompt_logprobs(logits[j0:j0 + n], targets, k))
+
     # ------------------------------------------------------------------ rows and batches
 
     def _stream(self) -> None:
@@ -277,7 +320,7 @@ class Running:
             if len(r.out) > r.sent:
                 by_grant.setdefault(r.grant.batch.batch_id, []).append(RequestOutput(
                     rid=r.req.rid, token_ids=r.out[r.sent:], finish_reason=r.reason,  # type: ignore[arg-type]
-                    logprobs=r.logprobs[r.sent:]))
+                    logprobs=r.logprobs[r.sent:], prompt_logprobs=r.plps if r.sent == 0 else []))
                 r.sent = len(r.out)
         for bid, outs in by_grant.items():
             self.events.append(NewTokens(bid, outs))
@@ -289,7 +332,7 @@ class Running:
         kept = self.kv.end(r.req.rid, r.seq, r.tokens[:r.fed] if keep else None)
         g.outputs[r.req.rid] = RequestOutput(
             rid=r.req.rid, token_ids=r.out, finish_reason=r.reason,  # type: ignore[arg-type]
-            logprobs=r.logprobs, kv_tokens=kept, reused_tokens=r.reused)
+            logprobs=r.logprobs, prompt_logprobs=r.plps, kv_tokens=kept, reused_tokens=r.reused)
         g.left -= 1
         if g.left == 0:
             self._finish(g)

@@ -293,6 +293,22 @@ def unpack_logprobs(row: Sequence[float], k: int, want: int) -> TokenLogprobs:
     return TokenLogprobs(Logprob(int(row[0]), max(MIN_LOGPROB, row[1])), top)
 
 
+def prompt_logprobs(logits: Any, targets: Any, k: int) -> list[TokenLogprobs]:
+    """The protocol's entries for prompt positions: ``logits`` ``[n, vocab]`` at n positions,
+    ``targets`` ``[n]`` the prompt token that follows each, ``k`` most likely tokens at each.
+    The model's own log-softmax (no temperature, penalties or bias), computed as a generated
+    token's is (:func:`token_logprobs`), so a chosen token that is the likeliest has exactly
+    its top entry's value."""
+    import torch
+
+    if logits.shape[0] == 0:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen, values, ids = token_logprobs(lp, targets.to(lp.device).long(), k)
+    rows = pack_logprobs(targets.to(lp.device).long(), chosen, values, ids).tolist()
+    return [unpack_logprobs(row, k, k) for row in rows]
+
+
 @dataclass
 class Draw:
     """One step's picks, still on the device: ``tokens`` ``[rows]``; for rows that asked for

@@ -1,7 +1,8 @@
 """The events a client hears about its request, built from the request's entry.
 
 ``delta`` carries new tokens and text (trimmed at a stop string) and, when
-asked for, their log-probabilities with each token's text; ``done`` the
+asked for, their log-probabilities with each token's text (the first delta after the
+prefill also the prompt's, ``prompt_logprobs``); ``done`` the
 usage and timings, and for a request that does not stream the whole output.
 Building an event changes nothing but the output's stop-string and
 sent-logprobs marks; sending it is the caller's business.
@@ -37,8 +38,12 @@ class ClientEvents:
         lps = None
         if e.wants_logprobs:
             lps = self._named(out.unsent_logprobs()) or None
-        if ids or text or lps:
-            return P.Delta(id=e.client_id, token_ids=ids, text=text, logprobs=lps)
+        plps = None
+        if e.prompt_logprobs is not None and not e.prompt_logprobs_sent:
+            plps = self._named(e.prompt_logprobs)
+            e.prompt_logprobs_sent = True
+        if ids or text or lps or plps:
+            return P.Delta(id=e.client_id, token_ids=ids, text=text, logprobs=lps, prompt_logprobs=plps)
         return None
 
     def done(self, e: Entry, reason: FinishReason, now: float) -> P.Done:
@@ -57,6 +62,9 @@ class ClientEvents:
             token_ids=None if streams else list(out.ids),
             worker=r.worker,
             logprobs=self._named(out.logprobs) if e.wants_logprobs and not streams else None,
+            # A request that does not stream, or one whose prompt's came after its last delta.
+            prompt_logprobs=(self._named(e.prompt_logprobs)
+                             if e.prompt_logprobs is not None and not e.prompt_logprobs_sent else None),
         )
 
     @staticmethod

@@ -137,6 +137,7 @@ class Results:
             if o.error is None and o.start != k:
                 gaps.append(f"{o.rid}: its result starts at token {o.start}, {k} were streamed")
                 continue
+            e.took_prompt_logprobs(o.prompt_logprobs)
             budget = max(0, req.remaining)
             if len(o.token_ids) > budget:
                 o = P.RequestOutput(rid=o.rid, token_ids=o.token_ids[:budget], start=k, finish_reason="length",

@@ -100,6 +100,8 @@ class Streaming:
                 # Not where its previous part ended (a part we did not take): the rest of the
                 # slice waits for the result, which then fails the batch (results.py).
                 continue
+            if row.prompt_logprobs:
+                e.took_prompt_logprobs(row.prompt_logprobs)
             if len(ids) > req.remaining:
                 ids = ids[:req.remaining]
             if not ids:

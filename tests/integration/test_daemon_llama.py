@@ -42,5 +42,30 @@ def test_llama_workers_serve_hfs_tokens_in_slices_within_their_kv(tmp_path, poli
             # The memory predicate bound what ran: the engines never held more than it allowed.
             assert 0 < c["kv_peak_tokens"] <= int(0.9 * CELLS)
         assert c["reused_tokens"] > 0  # slices resumed the KV their predecessors kept
+        if policy == "scls-cb":
+            _prompt_logprobs_come_back(d.sock)
     finally:
         assert d.stop() == 0, d.log_text()
+
+
+def _prompt_logprobs_come_back(sock: str) -> None:
+    """A request's prompt log-probabilities, computed by a worker process in its prefill,
+    reach the client once: with a streaming request's first delta, a plain one's done."""
+    from sclsd import protocol as P
+    from sclsd.client import Client, Delta, Done
+
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365] * 4  # chunked on a capped CPU
+    with Client(sock) as c:
+        (done,) = [e for e in c.generate(prompt_ids=prompt, max_tokens=9, temperature=0, ignore_eos=True,
+                                         stream=False, prompt_logprobs=2) if isinstance(e, Done)]
+        events = list(c.generate(prompt_ids=prompt, max_tokens=9, temperature=0, ignore_eos=True,
+                                 stream=True, prompt_logprobs=2))
+    plps = done.prompt_logprobs
+    assert plps is not None and [e.chosen.id for e in plps] == prompt[1:]
+    assert all(len(e.top) == 2 and e.top[0].logprob >= e.top[1].logprob for e in plps)
+    assert all(e.chosen.logprob <= e.top[0].logprob <= 0 for e in plps)
+    assert {e.chosen.token for e in plps if e.chosen.id == 9690} == {"system"}  # with its text
+    deltas = [e for e in events if isinstance(e, Delta)]
+    carried = [d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None]
+    assert len(carried) == 1 and carried[0] == plps
+    assert isinstance(events[-1], P.Done) and events[-1].prompt_logprobs is None

@@ -29,7 +29,7 @@ ENGINE_FEATURES: dict[str, tuple[str, ...]] = {
     "min_tokens": ("hf", "hf-cb", "hf-static-cb", "llama", "deepspeed", "fake"),
     "logit_bias": ("hf", "hf-cb", "hf-static-cb", "llama", "deepspeed", "fake"),
     "grammar": ("hf", "hf-cb", "hf-static-cb", "llama", "deepspeed"),
-    "prompt_logprobs": ("llama", "fake"),
+    "prompt_logprobs": ("llama", "fake", "hf", "hf-static-cb"),
 }
 
 #: Client API socket of a system install (``daemon.socket``; ``sclsctl --socket``).

@@ -18,6 +18,7 @@ import msgspec
 from sclsd.protocol import BatchRequest, RequestOutput
 from worker.engines.grant import Grant
 from worker.engines.hf import RowState
+from worker.engines.hf_model import PromptScore
 
 __all__ = ["Releases", "Row"]
 
@@ -28,12 +29,17 @@ class Row:
     Its KV occupies the first :attr:`fed` columns of its slot: every context token but the
     last (prefilled, or copied in from kept KV) and one more per decode step."""
 
-    __slots__ = ("grant", "state", "cap", "keep", "used", "sent", "slot", "matcher", "released", "waited", "_ctx")
+    __slots__ = ("grant", "state", "cap", "keep", "used", "sent", "slot", "matcher", "released", "waited", "score",
+                 "_ctx")
 
-    def __init__(self, grant: Grant, req: BatchRequest, eos: list[int]) -> None:
+    def __init__(self, grant: Grant, req: BatchRequest, eos: list[int], prompt_scores: bool = False) -> None:
         self.grant = grant
         self.state = RowState(req, eos)
         """Tokens, log-probabilities, finish reason and seed (``hf``'s, the same rules)."""
+        self.score: PromptScore | None = self.state.prompt_score(prompt_scores)
+        """Its prompt's log-probabilities, filled by its prefill when it asks for them in its
+        request's first grant (``prompt_scores``: the engine's model can compute them); such
+        a row prefills its whole context, never taking kept KV (None: it does not ask)."""
         self.cap = min(req.max_new_tokens, grant.batch.slice_len)
         """Tokens it may generate in this grant."""
         self.keep = grant.batch.kv_reuse and self.cap < req.max_new_tokens
@@ -108,12 +114,13 @@ class Row:
         return self.keep and not self.released and self.state.reason is None and bool(self.state.out)
 
     def fresh(self) -> RequestOutput | None:
-        """Its tokens since the last call, as a streamed part (None: nothing new)."""
+        """Its tokens since the last call, as a streamed part (None: nothing new); the first
+        part carries its prompt's log-probabilities too."""
         s = self.state
         if len(s.out) <= self.sent:
             return None
         part = RequestOutput(rid=s.req.rid, token_ids=s.out[self.sent:], finish_reason=s.reason,  # type: ignore[arg-type]
-                             logprobs=s.logprobs[self.sent:])
+                             logprobs=s.logprobs[self.sent:], prompt_logprobs=s.plps if self.sent == 0 else [])
         self.sent = len(s.out)
         return part
 
@@ -121,7 +128,7 @@ class Row:
         """Its output at its end (``kept``: KV tokens kept for it)."""
         s = self.state
         return RequestOutput(rid=s.req.rid, token_ids=s.out, finish_reason=s.reason,  # type: ignore[arg-type]
-                             kv_tokens=kept, reused_tokens=self.used, logprobs=s.logprobs)
+                             kv_tokens=kept, reused_tokens=self.used, logprobs=s.logprobs, prompt_logprobs=s.plps)
 
     def prefill_tokens(self) -> int:
         """Context tokens it computed when it joined: none when it resumed its kept KV whole

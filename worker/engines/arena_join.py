@@ -73,8 +73,9 @@ class Joining:
         return self._usable(row) == row.length - 1 > 0
 
     def _usable(self, row: Row) -> int:
-        """Context tokens of ``row`` whose KV is here, paused in place or in the store."""
-        if not row.grant.batch.kv_reuse or row.released:
+        """Context tokens of ``row`` whose KV is here, paused in place or in the store (none for a
+        row that scores its prompt: its prefill computes every position)."""
+        if not row.grant.batch.kv_reuse or row.released or row.score is not None:
             return 0
         ctx = list(row.req.token_ids)
         p = self.paused.get(row.rid)
@@ -161,7 +162,7 @@ class Joining:
         if self.kv is None:
             return Join(row)
         entry, used = self.kv.take(row.rid, list(row.req.token_ids))
-        if entry is None or not row.grant.batch.kv_reuse or row.released:
+        if entry is None or not row.grant.batch.kv_reuse or row.released or row.score is not None:
             return Join(row)
         row.used = used
         return Join(row, entry=entry)

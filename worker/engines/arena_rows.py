@@ -29,7 +29,11 @@ Bucket rows beyond the running ones are dummies: they write their slot's last co
 chunks of at most ``prefill_chunk_tokens`` tokens: every context token but the last (a
 row's held KV, copied in first, covers the start), right-padded, each row's tokens at
 their own columns. The last context token is the row's input to its first decode step,
-which gives its first token; so a row resumed from kept KV needs no prefill at all.
+which gives its first token; so a row resumed from kept KV needs no prefill at all. A
+newcomer asking for its prompt's log-probabilities (its request's first grant: its whole
+context but the last token prefilled, positions 0 to L - 2) gets them from each chunk's last
+hidden states (:class:`~worker.engines.hf_model.HiddenTap`), through the model's head, while
+the chunk's other rows cost nothing more.
 
 **Buckets and graphs** are ``hf``'s: on CUDA one decode step per (batch bucket, cache
 bucket) is captured at warm-up (:class:`~worker.engines.static_cache.StaticRunner`'s
@@ -46,6 +50,7 @@ from typing import Any
 
 from worker.engines.arena_attention import RowBlocks, fits, row_mask, use
 from worker.engines.arena_slots import Op
+from worker.engines.hf_model import PromptScore, maybe_tap
 from worker.engines.static_cache import DecodeStep, StaticRunner, StepPlan
 
 log = logging.getLogger("worker")
@@ -324,11 +329,14 @@ class RowRunner(StaticRunner):
 
     # ------------------------------------------------------------------ prefill
 
-    def prefill(self, lo: int, c: int, parts: Sequence[tuple[Sequence[int], int]]) -> None:
+    def prefill(self, lo: int, c: int, parts: Sequence[tuple[Sequence[int], int]],
+                scores: Sequence[PromptScore | None] = ()) -> None:
         """Write the KV of ``parts[i] = (tokens, start)`` into slot ``lo + i`` at columns
         ``[start, start + len(tokens))``, in chunks of at most ``prefill_chunk_tokens`` tokens
         (module docstring). Pads write past their row's tokens (within its slot) and are
-        never seen by a real token."""
+        never seen by a real token. ``scores[i]``: part ``i``'s prompt log-probabilities (its
+        ``start`` 0: its tokens are its prompt's positions from 0), filled chunk by chunk from
+        the model's last hidden states (None: it did not ask; such rows cost nothing more)."""
         import torch
 
         m = len(parts)
@@ -346,14 +354,19 @@ class RowRunner(StaticRunner):
         cache = row_cache(self.slot_views(lo, lo + m, c), cols[:, :0])
         keys = torch.arange(c, device=dev).view(1, 1, 1, c)
         chunk = width if self.prefill_chunk_tokens <= 0 else max(1, self.prefill_chunk_tokens // m)
-        for a in range(0, width, chunk):
-            b = min(width, a + chunk)
-            q = cols[:, a:b]
-            for layer in cache.layers:
-                layer.cols = q
-            mask = keys <= q.view(m, 1, b - a, 1)
-            self.model(input_ids=ids[:, a:b], attention_mask=self.attention_mask(mask), position_ids=q,
-                       past_key_values=cache, use_cache=True, logits_to_keep=1)
+        with maybe_tap(self.model, any(s is not None for s in scores)) as tap:
+            for a in range(0, width, chunk):
+                b = min(width, a + chunk)
+                q = cols[:, a:b]
+                for layer in cache.layers:
+                    layer.cols = q
+                mask = keys <= q.view(m, 1, b - a, 1)
+                self.model(input_ids=ids[:, a:b], attention_mask=self.attention_mask(mask), position_ids=q,
+                           past_key_values=cache, use_cache=True, logits_to_keep=1)
+                if tap is not None:  # the chunk's tokens a..b-1 of each part: positions start + a..
+                    for i, s in enumerate(scores):
+                        if s is not None:
+                            s.add(self.model, tap.hidden[i], parts[i][1] + a)
 
 
 class _KV:

@@ -322,7 +322,7 @@ class ArenaRows(Joining):
         t0 = time.perf_counter()
         self.counts["prefills"] += 1
         parts = [(j.row.req.token_ids[j.row.used:j.row.length - 1], j.row.used) for j in loud]
-        self.runner.prefill(lo, c, parts)
+        self.runner.prefill(lo, c, parts, [j.row.score for j in loud])
         if self.device.type == "cuda":
             import torch
 

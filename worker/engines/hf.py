@@ -20,6 +20,14 @@ memory, within ``kv_host_bytes`` (default on CUDA: the memory budget, at most 16
 a quarter of RAM; none on the CPU), and is copied back when its request returns. A batch whose rows' KV is held
 prefills only the tokens beyond it. New tokens are yielded after the prefill and after
 every decode step, one step per poll (:class:`~worker.engines.base.SliceEngine`).
+
+The prompt's log-probabilities (``prompt_logprobs``, in a request's first slice): while a
+row that asks is in the batch, a hook on the model's decoder keeps each prefill pass's last
+hidden states (:class:`~worker.engines.hf_model.HiddenTap`), and that row's positions go
+through the model's head 256 at a time (:class:`~worker.engines.hf_model.PromptScore`); the
+model itself still computes every row's last logits only, so tokens do not change. Such a
+row prefills its whole prompt (it takes no kept KV). The entries ride on the row's first
+streamed part and on its output.
 """
 
 from __future__ import annotations
@@ -43,11 +51,18 @@ from worker.engines.constraints import stop_ids
 from worker.engines.grammar import batch_grammar
 from worker.engines.grammar import supported as grammar_supported
 from worker.engines.graph_check import warm_graphs
-from worker.engines.hf_model import TransformersModel, peak_memory
+from worker.engines.hf_model import (
+    HiddenTap,
+    PromptScore,
+    TransformersModel,
+    peak_memory,
+    scores_prompt,
+)
 from worker.engines.kvstore import KVReuse, KVStore, Retained, assemble_past, supports_reuse
 from worker.engines.sampling import BatchSampler, Draw, random_seed
 from worker.engines.static_cache import (
     STATIC_ATTENTION,
+    ChunkDone,
     StaticOptions,
     StaticRun,
     StaticRunner,
@@ -57,9 +72,10 @@ from worker.engines.static_cache import (
 log = logging.getLogger(__name__)
 
 class RowState:
-    """Per-row bookkeeping of one batch on the host: output, finish reason, log-probabilities."""
+    """Per-row bookkeeping of one batch on the host: output, finish reason, log-probabilities
+    (of its tokens, and of its prompt's when it asked for them)."""
 
-    __slots__ = ("req", "stops", "seed", "out", "reason", "logprobs")
+    __slots__ = ("req", "stops", "seed", "out", "reason", "logprobs", "plps")
 
     def __init__(self, req: BatchRequest, eos: list[int]) -> None:
         self.req = req
@@ -69,6 +85,17 @@ class RowState:
         self.out: list[int] = []
         self.reason: str | None = None
         self.logprobs: list[TokenLogprobs] = []
+        self.plps: list[TokenLogprobs] = []
+        """Its prompt's log-probabilities (``prompt_logprobs``), filled by its prefill."""
+
+    def prompt_score(self, on: bool = True) -> PromptScore | None:
+        """What its prefill fills its prompt's log-probabilities through, when it computes them
+        (:func:`~worker.engines.hf_model.scores_prompt`, and ``on``: the engine's model can);
+        None otherwise."""
+        r = self.req
+        if not on or not scores_prompt(r):
+            return None
+        return PromptScore(r.token_ids, r.prompt_logprobs or 0, self.plps)
 
     @property
     def done(self) -> bool:
@@ -90,9 +117,12 @@ class BatchRun(Protocol):
     cache's (:class:`~worker.engines.static_cache.StaticRun`, a captured graph per step). The
     engine's loop (sampling, constraints, streaming, kept KV) is the same over either."""
 
-    def prefill(self, reqs: list[BatchRequest], taken: list[Retained | None], used: list[int]) -> Any:
+    def prefill(self, reqs: list[BatchRequest], taken: list[Retained | None], used: list[int],
+                chunk_done: ChunkDone | None = None) -> Any:
         """Prefill what the rows' held KV (``taken``, ``used`` tokens each) does not cover;
-        returns the ``[rows, vocab]`` logits of every row's last token."""
+        returns the ``[rows, vocab]`` logits of every row's last token. ``chunk_done``: told
+        after each forward pass of the prefill which columns of the left-padded block of new
+        tokens it ran (:data:`~worker.engines.static_cache.ChunkDone`)."""
         ...
 
     def decode(self, tokens: Any, positions: list[int]) -> Any:
@@ -114,11 +144,16 @@ class EagerRun:
         self.mask: Any = None
         self.last: Any = None
 
-    def prefill(self, reqs: list[BatchRequest], taken: list[Retained | None], used: list[int]) -> Any:
-        """Prefill what the rows' held KV does not cover; the ``[rows, vocab]`` last logits."""
+    def prefill(self, reqs: list[BatchRequest], taken: list[Retained | None], used: list[int],
+                chunk_done: ChunkDone | None = None) -> Any:
+        """Prefill what the rows' held KV does not cover, in one pass; the ``[rows, vocab]``
+        last logits (``chunk_done``: :meth:`BatchRun.prefill`)."""
         cache, ids, mask, pos = self.inputs(reqs, taken, used)
         out = self.engine.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                                 past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if chunk_done is not None:
+            width = ids.shape[1]
+            chunk_done(0, [width - (len(r.token_ids) - u) for r, u in zip(reqs, used, strict=True)])
         self.cache, self.mask, self.last = cache, mask, pos[:, -1:]
         return out.logits[:, -1, :]
 
@@ -236,6 +271,7 @@ class HFEngine(TransformersModel, SliceEngine):
         static_buckets: Any = None,
     ) -> None:
         self.load(model, device, dtype, mem_budget, threads)
+        self.scores_prompts()  # checked once, on the model as loaded
         opts = StaticOptions.parse(self.device.type, self.static_default, static_cache, cuda_graphs,
                                    static_share, graph_batch_sizes, graph_cache_tokens, prefill_chunk_tokens,
                                    static_buckets)
@@ -269,13 +305,22 @@ class HFEngine(TransformersModel, SliceEngine):
         return self.model_info(int(mem), self.caps())
 
     def caps(self) -> EngineCaps:
-        """Static batches, per-request sampling with seeds, the model's context length, and the
-        buckets whose decode step is a captured graph."""
+        """Static batches, per-request sampling with seeds, the model's context length, the
+        buckets whose decode step is a captured graph, and the prompt's log-probabilities where
+        the model's head allows (:meth:`~worker.engines.hf_model.TransformersModel.scores_prompts`)."""
         static: StaticRunner | None = getattr(self, "static", None)  # unset during __init__
         graphs = static.captured() if static is not None else []
         return EngineCaps(batching="static", sampling=True, seeded=True, max_context=self.max_context,
                           graph_batch_sizes=sorted({n for n, _ in graphs}),
-                          graph_cache_tokens=sorted({c for _, c in graphs}), grammar=grammar_supported())
+                          graph_cache_tokens=sorted({c for _, c in graphs}), grammar=grammar_supported(),
+                          prompt_logprobs=self.scores_prompts())
+
+    def scores_prompts(self) -> bool:
+        """Whether rows' prompt log-probabilities are computed: the model's check
+        (:meth:`~worker.engines.hf_model.TransformersModel.scores_prompts`), on ``hf``'s own
+        model only: ``deepspeed`` runs this loop over ``init_inference``'s wrapper, which that
+        check never saw, and computes none."""
+        return self.name == HFEngine.name and super().scores_prompts()
 
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
         """Before registering: capture the decode graphs (CUDA) and serve a few small batches,
@@ -328,7 +373,7 @@ class HFEngine(TransformersModel, SliceEngine):
                                    eos=self.eos, grammar=grammar)
             cursor = TokenCursor([r.rid for r in reqs])
             t0 = time.perf_counter()
-            draw = sampler.sample(run.prefill(reqs, taken, used))
+            draw = sampler.sample(self._prefill(run, rows, taken, used))
             del taken  # the batch cache holds their KV now
             ahead = self.read_behind and grammar is None  # a grammar masks from the last token
             iterations, invalid, t1 = 1, 0, 0.0
@@ -345,7 +390,8 @@ class HFEngine(TransformersModel, SliceEngine):
                         r.push(tok, lp)
                 if iterations == 1:
                     t1 = time.perf_counter()
-                yield cursor.new([r.out for r in rows], [r.reason for r in rows], [r.logprobs for r in rows])
+                yield cursor.new([r.out for r in rows], [r.reason for r in rows], [r.logprobs for r in rows],
+                                 [r.plps for r in rows])
                 self.end_cancelled(rows)
                 if iterations >= batch.slice_len or all(r.done for r in rows):
                     break
@@ -360,7 +406,7 @@ class HFEngine(TransformersModel, SliceEngine):
 
         outputs = [
             RequestOutput(rid=r.req.rid, token_ids=r.out, finish_reason=r.reason,  # type: ignore[arg-type]
-                          kv_tokens=k, logprobs=r.logprobs, reused_tokens=u)
+                          kv_tokens=k, logprobs=r.logprobs, prompt_logprobs=r.plps, reused_tokens=u)
             for r, k, u in zip(rows, kept, used, strict=True)
         ]
         fresh = [x - u for x, u in zip(lens, used, strict=True)]
@@ -377,6 +423,17 @@ class HFEngine(TransformersModel, SliceEngine):
             reused_tokens=sum(used),
         )
         return outputs, stats
+
+    def _prefill(self, run: BatchRun, rows: list[RowState], taken: list[Retained | None], used: list[int]) -> Any:
+        """``run``'s prefill; rows that score their prompt (:meth:`RowState.prompt_score`) get
+        their entries from the last hidden states of each of its passes, read by a tap on the
+        model (only while such a row is in the batch: the others cost nothing more)."""
+        scores = [r.prompt_score(self.scores_prompts()) for r in rows]
+        reqs = [r.req for r in rows]
+        if all(s is None for s in scores):
+            return run.prefill(reqs, taken, used)
+        with HiddenTap(self.model) as tap:
+            return run.prefill(reqs, taken, used, lambda col, starts: tap.score(scores, col, starts))
 
     def _run_for(self, batch: BatchMsg, taken: list[Retained | None],
                  used: list[int]) -> tuple[BatchRun, list[Retained | None], list[int]]:
@@ -420,7 +477,16 @@ class HFEngine(TransformersModel, SliceEngine):
 
     def _take_kv(self, batch: BatchMsg) -> tuple[list[Retained | None], list[int]]:
         n = len(batch.requests)
-        return self.kv.take(batch) if self.kv is not None else ([None] * n, [0] * n)
+        taken: list[Retained | None] = [None] * n
+        used = [0] * n
+        if self.kv is not None:
+            taken, used = self.kv.take(batch)
+        # A row scoring its prompt prefills all of it (its first slice: nothing is kept for it
+        # anyway, but an entry under its id would leave the first positions unscored).
+        for i, r in enumerate(batch.requests):
+            if used[i] and scores_prompt(r) and self.scores_prompts():
+                taken[i], used[i] = None, 0
+        return taken, used
 
     def _keep_kv(self, rows: list[RowState], cache: Any, mask: Any) -> list[int]:
         if self.kv is None:

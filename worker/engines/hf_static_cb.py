@@ -16,7 +16,9 @@ wait, run, pause and leave). One poll is one turn:
    leave the step, waiting rows join (returning rows first, resumed in place or copied in from
    the kept-KV store, :class:`~worker.engines.kvstore.KVStore`; newcomers' context but the last
    token prefilled in their slots, in chunks of at most ``prefill_chunk_tokens`` tokens and no
-   more than one chunk's worth of newcomers per turn), paused rows spill to the store only
+   more than one chunk's worth of newcomers per turn; a newcomer asking for its prompt's
+   log-probabilities gets them from its prefill's chunks, :mod:`worker.engines.arena_rows`,
+   and sends them with its first tokens), paused rows spill to the store only
    when a joining row needs their room, and the rows take their slots in one geometry (``n``
    slots of ``c`` columns, ``c`` at least every row's ``context + slice``: slices bound how
    far a row grows, so a row that joined always finishes its grant);
@@ -151,6 +153,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
                  graph_cache_tokens: Any = None, prefill_chunk_tokens: int | None = None,
                  static_buckets: Any = None, max_rows: int | None = None, decode_attention: str = "sdpa") -> None:
         self.load(model, device, dtype, mem_budget, threads)
+        self.scores_prompts()  # checked once, on the model as loaded (before FlexAttention may replace SDPA)
         opts = StaticOptions.parse(self.device.type, True, True, cuda_graphs, static_share, graph_batch_sizes,
                                    graph_cache_tokens, prefill_chunk_tokens, static_buckets)
         try:
@@ -200,14 +203,17 @@ class HFStaticCBEngine(TransformersModel, Engine):
 
     def caps(self) -> EngineCaps:
         """Continuous batching, per-request sampling with seeds, min_tokens, logit_bias,
-        grammars, KV per token; the buckets whose decode step is a captured graph."""
+        grammars, KV per token, the prompt's log-probabilities where the model's head allows
+        (:meth:`~worker.engines.hf_model.TransformersModel.scores_prompts`); the buckets whose
+        decode step is a captured graph."""
         static: RowRunner | None = getattr(self, "static", None)
         graphs = static.captured() if static is not None else []
         return EngineCaps(batching="continuous", sampling=True, seeded=True, max_context=self.max_context,
                           max_rows=static.max_rows if static is not None else 0,
                           graph_batch_sizes=sorted({n for n, _ in graphs}),
                           graph_cache_tokens=sorted({c for _, c in graphs}),
-                          min_tokens=True, logit_bias=True, grammar=grammar_supported())
+                          min_tokens=True, logit_bias=True, grammar=grammar_supported(),
+                          prompt_logprobs=self.scores_prompts())
 
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
         """Before registering: capture the decode graphs (CUDA), check them against the eager
@@ -386,7 +392,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
         for r in batch.requests:
             if r.generated > len(r.token_ids):
                 raise ValueError(f"request {r.rid!r}: generated exceeds its context")
-            row = Row(g, r, self.eos)
+            row = Row(g, r, self.eos, self.scores_prompts())
             if r.grammar:
                 try:
                     row.matcher = row_matcher(r, grammar_for(self.spec, self.vocab, self.eos))

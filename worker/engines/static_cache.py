@@ -45,6 +45,11 @@ from sclsd.engine_options import parse_option
 
 log = logging.getLogger("worker")
 
+#: ``chunk_done(col, starts)``: a prefill's forward pass over the columns from ``col`` of its
+#: block of new tokens just ran, where row ``i``'s new tokens start at column ``starts[i]``
+#: (left padding before them). ``hf``'s prompt log-probabilities read the pass's hidden states.
+ChunkDone = Callable[[int, Sequence[int]], None]
+
 #: Batch-size buckets captured by default (those the arena can hold with the smallest cache).
 #: A batch of more rows than the largest bucket still runs, eagerly in its own shape.
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -466,9 +471,12 @@ class StaticRun:
         """W: the prefill's last column + 1 (held past + the longest new part)."""
         self.step: DecodeStep | None = None
 
-    def prefill(self, reqs: Sequence[Any], taken: Sequence[Any], used: Sequence[int]) -> Any:
+    def prefill(self, reqs: Sequence[Any], taken: Sequence[Any], used: Sequence[int],
+                chunk_done: ChunkDone | None = None) -> Any:
         """Copy the rows' held KV into the arena, prefill the rest in column chunks; returns the
-        ``[rows, vocab]`` logits of every row's last token."""
+        ``[rows, vocab]`` logits of every row's last token. ``chunk_done``: told after each
+        chunk's forward pass its first column and where each row's new tokens start, both in
+        the block of new tokens (the prompt's log-probabilities, read from the pass)."""
         import torch
 
         r, plan = self.runner, self.plan
@@ -501,6 +509,7 @@ class StaticRun:
         chunk = width if r.prefill_chunk_tokens <= 0 else max(1, r.prefill_chunk_tokens // n)
         cols = torch.arange(c, device=dev)
         out: Any = None
+        starts = [width - f for f in fresh]
         for a in range(0, width, chunk):
             b = min(width, a + chunk)
             q_cols = torch.arange(past + a, past + b, device=dev)
@@ -508,6 +517,8 @@ class StaticRun:
             mask[:, 0, torch.arange(b - a, device=dev), q_cols] = True  # a pad query sees itself
             out = r.model(input_ids=ids[:, a:b], attention_mask=r.attention_mask(mask), position_ids=pos[:, a:b],
                           past_key_values=cache, use_cache=True, logits_to_keep=1)
+            if chunk_done is not None:
+                chunk_done(a, starts)
         return out.logits[:, -1, :]
 
     def decode(self, tokens: Any, positions: Sequence[int]) -> Any:

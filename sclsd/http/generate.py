@@ -100,10 +100,42 @@ async def prepare(host: Host, parsed: Parsed) -> None:
     missing = sorted(parsed.features - host.link.features)
     if missing:
         # The OpenAI parameter behind each daemon feature.
-        param = {"structured": "response_format",
-                 "include_stop_str": "include_stop_str_in_output"}.get(missing[0], missing[0])
-        raise unsupported(param, "this daemon's engines do not apply it yet (the daemon "
-                          "lists what it applies; docs/operations.md, sclsd-http)")
+        param = {"structured": "response_format", "include_stop_str": "include_stop_str_in_output",
+                 "prompt_logprobs": _prompt_param(parsed)}.get(missing[0], missing[0])
+        why = ("with logprobs it needs the prompt's log-probabilities: this daemon does not "
+               "compute them yet" if param == "echo" else "this daemon's engines do not apply it yet")
+        raise unsupported(param, f"{why} (the daemon lists what it applies; docs/operations.md, "
+                          "sclsd-http)")
+
+
+def _prompt_param(parsed: Parsed) -> str:
+    """The parameter that asked for the prompt's log-probabilities."""
+    return "prompt_logprobs" if parsed.prompt_logprobs is not None else "echo"
+
+
+def _refused(exc: Exception, host: Host, parsed: Parsed) -> ApiError:
+    """:func:`daemon_error`, naming ``echo`` where the daemon refused the ``prompt_logprobs``
+    that a completion's echo with logprobs asked for."""
+    err = daemon_error(exc, host.link)
+    if err.param == "prompt_logprobs" and _prompt_param(parsed) == "echo":
+        err.param = "echo"
+        err.message = f"echo: with logprobs it needs the prompt's log-probabilities; {err.message}"
+    return err
+
+
+def prompt_logprobs(parsed: Parsed, dones: list[P.Done]) -> render.PromptLogprobs | None:
+    """What the answer shows of the prompts' log-probabilities: each prompt's first choice
+    asked for them (``dones`` in choice order)."""
+    if parsed.ask_prompt is None:
+        return None
+    entries = []
+    for d in dones[::parsed.per_prompt]:
+        if d.prompt_logprobs is None and d.usage.prompt_tokens > 1:
+            render.finish_reason(d)  # a failed choice says why
+            raise ApiError(500, "the daemon sent no prompt log-probabilities", None, "internal")
+        entries.append(d.prompt_logprobs or [])  # a one-token prompt has none
+    return render.PromptLogprobs(entries, parsed.prompt_heads if parsed.echo_logprobs else None,
+                                 parsed.top_logprobs or 0, parsed.prompt_logprobs)
 
 
 async def answer(host: Host, request: Request, parsed: Parsed, head: dict[str, Any]) -> Response:
@@ -139,12 +171,12 @@ async def _complete(host: Host, parsed: Parsed, msgs: list[P.Generate],
             if isinstance(ev, P.Done):
                 dones[ev.id] = ev
     except (RequestError, ConnectionError, FrameTooLarge) as exc:
-        raise daemon_error(exc, host.link) from None
+        raise _refused(exc, host, parsed) from None
     ordered = [dones[m.id] for m in msgs if m.id is not None]
     shown = render.best(ordered, parsed.best_of, parsed.n) if parsed.best_of else ordered
     return render.response(parsed.kind, head, ordered, shown, parsed.per_prompt,
                            parsed.top_logprobs is not None, parsed.echo_texts or None,
-                           parsed.chat.mode if parsed.chat else None)
+                           parsed.chat.mode if parsed.chat else None, prompt_logprobs(parsed, ordered))
 
 
 async def _stream(host: Host, parsed: Parsed, msgs: list[P.Generate], events: AsyncIterator[Any],
@@ -153,7 +185,8 @@ async def _stream(host: Host, parsed: Parsed, msgs: list[P.Generate], events: As
     chunks = Chunks(parsed.kind, head, len(msgs), parsed.per_prompt,
                     include_usage=parsed.include_usage, continuous=parsed.continuous_usage,
                     logprobs=parsed.top_logprobs is not None, echo=parsed.echo_texts or None,
-                    tool_mode=parsed.chat.mode if parsed.chat else None)
+                    tool_mode=parsed.chat.mode if parsed.chat else None,
+                    prompt_heads=parsed.prompt_heads if parsed.echo_logprobs else None)
     it = events.__aiter__()
     early: list[Any] = []
     accepted = 0
@@ -164,8 +197,8 @@ async def _stream(host: Host, parsed: Parsed, msgs: list[P.Generate], events: As
             early.append(ev)
             accepted += isinstance(ev, P.Accepted)
     except (RequestError, ConnectionError, FrameTooLarge, StopAsyncIteration) as exc:
-        raise daemon_error(exc if not isinstance(exc, StopAsyncIteration)
-                           else ConnectionError("stream ended early"), host.link) from None
+        raise _refused(exc if not isinstance(exc, StopAsyncIteration)
+                       else ConnectionError("stream ended early"), host, parsed) from None
     except BaseException:
         await it.aclose()  # type: ignore[attr-defined]
         raise
@@ -173,17 +206,17 @@ async def _stream(host: Host, parsed: Parsed, msgs: list[P.Generate], events: As
     async def body() -> AsyncIterator[bytes]:
         try:
             for ev in early:
-                out = _chunk(chunks, index, ev)
+                out = chunks.event(index[ev.id], ev)
                 if out:
                     yield out
             async for ev in it:
-                out = _chunk(chunks, index, ev)
+                out = chunks.event(index[ev.id], ev)
                 if out:
                     yield out
             if parsed.include_usage:
                 yield chunks.usage()
         except (RequestError, ConnectionError, ApiError) as exc:
-            err = daemon_error(exc, host.link)
+            err = _refused(exc, host, parsed)
             log.warning("%s: stream failed after it started: %s", head["id"], err.message)
             yield render.error_event(err)
         finally:
@@ -192,11 +225,3 @@ async def _stream(host: Host, parsed: Parsed, msgs: list[P.Generate], events: As
 
     return EventStream(body(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-
-def _chunk(chunks: Chunks, index: dict[str | None, int], ev: Any) -> bytes:
-    i = index[ev.id]
-    if isinstance(ev, P.Accepted):
-        return chunks.start(i, ev)
-    if isinstance(ev, P.Delta):
-        return chunks.delta(i, ev.text, ev.logprobs, ev.token_ids)
-    return chunks.done(i, ev)

@@ -38,12 +38,16 @@ PARAMS: dict[str, tuple[dict[str, Any], str]] = {
     "best_of": (_INT, "completions: generate this many per prompt, answer the n likeliest"),
     "logprobs": ({"anyOf": [_BOOL, _INT]}, "chat: true; completions: alternatives per token"),
     "top_logprobs": (_INT, "chat: alternatives per token (0-20)"),
+    "prompt_logprobs": (_INT, "vLLM's: the prompt's log-probabilities with this many alternatives "
+                              "per token (0-20), in each completion choice (chat: the response); "
+                              "not with stream"),
     "logit_bias": (_OBJ, "token id -> bias in [-100, 100] (up to 1024)"),
     "presence_penalty": (_NUM, "-2 to 2"),
     "frequency_penalty": (_NUM, "-2 to 2"),
     "repetition_penalty": (_NUM, "> 0, 1: off"),
     "skip_special_tokens": (_BOOL, "leave special tokens out of the text (default true)"),
-    "echo": (_BOOL, "put the prompt (chat: a final assistant turn) before the answer"),
+    "echo": (_BOOL, "put the prompt (chat: a final assistant turn) before the answer; "
+                    "completions with logprobs: the prompt's tokens' log-probabilities first"),
     "suffix": (_STR, "completions: text after the gap (fill-in-the-middle models)"),
     "tools": ({"type": "array", "items": _OBJ}, "chat: functions the model may call"),
     "tool_choice": ({"anyOf": [_STR, _OBJ]}, "chat: auto, none, required, or "

@@ -44,6 +44,7 @@ _COMMON = frozenset({
     "ignore_eos", "user", "stream", "stream_options", "logprobs", "min_tokens", "logit_bias",
     "skip_special_tokens", "echo", "response_format", "structured_outputs", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "include_stop_str_in_output",
+    "prompt_logprobs",
 })
 #: Accepted and ignored: fields OpenAI's SDKs and agent frameworks send, which vLLM accepts
 #: too, and which mean nothing to this server (storage and billing on OpenAI's side, cache
@@ -108,6 +109,15 @@ class Parsed:
     echo_texts: list[str] = field(default_factory=list)
     """With ``echo``: the text put before each prompt's output (filled by :mod:`.tokens`)."""
     chat: Chat | None = None
+    prompt_logprobs: int | None = None
+    """vLLM's ``prompt_logprobs``: each completion choice (a chat: the response) carries the
+    prompt's log-probabilities with this many alternatives per token (None: not asked)."""
+    echo_logprobs: bool = False
+    """A completion with ``echo`` and ``logprobs``: its choices' ``logprobs`` cover the prompt's
+    tokens before the generated ones (the prompt is tokenized here, :mod:`.tokens`)."""
+    prompt_heads: list[str] = field(default_factory=list)
+    """With :attr:`echo_logprobs`: the text of each prompt's first token (filled by :mod:`.tokens`),
+    which the daemon's ``prompt_logprobs`` leave out (they begin at the second)."""
     features: frozenset[str] = frozenset()
     """The optional daemon features (``Pong.features``) this request needs."""
     end_user: str | None = None
@@ -126,6 +136,14 @@ class Parsed:
         return len(self.prompts) * self.per_prompt
 
     @property
+    def ask_prompt(self) -> int | None:
+        """The daemon's ``prompt_logprobs`` to ask of each prompt's first choice (the other
+        choices of the prompt share them); None: none."""
+        if self.echo_logprobs:
+            return max(self.top_logprobs or 0, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
+    @property
     def parse_tools(self) -> bool:
         return self.chat is not None and self.chat.parse_tools
 
@@ -134,6 +152,7 @@ class Parsed:
         ``rid-index`` (just ``rid`` for a single choice)."""
         out = []
         seed = self.params.get("seed")
+        ask = self.ask_prompt
         for p, form in enumerate(self.prompts):
             for i in range(self.per_prompt):
                 index = p * self.per_prompt + i
@@ -145,6 +164,8 @@ class Parsed:
                 g["group"] = self.end_user or g.get("user") or rid
                 if seed is not None:
                     g["seed"] = seed + i
+                if ask is not None and i == 0:
+                    g["prompt_logprobs"] = ask  # computed once per prompt, shown on each choice
                 out.append(_convert(g))
         return out
 
@@ -421,9 +442,13 @@ def parse(kind: Kind, body: Any, max_choices: int) -> Parsed:
         raise bad("user", "user: must be a string of at most 256 characters")
     top = _logprobs(kind, body)
     echo = _bool(body, "echo", False)
-    if echo and top is not None:
-        raise unsupported("echo", "with logprobs it needs the prompt's log-probabilities, "
-                          "which the engines do not compute")
+    prompt_lps = _int(body, "prompt_logprobs", 0, 20)
+    if prompt_lps is not None and stream:
+        raise unsupported("prompt_logprobs", "not with stream = true (as vLLM); echo with "
+                          "logprobs streams the prompt's log-probabilities in a completion's first chunk")
+    # A completion's echo with logprobs covers the prompt's tokens too (a chat's echo, the
+    # final assistant turn, is text only: its logprobs are the answer's, as vLLM's).
+    echo_lps = kind == "completion" and echo and top is not None
     skip_special = _bool(body, "skip_special_tokens", True)
     logit_bias = _logit_bias(body)
     params: dict[str, Any] = {
@@ -451,10 +476,12 @@ def parse(kind: Kind, body: Any, max_choices: int) -> Parsed:
                                                ("logit_bias", bool(logit_bias)),
                                                ("skip_special_tokens", not skip_special),
                                                ("structured", structured is not None),
-                                               ("include_stop_str", include_stop)) if on)
+                                               ("include_stop_str", include_stop),
+                                               ("prompt_logprobs", echo_lps or prompt_lps is not None))
+                       if on)
     parsed = Parsed(kind, model, stream, include_usage, n, prompts, params, top,
-                    continuous_usage=continuous, echo=echo, chat=the_chat, features=features,
-                    ignored=ignored)
+                    continuous_usage=continuous, echo=echo, chat=the_chat, prompt_logprobs=prompt_lps,
+                    echo_logprobs=echo_lps, features=features, ignored=ignored)
     if kind == "completion":
         _completion_extras(body, parsed, max_choices)
     if parsed.best_of:

@@ -3,7 +3,9 @@
 The daemon tokenizes prompts and renders plain chats itself. This process needs
 the tokenizer only for ``/tokenize`` and ``/detokenize``, chats with tools or
 tool turns (rendered with the template's ``tools``), ``suffix``
-(fill-in-the-middle) and ``echo`` of a token-id prompt. It is loaded on the first
+(fill-in-the-middle), ``echo`` of a token-id prompt and a completion's ``echo`` with
+``logprobs`` (its prompts are tokenized here: the first token's text is shown, and the
+daemon's ``prompt_logprobs`` begin at the second). It is loaded on the first
 such request, in a thread, through :func:`sclsd.tokenizer.load` with the model
 name the daemon reports: the same tokenizer object the daemon uses, so counts agree.
 A deployment that never uses these never loads it.
@@ -185,7 +187,7 @@ class View:
 def needs_view(parsed: Parsed) -> bool:
     """Whether :func:`resolve` needs the tokenizer for this request."""
     return any("render" in f or "fim" in f for f in parsed.prompts) or (
-        parsed.echo and any("prompt_ids" in f for f in parsed.prompts))
+        parsed.echo and any("prompt_ids" in f for f in parsed.prompts)) or parsed.echo_logprobs
 
 
 @dataclass(frozen=True)
@@ -208,27 +210,39 @@ def chat_chars(c: Chat) -> int:
     return sum(len(m["content"]) for m in c.messages if isinstance(m.get("content"), str))
 
 
+def _text_chars(form: dict[str, Any], parsed: Parsed) -> int:
+    """The characters :func:`resolve` tokenizes for one prompt form."""
+    if "render" in form:
+        return chat_chars(form["render"])
+    if "fim" in form:
+        return len(form["fim"][0]) + len(form["fim"][1])
+    if "prompt" in form and parsed.echo_logprobs:
+        return len(form["prompt"])
+    return 0
+
+
 def view_chars(parsed: Parsed) -> int:
     """The characters :func:`resolve` tokenizes for ``parsed``."""
-    return sum(chat_chars(f["render"]) if "render" in f else len(f["fim"][0]) + len(f["fim"][1])
-               for f in parsed.prompts if "render" in f or "fim" in f)
+    return sum(_text_chars(f, parsed) for f in parsed.prompts)
 
 
 def check_bound(parsed: Parsed, bound: PromptBound | None) -> None:
-    """Refuse a chat or ``suffix`` prompt of ``parsed`` too long for ``bound``, untokenized."""
+    """Refuse a chat, ``suffix`` or echoed text prompt of ``parsed`` too long for ``bound``,
+    untokenized."""
     if bound is None:
         return
     for form in parsed.prompts:
-        if "render" in form:
-            bound.check(chat_chars(form["render"]), "messages")
-        elif "fim" in form:
-            bound.check(len(form["fim"][0]) + len(form["fim"][1]), "prompt")
+        chars = _text_chars(form, parsed)
+        if chars:
+            bound.check(chars, "messages" if "render" in form else "prompt")
 
 
 def resolve(parsed: Parsed, view: View | None) -> None:
-    """Turn the ``render`` and ``fim`` prompt forms into ``prompt_ids`` and fill
-    ``echo_texts`` (runs in a thread: templates and tokenizers take CPU time)."""
+    """Turn the ``render`` and ``fim`` prompt forms (and, for :attr:`Parsed.echo_logprobs`,
+    text prompts) into ``prompt_ids`` and fill ``echo_texts`` and ``prompt_heads`` (runs in a
+    thread: templates and tokenizers take CPU time)."""
     echo: list[str] = []
+    heads: list[str] = []
     forms = []
     for form in parsed.prompts:
         if "render" in form:
@@ -246,9 +260,18 @@ def resolve(parsed: Parsed, view: View | None) -> None:
             else:
                 assert view is not None
                 echo.append(view.decode(form["prompt_ids"]))
+        if parsed.echo_logprobs:
+            # Tokenized as the daemon tokenizes a text prompt, and sent as ids; the first
+            # token's text as the daemon names a token (its own decode).
+            assert view is not None
+            if "prompt" in form:
+                form = {"prompt_ids": view.encode(form["prompt"])}
+            ids = form["prompt_ids"]
+            heads.append(view.decode(ids[:1]) if ids else "")
         forms.append(form)
     parsed.prompts = forms
     parsed.echo_texts = echo
+    parsed.prompt_heads = heads
 
 
 class TokenizerAccess:

@@ -84,11 +84,14 @@ def test_unknown_parameters_are_ignored_by_name_and_unservable_ones_say_why() ->
     assert "top_logprobs" not in ALLOWED["completion"] and "prompt" not in ALLOWED["chat"]
     for body, param, why in (
         ({"modalities": ["text", "audio"]}, "modalities", "only text"),
-        ({"echo": True, "logprobs": True}, "echo", "prompt's log-probabilities"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "not with stream"),
     ):
         e = err("chat", {"messages": USER, **body})
         assert (e.status, e.param, e.code) == (400, param, "unsupported_parameter"), e.message
         assert why in e.message
+    # A chat's echo (a final assistant turn) with logprobs: the answer's, as vLLM's.
+    c = parse("chat", {"messages": USER, "echo": True, "logprobs": True}, 64)
+    assert not c.echo_logprobs and c.ask_prompt is None and "prompt_logprobs" not in c.features
     e = err("chat", {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
     assert (e.status, e.param) == (400, "response_format") and "schema" in e.message
     assert err("completion", {"prompt": "a", "best_of": 2, "stream": True}).param == "best_of"

@@ -4,7 +4,8 @@
   ``POST /v1/responses`` (over the chat path, :mod:`.responses`); any other route: 404
   naming it;
 * ``GET /v1/models``, ``GET /v1/models/{model}``; ``POST /tokenize``,
-  ``POST /detokenize`` (vLLM's shapes; the model's tokenizer, :mod:`.tokens`);
+  ``POST /detokenize``, ``GET /tokenizer_info`` (vLLM's shapes; the model's tokenizer,
+  :mod:`.tokens`);
 * ``GET /health`` (200 while the daemon answers a ping, else 503), ``GET /ready``
   (200 once a worker serves), ``GET /metrics`` (the daemon's Prometheus text and this
   process's own, :mod:`.observe`), ``GET /version``, ``GET /docs``, ``GET /openapi.json``;
@@ -12,7 +13,7 @@
   several boxes read (:mod:`.balancing`);
 * ``HEAD`` wherever ``GET`` is served.
 
-With an API key, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need ``Authorization:
+With an API key, ``/v1/*``, ``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` need ``Authorization:
 Bearer KEY``; the others stay open, as in vLLM. Every error, from a route or from the
 door (:mod:`.door`), is OpenAI's JSON error shape.
 """
@@ -53,7 +54,7 @@ _JSON = "application/json"
 LOAD_TTL_S = 0.5
 #: The API routes, named in the 404 of any other.
 SERVED = ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses",
-          "GET /v1/models", "POST /tokenize", "POST /detokenize")
+          "GET /v1/models", "POST /tokenize", "POST /detokenize", "GET /tokenizer_info")
 
 
 class Api:
@@ -225,6 +226,12 @@ class Api:
         text = await self.tokens.run(len(ids), view.decode, ids, False)
         return Response(render.encode({"prompt": text}), media_type=_JSON)
 
+    async def tokenizer_info(self) -> Response:
+        """vLLM's ``/tokenizer_info``: the tokenizer's configuration (:meth:`.tokens.View.info`),
+        what lm-evaluation-harness's remote tokenizer reads (its EOS, its chat template)."""
+        view = await self.tokens.view()
+        return Response(render.encode(view.info()), media_type=_JSON)
+
     async def _check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
         if model is None:
@@ -349,6 +356,11 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/v1/models/{model:path}")
     async def model_card(request: Request, model: str) -> Response:
         return await api.models(request, model)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        api.check_key(request)
+        return await api.tokenizer_info()
 
     @app.get("/health")
     async def health() -> Response:

@@ -89,6 +89,29 @@ def _template_vars(template: str) -> set[str]:
         return set()
 
 
+_SKIP = object()
+
+
+def _json_value(v: Any) -> Any:
+    """``v`` as JSON for ``/tokenizer_info`` (an added token as its text; numbers past a
+    double's exact integers, such as transformers' "no limit" lengths, as None), or
+    :data:`_SKIP` for what JSON cannot hold."""
+    content = getattr(v, "content", None)
+    if isinstance(content, str):
+        return content
+    if v is None or isinstance(v, (str, bool, float)):
+        return v
+    if isinstance(v, int):
+        return v if abs(v) < 2**53 else None
+    if isinstance(v, (list, tuple)):
+        items = [_json_value(x) for x in v]
+        return _SKIP if any(x is _SKIP for x in items) else items
+    if isinstance(v, dict):
+        pairs = {str(k): _json_value(x) for k, x in v.items()}
+        return {k: x for k, x in pairs.items() if x is not _SKIP}
+    return _SKIP
+
+
 class View:
     """One tokenizer as this process uses it (wraps :mod:`sclsd.tokenizer`'s)."""
 
@@ -126,6 +149,22 @@ class View:
     @property
     def vocab_size(self) -> int:
         return int(self.t.vocab_size)
+
+    def info(self) -> dict[str, Any]:
+        """vLLM's ``/tokenizer_info``: the tokenizer's init arguments (but file paths; special
+        tokens as their text), ``tokenizer_class``, its special tokens and ``chat_template``."""
+        hf = self.hf
+        if hf is None:  # the fake model's byte tokenizer: no special tokens by text
+            return {"tokenizer_class": type(self.t).__name__, "vocab_size": self.vocab_size}
+        out = {k: v for k, v in ((k, _json_value(v)) for k, v in (getattr(hf, "init_kwargs", None) or {}).items())
+               if v is not _SKIP and not k.endswith("_file") and k != "name_or_path"}
+        for k in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            out[k] = _json_value(getattr(hf, k, None))
+        out["tokenizer_class"] = type(hf).__name__
+        out["vocab_size"] = self.vocab_size
+        if self.template:
+            out["chat_template"] = self.template
+        return out
 
     @functools.cached_property
     def max_token_chars(self) -> int:

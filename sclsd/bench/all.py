@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in turn, results under ``out/`` and figures under ``docs/img/``.
 
-    python -m sclsd.bench.all [--only batcher,figures,long,grants,sim,api,rates,fairness,sampling,cpu,streams,live] [--skip live]
+    python -m sclsd.bench.all [--only batcher,figures,long,grants,sim,api,rates,fairness,sampling,cpu,score,streams,live] [--skip live]
 
 Steps (each is one ``sclsd-bench`` subcommand, run as its own process):
 
@@ -29,6 +29,9 @@ Steps (each is one ``sclsd-bench`` subcommand, run as its own process):
   greedy one, 8 rows (out/sampling/sampling.json; ``--rows 1`` for one stream);
 - ``cpu``: the default on a CPU (``llama`` workers) through sclsd-http beside llama.cpp's own
   greedy loop: one stream, 8 streams, time to first token (out/cpu/cpu.md);
+- ``score``: prompts scored as evaluation harnesses score them (``echo`` with ``logprobs``, the
+  prompt's log-probabilities) against the same prompts for one plain token, through sclsd-http
+  (out/score/score.md);
 - ``streams``: the default (scls-cb; llama for the built-in GGUF) vs static scls vs ILS on real CPU workers under
   closed-loop streaming load: throughput, TTFT and the longest inter-token gap per stream;
 - ``live``: sls vs ILS (hf-cb) vs scls on real CPU workers (the longest step).
@@ -66,6 +69,7 @@ STEPS: dict[str, list[str]] = {
                "--gen", "16", "--out", "out/engine"],
     "sampling": ["sclsd.bench.cli", "sampling", "--out", "out/sampling"],
     "cpu": ["sclsd.bench.cli", "cpu", "--out", "out/cpu"],
+    "score": ["sclsd.bench.cli", "score", "--out", "out/score"],
     "streams": ["sclsd.bench.cli", "streams", "--out", "out/streams"],
     "live": ["sclsd.bench.cli", "live", "--trace", TRACE, "--out", "out/live"],
 }

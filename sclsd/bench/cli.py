@@ -34,6 +34,8 @@ SUBCOMMANDS = {
     "sampling": ("sclsd.bench.sampling", "what picking sampled tokens (temperature, top-p) costs a CPU decode "
                  "step, beside greedy"),
     "detok": ("sclsd.bench.detok", "the daemon's detokenizing cost per streamed message, by output length"),
+    "score": ("sclsd.bench.score", "scoring prompts as evaluation harnesses do (echo with logprobs) against "
+              "plain one-token completions, through sclsd-http"),
     "tokenize-memory": ("sclsd.bench.tokmem", "what POST /tokenize of a large prompt costs sclsd-http in memory"),
     "rates": ("sclsd.bench.rates", "the daemon at GPU token rates: fake workers streaming 64 rows at 10 ms a "
               "step, 512 streaming clients: tokens/s delivered, daemon CPU, bytes per grant"),

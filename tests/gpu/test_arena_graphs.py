@@ -99,3 +99,39 @@ def test_a_bucket_of_as_many_rows_as_the_arena_holds_is_captured_and_gives_the_e
         assert eng.rows.tally.loose == 0
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 2e-3), ("float16", 0.05)])
+def test_arena_prompt_logprobs_on_cuda_match_a_full_forward(dtype: str, tol: float) -> None:
+    """``prompt_logprobs`` on CUDA with the decode graphs captured: the start-up probe passes in
+    the dtype, and each asking row's entries are the model's log-softmax of one full forward at
+    the positions before its prompt tokens (in the dtype's precision); its tokens do not change."""
+    import torch
+
+    from worker.engines import create_engine
+
+    eng = create_engine("hf-static-cb", "tiny-random", device="cuda:0", dtype=dtype,
+                        graph_batch_sizes="1,2,4,8", graph_cache_tokens="64,128")
+    try:
+        eng.warm_up()
+        assert eng.info().caps.prompt_logprobs and eng.static.graphs_on
+        reqs = [BatchRequest(rid=f"p{i}", token_ids=p, max_new_tokens=4, temperature=0.0, ignore_eos=True,
+                             prompt_logprobs=3 if i % 2 == 0 else None) for i, p in enumerate(prompts())]
+        outs, _ = eng.serve(BatchMsg(batch_id=8, slice_len=4, requests=reqs, kv_reuse=False))
+        plain = [BatchRequest(rid=f"q{i}", token_ids=p, max_new_tokens=4, temperature=0.0, ignore_eos=True)
+                 for i, p in enumerate(prompts())]
+        again, _ = eng.serve(BatchMsg(batch_id=9, slice_len=4, requests=plain, kv_reuse=False))
+        assert [o.token_ids for o in outs] == [o.token_ids for o in again]
+        for r, o in zip(reqs, outs, strict=True):
+            if r.prompt_logprobs is None:
+                assert o.prompt_logprobs == []
+                continue
+            with torch.inference_mode():
+                ids = torch.tensor([r.token_ids], device="cuda:0")
+                lp = torch.log_softmax(eng.model(input_ids=ids).logits[0].float(), dim=-1)[:-1].cpu()
+            assert [e.chosen.id for e in o.prompt_logprobs] == r.token_ids[1:]
+            for p, e in enumerate(o.prompt_logprobs):
+                assert abs(e.chosen.logprob - lp[p, r.token_ids[p + 1]].item()) < tol
+                assert all(abs(t.logprob - lp[p, t.id].item()) < tol for t in e.top) and len(e.top) == 3
+    finally:
+        eng.close()

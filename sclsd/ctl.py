@@ -28,6 +28,7 @@ ends sclsctl quietly with exit code 141, as a tool killed by SIGPIPE would.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -110,6 +111,8 @@ def _submit_params(args: argparse.Namespace) -> dict[str, Any]:
         params["seed"] = args.seed
     if args.logprobs is not None:
         params.update(logprobs=True, top_logprobs=args.logprobs)
+    if args.prompt_logprobs is not None:
+        params["prompt_logprobs"] = args.prompt_logprobs
     if args.raw:
         if args.system is not None:
             raise ValueError("--system needs a chat prompt (drop --raw)")
@@ -125,6 +128,19 @@ def _print_logprobs(done: Done) -> None:
     for e in done.logprobs or []:
         alts = "  ".join(f"{a.token!r}:{a.logprob:.3f}" for a in e.top)
         print(f"  {e.chosen.token!r:>16} {e.chosen.logprob:9.4f}   {alts}")
+
+
+def _print_prompt_logprobs(lps: list[Any] | None) -> None:
+    """The prompt's tokens after the first, one a line as :func:`_print_logprobs` prints, then
+    their sum and the perplexity it gives."""
+    if not lps:
+        return
+    print("prompt:")
+    for e in lps:
+        alts = "  ".join(f"{a.token!r}:{a.logprob:.3f}" for a in e.top)
+        print(f"  {e.chosen.token!r:>16} {e.chosen.logprob:9.4f}   {alts}")
+    total = sum(e.chosen.logprob for e in lps)
+    print(f"prompt log-probability {total:.4f} over {len(lps)} tokens, perplexity {math.exp(-total / len(lps)):.3f}")
 
 
 def _summary(done: Done) -> str:
@@ -147,14 +163,17 @@ def _submit(args: argparse.Namespace) -> int:
         with Client(args.socket) as c:
             if args.stream:
                 done = None
+                prompt_lps = None
                 for ev in c.generate(stream=True, **params):
                     if isinstance(ev, Delta):
+                        prompt_lps = prompt_lps or ev.prompt_logprobs
                         sys.stdout.write(ev.text)
                         sys.stdout.flush()
                     elif isinstance(ev, Done):
                         done = ev
                 print()
                 assert done is not None
+                _print_prompt_logprobs(prompt_lps or done.prompt_logprobs)
                 dones = [done]
             else:
                 dones = c.complete(n=args.n, **params)
@@ -163,6 +182,8 @@ def _submit(args: argparse.Namespace) -> int:
                         print(f"--- choice {i}")
                     print(d.text)
                     _print_logprobs(d)
+                    if i == 0:  # every choice has the same prompt
+                        _print_prompt_logprobs(d.prompt_logprobs)
     except (RequestError, OSError) as exc:
         return _client_error(args, exc)
     for i, d in enumerate(dones):
@@ -475,6 +496,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--n", type=int, default=1, help="number of answers (choices) to generate")
     s.add_argument("--logprobs", type=int, nargs="?", const=0, metavar="K",
                    help="print each token's log-probability and the K most likely alternatives")
+    s.add_argument("--prompt-logprobs", type=int, nargs="?", const=0, metavar="K",
+                   help="print the prompt's log-probabilities (each token after the first, with the K most "
+                   "likely alternatives), their sum and the perplexity")
     s.set_defaults(func=_submit)
     st = command("status", "workers, pool, interval, counters", "the status socket")
     st.add_argument("--json", action="store_true")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -280,8 +281,21 @@ def test_client_and_sclsctl_grow_the_same_parameters(stack) -> None:
                 "--top-p", "0.9", "--temperature", "0.8", "--stop", "zzz", "--max-tokens", "4")
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("--- choice") == 2 and r.stderr.count("choice ") == 2
+    for stream in ([], ["--stream"]):  # the prompt's tokens after the first, their sum, the perplexity
+        r = sclsctl(d, "submit", "The capital of France is", "--raw", "--prompt-logprobs", "1", "--max-tokens", "2",
+                    *stream)
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        first = lines.index("prompt:")
+        last = next(i for i, x in enumerate(lines) if x.startswith("prompt log-probability"))
+        tokens = [float(m.group(2)) for x in lines[first + 1:last]
+                  if (m := re.match(r"""\s*(['"]).*?\1\s+(-?[0-9.]+)""", x))]
+        summary = lines[last].split()
+        assert len(tokens) >= 3 and summary[4] == str(len(tokens)) and all(t <= 0 for t in tokens)
+        assert abs(float(summary[2]) - sum(tokens)) < 1e-3 * len(tokens)
     help_text = sclsctl(d, "submit", "--help").stdout
-    for flag in ("--top-p", "--stop", "--system", "--n", "--logprobs", "(default: 128)", "(default: 1.0)"):
+    for flag in ("--top-p", "--stop", "--system", "--n", "--logprobs", "--prompt-logprobs", "(default: 128)",
+                 "(default: 1.0)"):
         assert flag in help_text, flag
 
 

@@ -152,6 +152,7 @@ def output(r: Ran, fragment: str) -> str:
 def test_the_shell_example_runs_as_written(ran: Ran) -> None:
     assert output(ran, "wait-ready").startswith("ready: 2/2 workers registered")
     assert output(ran, "submit --stream").strip()
+    assert "over 6 tokens, perplexity " in output(ran, "--prompt-logprobs")  # 7 prompt tokens, the first has none
     assert f"model={MODEL}" in output(ran, "status") and "policy=scls-cb" in output(ran, "status")
     assert "tokens/s" in output(ran, "top") or "/s" in output(ran, "top")
     assert output(ran, "metrics").startswith("# ")

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import anyio
+import msgspec
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -138,6 +139,19 @@ def prompt_logprobs(parsed: Parsed, dones: list[P.Done]) -> render.PromptLogprob
                                  parsed.top_logprobs or 0, parsed.prompt_logprobs)
 
 
+def echo_only(ev: Any) -> Any:
+    """A daemon event of a ``max_tokens: 0`` echo: its generated token left out (text, ids,
+    log-probabilities, usage), the prompt's log-probabilities kept."""
+    if isinstance(ev, P.Delta):
+        return msgspec.structs.replace(ev, token_ids=[], text="", logprobs=None)
+    if isinstance(ev, P.Done):
+        return msgspec.structs.replace(
+            ev, text=None if ev.text is None else "", token_ids=None if ev.token_ids is None else [],
+            logprobs=None if ev.logprobs is None else [],
+            usage=msgspec.structs.replace(ev.usage, completion_tokens=0))
+    return ev
+
+
 async def answer(host: Host, request: Request, parsed: Parsed, head: dict[str, Any]) -> Response:
     """Send the request's choices to the daemon and answer with their results."""
     msgs = parsed.messages(head["id"])
@@ -169,7 +183,7 @@ async def _complete(host: Host, parsed: Parsed, msgs: list[P.Generate],
     try:
         async for ev in events:
             if isinstance(ev, P.Done):
-                dones[ev.id] = ev
+                dones[ev.id] = echo_only(ev) if parsed.echo_only else ev
     except (RequestError, ConnectionError, FrameTooLarge) as exc:
         raise _refused(exc, host, parsed) from None
     ordered = [dones[m.id] for m in msgs if m.id is not None]
@@ -206,11 +220,11 @@ async def _stream(host: Host, parsed: Parsed, msgs: list[P.Generate], events: As
     async def body() -> AsyncIterator[bytes]:
         try:
             for ev in early:
-                out = chunks.event(index[ev.id], ev)
+                out = chunks.event(index[ev.id], echo_only(ev) if parsed.echo_only else ev)
                 if out:
                     yield out
             async for ev in it:
-                out = chunks.event(index[ev.id], ev)
+                out = chunks.event(index[ev.id], echo_only(ev) if parsed.echo_only else ev)
                 if out:
                     yield out
             if parsed.include_usage:

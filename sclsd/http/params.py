@@ -115,6 +115,10 @@ class Parsed:
     echo_logprobs: bool = False
     """A completion with ``echo`` and ``logprobs``: its choices' ``logprobs`` cover the prompt's
     tokens before the generated ones (the prompt is tokenized here, :mod:`.tokens`)."""
+    echo_only: bool = False
+    """A completion's ``max_tokens: 0`` with ``echo``: each choice is its prompt alone (its text,
+    and with ``logprobs`` its log-probabilities); the token the daemon generates is left out,
+    and not counted in the usage."""
     prompt_heads: list[str] = field(default_factory=list)
     """With :attr:`echo_logprobs`: the text of each prompt's first token (filled by :mod:`.tokens`),
     which the daemon's ``prompt_logprobs`` leave out (they begin at the second)."""
@@ -432,10 +436,17 @@ def parse(kind: Kind, body: Any, max_choices: int) -> Parsed:
         _number(body, name)
     max_tokens = _int(body, "max_completion_tokens", 1, _INT_MAX) if kind == "chat" else None
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1, _INT_MAX)
+        # A completion's 0 with echo: the prompt alone (OpenAI's legacy completions, vLLM's).
+        max_tokens = _int(body, "max_tokens", 0 if kind == "completion" else 1, _INT_MAX)
     min_tokens = _int(body, "min_tokens", 0, _INT_MAX) or 0
     if max_tokens is not None and min_tokens > max_tokens:
         raise bad("min_tokens", f"min_tokens: {min_tokens} is more than max_tokens ({max_tokens})")
+    echo_only = max_tokens == 0
+    if echo_only:
+        if not _bool(body, "echo", False):
+            raise bad("max_tokens", "max_tokens: 0 generates nothing; it needs echo (the prompt alone, with "
+                      "its log-probabilities where logprobs asks for them)")
+        max_tokens = 1  # the daemon generates one token, which the answer leaves out
     seed = _int(body, "seed", -_SEED_MAX, _SEED_MAX)
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > 256):
@@ -481,7 +492,7 @@ def parse(kind: Kind, body: Any, max_choices: int) -> Parsed:
                        if on)
     parsed = Parsed(kind, model, stream, include_usage, n, prompts, params, top,
                     continuous_usage=continuous, echo=echo, chat=the_chat, prompt_logprobs=prompt_lps,
-                    echo_logprobs=echo_lps, features=features, ignored=ignored)
+                    echo_logprobs=echo_lps, echo_only=echo_only, features=features, ignored=ignored)
     if kind == "completion":
         _completion_extras(body, parsed, max_choices)
     if parsed.best_of:

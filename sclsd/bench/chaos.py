@@ -53,9 +53,18 @@ from typing import Any
 
 from .. import protocol as P
 from ..client import status
+from ..defaults import ENGINE_FEATURES
 from ..launch import launch
 from .api_bench import ZERO_PROFILE
-from .chaos_checks import HF_MODEL, Finished, HFReference, Tally, check_tokens, reference_tokens
+from .chaos_checks import (
+    HF_MODEL,
+    Finished,
+    HFReference,
+    Tally,
+    check_prompt,
+    check_tokens,
+    reference_tokens,
+)
 
 #: Engines checked against ``hf``'s one pass on ``tiny-random`` (the transformers engines).
 HF_ENGINES = ("hf", "hf-cb", "hf-static-cb")
@@ -80,6 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of requests the client cancels (a streamed one after its first tokens)")
     p.add_argument("--seeded", type=float, default=0.3,
                    help="share of requests sampled with a seed (transformers engines; the fake engine is greedy)")
+    p.add_argument("--prompt-logprobs", type=float, default=0.2,
+                   help="share of requests that ask for their prompt's log-probabilities (engines that compute "
+                        "them: fake, hf, hf-static-cb), each checked to come exactly once, for every prompt token")
     p.add_argument("--decode-s", type=float, default=0.005, help="the fake engine's seconds per iteration")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -99,6 +111,14 @@ class Workload:
     seeded: float = 0.0
     """Share of requests sampled (temperature 0.8, top-p 0.95) with a seed; the rest greedy.
     Transformers engines only: the fake engine's tokens do not depend on sampling."""
+    prompt_logprobs: float = 0.0
+    """Share of requests that ask for their prompt's log-probabilities (``prompt_logprobs`` 2),
+    where the engine computes them (:attr:`scores`): each must get them exactly once."""
+
+    @property
+    def scores(self) -> bool:
+        """Whether the engine computes the prompt's log-probabilities (else none are asked)."""
+        return self.engine in ENGINE_FEATURES["prompt_logprobs"]
 
     @property
     def fake(self) -> bool:
@@ -118,6 +138,8 @@ class _Req:
     cancel_after: int = 0
     """Cancel once this many tokens came (streamed) or once accepted (not streamed); 0: never."""
     cancel_sent: bool = False
+    prompt_lps: list[list[P.TokenLogprobs]] = field(default_factory=list)
+    """Each delivery of the prompt's log-probabilities (a delta's or the done's)."""
 
 
 class ChaosClient:
@@ -145,11 +167,13 @@ class ChaosClient:
         rng = self.rng
         seeded = not self.work.fake and rng.random() < self.work.seeded
         max_tokens = rng.randint(1, 64)
+        scored = self.work.scores and rng.random() < self.work.prompt_logprobs
         spec = P.Generate(id=f"{self.name}-{self._n}", max_tokens=max_tokens,
                           temperature=0.8 if seeded else 0.0, top_p=0.95 if seeded else 1.0,
                           seed=rng.randrange(2**31) if seeded else None,
                           prompt_ids=[rng.randrange(3, 256) for _ in range(rng.randint(1, 30))],
-                          ignore_eos=rng.random() < 0.8, stream=rng.random() < 0.75)
+                          ignore_eos=rng.random() < 0.8, stream=rng.random() < 0.75,
+                          prompt_logprobs=2 if scored else None)
         cancel = rng.random() < self.work.cancels
         return spec, (rng.randint(1, max(1, max_tokens - 1)) if cancel else 0)
 
@@ -203,6 +227,8 @@ class ChaosClient:
             self._maybe_cancel(req)
         elif isinstance(ev, P.Delta):
             req.tokens += ev.token_ids
+            if ev.prompt_logprobs is not None:
+                req.prompt_lps.append(ev.prompt_logprobs)
             self._maybe_cancel(req)
         elif isinstance(ev, (P.Done, P.Error)):
             self._end(req, ev)
@@ -229,6 +255,9 @@ class ChaosClient:
             return
         t.done += 1
         t.cancelled += ev.finish_reason == "cancelled"
+        if ev.prompt_logprobs is not None:
+            req.prompt_lps.append(ev.prompt_logprobs)
+        check_prompt(t, spec, req.prompt_lps, ev.finish_reason)
         t.latencies.append(asyncio.get_running_loop().time() - req.t0)
         got = req.tokens if spec.stream else (ev.token_ids or [])
         t.finished.append(Finished(spec, req.accepted, got, ev.usage.completion_tokens, ev.finish_reason,
@@ -413,6 +442,8 @@ def run_chaos(*, seconds: float, workers: int = 3, clients: int = 4, window: int
     if dir is not None and tally.wrong_ones:
         (Path(dir) / "wrong.json").write_text(json.dumps(tally.wrong_ones, indent=1))
     result["wrong"] = tally.wrong
+    result["prompt_logprobs"] = tally.prompt_checked
+    result["prompt_wrong"] = tally.prompt_wrong
     result["near_ties"] = tally.near_ties
     result["problems"] = tally.examples
     result["ties"] = tally.ties[:5]
@@ -422,7 +453,7 @@ def run_chaos(*, seconds: float, workers: int = 3, clients: int = 4, window: int
 def ok(result: dict[str, Any]) -> bool:
     """Nothing lost, nothing duplicated, every token right, every request served."""
     return (result["lost"] == 0 and result["duplicated"] == 0 and result["wrong"] == 0
-            and result["unexpected"] == 0 and not result["errors"] and result["daemon_exit"] == 0)
+            and result.get("prompt_wrong", 0) == 0 and result["unexpected"] == 0 and not result["errors"] and result["daemon_exit"] == 0)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -430,11 +461,13 @@ def run(args: argparse.Namespace) -> int:
         ("minutes", args.minutes > 0, "> 0"), ("workers", 1 <= args.workers <= 64, "in 1..64"),
         ("clients", args.clients >= 1, ">= 1"), ("window", args.window >= 1, ">= 1"),
         ("kill_every", args.kill_every >= 0, ">= 0"), ("decode_s", args.decode_s >= 0, ">= 0"),
-        ("cancels", 0 <= args.cancels <= 1, "in 0..1"), ("seeded", 0 <= args.seeded <= 1, "in 0..1")) if not ok_]
+        ("cancels", 0 <= args.cancels <= 1, "in 0..1"), ("seeded", 0 <= args.seeded <= 1, "in 0..1"),
+        ("prompt_logprobs", 0 <= args.prompt_logprobs <= 1, "in 0..1")) if not ok_]
     if bad:
         print(f"sclsd-bench chaos: {'; '.join(bad)}", file=sys.stderr)
         return 2
-    work = Workload(engine=args.engine, policy=args.policy, cancels=args.cancels, seeded=args.seeded)
+    work = Workload(engine=args.engine, policy=args.policy, cancels=args.cancels, seeded=args.seeded,
+                    prompt_logprobs=args.prompt_logprobs)
     kills = f"a kill every ~{args.kill_every:g}s" if args.kill_every > 0 else "no kills"
     what = "fake workers" if work.fake else f"{args.engine} workers on {HF_MODEL}"
     print(f"chaos: {args.workers} {what} ({work.policy_name}), {args.clients} clients x {args.window} requests, "

@@ -140,12 +140,37 @@ class Tally:
     (:func:`check_tokens`), right up to there."""
     ties: list[str] = field(default_factory=list)
     """What each near tie was (the first few)."""
+    prompt_checked: int = 0
+    """Requests that asked for their prompt's log-probabilities and ended ``done``, checked by
+    :func:`check_prompt`."""
+    prompt_wrong: int = 0
+    """Of those: the prompt's log-probabilities came more than once, not at all, or not for
+    every prompt token after the first."""
     wrong_ones: list[dict[str, Any]] = field(default_factory=list)
     """Each wrong request: its spec, its tokens and the reference (``--keep-dir``: ``wrong.json``)."""
 
     def problem(self, what: str) -> None:
         if len(self.examples) < 5:
             self.examples.append(what)
+
+
+def check_prompt(tally: Tally, spec: P.Generate, got: list[list[P.TokenLogprobs]], reason: str) -> None:
+    """A ``done`` request's deliveries of its prompt's log-probabilities (``got``): none unless
+    asked for; asked, exactly one for a prompt of two tokens or more (none for one token; at
+    most one for a request the client cancelled), its entries the prompt's tokens after the
+    first, in order, each with the alternatives asked for and no log-probability above 0."""
+    asked = spec.prompt_logprobs is not None
+    prompt = list(spec.prompt_ids or ())
+    tally.prompt_checked += asked
+    want = (1 if len(prompt) > 1 else 0) if asked else 0
+    count_ok = len(got) == want or (reason == "cancelled" and len(got) <= want)
+    k = spec.prompt_logprobs or 0
+    entries_ok = all([e.chosen.id for e in lps] == prompt[1:]
+                     and all(len(e.top) == k and e.chosen.logprob <= 0 for e in lps) for lps in got)
+    if not (count_ok and entries_ok):
+        tally.prompt_wrong += 1
+        tally.problem(f"{spec.id}: the prompt's log-probabilities came {len(got)} times (asked: {asked}, "
+                      f"{len(prompt)} prompt tokens, {reason}); entries right: {entries_ok}")
 
 
 def check_tokens(tally: Tally, refs: list[list[int]], margin: Margin | None = None) -> None:

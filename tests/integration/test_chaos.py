@@ -16,8 +16,10 @@ SECONDS = 15.0
 
 
 def test_killing_workers_at_random_loses_and_duplicates_nothing() -> None:
-    r = run_chaos(seconds=SECONDS, workers=3, clients=4, window=4, kill_every=1.0, seed=7)
+    r = run_chaos(seconds=SECONDS, workers=3, clients=4, window=4, kill_every=1.0, seed=7,
+                  work=Workload(prompt_logprobs=0.2))
     assert ok(r), r
+    assert r["prompt_logprobs"] >= 10 and r["prompt_wrong"] == 0, r  # each once, right, through the kills
     assert r["lost"] == r["duplicated"] == r["wrong"] == r["unexpected"] == 0 and not r["errors"], r
     # The chaos happened: kills in the middle of batches, their requests served again.
     assert r["kills"] >= SECONDS / 1.0 / 3, r
@@ -32,8 +34,9 @@ def test_killing_real_workers_under_cancels_and_seeds_loses_nothing_and_tokens_s
     request ends once; greedy and seeded ones give ``hf``'s one pass (one that first differs at a
     near tie, right up to it, is counted apart: fp32 logits differ with the rows beside them)."""
     r = run_chaos(seconds=10.0, workers=2, clients=2, window=2, kill_every=3.0, seed=3,
-                  work=Workload(engine="hf-static-cb", cancels=0.15, seeded=0.3))
+                  work=Workload(engine="hf-static-cb", cancels=0.15, seeded=0.3, prompt_logprobs=0.3))
     assert ok(r), r
+    assert r["prompt_logprobs"] >= 3 and r["prompt_wrong"] == 0, r
     assert r["kills"] >= 2 and r["requests_hit_by_kills"] >= 1, r
     assert r["sent"] == r["accepted"] == r["done"] >= 30, r
     assert r["cancelled"] >= 1, r

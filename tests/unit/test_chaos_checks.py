@@ -10,7 +10,14 @@ import random
 
 from sclsd import protocol as P
 from sclsd.bench.chaos import ChaosClient, Workload, _Req
-from sclsd.bench.chaos_checks import NEAR_TIE, Finished, Tally, check_tokens, reference_tokens
+from sclsd.bench.chaos_checks import (
+    NEAR_TIE,
+    Finished,
+    Tally,
+    check_prompt,
+    check_tokens,
+    reference_tokens,
+)
 
 
 class _Sink:
@@ -125,3 +132,29 @@ def test_a_difference_at_a_near_tie_is_counted_apart_and_any_other_is_wrong() ->
     assert (tally.near_ties, tally.wrong) == (1, 2), tally
     assert asked == [2, 1]  # the miscounted one is wrong without asking
     assert "first difference at token 2" in tally.ties[0] and "1.0e-05 from another" in tally.ties[0]
+
+
+def test_the_prompt_logprobs_check_wants_them_once_for_every_prompt_token() -> None:
+    def lps(ids: list[int], k: int = 2, lp: float = -1.0) -> list[P.TokenLogprobs]:
+        return [P.TokenLogprobs(P.Logprob(i, lp), [P.Logprob(i, lp), P.Logprob(7, lp - 1)][:k]) for i in ids]
+
+    asked = P.Generate(id="a", prompt_ids=[5, 6, 7], prompt_logprobs=2)
+    plain = P.Generate(id="p", prompt_ids=[5, 6, 7])
+    one = P.Generate(id="o", prompt_ids=[5], prompt_logprobs=2)
+    right = [(asked, [lps([6, 7])], "length"), (asked, [], "cancelled"), (asked, [lps([6, 7])], "cancelled"),
+             (plain, [], "stop"), (one, [], "length")]
+    wrong = [(asked, [], "length"),  # never came
+             (asked, [lps([6, 7]), lps([6, 7])], "length"),  # twice (a retried first slice's too)
+             (asked, [lps([5, 6])], "length"),  # shifted by one
+             (asked, [lps([6])], "stop"),  # a token short
+             (asked, [lps([6, 7], k=1)], "length"),  # fewer alternatives than asked
+             (asked, [lps([6, 7], lp=0.5)], "length"),
+             (plain, [lps([6, 7])], "length")]  # not asked
+    for spec, got, reason in right:
+        t = Tally()
+        check_prompt(t, spec, got, reason)
+        assert t.prompt_wrong == 0, (spec.id, got, reason)
+    for spec, got, reason in wrong:
+        t = Tally()
+        check_prompt(t, spec, got, reason)
+        assert t.prompt_wrong == 1 and t.examples, (spec.id, got, reason)

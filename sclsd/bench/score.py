@@ -64,14 +64,16 @@ def _post(host: str, port: int, path: str, body: dict[str, Any]) -> dict[str, An
         conn.close()
 
 
-def prompts(host: str, port: int, n: int, length: int) -> list[list[int]]:
+def prompts(host: str, port: int, n: int, length: int, tag: str) -> list[list[int]]:
     """``n`` prompts of ``length`` token ids: the shipped prompts, tokenized, each repeated to
-    length, starting from a different one so that no two are alike."""
+    length, starting from a different one, after a head of its own (``tag`` and its number):
+    no two prompts of any way or round begin alike, so none starts from KV another left
+    (the ``llama`` engine's shared prefixes)."""
     texts = (Path(__file__).resolve().parent.parent / "data" / "prompts.txt").read_text().splitlines()
     ids = [_post(host, port, "/tokenize", {"prompt": t + "\n"})["tokens"] for t in texts if t.strip()]
     out = []
     for i in range(n):
-        p: list[int] = []
+        p: list[int] = list(_post(host, port, "/tokenize", {"prompt": f"[{tag} {i}]\n"})["tokens"])
         j = i
         while len(p) < length:
             p += ids[j % len(ids)]
@@ -123,10 +125,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         try:
             host, _, port_s = url.removeprefix("http://").partition(":")
             port = int(port_s)
-            ps = prompts(host, port, args.prompts, args.prompt_tokens)
-            one_way(host, port, args.model, ps[:args.concurrency], True, args.concurrency)  # warm
+            warm = prompts(host, port, args.concurrency, args.prompt_tokens, "warm")
+            one_way(host, port, args.model, warm, True, args.concurrency)
             for k in range(args.rounds):
                 for scored in (True, False) if k % 2 == 0 else (False, True):
+                    ps = prompts(host, port, args.prompts, args.prompt_tokens, f"{'s' if scored else 'p'}{k}")
                     r = one_way(host, port, args.model, ps, scored, args.concurrency)
                     r["round"] = k + 1
                     result["runs"].append(r)

@@ -369,3 +369,45 @@ def test_prompt_logprobs_are_the_models_over_the_whole_prompt(llama, hf) -> None
     (later,), _ = llama.serve(batch(112, [row("a", PROMPT + a.token_ids, 3, prompt_logprobs=3, generated=5)]))
     assert not later.prompt_logprobs and len(later.token_ids) == 3
     llama.release()
+
+
+def test_a_prompt_that_begins_with_another_requests_starts_from_its_kv(llama) -> None:
+    """A finished request leaves its KV as a cached prefix: a later request whose context
+    begins with it (here: the first's prompt, then more) copies it and prefills only the rest,
+    with the tokens of a full prefill; a row that scores its prompt, or a batch without kv_reuse,
+    takes none; a release of everything drops them."""
+    llama.release()
+    first, _ = llama.serve(batch(120, [row("first", PROMPT, 6, ignore_eos=True)]))
+    assert first[0].reused_tokens == 0
+    longer = PROMPT + first[0].token_ids[:3] + [1, 9690, 198]
+    (got,), _ = llama.serve(batch(121, [row("second", longer, 8, ignore_eos=True)]))
+    assert got.reused_tokens == len(PROMPT) + 3  # the prompt and the 3 tokens it generated and fed
+    assert llama.kv.shared >= 1
+    # The same tokens as a full prefill of the same context (kv_reuse off: nothing shared).
+    (paper,), _ = llama.serve(batch(123, [row("paper", longer, 8, ignore_eos=True)], kv_reuse=False))
+    assert paper.reused_tokens == 0 and paper.token_ids == got.token_ids
+    (scored,), _ = llama.serve(batch(122, [row("scored", longer, 2, prompt_logprobs=0, ignore_eos=True)]))
+    assert scored.reused_tokens == 0 and len(scored.prompt_logprobs) == len(longer) - 1
+    llama.release()
+    llama.kv.apply_releases()
+    assert not llama.kv.cached
+    (again,), _ = llama.serve(batch(124, [row("again", longer, 2, ignore_eos=True)]))
+    assert again.reused_tokens == 0
+    llama.release()
+
+
+def test_cached_prefixes_give_way_to_running_rows(llama) -> None:
+    """The context full of cached prefixes (every sequence, most cells): new rows of other
+    prompts still run, the prefixes dropped for their sequences and cells."""
+    llama.release()
+    llama.kv.apply_releases()
+    n_seq = llama.ctx.n_seq
+    for i in range(n_seq):
+        llama.serve(batch(130 + i, [row(f"fill{i}", [2 + i] + PROMPT[1:], 1, ignore_eos=True)]))
+    assert 0 < len(llama.kv.cached) < n_seq  # one sequence always stays free for rows
+    big = max(16, (llama.n_ctx - llama.kv.cached_tokens()) // 2)
+    reqs = [row(f"new{i}", [(7 + 31 * i + j) % 40000 + 100 for j in range(big // 4)], 4, ignore_eos=True)
+            for i in range(4)]
+    outs, _ = llama.serve(batch(150, reqs))
+    assert all(len(o.token_ids) == 4 and o.reused_tokens == 0 for o in outs)
+    llama.release()

@@ -84,7 +84,7 @@ class LlamaEngine(Engine):
     def __init__(self, model: str = models.DEFAULT_MODEL, device: str = "cpu", threads: int | None = None,
                  mem_budget: int | None = None, max_rows: int = MAX_ROWS, context_tokens: int | None = None,
                  max_batch_tokens: int = BATCH_TOKENS, kv_host_bytes: int = HOST_BYTES,
-                 dtype: Any = None) -> None:
+                 share_prefixes: bool = True, dtype: Any = None) -> None:
         if not str(device).startswith("cpu"):
             raise ValueError(f"the llama engine runs on the CPU (device {device!r}): use hf-cb or hf on a GPU")
         if dtype not in (None, "auto"):
@@ -106,7 +106,7 @@ class LlamaEngine(Engine):
         self.n_ctx = max(256, min(cells, m.n_ctx_train or cells)) // 256 * 256
         self.batch_tokens = max(int(max_batch_tokens), self.max_rows)
         self.ctx = self._context(self.batch_tokens)
-        self.kv = KVSlots(self.ctx, int(kv_host_bytes))
+        self.kv = KVSlots(self.ctx, int(kv_host_bytes), bool(share_prefixes))
         self.running = self._running()
         self.load_s = time.perf_counter() - t0
         log.info("loaded %s (%s, %.0f MiB) in %.2f s: %d threads, %d KV cells (%.0f MiB), %d rows a step",
@@ -181,7 +181,7 @@ class LlamaEngine(Engine):
             self.batch_tokens = safe
             self.max_rows = min(self.max_rows, safe)
             self.ctx = self._context(safe)
-            self.kv = KVSlots(self.ctx, self.kv.host_limit)
+            self.kv = KVSlots(self.ctx, self.kv.host_limit, self.kv.share_prefixes)
             self.running = self._running()
 
     # ------------------------------------------------------------------ the engine's four
@@ -214,6 +214,9 @@ class LlamaEngine(Engine):
         return self.kv.held()
 
     def close(self) -> None:
+        if self.kv.shared:
+            log.info("%d rows started from a prefix another request left, %d tokens not prefilled",
+                     self.kv.shared, self.kv.shared_tokens)
         self.kv.clear()
         self.ctx.close()
         self.model.close()

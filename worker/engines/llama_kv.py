@@ -17,6 +17,19 @@ usually: a request's context grows by what it generated); the KV past that prefi
 (``llama_kv_cache_seq_rm`` from a position on). At least the last context token is always
 fed, so the row's first pick has logits.
 
+**Prefixes shared between requests.** A row that ended and keeps nothing for its request
+leaves its KV as a *cached prefix* (:attr:`KVSlots.cached`, least recently used first) when
+it holds at least :data:`MIN_PREFIX` tokens and a sequence of the context is to spare: a row
+of another request whose context starts with the same tokens (a chat's system prompt and
+earlier turns, a prompt asked for ``n`` choices, an evaluation's context before each of its
+continuations) starts from a copy of that prefix (``llama_kv_cache_seq_cp``: its cells gain
+the row's sequence, no compute, no memory) and feeds only the rest. Cached prefixes are
+nobody's: the daemon does not know them and reserves every row's whole context, so they go
+first, unsaved, whenever running rows or kept KV want cells or sequences
+(:meth:`KVSlots.spill`, :meth:`KVSlots.start`), and a release of everything drops them.
+A row that scores its prompt (``prompt_logprobs``) takes none: every position's logits are
+computed in its own prefill.
+
 Threads: :meth:`KVSlots.release` comes from the worker's receive thread while the serve
 thread steps the context. It drops host copies at once and marks kept sequences; the serve
 thread removes their KV at its next step (:meth:`KVSlots.apply_releases`), and a row that
@@ -32,7 +45,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["Kept", "KVSlots", "SeqContext"]
+__all__ = ["MIN_PREFIX", "Kept", "KVSlots", "SeqContext"]
+
+#: The fewest tokens a cached prefix holds, and a row takes from one: shorter ones are not
+#: worth a sequence of the context.
+MIN_PREFIX = 16
 
 
 class SeqContext(Protocol):
@@ -46,6 +63,8 @@ class SeqContext(Protocol):
     def save(self, seq: int) -> bytes: ...
 
     def load(self, data: bytes, seq: int) -> bool: ...
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None: ...
 
 
 @dataclass(eq=False)
@@ -72,9 +91,16 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class KVSlots:
     """The context's sequences and the kept KV (see the module docstring)."""
 
-    def __init__(self, ctx: SeqContext, host_bytes: int) -> None:
+    def __init__(self, ctx: SeqContext, host_bytes: int, share_prefixes: bool = True) -> None:
         self.ctx = ctx
         self.host_limit = host_bytes
+        self.share_prefixes = share_prefixes
+        self.cached: OrderedDict[int, list[int]] = OrderedDict()
+        """Cached prefixes: sequence -> the tokens whose KV it holds (least recently used first)."""
+        self.shared = 0
+        """Rows that started from a cached prefix, and the tokens they took from one, since the
+        engine started."""
+        self.shared_tokens = 0
         self.lock = threading.Lock()
         self.free: list[int] = list(range(ctx.n_seq - 1, -1, -1))
         self.kept: OrderedDict[str, Kept] = OrderedDict()
@@ -98,6 +124,8 @@ class KVSlots:
             names = list(self.kept) if rids is None else list(rids)
             if rids is None:
                 self.release_at_end.update(self.running)
+                self.dead.extend(self.cached)  # nobody's: gone with everything else
+                self.cached.clear()
             for rid in names:
                 k = self.kept.pop(rid, None)
                 if k is not None:
@@ -120,6 +148,11 @@ class KVSlots:
         with self.lock:
             return sum(len(k.tokens) for k in self.kept.values() if k.seq is not None)
 
+    def cached_tokens(self) -> int:
+        """Cells the cached prefixes hold (some of them shared with running rows)."""
+        with self.lock:
+            return sum(len(t) for t in self.cached.values())
+
     # ------------------------------------------------------------------ the serve thread
 
     def take(self, rid: str) -> None:
@@ -135,11 +168,13 @@ class KVSlots:
                 self.ctx.seq_rm(seq)
                 self.free.append(seq)
 
-    def start(self, rid: str, tokens: list[int]) -> tuple[int, int] | None:
+    def start(self, rid: str, tokens: list[int], share: bool = True) -> tuple[int, int] | None:
         """A row of ``rid`` (:meth:`take`) with context ``tokens`` starts: its sequence and how many of
-        ``tokens`` it holds KV for already (kept KV resumed, at most ``len(tokens) - 1``);
-        None when no sequence is free (:meth:`spill` frees one)."""
+        ``tokens`` it holds KV for already (kept KV resumed, else with ``share`` a cached prefix
+        copied; at most ``len(tokens) - 1``); None when no sequence is free (:meth:`spill` frees one)."""
         with self.lock:
+            if rid not in self.kept:
+                return self._start_fresh(tokens, share)
             k = self.kept.pop(rid, None)
             seq, used = None, 0
             if k is not None:
@@ -166,13 +201,17 @@ class KVSlots:
                     return None
             if seq is None:
                 if not self.free:
+                    self._drop_cached(1)
+                if not self.free:
                     return None
                 seq = self.free.pop()
             return seq, used
 
-    def end(self, rid: str, seq: int, tokens: list[int] | None) -> int:
+    def end(self, rid: str, seq: int, tokens: list[int] | None, fed: list[int] | None = None) -> int:
         """A row of ``rid`` in ``seq`` (-1: it never started) ended: keep its KV of ``tokens``
-        (None: drop it). Returns the tokens kept (0 when dropped, or released since it came in)."""
+        for the request (None: not), else cache it as a prefix of ``fed`` (the tokens whose KV
+        the sequence holds; None: drop it). Returns the tokens kept (0 when not kept, or
+        released since it came in)."""
         with self.lock:
             n = self.running.get(rid, 0) - 1
             if n > 0:
@@ -185,6 +224,8 @@ class KVSlots:
             if seq < 0:
                 return 0
             if tokens is None or released or not tokens:
+                if fed is not None and self._cache(seq, fed):
+                    return 0
                 self.ctx.seq_rm(seq)
                 self.free.append(seq)
                 return 0
@@ -200,6 +241,9 @@ class KVSlots:
         something moved. Saved to host memory while ``host_bytes`` allows, else dropped."""
         with self.lock:
             moved = False
+            while self.cached and (self._resident() > cells or len(self.free) < seqs):
+                self._drop_cached(len(self.free) + 1)
+                moved = True
             for rid in list(self.kept):
                 k = self.kept[rid]
                 if k.seq is None:
@@ -227,9 +271,65 @@ class KVSlots:
         with self.lock:
             self.evicted.extend(self.kept)
             self.kept.clear()
+            self.cached.clear()
             self.host_bytes = 0
 
     # ------------------------------------------------------------------ internals (lock held)
+
+    def _resident(self) -> int:
+        return (sum(len(k.tokens) for k in self.kept.values() if k.seq is not None)
+                + sum(len(t) for t in self.cached.values()))
+
+    def _start_fresh(self, tokens: list[int], share: bool) -> tuple[int, int] | None:
+        """A row with no KV kept for its request: a free sequence, with the longest cached
+        prefix of ``tokens`` copied into it (at least :data:`MIN_PREFIX` tokens)."""
+        src, used = -1, 0
+        if share and self.share_prefixes:
+            for s, t in self.cached.items():
+                n = min(common_prefix(t, tokens), len(tokens) - 1)
+                if n > used:
+                    src, used = s, n
+            if used < MIN_PREFIX:
+                src, used = -1, 0
+        if not self.free:
+            self._drop_cached(1, keep=src)
+        if not self.free:
+            return None
+        seq = self.free.pop()
+        if src >= 0:
+            self.ctx.seq_cp(src, seq, 0, used)
+            self.cached.move_to_end(src)
+            self.shared += 1
+            self.shared_tokens += used
+        return seq, used
+
+    def _cache(self, seq: int, fed: list[int]) -> bool:
+        """Keep ``seq``'s KV of ``fed`` as a cached prefix, if it is long enough and a sequence
+        stays free for rows (the sequences are the running rows' first); else False. A cached
+        prefix that is a prefix of this one goes (this one serves every row it served)."""
+        if not self.share_prefixes or len(fed) < MIN_PREFIX:
+            return False
+        for s, t in list(self.cached.items()):
+            if len(t) <= len(fed) and fed[:len(t)] == t:
+                del self.cached[s]
+                self.ctx.seq_rm(s)
+                self.free.append(s)
+        if not self.free:
+            return False
+        self.cached[seq] = list(fed)
+        return True
+
+    def _drop_cached(self, free: int, keep: int = -1) -> None:
+        """Drop cached prefixes, least recently used first (never ``keep``), until ``free``
+        sequences are free or none is left."""
+        for s in list(self.cached):
+            if len(self.free) >= free:
+                return
+            if s == keep:
+                continue
+            del self.cached[s]
+            self.ctx.seq_rm(s)
+            self.free.append(s)
 
     def _forget(self, k: Kept) -> None:
         if k.seq is not None:

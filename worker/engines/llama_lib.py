@@ -65,6 +65,7 @@ _EXTRA: dict[str, tuple[list[Any], Any]] = {
     "llama_n_ctx": ([_vp], _c_uint32),
     "llama_get_logits": ([_vp], ctypes.POINTER(ctypes.c_float)),
     "llama_kv_cache_seq_rm": ([_vp, _c_int32, _c_int32, _c_int32], ctypes.c_bool),
+    "llama_kv_cache_seq_cp": ([_vp, _c_int32, _c_int32, _c_int32, _c_int32], None),
     "llama_kv_cache_defrag": ([_vp], None),
     "llama_kv_cache_update": ([_vp], _c_int32),
     "llama_get_kv_cache_used_cells": ([_vp], _c_int32),
@@ -230,6 +231,11 @@ class Context:
         """Drop sequence ``seq``'s KV at positions ``[p0, p1)`` (-1: open); whole when both -1."""
         self.holes = True
         return bool(self.lib.llama_kv_cache_seq_rm(self.ptr, seq, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Sequence ``dst`` shares ``src``'s KV at positions ``[p0, p1)`` (-1: open): the cells
+        gain ``dst``, nothing is computed or copied."""
+        self.lib.llama_kv_cache_seq_cp(self.ptr, src, dst, p0, p1)
 
     def save(self, seq: int) -> bytes:
         """Sequence ``seq``'s KV as bytes (host memory)."""

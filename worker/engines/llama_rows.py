@@ -234,10 +234,13 @@ class Running:
             free_cells = self.ctx.n_ctx - busy - row.reserve
             if free_cells < 0:
                 return  # waits for running rows to end
-            if self.kv.resident_tokens() > free_cells or not self.kv.free:
+            if self.kv.resident_tokens() + self.kv.cached_tokens() > free_cells or not self.kv.free:
                 self.kv.spill(free_cells, 1)
                 self.kv.apply_releases()
-            got = self.kv.start(row.req.rid, row.tokens)
+            # A row that scores its prompt computes every position's logits: no shared prefix.
+            # Not in the paper's slicing either (kv_reuse off: every slice prefills in full).
+            got = self.kv.start(row.req.rid, row.tokens,
+                                share=row.grant.batch.kv_reuse and row.req.prompt_logprobs is None)
             if got is None:
                 return
             self.waiting.popleft()
@@ -329,7 +332,9 @@ class Running:
         """A running row ended: keep its KV when its request goes on, record its output."""
         g = r.grant
         keep = g.batch.kv_reuse and r.reason is None and r.cap < r.req.max_new_tokens
-        kept = self.kv.end(r.req.rid, r.seq, r.tokens[:r.fed] if keep else None)
+        # What the request does not keep stays as a prefix other requests may share.
+        kept = self.kv.end(r.req.rid, r.seq, r.tokens[:r.fed] if keep else None,
+                           fed=r.tokens[:r.fed] if g.batch.kv_reuse else None)
         g.outputs[r.req.rid] = RequestOutput(
             rid=r.req.rid, token_ids=r.out, finish_reason=r.reason,  # type: ignore[arg-type]
             logprobs=r.logprobs, prompt_logprobs=r.plps, kv_tokens=kept, reused_tokens=r.reused)

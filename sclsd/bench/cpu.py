@@ -55,6 +55,8 @@ TARGETS = {"one_stream": 0.7, "streams": 1.5, "ttft_s": 0.5}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from worker.main import parse_opt
+
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--engine", default="auto", help="workers.engine (auto: llama for a GGUF on the CPU)")
     p.add_argument("--workers", type=int, default=2)
@@ -63,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=3, help="runs of the loop, the one stream and the TTFT")
     p.add_argument("--out", default="out/cpu", help="directory for cpu.json and cpu.md")
+    p.add_argument("--opt", action="append", type=parse_opt, default=[], metavar="KEY=VALUE",
+                   help="[workers.options] KEY = VALUE, as sclsd-worker --opt takes it (repeatable; "
+                        "share_prefixes=false: every request prefills its whole prompt)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -184,8 +189,10 @@ def library_loop(args: argparse.Namespace) -> list[dict[str, Any]]:
 def serve(args: argparse.Namespace, result: dict[str, Any]) -> None:
     from ..demo import _start_http
 
-    sections = {"daemon": {"drain_timeout_s": 60.0}, "model": {"name": args.model},
-                "workers": {"spawn": args.workers, "threads": args.threads, "engine": args.engine}}
+    sections: dict[str, Any] = {"daemon": {"drain_timeout_s": 60.0}, "model": {"name": args.model},
+                                "workers": {"spawn": args.workers, "threads": args.threads, "engine": args.engine}}
+    if args.opt:
+        sections["workers"]["options"] = dict(args.opt)
     t0 = time.monotonic()
     with launch(sections, wait_workers=args.workers, timeout=300) as d:
         result["start_s"] = round(time.monotonic() - t0, 2)

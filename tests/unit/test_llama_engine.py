@@ -371,43 +371,60 @@ def test_prompt_logprobs_are_the_models_over_the_whole_prompt(llama, hf) -> None
     llama.release()
 
 
-def test_a_prompt_that_begins_with_another_requests_starts_from_its_kv(llama) -> None:
+@pytest.fixture(scope="module")
+def sharing():
+    from worker.engines import create_engine
+
+    eng = create_engine("llama", "tiny-random", threads=1, max_rows=4, share_prefixes=True)
+    eng.warm_up()
+    yield eng
+    eng.close()
+
+
+def test_a_prompt_that_begins_with_another_requests_starts_from_its_kv(sharing, llama) -> None:
     """A finished request leaves its KV as a cached prefix: a later request whose context
     begins with it (here: the first's prompt, then more) copies it and prefills only the rest,
     with the tokens of a full prefill; a row that scores its prompt, or a batch without kv_reuse,
     takes none; a release of everything drops them."""
-    llama.release()
-    first, _ = llama.serve(batch(120, [row("first", PROMPT, 6, ignore_eos=True)]))
+    sharing.release()
+    first, _ = sharing.serve(batch(120, [row("first", PROMPT, 6, ignore_eos=True)]))
     assert first[0].reused_tokens == 0
     longer = PROMPT + first[0].token_ids[:3] + [1, 9690, 198]
-    (got,), _ = llama.serve(batch(121, [row("second", longer, 8, ignore_eos=True)]))
+    (got,), _ = sharing.serve(batch(121, [row("second", longer, 8, ignore_eos=True)]))
     assert got.reused_tokens == len(PROMPT) + 3  # the prompt and the 3 tokens it generated and fed
-    assert llama.kv.shared >= 1
+    assert sharing.kv.shared >= 1
     # The same tokens as a full prefill of the same context (kv_reuse off: nothing shared).
-    (paper,), _ = llama.serve(batch(123, [row("paper", longer, 8, ignore_eos=True)], kv_reuse=False))
+    (paper,), _ = sharing.serve(batch(123, [row("paper", longer, 8, ignore_eos=True)], kv_reuse=False))
     assert paper.reused_tokens == 0 and paper.token_ids == got.token_ids
-    (scored,), _ = llama.serve(batch(122, [row("scored", longer, 2, prompt_logprobs=0, ignore_eos=True)]))
+    (scored,), _ = sharing.serve(batch(122, [row("scored", longer, 2, prompt_logprobs=0, ignore_eos=True)]))
     assert scored.reused_tokens == 0 and len(scored.prompt_logprobs) == len(longer) - 1
-    llama.release()
-    llama.kv.apply_releases()
-    assert not llama.kv.cached
-    (again,), _ = llama.serve(batch(124, [row("again", longer, 2, ignore_eos=True)]))
+    sharing.release()
+    sharing.kv.apply_releases()
+    assert not sharing.kv.cached
+    (again,), _ = sharing.serve(batch(124, [row("again", longer, 2, ignore_eos=True)]))
     assert again.reused_tokens == 0
+    sharing.release()
+    # Off by default: the same two requests each prefill in full.
+    llama.release()
+    llama.serve(batch(125, [row("first", PROMPT, 6, ignore_eos=True)]))
+    (plain,), _ = llama.serve(batch(126, [row("second", longer, 8, ignore_eos=True)]))
+    assert plain.reused_tokens == 0 and plain.token_ids == got.token_ids and not llama.kv.cached
     llama.release()
 
 
-def test_cached_prefixes_give_way_to_running_rows(llama) -> None:
-    """The context full of cached prefixes (every sequence, most cells): new rows of other
-    prompts still run, the prefixes dropped for their sequences and cells."""
-    llama.release()
-    llama.kv.apply_releases()
-    n_seq = llama.ctx.n_seq
+def test_cached_prefixes_give_way_to_running_rows(sharing) -> None:
+    """Cached prefixes stay within their budget of cells however many rows end, and give way:
+    new rows of other prompts, wanting most of the cells, still run."""
+    sharing.release()
+    sharing.kv.apply_releases()
+    n_seq = sharing.ctx.n_seq
     for i in range(n_seq):
-        llama.serve(batch(130 + i, [row(f"fill{i}", [2 + i] + PROMPT[1:], 1, ignore_eos=True)]))
-    assert 0 < len(llama.kv.cached) < n_seq  # one sequence always stays free for rows
-    big = max(16, (llama.n_ctx - llama.kv.cached_tokens()) // 2)
+        sharing.serve(batch(130 + i, [row(f"fill{i}", [2 + i] + PROMPT[1:], 1, ignore_eos=True)]))
+    assert 0 < len(sharing.kv.cached) < n_seq  # one sequence always stays free for rows
+    assert 0 < sharing.kv.cached_tokens() <= sharing.kv.cache_cells
+    big = max(16, (sharing.n_ctx - sharing.kv.cached_tokens()) // 2)
     reqs = [row(f"new{i}", [(7 + 31 * i + j) % 40000 + 100 for j in range(big // 4)], 4, ignore_eos=True)
             for i in range(4)]
-    outs, _ = llama.serve(batch(150, reqs))
+    outs, _ = sharing.serve(batch(150, reqs))
     assert all(len(o.token_ids) == 4 and o.reused_tokens == 0 for o in outs)
-    llama.release()
+    sharing.release()

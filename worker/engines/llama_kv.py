@@ -17,9 +17,11 @@ usually: a request's context grows by what it generated); the KV past that prefi
 (``llama_kv_cache_seq_rm`` from a position on). At least the last context token is always
 fed, so the row's first pick has logits.
 
-**Prefixes shared between requests.** A row that ended and keeps nothing for its request
+**Prefixes shared between requests** (``share_prefixes``, off by default: docs/benchmarks.md
+measures what it gives and costs). A row that ended and keeps nothing for its request
 leaves its KV as a *cached prefix* (:attr:`KVSlots.cached`, least recently used first) when
-it holds at least :data:`MIN_PREFIX` tokens and a sequence of the context is to spare: a row
+it holds at least :data:`MIN_PREFIX` tokens and a sequence of the context is to spare, within
+a budget of cells (:data:`CACHE_SHARE` of the context's; the least recently used go): a row
 of another request whose context starts with the same tokens (a chat's system prompt and
 earlier turns, a prompt asked for ``n`` choices, an evaluation's context before each of its
 continuations) starts from a copy of that prefix (``llama_kv_cache_seq_cp``: its cells gain
@@ -50,6 +52,10 @@ __all__ = ["MIN_PREFIX", "Kept", "KVSlots", "SeqContext"]
 #: The fewest tokens a cached prefix holds, and a row takes from one: shorter ones are not
 #: worth a sequence of the context.
 MIN_PREFIX = 16
+#: The cells cached prefixes may hold, as a share of the context's (at least :data:`MIN_PREFIX`
+#: times 16): every decode attends over the cells up to the highest one in use, other
+#: sequences' masked, so cells held for nobody make every step of the running rows dearer.
+CACHE_SHARE = 1 / 32
 
 
 class SeqContext(Protocol):
@@ -91,10 +97,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class KVSlots:
     """The context's sequences and the kept KV (see the module docstring)."""
 
-    def __init__(self, ctx: SeqContext, host_bytes: int, share_prefixes: bool = True) -> None:
+    def __init__(self, ctx: SeqContext, host_bytes: int, share_prefixes: bool = False) -> None:
         self.ctx = ctx
         self.host_limit = host_bytes
         self.share_prefixes = share_prefixes
+        self.cache_cells = max(16 * MIN_PREFIX, int(ctx.n_ctx * CACHE_SHARE))
+        """The most cells the cached prefixes hold (:data:`CACHE_SHARE`)."""
         self.cached: OrderedDict[int, list[int]] = OrderedDict()
         """Cached prefixes: sequence -> the tokens whose KV it holds (least recently used first)."""
         self.shared = 0
@@ -298,6 +306,12 @@ class KVSlots:
         seq = self.free.pop()
         if src >= 0:
             self.ctx.seq_cp(src, seq, 0, used)
+            # What rows share is what is worth keeping: the prefix keeps that much (a system
+            # prompt shared by different questions shrinks to it), and the row's own context
+            # is cached at its end.
+            if used < len(self.cached[src]):
+                self.ctx.seq_rm(src, used, -1)
+                self.cached[src] = self.cached[src][:used]
             self.cached.move_to_end(src)
             self.shared += 1
             self.shared_tokens += used
@@ -316,7 +330,15 @@ class KVSlots:
                 self.free.append(s)
         if not self.free:
             return False
+        if len(fed) > self.cache_cells:  # its head only, within the budget
+            fed = fed[:self.cache_cells]
+            self.ctx.seq_rm(seq, len(fed), -1)
         self.cached[seq] = list(fed)
+        while sum(len(t) for t in self.cached.values()) > self.cache_cells:  # least recently used go
+            s = next(iter(self.cached))
+            del self.cached[s]
+            self.ctx.seq_rm(s)
+            self.free.append(s)
         return True
 
     def _drop_cached(self, free: int, keep: int = -1) -> None:

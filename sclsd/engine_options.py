@@ -164,9 +164,8 @@ OPTIONS: dict[str, Option] = {
                                   "least 2,048, within the memory budget and the model's window)"),
     "share_prefixes": Option(("llama",), "bool",
                              help="a request starts from the KV of another's prompt (and answer) it begins "
-                                  "with, kept within 1/32 of the cells (llama_kv_cache_seq_cp); off by default: "
-                                  "it pays where requests repeat a prompt or a long head, and costs every step's "
-                                  "attention those cells where they do not"),
+                                  "with (llama_kv_cache_seq_cp), kept within 1/32 of the cells where recent "
+                                  "requests began alike (default true)"),
     "memory_share": Option(("hf-cb",), "float", Range(gt=0.0, le=1.0), help="share of free memory"),
     "poll_s": Option(("hf-cb",), "float", Range(gt=0.0), help="result poll interval"),
     "kv_padding_tokens": Option(("hf-cb",), "int", Range(ge=1),

@@ -381,14 +381,19 @@ def sharing():
     eng.close()
 
 
-def test_a_prompt_that_begins_with_another_requests_starts_from_its_kv(sharing, llama) -> None:
-    """A finished request leaves its KV as a cached prefix: a later request whose context
-    begins with it (here: the first's prompt, then more) copies it and prefills only the rest,
-    with the tokens of a full prefill; a row that scores its prompt, or a batch without kv_reuse,
-    takes none; a release of everything drops them."""
+def test_a_prompt_that_begins_with_another_requests_starts_from_its_kv(sharing) -> None:
+    """A finished request whose head another recent one shares leaves its KV as a cached prefix
+    (a lone one leaves none): a later request whose context begins with it (here: the first's
+    prompt, then more) copies it and prefills only the rest, with the tokens of a full prefill;
+    a row that scores its prompt, or a batch without kv_reuse, takes none; a release of
+    everything drops them."""
     sharing.release()
-    first, _ = sharing.serve(batch(120, [row("first", PROMPT, 6, ignore_eos=True)]))
-    assert first[0].reused_tokens == 0
+    sharing.kv.apply_releases()
+    (lone,), _ = sharing.serve(batch(119, [row("lone", [3] + PROMPT[1:], 2, ignore_eos=True)]))
+    assert not sharing.kv.cached  # nobody began alike
+    first, _ = sharing.serve(batch(120, [row("first", PROMPT, 6, ignore_eos=True),
+                                         row("twin", PROMPT[:20] + [5, 6, 7], 2, ignore_eos=True)]))
+    assert first[0].reused_tokens == first[1].reused_tokens == 0 and len(sharing.kv.cached) == 2
     longer = PROMPT + first[0].token_ids[:3] + [1, 9690, 198]
     (got,), _ = sharing.serve(batch(121, [row("second", longer, 8, ignore_eos=True)]))
     assert got.reused_tokens == len(PROMPT) + 3  # the prompt and the 3 tokens it generated and fed
@@ -404,12 +409,18 @@ def test_a_prompt_that_begins_with_another_requests_starts_from_its_kv(sharing, 
     (again,), _ = sharing.serve(batch(124, [row("again", longer, 2, ignore_eos=True)]))
     assert again.reused_tokens == 0
     sharing.release()
-    # Off by default: the same two requests each prefill in full.
-    llama.release()
-    llama.serve(batch(125, [row("first", PROMPT, 6, ignore_eos=True)]))
-    (plain,), _ = llama.serve(batch(126, [row("second", longer, 8, ignore_eos=True)]))
-    assert plain.reused_tokens == 0 and plain.token_ids == got.token_ids and not llama.kv.cached
-    llama.release()
+    # Turned off, the same requests each prefill in full.
+    from worker.engines import create_engine
+
+    unshared = create_engine("llama", "tiny-random", threads=1, max_rows=4, share_prefixes=False)
+    try:
+        unshared.warm_up()
+        unshared.serve(batch(125, [row("first", PROMPT, 6, ignore_eos=True),
+                                   row("twin", PROMPT[:20] + [5, 6, 7], 2, ignore_eos=True)]))
+        (plain,), _ = unshared.serve(batch(126, [row("second", longer, 8, ignore_eos=True)]))
+        assert plain.reused_tokens == 0 and plain.token_ids == got.token_ids and not unshared.kv.cached
+    finally:
+        unshared.close()
 
 
 def test_cached_prefixes_give_way_to_running_rows(sharing) -> None:
@@ -419,7 +430,7 @@ def test_cached_prefixes_give_way_to_running_rows(sharing) -> None:
     sharing.kv.apply_releases()
     n_seq = sharing.ctx.n_seq
     for i in range(n_seq):
-        sharing.serve(batch(130 + i, [row(f"fill{i}", [2 + i] + PROMPT[1:], 1, ignore_eos=True)]))
+        sharing.serve(batch(130 + i, [row(f"fill{i}", PROMPT[:16] + [2 + i] + PROMPT[17:], 1, ignore_eos=True)]))
     assert 0 < len(sharing.kv.cached) < n_seq  # one sequence always stays free for rows
     assert 0 < sharing.kv.cached_tokens() <= sharing.kv.cache_cells
     big = max(16, (sharing.n_ctx - sharing.kv.cached_tokens()) // 2)

@@ -17,10 +17,12 @@ usually: a request's context grows by what it generated); the KV past that prefi
 (``llama_kv_cache_seq_rm`` from a position on). At least the last context token is always
 fed, so the row's first pick has logits.
 
-**Prefixes shared between requests** (``share_prefixes``, off by default: docs/benchmarks.md
+**Prefixes shared between requests** (``share_prefixes``, on by default: docs/benchmarks.md
 measures what it gives and costs). A row that ended and keeps nothing for its request
 leaves its KV as a *cached prefix* (:attr:`KVSlots.cached`, least recently used first) when
-it holds at least :data:`MIN_PREFIX` tokens and a sequence of the context is to spare, within
+it holds at least :data:`MIN_PREFIX` tokens, another of the recent rows began with the same
+:data:`MIN_PREFIX` tokens (:attr:`KVSlots.heads`: where no two requests begin alike nothing is
+cached) and a sequence of the context is to spare, within
 a budget of cells (:data:`CACHE_SHARE` of the context's; the least recently used go): a row
 of another request whose context starts with the same tokens (a chat's system prompt and
 earlier turns, a prompt asked for ``n`` choices, an evaluation's context before each of its
@@ -56,6 +58,9 @@ MIN_PREFIX = 16
 #: times 16): every decode attends over the cells up to the highest one in use, other
 #: sequences' masked, so cells held for nobody make every step of the running rows dearer.
 CACHE_SHARE = 1 / 32
+#: How many recent rows' heads (first :data:`MIN_PREFIX` tokens) are remembered: a row's KV is
+#: cached only when another of them began alike (a prefix nobody shares is pure cost).
+RECENT_HEADS = 64
 
 
 class SeqContext(Protocol):
@@ -97,7 +102,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class KVSlots:
     """The context's sequences and the kept KV (see the module docstring)."""
 
-    def __init__(self, ctx: SeqContext, host_bytes: int, share_prefixes: bool = False) -> None:
+    def __init__(self, ctx: SeqContext, host_bytes: int, share_prefixes: bool = True) -> None:
         self.ctx = ctx
         self.host_limit = host_bytes
         self.share_prefixes = share_prefixes
@@ -105,6 +110,8 @@ class KVSlots:
         """The most cells the cached prefixes hold (:data:`CACHE_SHARE`)."""
         self.cached: OrderedDict[int, list[int]] = OrderedDict()
         """Cached prefixes: sequence -> the tokens whose KV it holds (least recently used first)."""
+        self.heads: OrderedDict[tuple[int, ...], int] = OrderedDict()
+        """The heads of the rows started lately (:data:`RECENT_HEADS`), with how many began so."""
         self.shared = 0
         """Rows that started from a cached prefix, and the tokens they took from one, since the
         engine started."""
@@ -292,7 +299,11 @@ class KVSlots:
         """A row with no KV kept for its request: a free sequence, with the longest cached
         prefix of ``tokens`` copied into it (at least :data:`MIN_PREFIX` tokens)."""
         src, used = -1, 0
-        if share and self.share_prefixes:
+        if share and self.share_prefixes and len(tokens) > MIN_PREFIX:
+            head = tuple(tokens[:MIN_PREFIX])
+            self.heads[head] = self.heads.pop(head, 0) + 1
+            while len(self.heads) > RECENT_HEADS:
+                self.heads.popitem(last=False)
             for s, t in self.cached.items():
                 n = min(common_prefix(t, tokens), len(tokens) - 1)
                 if n > used:
@@ -321,8 +332,8 @@ class KVSlots:
         """Keep ``seq``'s KV of ``fed`` as a cached prefix, if it is long enough and a sequence
         stays free for rows (the sequences are the running rows' first); else False. A cached
         prefix that is a prefix of this one goes (this one serves every row it served)."""
-        if not self.share_prefixes or len(fed) < MIN_PREFIX:
-            return False
+        if not self.share_prefixes or len(fed) < MIN_PREFIX or self.heads.get(tuple(fed[:MIN_PREFIX]), 0) < 2:
+            return False  # nobody began alike lately: nobody is likely to
         for s, t in list(self.cached.items()):
             if len(t) <= len(fed) and fed[:len(t)] == t:
                 del self.cached[s]

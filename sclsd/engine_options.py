@@ -165,7 +165,8 @@ OPTIONS: dict[str, Option] = {
     "share_prefixes": Option(("llama",), "bool",
                              help="a request starts from the KV of another's prompt (and answer) it begins "
                                   "with (llama_kv_cache_seq_cp), kept within 1/32 of the cells where recent "
-                                  "requests began alike (default true)"),
+                                  "requests began alike (default false: a seeded request may then draw "
+                                  "otherwise beside others)"),
     "memory_share": Option(("hf-cb",), "float", Range(gt=0.0, le=1.0), help="share of free memory"),
     "poll_s": Option(("hf-cb",), "float", Range(gt=0.0), help="result poll interval"),
     "kv_padding_tokens": Option(("hf-cb",), "int", Range(ge=1),

@@ -84,7 +84,7 @@ class LlamaEngine(Engine):
     def __init__(self, model: str = models.DEFAULT_MODEL, device: str = "cpu", threads: int | None = None,
                  mem_budget: int | None = None, max_rows: int = MAX_ROWS, context_tokens: int | None = None,
                  max_batch_tokens: int = BATCH_TOKENS, kv_host_bytes: int = HOST_BYTES,
-                 share_prefixes: bool = True, dtype: Any = None) -> None:
+                 share_prefixes: bool = False, dtype: Any = None) -> None:
         if not str(device).startswith("cpu"):
             raise ValueError(f"the llama engine runs on the CPU (device {device!r}): use hf-cb or hf on a GPU")
         if dtype not in (None, "auto"):

@@ -17,8 +17,10 @@ usually: a request's context grows by what it generated); the KV past that prefi
 (``llama_kv_cache_seq_rm`` from a position on). At least the last context token is always
 fed, so the row's first pick has logits.
 
-**Prefixes shared between requests** (``share_prefixes``, on by default: docs/benchmarks.md
-measures what it gives and costs). A row that ended and keeps nothing for its request
+**Prefixes shared between requests** (``share_prefixes``, off by default: a shared prefix's KV
+was computed in other steps than a fresh prefill's, so on quantised weights a seeded request
+may draw otherwise where two tokens are that close; docs/benchmarks.md measures what it gives
+and costs). A row that ended and keeps nothing for its request
 leaves its KV as a *cached prefix* (:attr:`KVSlots.cached`, least recently used first) when
 it holds at least :data:`MIN_PREFIX` tokens, another of the recent rows began with the same
 :data:`MIN_PREFIX` tokens (:attr:`KVSlots.heads`: where no two requests begin alike nothing is
@@ -102,7 +104,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class KVSlots:
     """The context's sequences and the kept KV (see the module docstring)."""
 
-    def __init__(self, ctx: SeqContext, host_bytes: int, share_prefixes: bool = True) -> None:
+    def __init__(self, ctx: SeqContext, host_bytes: int, share_prefixes: bool = False) -> None:
         self.ctx = ctx
         self.host_limit = host_bytes
         self.share_prefixes = share_prefixes

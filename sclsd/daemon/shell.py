@@ -29,7 +29,6 @@ from typing import Any, cast
 
 from .. import protocol as P
 from ..config import Config
-from ..tokenizer import decode_many
 from .fleet import Fleet
 from .frontend import Frontend
 from .metrics import Metrics
@@ -66,7 +65,7 @@ class Shell:
         self.clock = clock
         self.wake = asyncio.Event()
         """Set when something changed that the scheduling loop should look at."""
-        self._decoding: deque[tuple[asyncio.Future[list[str]], DecodeJob]] = deque()
+        self._decoding: deque[tuple[asyncio.Future[Any], DecodeJob]] = deque()
 
     # ------------------------------------------------------------------ inputs: clients
 
@@ -171,24 +170,23 @@ class Shell:
     def _decode(self, job: DecodeJob) -> None:
         """Detokenize ``job``: at once when it is small and nothing is in the pool (the texts
         must come back in the order asked), else in the pool."""
-        if not self._decoding and sum(map(len, job.seqs)) <= INLINE_DECODE_TOKENS:
-            texts: list[str] | BaseException
+        if not self._decoding and job.size() <= INLINE_DECODE_TOKENS:
+            texts: Any
             try:
-                texts = decode_many(self.core.tok, job.seqs, job.keep_special)
+                texts = job.run(self.core.tok)
             except Exception as exc:  # noqa: BLE001 - the core decides
                 texts = exc
             self.deliver(self.core.decoded(job, texts, self.clock()))
             return
-        fut = asyncio.get_running_loop().run_in_executor(self.pool, decode_many, self.core.tok, job.seqs,
-                                                             job.keep_special)
+        fut = asyncio.get_running_loop().run_in_executor(self.pool, job.run, self.core.tok)
         self._decoding.append((fut, job))
         fut.add_done_callback(self._decoded)
 
-    def _decoded(self, _done: asyncio.Future[list[str]]) -> None:
+    def _decoded(self, _done: asyncio.Future[Any]) -> None:
         """Hand every detokenized job at the head of the order to the core."""
         while self._decoding and self._decoding[0][0].done():
             fut, job = self._decoding.popleft()
-            texts: list[str] | BaseException
+            texts: Any
             try:
                 texts = fut.result()
             except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - the core decides

@@ -34,6 +34,7 @@ outputs grow, the scheduler applies the batch's outcome, and
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from ... import protocol as P
 from ...config import Config
@@ -42,7 +43,7 @@ from ...core.scheduler_api import SchedulerInterface
 from ...tokenizer import Detokenizer, Tokenizer
 from .dispatch import DispatchBook
 from .effects import Client, DecodeJob, Effects
-from .events import ClientEvents
+from .events import ClientEvents, PromptNamesJob
 from .membership import Membership, WorkerCosts
 from .output import Output
 from .records import Records
@@ -181,11 +182,17 @@ class ServingCore:
             self.results.on_result(msg, now, out)
         return out
 
-    def decoded(self, job: DecodeJob, texts: list[str] | BaseException, now: float) -> Effects:
-        """The text of a job from ``Effects.decode`` (or why detokenizing failed). Jobs must
-        come back in the order they were asked for: a request's deltas keep their order."""
+    def decoded(self, job: DecodeJob, texts: Any, now: float) -> Effects:
+        """What a job from ``Effects.decode`` gave (its texts, or named prompt log-probabilities),
+        or why it failed. Jobs must come back in the order they were asked for: a request's
+        deltas keep their order."""
         out = Effects()
-        if isinstance(job, TokensJob):
+        if isinstance(job, PromptNamesJob):
+            if isinstance(texts, BaseException):  # the ids and values still go, without texts
+                log.warning("naming the prompt's log-probabilities failed (%r); id=%s", texts, job.entry.rid)
+                texts = job.lps
+            job.entry.prompt_logprobs = texts
+        elif isinstance(job, TokensJob):
             if isinstance(texts, BaseException):
                 log.warning("detokenizing streamed tokens failed (%r); ids=%s", texts,
                             ",".join(e.rid for e, _ in job.chunks))

@@ -111,7 +111,7 @@ class DispatchBook:
             repetition_penalty=g.repetition_penalty, logprobs=e.wants_logprobs,
             top_logprobs=g.top_logprobs, min_tokens=g.min_tokens, logit_bias=dict(g.logit_bias),
             # Computed in the prefill of the request's first slice, so asked for there only.
-            prompt_logprobs=g.prompt_logprobs if e.prompt_logprobs is None and generated == 0 else None,
+            prompt_logprobs=g.prompt_logprobs if not e.prompt_logprobs_taken and generated == 0 else None,
             grammar=e.grammar, grammar_limits=None if e.grammar is None else self.grammar_limits,
         )
 

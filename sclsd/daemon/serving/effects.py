@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from ... import protocol as P
 from ...core.request import FinishReason
+from ...tokenizer import decode_many
 
-__all__ = ["Client", "DecodeJob", "Effects", "Ended", "Lost"]
+__all__ = ["Client", "DecodeJob", "Effects", "Ended", "Lost", "TextJob"]
 
 #: Whoever submitted a request: the shell's connection, opaque to the core (it only hands
 #: it back with the events for it).
@@ -62,13 +63,32 @@ class Lost:
 
 
 class DecodeJob(Protocol):
-    """Token ids to detokenize (``seqs``: each one a request's whole output so far); the
-    texts go back to the core with the job (streamed tokens or a result's rows)."""
+    """Tokenizer work to run off the loop (:meth:`run`); what it returns goes back to the
+    core with the job, in the order the jobs were asked for."""
 
+    def size(self) -> int:
+        """About how many tokens it works on (a small job may run at once, on the loop)."""
+        ...
+
+    def run(self, tok: Any) -> Any:
+        """The work, with the daemon's tokenizer (in a pool thread, or at once when small)."""
+        ...
+
+
+class TextJob:
+    """A :class:`DecodeJob` of token ids to detokenize (``seqs``; ``keep_special[i]``: the
+    text of ``seqs[i]`` keeps the special tokens, where the request's ``skip_special_tokens``
+    is false): the texts, in order."""
+
+    __slots__ = ()
     seqs: list[list[int]]
     keep_special: list[bool]
-    """Per sequence: its text keeps the special tokens (the request's ``skip_special_tokens``
-    is false)."""
+
+    def size(self) -> int:
+        return sum(map(len, self.seqs))
+
+    def run(self, tok: Any) -> list[str]:
+        return decode_many(tok, self.seqs, self.keep_special)
 
 
 @dataclass(slots=True)

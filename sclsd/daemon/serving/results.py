@@ -28,7 +28,7 @@ from ... import protocol as P
 from ...core.batch import Batch, BatchOutcome, RowOutcome
 from ...core.scheduler_api import SchedulerInterface
 from .dispatch import DispatchBook
-from .effects import Effects
+from .effects import Effects, TextJob
 from .engine_stats import EngineStats
 from .replies import Replies
 from .streaming import Streaming
@@ -53,7 +53,7 @@ class Row:
 
 
 @dataclass(eq=False, slots=True)
-class ResultJob:
+class ResultJob(TextJob):
     """A result's rows to detokenize: for ``k`` rows, ``seqs[i]`` is the window of row
     ``i``'s output with the slice and ``seqs[k + i]`` its left context alone
     (:meth:`~sclsd.tokenizer.Detokenizer.window`, offsets in ``snaps[i]``)."""
@@ -137,7 +137,8 @@ class Results:
             if o.error is None and o.start != k:
                 gaps.append(f"{o.rid}: its result starts at token {o.start}, {k} were streamed")
                 continue
-            e.took_prompt_logprobs(o.prompt_logprobs)
+            if e.takes_prompt_logprobs(o.prompt_logprobs):  # named off the loop, before the rows
+                out.decode.append(self.replies.events.prompt_names(e, o.prompt_logprobs))
             budget = max(0, req.remaining)
             if len(o.token_ids) > budget:
                 o = P.RequestOutput(rid=o.rid, token_ids=o.token_ids[:budget], start=k, finish_reason="length",

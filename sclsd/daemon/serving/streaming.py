@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from ... import protocol as P
 from ...core.scheduler_api import SchedulerInterface
 from .dispatch import DispatchBook
-from .effects import Effects
+from .effects import Effects, TextJob
 from .output import Chunk
 from .replies import Replies
 from .table import Entry, RequestTable
@@ -38,7 +38,7 @@ __all__ = ["Streaming", "TokensJob"]
 
 
 @dataclass(eq=False, slots=True)
-class TokensJob:
+class TokensJob(TextJob):
     """Streamed chunks to detokenize: for ``k`` chunks, ``seqs[i]`` is the window of
     ``chunks[i]``'s request's output to decode and ``seqs[k + i]`` its left context alone
     (:meth:`~sclsd.tokenizer.Detokenizer.window`, offsets in ``snaps[i]``): the cost of a
@@ -65,7 +65,7 @@ class Streaming:
         job for the whole message), counted at each batch's result."""
         chunks: list[tuple[Entry, Chunk]] = []
         for part in msg.batches:
-            self._batch_tokens(msg.worker_id, part, now, chunks)
+            self._batch_tokens(msg.worker_id, part, now, chunks, out)
         if chunks:
             wins = [e.out.window() for e, _ in chunks]
             keep = [not e.gen.skip_special_tokens for e, _ in chunks]
@@ -73,7 +73,7 @@ class Streaming:
                                         [w[2] for w in wins]))
 
     def _batch_tokens(self, wid: str, part: P.BatchTokens, now: float,
-                      chunks: list[tuple[Entry, Chunk]]) -> None:
+                      chunks: list[tuple[Entry, Chunk]], eff: Effects) -> None:
         bid = part.batch_id
         batch = self.sched.batches.get(bid)
         if batch is None or batch.worker != wid:
@@ -100,8 +100,9 @@ class Streaming:
                 # Not where its previous part ended (a part we did not take): the rest of the
                 # slice waits for the result, which then fails the batch (results.py).
                 continue
-            if row.prompt_logprobs:
-                e.took_prompt_logprobs(row.prompt_logprobs)
+            if row.prompt_logprobs and e.takes_prompt_logprobs(row.prompt_logprobs):
+                # Named off the loop, before this message's tokens (whose delta carries them).
+                eff.decode.append(self.replies.events.prompt_names(e, row.prompt_logprobs))
             if len(ids) > req.remaining:
                 ids = ids[:req.remaining]
             if not ids:

@@ -58,15 +58,19 @@ class Entry:
     """llguidance's grammar text for its ``structured`` output, compiled at admission (in a
     grammar process: :mod:`sclsd.daemon.grammar`); its batch rows carry it."""
     prompt_logprobs: list[P.TokenLogprobs] | None = None
-    """With ``prompt_logprobs``: the first a worker sent (None: none yet; its batch rows ask
-    for them until then)."""
+    """With ``prompt_logprobs``: the first a worker sent, with their tokens' texts (None: none
+    yet; its batch rows ask for them until a worker sent some)."""
+    prompt_logprobs_taken: bool = False
+    """A worker sent them (they are being named, or are in :attr:`prompt_logprobs`)."""
     prompt_logprobs_sent: bool = False
     """They went to the client in a ``delta``."""
 
-    def took_prompt_logprobs(self, lps: list[P.TokenLogprobs]) -> None:
-        """A worker's row carried ``lps`` (kept if this is the first)."""
-        if lps and self.prompt_logprobs is None and self.gen.prompt_logprobs is not None:
-            self.prompt_logprobs = lps
+    def takes_prompt_logprobs(self, lps: list[P.TokenLogprobs]) -> bool:
+        """Whether a worker's row that carried ``lps`` brings the first (to be named and kept)."""
+        if lps and not self.prompt_logprobs_taken and self.gen.prompt_logprobs is not None:
+            self.prompt_logprobs_taken = True
+            return True
+        return False
 
     def tokens_at(self, now: float, n: int = 1) -> None:
         """``n`` new tokens for this request reached the daemon at ``now``."""

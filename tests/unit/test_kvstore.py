@@ -171,3 +171,41 @@ def test_a_result_carries_only_what_the_stream_did_not() -> None:
     assert c == outs[2]
     (d,) = result_rows(outs[1:2], {})  # nothing streamed: the row as the engine gave it
     assert d == outs[1]
+
+
+HEAD = list(range(100, 116))  # MIN_PREFIX tokens
+
+
+def test_cached_prefixes_serve_the_longest_head_and_never_cost_kept_kv() -> None:
+    """A cached prefix serves a context that begins with at least MIN_PREFIX of its tokens (the
+    longest one, all but the context's last token at most); it takes only the room kept KV
+    leaves, goes first when kept KV wants room (never reported evicted), goes when a newer one
+    extends it, and a release of everything drops it."""
+    s = KVStore(500)
+    assert not s.keep_prefix(entry(HEAD[:15]))  # shorter than MIN_PREFIX
+    assert s.keep_prefix(entry(HEAD + [1, 2, 3]))  # 190 bytes
+    assert s.keep_prefix(entry(HEAD + [7]))  # 170 bytes
+    assert s.prefix(HEAD[:15] + [0, 1]) == (None, 0)  # a head of 15 alike: too short
+    got, used = s.prefix(HEAD + [1, 2, 9, 9])
+    assert got is not None and got.tokens == HEAD + [1, 2, 3] and used == 18
+    assert s.prefix(HEAD + [1, 2, 3])[1] == 18  # the context's last token is always computed
+    assert s.prefix(HEAD + [7, 8], take=True)[1] == 17 and s.prefix_counts["hits"] == 1
+    assert s.prefixes() == [19, 17]  # the one just taken is the most recently used
+    assert s.held() == {}  # nobody's
+    # A newer prefix that extends one replaces it.
+    assert s.keep_prefix(entry(HEAD + [1, 2, 3, 4]))
+    assert s.prefixes() == [17, 20] and s.nbytes == 370
+    # Kept KV takes the room: the least recently used prefix goes first, unreported.
+    assert s.put("a", entry([5] * 20))  # 200 bytes: 570 > 500
+    assert s.prefixes() == [20] and s.take_evicted() == [] and s.held() == {"a": 20}
+    # A prefix never costs kept KV: with no room left beside it, it is not kept.
+    assert s.put("b", entry([6] * 12))  # 120 more: the last prefix goes too
+    assert s.prefixes() == [] and s.take_evicted() == []
+    assert not s.keep_prefix(entry(HEAD + [0] * 34))  # 500 bytes, 320 held by kept KV
+    assert s.held() == {"a": 20, "b": 12} and s.nbytes == 320
+    assert s.keep_prefix(entry(HEAD + [0] * 2))
+    assert s.nbytes == s.prefix_bytes + 320 == 500
+    s.release(["a"])
+    assert s.prefixes() == [18]  # a request's release leaves the prefixes
+    s.release()
+    assert s.prefixes() == [] and s.nbytes == 0 and s.prefix_bytes == 0

@@ -25,6 +25,7 @@ from worker.engines.arena_cb import Row
 from worker.engines.arena_rows import Geometry, RowRunner
 from worker.engines.arena_slots import Paused
 from worker.engines.kvstore import KVStore, Retained, common_prefix
+from worker.engines.prefixes import RecentHeads
 
 __all__ = ["Choice", "Join", "Joining"]
 
@@ -32,11 +33,14 @@ __all__ = ["Choice", "Join", "Joining"]
 @dataclass(eq=False)
 class Join:
     """A waiting row that joins: resumed in place (``paused``), with KV copied in from the
-    store (``entry``), or fresh; ``row.used`` context tokens come from either."""
+    store (``entry``: its request's kept KV, or a cached prefix), or fresh; ``row.used``
+    context tokens come from either."""
 
     row: Row
     paused: Paused | None = None
     entry: Retained | None = None
+    shared: bool = False
+    """``entry`` is a cached prefix of another request's (copied, left in the store)."""
 
     @property
     def prefill(self) -> int:
@@ -64,6 +68,9 @@ class Joining:
     paused: dict[str, Paused]
     """Rows paused in place, oldest first."""
     waited_rows: int
+    share: bool
+    """Rows may start from cached prefixes (``share_prefixes``; needs the store)."""
+    heads: RecentHeads
     _too_large: Callable[[Row], None]
     _drop: Callable[[str], None]
     _spill: Callable[[list[Paused]], None]
@@ -73,15 +80,18 @@ class Joining:
         return self._usable(row) == row.length - 1 > 0
 
     def _usable(self, row: Row) -> int:
-        """Context tokens of ``row`` whose KV is here, paused in place or in the store (none for a
-        row that scores its prompt: its prefill computes every position)."""
+        """Context tokens of ``row`` whose KV is here, paused in place, in the store or (with
+        :attr:`share`) in a cached prefix (none for a row that scores its prompt: its prefill
+        computes every position)."""
         if not row.grant.batch.kv_reuse or row.released or row.score is not None:
             return 0
         ctx = list(row.req.token_ids)
         p = self.paused.get(row.rid)
         if p is not None:
             return common_prefix(p.tokens, ctx, len(ctx) - 1)
-        return self.kv.usable(row.rid, ctx) if self.kv is not None else 0
+        if self.kv is None:
+            return 0
+        return self.kv.usable(row.rid, ctx) or (self.kv.prefix(ctx)[1] if self.share else 0)
 
     def head_fits(self, live: list[Row]) -> bool:
         """Whether the first waiting row (in join order) fits beside ``live``, with every
@@ -161,11 +171,19 @@ class Joining:
             return Join(row, paused=own)
         if self.kv is None:
             return Join(row)
-        entry, used = self.kv.take(row.rid, list(row.req.token_ids))
-        if entry is None or not row.grant.batch.kv_reuse or row.released or row.score is not None:
+        ctx = list(row.req.token_ids)
+        entry, used = self.kv.take(row.rid, ctx)
+        if not row.grant.batch.kv_reuse or row.released or row.score is not None:
+            return Join(row)
+        shared = False
+        if entry is None and self.share:  # nothing of its own: another request's prefix
+            self.heads.seen(ctx)
+            entry, used = self.kv.prefix(ctx, take=True)
+            shared = True
+        if entry is None:
             return Join(row)
         row.used = used
-        return Join(row, entry=entry)
+        return Join(row, entry=entry, shared=shared)
 
     def _mark_waited(self) -> None:
         for row in self.waiting:  # the head blocks every row behind it

@@ -38,6 +38,7 @@ from worker.engines.arena_join import Choice, Join, Joining
 from worker.engines.arena_rows import Geometry, RowRunner
 from worker.engines.arena_slots import Paused, order_moves, place
 from worker.engines.kvstore import KVStore, Retained
+from worker.engines.prefixes import RecentHeads
 
 log = logging.getLogger("worker")
 
@@ -82,9 +83,12 @@ class ArenaRows(Joining):
     """Waiting, running and paused rows and their geometry (module docstring). The serve
     thread only, but :meth:`release` and :meth:`held`, which any thread may call."""
 
-    def __init__(self, runner: RowRunner, kv: KVStore | None, device: Any, done: Done) -> None:
+    def __init__(self, runner: RowRunner, kv: KVStore | None, device: Any, done: Done,
+                 share: bool = False) -> None:
         self.runner = runner
         self.kv = kv
+        self.share = share and kv is not None
+        self.heads = RecentHeads()
         self.device = device
         self.done = done
         self.waiting: deque[Row] = deque()
@@ -103,10 +107,11 @@ class ArenaRows(Joining):
         """Requests reported kept whose KV was lost since the last :meth:`take_evicted`."""
         self.waited_rows = 0
         """Rows that waited for arena room while others ran (since the engine started)."""
-        self.counts = {"resumed": 0, "loaded": 0, "spilled": 0, "moved": 0, "prefills": 0, "relayouts": 0,
-                       "regroups": 0, "spill_oom": 0}
+        self.counts = {"resumed": 0, "loaded": 0, "shared": 0, "cached": 0, "spilled": 0, "moved": 0,
+                       "prefills": 0, "relayouts": 0, "regroups": 0, "spill_oom": 0}
         """Since the engine started: rows resumed in place, rows whose KV was copied in from
-        the store, paused rows spilled to it, rows copied from one slot to another, turns
+        the store, rows that started from a cached prefix, finished rows cached as prefixes
+        (:meth:`_cache_prefixes`), paused rows spilled to it, rows copied from one slot to another, turns
         that prefilled newcomers, changes of the columns per slot (each moves every row held),
         regroups (each rebuilds the sampler and, on CUDA, drains the pipeline for a step),
         spills whose copies found no device memory (their rows' KV dropped)."""
@@ -144,7 +149,10 @@ class ArenaRows(Joining):
         c, t, per = self.counts, self.tally, max(1, self.tally.steps)
         return (f"rows resumed in place {c['resumed']}, copied in from the store {c['loaded']}, paused rows "
                 f"spilled {c['spilled']}, rows moved between slots {c['moved']}, rows that waited for room "
-                f"{self.waited_rows}; {t.steps} decode steps of {t.rows / per:.1f} rows on average, "
+                f"{self.waited_rows}; "
+                + (f"rows started from a cached prefix {c['shared']}, finished rows cached as prefixes "
+                   f"{c['cached']}; " if self.share else "")
+                + f"{t.steps} decode steps of {t.rows / per:.1f} rows on average, "
                 f"{c['prefills']} prefill turns; {t.cols_read / per:.0f} KV columns read per step, "
                 f"{100 * t.cols_own / max(1, t.cols_read):.0f} % of them the rows' own; {c['relayouts']} relayouts, "
                 f"{t.prefill_s:.1f} s of prefill, {t.turns_s:.1f} s in turns: "
@@ -256,6 +264,8 @@ class ArenaRows(Joining):
     def regroup(self) -> None:
         """Ghosts leave, waiting rows join (:meth:`~worker.engines.arena_join.Joining.choose`),
         and the rows take their slots in the new geometry (module docstring)."""
+        if self.share:
+            self._cache_prefixes()
         live = self.live()
         choice = self.choose(live)
         self._layout(live, choice)
@@ -315,7 +325,7 @@ class ArenaRows(Joining):
                 self.counts["resumed"] += 1
             elif j.entry is not None:
                 self.runner.load(j.row.slot, c, j.entry.kv, j.row.used)
-                self.counts["loaded"] += 1
+                self.counts["shared" if j.shared else "loaded"] += 1
         loud = sorted((j for j in joins if j.prefill > 0), key=lambda j: j.row.slot)
         if not loud:
             return
@@ -332,6 +342,35 @@ class ArenaRows(Joining):
         total = sum(len(p) for p, _ in parts) or 1
         for j, (p, _) in zip(loud, parts, strict=True):
             j.row.grant.prefill_s += spent * len(p) / total
+
+    def _cache_prefixes(self) -> None:
+        """Before their slots are reused: the KV of the rows that ended keeping nothing for their
+        requests (ghosts not paused), as cached prefixes in the store, where another of the
+        recent rows began with the same tokens (:mod:`worker.engines.prefixes`). A copy that
+        finds no device memory is skipped."""
+        import torch
+
+        assert self.kv is not None
+        picks: list[tuple[Row, list[int]]] = []
+        for r in self.slots:
+            p = self.paused.get(r.rid)
+            if not r.ended or r.slot < 0 or (p is not None and p.slot == r.slot):
+                continue
+            tokens = [*r.req.token_ids, *r.state.out][:r.fed]  # the columns it wrote
+            # Worth a copy where others began alike, and unless a cached prefix holds it all (a
+            # prompt sent again that generated nothing new; -1: no token, so all can be used).
+            if self.heads.shared(tokens) and self.kv.prefix(tokens + [-1])[1] < len(tokens):
+                picks.append((r, tokens))
+        if not picks:
+            return
+        try:
+            cuts = self.runner.cut([r.slot for r, _ in picks], [len(t) for _, t in picks],
+                                   max(r.slot for r, _ in picks) + 1, self.c)
+        except torch.OutOfMemoryError:
+            log.debug("hf-static-cb: no device memory to cache %d prefixes", len(picks))
+            return
+        for (_, tokens), (kv, nbytes) in zip(picks, cuts, strict=True):
+            self.counts["cached"] += self.kv.keep_prefix(Retained(tokens, nbytes, kv))
 
     def _spill(self, entries: list[Paused]) -> None:
         """Cut paused rows' KV out to the store (their slots are free from now on); one the

@@ -151,7 +151,8 @@ class HFStaticCBEngine(TransformersModel, Engine):
                  kv_retain_bytes: int | None = None, kv_host_bytes: int | None = None,
                  cuda_graphs: Any = "auto", static_share: float = ARENA_SHARE, graph_batch_sizes: Any = None,
                  graph_cache_tokens: Any = None, prefill_chunk_tokens: int | None = None,
-                 static_buckets: Any = None, max_rows: int | None = None, decode_attention: str = "sdpa") -> None:
+                 static_buckets: Any = None, max_rows: int | None = None, decode_attention: str = "sdpa",
+                 share_prefixes: bool = False) -> None:
         self.load(model, device, dtype, mem_budget, threads)
         self.scores_prompts()  # checked once, on the model as loaded (before FlexAttention may replace SDPA)
         opts = StaticOptions.parse(self.device.type, True, True, cuda_graphs, static_share, graph_batch_sizes,
@@ -182,7 +183,9 @@ class HFStaticCBEngine(TransformersModel, Engine):
         self.read_behind = self.device.type == "cuda"
         """Queue step k+1 before reading step k's tokens (on CUDA, where kernels run async)."""
         self.vocab = int(self.config.vocab_size)
-        self.rows = ArenaRows(self.static, self.kv, self.device, self._row_done)
+        self.rows = ArenaRows(self.static, self.kv, self.device, self._row_done, bool(share_prefixes))
+        if share_prefixes and self.kv is None:
+            log.warning("%s: share_prefixes needs kv_reuse (the store keeps the prefixes): off", self.name)
         """The rows waiting, running and ended, and their geometry."""
         self._sampler: BatchSampler | None = None
         self._grammar: BatchGrammar | None = None

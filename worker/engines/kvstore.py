@@ -16,6 +16,14 @@ has a host tier (``host_budget`` with a ``to_host`` copy: GPU workers), else it
 is evicted; an entry in host memory is copied back into the batch cache when
 its request returns (:func:`assemble_past` copies across devices).
 
+**Cached prefixes** (``hf-static-cb``'s ``share_prefixes``): KV a finished row leaves, kept
+under no request (:meth:`KVStore.keep_prefix`) for a later row of another request whose
+context begins with the same tokens (:meth:`KVStore.prefix`: it copies the longest such
+prefix in and prefills only the rest). They are nobody's: they use only the room kept KV
+leaves in the device budget, go first (unsaved, never to host memory) whenever kept KV wants
+room, are never reported evicted, a cached prefix that a newer one extends goes, and a release
+of everything drops them.
+
 The store itself needs no torch (the ``fake`` engine uses it with sizes only);
 the cache functions import torch when called. Thread safety: the serve thread
 takes and puts entries, the receive thread releases them (the daemon's
@@ -31,6 +39,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from worker.engines.prefixes import MIN_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +94,15 @@ class KVStore:
         self._released_out: set[str] = set()
         """Released while checked out: not to be put back."""
         self._evicted: list[str] = []
+        self._prefixes: OrderedDict[int, Retained] = OrderedDict()
+        """Cached prefixes (nobody's), least recently used first, by a serial number."""
+        self._by_head: dict[tuple[int, ...], set[int]] = {}
+        self._serial = 0
+        self.prefix_bytes = 0
+        """Bytes the cached prefixes hold (on the device, counted in :attr:`nbytes`)."""
+        self.prefix_counts = {"kept": 0, "hits": 0, "tokens": 0, "dropped": 0}
+        """Since the store began: prefixes kept, rows that took one and the tokens they took,
+        prefixes dropped (for room, or extended by a newer one)."""
 
     # ------------------------------------------------------------------ queries
 
@@ -157,6 +176,59 @@ class KVStore:
                 self._out.discard(rid)
                 self._released_out.discard(rid)
 
+    def keep_prefix(self, entry: Retained) -> bool:
+        """Keep ``entry`` as a cached prefix, in the room kept KV leaves in the device budget
+        (older prefixes go to make it, never a request's kept KV); a cached prefix that
+        ``entry`` extends goes. False when it is not kept (too short, or no room)."""
+        t = entry.tokens
+        if len(t) < MIN_PREFIX:
+            return False
+        with self._lock:
+            for key in list(self._by_head.get(tuple(t[:MIN_PREFIX]), ())):
+                old = self._prefixes[key].tokens
+                if len(old) <= len(t) and t[:len(old)] == old:
+                    self._drop_prefix(key)
+            if entry.nbytes > self.budget - (self._bytes - self.prefix_bytes):
+                return False
+            while self._bytes + entry.nbytes > self.budget:
+                self._drop_prefix(next(iter(self._prefixes)))
+            self._serial += 1
+            self._prefixes[self._serial] = entry
+            self._by_head.setdefault(tuple(t[:MIN_PREFIX]), set()).add(self._serial)
+            self._bytes += entry.nbytes
+            self.prefix_bytes += entry.nbytes
+            self.prefix_counts["kept"] += 1
+            return True
+
+    def prefix(self, context: list[int], take: bool = False) -> tuple[Retained | None, int]:
+        """The cached prefix sharing the longest head with ``context`` and how many of its tokens
+        a row with that context can use (at least :data:`MIN_PREFIX`, at most all but the
+        context's last token); ``(None, 0)`` when none can. ``take``: a row takes it now (it
+        becomes the most recently used; its tensors stay valid while the row copies them,
+        whatever the store drops meanwhile)."""
+        limit = len(context) - 1
+        if limit < MIN_PREFIX:
+            return None, 0
+        with self._lock:
+            best, used = -1, 0
+            for key in self._by_head.get(tuple(context[:MIN_PREFIX]), ()):
+                n = common_prefix(self._prefixes[key].tokens, context, limit)
+                if n > used:
+                    best, used = key, n
+            if best < 0:
+                return None, 0
+            entry = self._prefixes[best]
+            if take:
+                self._prefixes.move_to_end(best)
+                self.prefix_counts["hits"] += 1
+                self.prefix_counts["tokens"] += used
+            return entry, used
+
+    def prefixes(self) -> list[int]:
+        """The cached prefixes' lengths, least recently used first (tests, the log at close)."""
+        with self._lock:
+            return [len(e.tokens) for e in self._prefixes.values()]
+
     def take_evicted(self) -> list[str]:
         """Requests evicted since the last call (each once)."""
         with self._lock:
@@ -166,8 +238,12 @@ class KVStore:
     # ------------------------------------------------------------------ any thread
 
     def release(self, rids: Iterable[str] | None = None) -> None:
-        """Drop the entries of ``rids`` (None: all), including ones a running batch holds."""
+        """Drop the entries of ``rids`` (None: all, and every cached prefix), including ones a
+        running batch holds."""
         with self._lock:
+            if rids is None:
+                for key in list(self._prefixes):
+                    self._drop_prefix(key)
             targets = list(self._entries) + list(self._out) if rids is None else list(rids)
             for rid in targets:
                 self._pop(rid)
@@ -185,9 +261,23 @@ class KVStore:
                 self._bytes -= e.nbytes
         return e
 
+    def _drop_prefix(self, key: int) -> None:
+        e = self._prefixes.pop(key)
+        head = tuple(e.tokens[:MIN_PREFIX])
+        keys = self._by_head[head]
+        keys.discard(key)
+        if not keys:
+            del self._by_head[head]
+        self._bytes -= e.nbytes
+        self.prefix_bytes -= e.nbytes
+        self.prefix_counts["dropped"] += 1
+
     def _shrink_to(self, limit: int) -> None:
-        """Device bytes down to ``limit``: the least recently used device entries move to
-        the host tier while it has room (its own oldest evicted to make it), else go."""
+        """Device bytes down to ``limit``: cached prefixes go first (least recently used
+        first), then the least recently used device entries move to the host tier while it
+        has room (its own oldest evicted to make it), else go."""
+        while self._bytes > limit and self._prefixes:
+            self._drop_prefix(next(iter(self._prefixes)))
         while self._bytes > limit:
             rid, e = next((k, v) for k, v in self._entries.items() if not v.on_host)
             if e.nbytes > self.host_budget or self._to_host is None:

@@ -51,18 +51,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from worker.engines.prefixes import MIN_PREFIX, RecentHeads
+
 __all__ = ["MIN_PREFIX", "Kept", "KVSlots", "SeqContext"]
 
-#: The fewest tokens a cached prefix holds, and a row takes from one: shorter ones are not
-#: worth a sequence of the context.
-MIN_PREFIX = 16
 #: The cells cached prefixes may hold, as a share of the context's (at least :data:`MIN_PREFIX`
 #: times 16): every decode attends over the cells up to the highest one in use, other
 #: sequences' masked, so cells held for nobody make every step of the running rows dearer.
 CACHE_SHARE = 1 / 32
-#: How many recent rows' heads (first :data:`MIN_PREFIX` tokens) are remembered: a row's KV is
-#: cached only when another of them began alike (a prefix nobody shares is pure cost).
-RECENT_HEADS = 64
 
 
 class SeqContext(Protocol):
@@ -112,8 +108,9 @@ class KVSlots:
         """The most cells the cached prefixes hold (:data:`CACHE_SHARE`)."""
         self.cached: OrderedDict[int, list[int]] = OrderedDict()
         """Cached prefixes: sequence -> the tokens whose KV it holds (least recently used first)."""
-        self.heads: OrderedDict[tuple[int, ...], int] = OrderedDict()
-        """The heads of the rows started lately (:data:`RECENT_HEADS`), with how many began so."""
+        self.heads = RecentHeads()
+        """The heads of the rows started lately: a finished row's KV is cached only where
+        another began alike (:mod:`worker.engines.prefixes`)."""
         self.shared = 0
         """Rows that started from a cached prefix, and the tokens they took from one, since the
         engine started."""
@@ -302,10 +299,7 @@ class KVSlots:
         prefix of ``tokens`` copied into it (at least :data:`MIN_PREFIX` tokens)."""
         src, used = -1, 0
         if share and self.share_prefixes and len(tokens) > MIN_PREFIX:
-            head = tuple(tokens[:MIN_PREFIX])
-            self.heads[head] = self.heads.pop(head, 0) + 1
-            while len(self.heads) > RECENT_HEADS:
-                self.heads.popitem(last=False)
+            self.heads.seen(tokens)
             for s, t in self.cached.items():
                 n = min(common_prefix(t, tokens), len(tokens) - 1)
                 if n > used:
@@ -334,7 +328,7 @@ class KVSlots:
         """Keep ``seq``'s KV of ``fed`` as a cached prefix, if it is long enough and a sequence
         stays free for rows (the sequences are the running rows' first); else False. A cached
         prefix that is a prefix of this one goes (this one serves every row it served)."""
-        if not self.share_prefixes or len(fed) < MIN_PREFIX or self.heads.get(tuple(fed[:MIN_PREFIX]), 0) < 2:
+        if not self.share_prefixes or not self.heads.shared(fed):
             return False  # nobody began alike lately: nobody is likely to
         for s, t in list(self.cached.items()):
             if len(t) <= len(fed) and fed[:len(t)] == t:

@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in turn, results under ``out/`` and figures under ``docs/img/``.
 
-    python -m sclsd.bench.all [--only batcher,figures,long,grants,sim,api,rates,fairness,sampling,cpu,score,streams,live] [--skip live]
+    python -m sclsd.bench.all [--only batcher,figures,long,grants,sim,api,rates,fairness,sampling,cpu,score,chats,streams,live] [--skip live]
 
 Steps (each is one ``sclsd-bench`` subcommand, run as its own process):
 
@@ -32,6 +32,9 @@ Steps (each is one ``sclsd-bench`` subcommand, run as its own process):
 - ``score``: prompts scored as evaluation harnesses score them (``echo`` with ``logprobs``, the
   prompt's log-probabilities) against the same prompts for one plain token, through sclsd-http
   (out/score/score.md);
+- ``chats``: multi-turn chats behind one system prompt through sclsd-http, on ``hf-static-cb`` and
+  ``llama`` with their shared prefixes off and on: requests/s, first tokens, prompt tokens taken
+  from KV, answers as with sharing off (out/chats/chats.md);
 - ``streams``: the default (scls-cb; llama for the built-in GGUF) vs static scls vs ILS on real CPU workers under
   closed-loop streaming load: throughput, TTFT and the longest inter-token gap per stream;
 - ``live``: sls vs ILS (hf-cb) vs scls on real CPU workers (the longest step).
@@ -70,6 +73,7 @@ STEPS: dict[str, list[str]] = {
     "sampling": ["sclsd.bench.cli", "sampling", "--out", "out/sampling"],
     "cpu": ["sclsd.bench.cli", "cpu", "--out", "out/cpu"],
     "score": ["sclsd.bench.cli", "score", "--out", "out/score"],
+    "chats": ["sclsd.bench.cli", "chats", "--out", "out/chats"],
     "streams": ["sclsd.bench.cli", "streams", "--out", "out/streams"],
     "live": ["sclsd.bench.cli", "live", "--trace", TRACE, "--out", "out/live"],
 }

@@ -34,6 +34,8 @@ SUBCOMMANDS = {
     "sampling": ("sclsd.bench.sampling", "what picking sampled tokens (temperature, top-p) costs a CPU decode "
                  "step, beside greedy"),
     "detok": ("sclsd.bench.detok", "the daemon's detokenizing cost per streamed message, by output length"),
+    "chats": ("sclsd.bench.chats", "multi-turn chats sharing a system prompt through sclsd-http, with the "
+              "engines' shared prefixes off and on: requests/s, first tokens, prompt tokens taken from KV"),
     "score": ("sclsd.bench.score", "scoring prompts as evaluation harnesses do (echo with logprobs) against "
               "plain one-token completions, through sclsd-http"),
     "tokenize-memory": ("sclsd.bench.tokmem", "what POST /tokenize of a large prompt costs sclsd-http in memory"),

@@ -134,16 +134,19 @@ class HTTPStream:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    self.tokens = chunk["usage"]["completion_tokens"]
-                    self.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
-                    self.times.append(time.monotonic())
+                self.chunk(json.loads(line[6:]))
         except OSError as exc:
             self.error = f"{type(exc).__name__}: {exc}"
         finally:
             conn.close()
+
+    def chunk(self, chunk: dict[str, Any]) -> None:
+        """One streamed chunk: when text came, and the usage at the end."""
+        if chunk.get("usage"):
+            self.tokens = chunk["usage"]["completion_tokens"]
+            self.prompt_tokens = chunk["usage"]["prompt_tokens"]
+        if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+            self.times.append(time.monotonic())
 
     @property
     def ttft(self) -> float:

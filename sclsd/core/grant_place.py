@@ -6,7 +6,9 @@ it wins ties) and for every other worker with room and the headroom of
 :class:`~sclsd.core.grant_books.GrantRules`, which pays the re-prefill (and the stall it
 causes there, for a move): max-min over the workers' estimated loads with the KV-affinity
 term. The worker index (:class:`~sclsd.core.grant_index.WorkerIndex`) finds the best other
-worker without a scan. A holder short of room for a whole grant gives what fits, if enough;
+worker without a scan. A new request with a prefix hint (a worker likely to hold a cached
+prefix of its prompt) goes there where it has room and finishes the request no later than the
+best other worker, its prefill there counted only past the prefix. A holder short of room for a whole grant gives what fits, if enough;
 else the request parks there.
 
 Pure: no clock, no I/O.
@@ -92,6 +94,8 @@ class GrantPlacement(GrantBooks):
             if index.least_key(busy, pre, per_row) < limit:
                 slot, _ = index.best(need, busy, pre, start=fleet.start_after(self._after),
                                      limit=limit, per_row=per_row, extra=headroom)
+        if h is None and p.prefix is not None:
+            slot = self._prefix_slot(p, slot, need, busy, headroom)
         fits_holder = h is not None and fleet.fits(h, need, p.rid)
         if slot >= 0:
             w = fleet.books[fleet.names[slot]]
@@ -109,7 +113,9 @@ class GrantPlacement(GrantBooks):
                 fleet.starve(h, p.rid)  # a row there, but not its room
             return None
         held = w is h
-        if not held and pre == 0.0:
+        if h is None and p.prefix is not None and w.wid == p.prefix[0]:
+            pre = self.prefill_cost(_tail(p))  # its load there: the prompt past the prefix
+        elif not held and pre == 0.0:
             pre = self.prefill_cost(p.context)
         if self.record_placements and h is not None:
             self.placements.append(Placement(
@@ -129,6 +135,26 @@ class GrantPlacement(GrantBooks):
             self._after = w.wid
         return g
 
+    def _prefix_slot(self, p: Pending, slot: int, need: int, busy: float, headroom: int) -> int:
+        """The slot for new request ``p`` given its prefix hint: the hinted worker where it
+        has room (and the headroom, where grants run) and finishes ``p`` no later than the
+        best other (``slot``, -1: none), counting there only the prefill of the prompt past
+        the prefix; else ``slot``. A hint is a likelihood (the worker may have dropped the
+        prefix), so it weighs only what it would save, never parks or evicts anything."""
+        assert p.prefix is not None
+        fleet = self._fleet
+        w = fleet.get(p.prefix[0])
+        if w is None or w.slot == slot or not w.active or not fleet.has_row(w) or fleet.blocked(w):
+            return slot
+        if fleet.budget - w.reserved < (need + headroom if w.grants else need):
+            return slot
+        key = (w.load + busy) + self.prefill_cost(_tail(p))
+        if slot >= 0:
+            best = fleet.books[fleet.names[slot]]
+            if key > (best.load + busy) + self.prefill_cost(p.context):
+                return slot
+        return w.slot
+
     def _headroom(self, tokens: int) -> int:
         """KV tokens to leave free beside a grant of ``tokens`` that brings a context in."""
         rules = self._rules
@@ -143,3 +169,8 @@ class GrantPlacement(GrantBooks):
         """Requests other than ``p`` waiting in line for room."""
         return self._q.n_waiting - (1 if p.holder is None and p.rid in self._q else 0)
 
+
+def _tail(p: Pending) -> int:
+    """The prompt tokens new request ``p`` prefills on the worker of its prefix hint."""
+    assert p.prefix is not None
+    return max(1, p.context - min(p.prefix[1], p.context - 1))

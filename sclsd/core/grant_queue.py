@@ -46,6 +46,9 @@ class Pending:
     remaining: int
     holder: str | None
     """The worker holding its KV, if any."""
+    prefix: tuple[str, int] | None = None
+    """A new request's hint: a worker likely to hold a cached prefix of its prompt, and that
+    prefix's tokens (what it saves there: :meth:`~sclsd.core.grant_place.GrantPlacement._place`)."""
     key: float = 0.0
     """Its place among its group's returning requests (ascending: the largest next grant first)."""
 

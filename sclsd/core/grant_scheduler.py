@@ -159,7 +159,8 @@ class SliceGrantScheduler:
     def add(self, req: Request, now: float) -> None:
         """Accept a request: into the pool and in line for a grant."""
         self.books.add(req, now)
-        self.grants.arrive(req.rid, req.input_len, req.remaining, group=req.group)
+        prefix = (req.prefix_worker, req.prefix_tokens) if req.prefix_worker is not None else None
+        self.grants.arrive(req.rid, req.input_len, req.remaining, group=req.group, prefix=prefix)
 
     def cancel(self, rid: str, now: float, reason: FinishReason = "cancelled") -> Cancelled | None:
         """End a live request now (None: not live); see :meth:`_forget`."""

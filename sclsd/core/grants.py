@@ -131,15 +131,17 @@ class GrantPolicy(GrantPlacement):
     # ------------------------------------------------------------------ events
 
     def arrive(self, rid: str, context: int, remaining: int, *, first: bool = False,
-               group: tuple[str, ...] = ()) -> None:
+               group: tuple[str, ...] = (), prefix: tuple[str, int] | None = None) -> None:
         """A new request: ``context`` tokens of context, at most ``remaining`` to generate, of
         ``group`` (a path: its turns in line are fair between groups at every level,
         :class:`~.grant_queue.GrantQueue`).
 
         ``first``: it goes ahead of the line (a request whose worker was lost; its group stays).
+        ``prefix``: a worker likely to hold a cached prefix of its prompt, and its tokens (the
+        prefill it saves there weighs in its placement).
         """
         if remaining > 0:
-            p = Pending(rid, context, remaining, None)
+            p = Pending(rid, context, remaining, None, prefix)
             if first:
                 self._q.push_front(p)
             else:

@@ -71,6 +71,11 @@ class Request:
     kv_tokens: int = 0
     """Tokens of context that KV covers (at most ``input_len - 1``: the last sampled
     token was never fed, so its KV does not exist yet)."""
+    prefix_worker: str | None = None
+    """A worker likely to hold a cached prefix of this request's prompt that another request
+    left there (the driver's hint, from token ids the policy never sees; None: none known)."""
+    prefix_tokens: int = 0
+    """How many prompt tokens that prefix covers."""
 
     @property
     def input_len(self) -> int:

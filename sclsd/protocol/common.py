@@ -40,7 +40,9 @@ from msgspec import Meta
 #: log-probability of each prompt token after the first, vLLM's), asked of an engine by a batch
 #: row's ``prompt_logprobs`` and carried by the row's first output (``RequestOutput``), and to
 #: the client by ``delta``/``done``; ``caps.prompt_logprobs`` says an engine computes them.
-PROTOCOL_VERSION = 11
+#: 12: ``caps.shared_prefixes`` says an engine keeps finished rows' KV for other requests that
+#: begin alike, and the daemon sends a new request to the worker likely to hold its prefix.
+PROTOCOL_VERSION = 12
 
 #: Default cap on one client / status frame (bytes of msgpack).
 DEFAULT_MAX_FRAME = 4 * 1024 * 1024

@@ -47,6 +47,10 @@ class EngineCaps(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     """Rows' ``grammar`` is enforced (structured output)."""
     prompt_logprobs: bool = False
     """Rows' ``prompt_logprobs`` are computed (``RequestOutput.prompt_logprobs``)."""
+    shared_prefixes: bool = False
+    """A finished row's KV may stay cached, and a later request whose context begins with it
+    starts from a copy (``share_prefixes``): the daemon sends a new request, where the loads
+    allow, to the worker that last served a context beginning with its prompt."""
 
 
 class Register(_Msg, tag="register"):

@@ -27,7 +27,7 @@ def hf() -> Any:
 
 @pytest.fixture(scope="module")
 def sharing() -> HFStaticCBEngine:
-    return make(share_prefixes=True)
+    return make()  # share_prefixes is on by default
 
 
 @pytest.fixture
@@ -84,6 +84,11 @@ def test_a_prompt_sent_again_prefills_nothing(hf, clean) -> None:
     assert stats.prefill_tokens == 25
     want = one_pass(hf, [prompt, ctx(6, 25)], GEN)
     assert [o.token_ids for o in outs] == [want[0]] * 3 + [want[1]]
+    # Seeded sampling draws what it draws from a full prefill of the same context.
+    seeded = {"temperature": 1.0, "top_p": 0.9, "seed": 7}
+    (shared,), _ = serve(eng, [req("seeded", prompt, GEN, **seeded)], GEN)
+    (fresh,), _ = serve(eng, [req("fresh", prompt, GEN, **seeded)], GEN, kv_reuse=False)
+    assert shared.reused_tokens == 32 and fresh.reused_tokens == 0 and shared.token_ids == fresh.token_ids
 
 
 def test_rows_joining_mid_run_take_prefixes_and_kept_kv_is_untouched(hf, clean) -> None:
@@ -148,12 +153,14 @@ def test_rows_joining_mid_run_take_prefixes_and_kept_kv_is_untouched(hf, clean) 
     assert eng.kept() == {}
 
 
-def test_off_by_default_nothing_is_cached() -> None:
-    eng = make()
+def test_turned_off_nothing_is_cached(sharing) -> None:
+    assert sharing.caps().shared_prefixes  # on by default
+    eng = make(share_prefixes=False)
     try:
         prompt = ctx(8, 30)
         serve(eng, [req("a", prompt, 4), req("b", prompt, 4)], 4)
         (again,), _ = serve(eng, [req("c", prompt, 4)], 4)
         assert again.reused_tokens == 0 and eng.kv is not None and eng.kv.prefixes() == []
+        assert not eng.caps().shared_prefixes
     finally:
         eng.close()

@@ -154,3 +154,46 @@ def test_rules_are_checked() -> None:
         GrantRules(window=0)
     with pytest.raises(ValueError):
         GrantRules(floor=0)
+
+
+def test_a_prefix_hint_weighs_only_the_prefill_it_saves() -> None:
+    """A new request hinted to worker b (a cached prefix of its prompt there) goes to b while b
+    finishes it no later than the best other worker, its prefill there counted past the prefix
+    only; to another when b's load exceeds the other's by more than the prefix's prefill; never
+    to a worker without room; and the load b is charged is the tail's."""
+    def placed(ballast: int, prefix: int = 900, budget: int = 100_000) -> tuple[str, float, float]:
+        pol = GrantPolicy(EST, 16, token_budget=budget, workers=["a", "b"], rules=NONE)
+        if ballast:
+            pol.set_active("a", False)
+            pol.arrive("ballast", ballast, 16)
+            assert [g.worker for g in pol.schedule()] == ["b"]
+            pol.set_active("a", True)
+        # b's lead in the placement's terms (a busy worker's d4 per step counts for either)
+        before = pol.load("b") - (EST.d4 * 16 if ballast else 0.0)
+        pol.arrive("r", 1000, 100, prefix=("b", prefix))
+        (g,) = pol.schedule()
+        return g.worker, before, pol.load(g.worker)
+
+    saved = EST.t_prefill(1, 1000) - EST.t_prefill(1, 100)
+    assert saved > 0
+    worker, _, _ = placed(0)
+    assert worker == "b"  # idle both: the hint wins (without it the rotation picks a)
+    pol = GrantPolicy(EST, 16, token_budget=100_000, workers=["a", "b"], rules=NONE)
+    pol.arrive("r", 1000, 100)
+    assert [g.worker for g in pol.schedule()] == ["a"]
+    followed = 0
+    for ballast in range(1, 6000, 211):
+        worker, gap, _ = placed(ballast)
+        if abs(gap - saved) > 1e-9:
+            assert worker == ("b" if gap < saved else "a"), (ballast, gap, saved)
+            followed += worker == "b"
+    assert 0 < followed
+    assert placed(0, budget=1100)[0] == "b"
+    assert placed(100, budget=1100)[0] == "a"  # b holds the ballast (116 tokens): no room beside it
+    assert placed(100)[0] == "b"  # with room, b: the ballast costs it less than the prefix saves
+    # Charged the prefill of the 100 tokens past the prefix, not the whole prompt's.
+    _, _, load = placed(0)
+    plain = GrantPolicy(EST, 16, token_budget=100_000, workers=["a", "b"], rules=NONE)
+    plain.arrive("r", 1000, 100)
+    plain.schedule()
+    assert load == pytest.approx(plain.load("a") - saved)

@@ -209,3 +209,14 @@ def test_cached_prefixes_serve_the_longest_head_and_never_cost_kept_kv() -> None
     assert s.prefixes() == [18]  # a request's release leaves the prefixes
     s.release()
     assert s.prefixes() == [] and s.nbytes == 0 and s.prefix_bytes == 0
+
+
+def test_cached_prefixes_give_way_before_a_copy_needs_their_memory() -> None:
+    s = KVStore(500)
+    assert s.keep_prefix(entry(HEAD + [1] * 4)) and s.keep_prefix(entry([7] + HEAD + [2] * 3))  # 200 each
+    s.free_room(100)  # 400 + 100 fit
+    assert s.prefixes() == [20, 20]
+    s.free_room(150)  # the least recently kept goes
+    assert s.prefixes() == [20] and s.nbytes == 200
+    s.free_room(1000)  # more than the budget: every prefix goes, nothing else
+    assert s.prefixes() == [] and s.nbytes == 0

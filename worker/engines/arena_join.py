@@ -25,7 +25,6 @@ from worker.engines.arena_cb import Row
 from worker.engines.arena_rows import Geometry, RowRunner
 from worker.engines.arena_slots import Paused
 from worker.engines.kvstore import KVStore, Retained, common_prefix
-from worker.engines.prefixes import RecentHeads
 
 __all__ = ["Choice", "Join", "Joining"]
 
@@ -68,9 +67,7 @@ class Joining:
     paused: dict[str, Paused]
     """Rows paused in place, oldest first."""
     waited_rows: int
-    share: bool
-    """Rows may start from cached prefixes (``share_prefixes``; needs the store)."""
-    heads: RecentHeads
+    shared_prefix: Callable[..., tuple[Retained | None, int]]
     _too_large: Callable[[Row], None]
     _drop: Callable[[str], None]
     _spill: Callable[[list[Paused]], None]
@@ -91,7 +88,7 @@ class Joining:
             return common_prefix(p.tokens, ctx, len(ctx) - 1)
         if self.kv is None:
             return 0
-        return self.kv.usable(row.rid, ctx) or (self.kv.prefix(ctx)[1] if self.share else 0)
+        return self.kv.usable(row.rid, ctx) or self.shared_prefix(ctx)[1]
 
     def head_fits(self, live: list[Row]) -> bool:
         """Whether the first waiting row (in join order) fits beside ``live``, with every
@@ -175,11 +172,9 @@ class Joining:
         entry, used = self.kv.take(row.rid, ctx)
         if not row.grant.batch.kv_reuse or row.released or row.score is not None:
             return Join(row)
-        shared = False
-        if entry is None and self.share:  # nothing of its own: another request's prefix
-            self.heads.seen(ctx)
-            entry, used = self.kv.prefix(ctx, take=True)
-            shared = True
+        shared = entry is None
+        if shared:  # nothing of its own: another request's prefix (:mod:`worker.engines.arena_share`)
+            entry, used = self.shared_prefix(ctx, take=True)
         if entry is None:
             return Join(row)
         row.used = used

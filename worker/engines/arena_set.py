@@ -36,9 +36,9 @@ from sclsd.protocol import RequestOutput
 from worker.engines.arena_cb import Releases, Row
 from worker.engines.arena_join import Choice, Join, Joining
 from worker.engines.arena_rows import Geometry, RowRunner
+from worker.engines.arena_share import PrefixSharing
 from worker.engines.arena_slots import Paused, order_moves, place
 from worker.engines.kvstore import KVStore, Retained
-from worker.engines.prefixes import RecentHeads
 
 log = logging.getLogger("worker")
 
@@ -79,16 +79,13 @@ class StepTally:
         self.cols_own += own
 
 
-class ArenaRows(Joining):
+class ArenaRows(Joining, PrefixSharing):
     """Waiting, running and paused rows and their geometry (module docstring). The serve
     thread only, but :meth:`release` and :meth:`held`, which any thread may call."""
 
-    def __init__(self, runner: RowRunner, kv: KVStore | None, device: Any, done: Done,
-                 share: bool = False) -> None:
+    def __init__(self, runner: RowRunner, kv: KVStore | None, device: Any, done: Done, share: bool = False) -> None:
         self.runner = runner
         self.kv = kv
-        self.share = share and kv is not None
-        self.heads = RecentHeads()
         self.device = device
         self.done = done
         self.waiting: deque[Row] = deque()
@@ -109,13 +106,14 @@ class ArenaRows(Joining):
         """Rows that waited for arena room while others ran (since the engine started)."""
         self.counts = {"resumed": 0, "loaded": 0, "shared": 0, "cached": 0, "spilled": 0, "moved": 0,
                        "prefills": 0, "relayouts": 0, "regroups": 0, "spill_oom": 0}
-        """Since the engine started: rows resumed in place, rows whose KV was copied in from
-        the store, rows that started from a cached prefix, finished rows cached as prefixes
-        (:meth:`_cache_prefixes`), paused rows spilled to it, rows copied from one slot to another, turns
-        that prefilled newcomers, changes of the columns per slot (each moves every row held),
-        regroups (each rebuilds the sampler and, on CUDA, drains the pipeline for a step),
-        spills whose copies found no device memory (their rows' KV dropped)."""
+        """Since the engine started: rows resumed in place, rows whose KV was copied in from the store,
+        rows that started from a cached prefix, finished rows cached as prefixes (:mod:`.arena_share`),
+        paused rows spilled to the store, rows copied from one slot to another, turns that prefilled
+        newcomers, changes of the columns per slot (each moves every row held), regroups (each rebuilds
+        the sampler and, on CUDA, drains the pipeline for a step), spills whose copies found no device
+        memory (their rows' KV dropped)."""
         self.tally = StepTally()
+        self.init_sharing(share)
         self._version = 0
         self._due = (-1, False)
 
@@ -149,10 +147,7 @@ class ArenaRows(Joining):
         c, t, per = self.counts, self.tally, max(1, self.tally.steps)
         return (f"rows resumed in place {c['resumed']}, copied in from the store {c['loaded']}, paused rows "
                 f"spilled {c['spilled']}, rows moved between slots {c['moved']}, rows that waited for room "
-                f"{self.waited_rows}; "
-                + (f"rows started from a cached prefix {c['shared']}, finished rows cached as prefixes "
-                   f"{c['cached']}; " if self.share else "")
-                + f"{t.steps} decode steps of {t.rows / per:.1f} rows on average, "
+                f"{self.waited_rows}; {self.sharing_account()}{t.steps} decode steps of {t.rows / per:.1f} rows on average, "
                 f"{c['prefills']} prefill turns; {t.cols_read / per:.0f} KV columns read per step, "
                 f"{100 * t.cols_own / max(1, t.cols_read):.0f} % of them the rows' own; {c['relayouts']} relayouts, "
                 f"{t.prefill_s:.1f} s of prefill, {t.turns_s:.1f} s in turns: "
@@ -264,8 +259,7 @@ class ArenaRows(Joining):
     def regroup(self) -> None:
         """Ghosts leave, waiting rows join (:meth:`~worker.engines.arena_join.Joining.choose`),
         and the rows take their slots in the new geometry (module docstring)."""
-        if self.share:
-            self._cache_prefixes()
+        self.cache_prefixes()
         live = self.live()
         choice = self.choose(live)
         self._layout(live, choice)
@@ -343,35 +337,6 @@ class ArenaRows(Joining):
         for j, (p, _) in zip(loud, parts, strict=True):
             j.row.grant.prefill_s += spent * len(p) / total
 
-    def _cache_prefixes(self) -> None:
-        """Before their slots are reused: the KV of the rows that ended keeping nothing for their
-        requests (ghosts not paused), as cached prefixes in the store, where another of the
-        recent rows began with the same tokens (:mod:`worker.engines.prefixes`). A copy that
-        finds no device memory is skipped."""
-        import torch
-
-        assert self.kv is not None
-        picks: list[tuple[Row, list[int]]] = []
-        for r in self.slots:
-            p = self.paused.get(r.rid)
-            if not r.ended or r.slot < 0 or (p is not None and p.slot == r.slot):
-                continue
-            tokens = [*r.req.token_ids, *r.state.out][:r.fed]  # the columns it wrote
-            # Worth a copy where others began alike, and unless a cached prefix holds it all (a
-            # prompt sent again that generated nothing new; -1: no token, so all can be used).
-            if self.heads.shared(tokens) and self.kv.prefix(tokens + [-1])[1] < len(tokens):
-                picks.append((r, tokens))
-        if not picks:
-            return
-        try:
-            cuts = self.runner.cut([r.slot for r, _ in picks], [len(t) for _, t in picks],
-                                   max(r.slot for r, _ in picks) + 1, self.c)
-        except torch.OutOfMemoryError:
-            log.debug("hf-static-cb: no device memory to cache %d prefixes", len(picks))
-            return
-        for (_, tokens), (kv, nbytes) in zip(picks, cuts, strict=True):
-            self.counts["cached"] += self.kv.keep_prefix(Retained(tokens, nbytes, kv))
-
     def _spill(self, entries: list[Paused]) -> None:
         """Cut paused rows' KV out to the store (their slots are free from now on); one the
         store does not keep is reported evicted (unless released meanwhile)."""
@@ -381,6 +346,7 @@ class ArenaRows(Joining):
 
         assert self.kv is not None
         span = max(p.slot for p in entries) + 1
+        self.room_for([len(p.tokens) for p in entries])  # cached prefixes give way to the copies
         try:
             cuts: list[tuple[list[Any], int]] | None = self.runner.cut(
                 [p.slot for p in entries], [len(p.tokens) for p in entries], span, self.c)

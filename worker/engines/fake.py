@@ -149,6 +149,7 @@ class FakeEngine(SliceEngine):
         batching: str = "static",
         grammar: bool = False,
         max_rows: int = 64,
+        share_prefixes: bool = False,
     ) -> None:
         if vocab <= FIRST_ORDINARY_ID:
             raise ValueError(f"vocab must exceed {FIRST_ORDINARY_ID}, got {vocab}")
@@ -171,6 +172,9 @@ class FakeEngine(SliceEngine):
         """Continuous batching: the most rows running at once (others wait for a place)."""
         self.kv_peak_tokens = 0
         """Continuous batching: the most KV tokens held at once (running and kept), since it started."""
+        self.share_prefixes = bool(share_prefixes)
+        """Only said to the daemon (``caps.shared_prefixes``, for its routing's tests): its rows
+        cost what they cost whatever came before, so there is nothing to share."""
         self.grammar = bool(grammar)
         if self.grammar and not grammar_supported():
             raise ValueError("grammar = true needs llguidance (pip install 'sclsd[worker]')")
@@ -191,7 +195,8 @@ class FakeEngine(SliceEngine):
             eos_token_ids=[EOS_ID],
             vocab_size=self.vocab,
             caps=EngineCaps(batching=self.batching, grammar=self.grammar, prompt_logprobs=True,  # type: ignore[arg-type]
-                            max_rows=self.max_rows if self.batching == "continuous" else 0),
+                            max_rows=self.max_rows if self.batching == "continuous" else 0,
+                            shared_prefixes=self.share_prefixes),
         )
 
     def profile(self) -> dict[str, Any]:

@@ -151,8 +151,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
                  kv_retain_bytes: int | None = None, kv_host_bytes: int | None = None,
                  cuda_graphs: Any = "auto", static_share: float = ARENA_SHARE, graph_batch_sizes: Any = None,
                  graph_cache_tokens: Any = None, prefill_chunk_tokens: int | None = None,
-                 static_buckets: Any = None, max_rows: int | None = None, decode_attention: str = "sdpa",
-                 share_prefixes: bool = False) -> None:
+                 static_buckets: Any = None, max_rows: int | None = None, decode_attention: str = "sdpa", share_prefixes: bool = True) -> None:
         self.load(model, device, dtype, mem_budget, threads)
         self.scores_prompts()  # checked once, on the model as loaded (before FlexAttention may replace SDPA)
         opts = StaticOptions.parse(self.device.type, True, True, cuda_graphs, static_share, graph_batch_sizes,
@@ -184,8 +183,6 @@ class HFStaticCBEngine(TransformersModel, Engine):
         """Queue step k+1 before reading step k's tokens (on CUDA, where kernels run async)."""
         self.vocab = int(self.config.vocab_size)
         self.rows = ArenaRows(self.static, self.kv, self.device, self._row_done, bool(share_prefixes))
-        if share_prefixes and self.kv is None:
-            log.warning("%s: share_prefixes needs kv_reuse (the store keeps the prefixes): off", self.name)
         """The rows waiting, running and ended, and their geometry."""
         self._sampler: BatchSampler | None = None
         self._grammar: BatchGrammar | None = None
@@ -208,7 +205,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
         """Continuous batching, per-request sampling with seeds, min_tokens, logit_bias,
         grammars, KV per token, the prompt's log-probabilities where the model's head allows
         (:meth:`~worker.engines.hf_model.TransformersModel.scores_prompts`); the buckets whose
-        decode step is a captured graph."""
+        decode step is a captured graph; prefixes shared where ``share_prefixes`` is on."""
         static: RowRunner | None = getattr(self, "static", None)
         graphs = static.captured() if static is not None else []
         return EngineCaps(batching="continuous", sampling=True, seeded=True, max_context=self.max_context,
@@ -216,7 +213,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
                           graph_batch_sizes=sorted({n for n, _ in graphs}),
                           graph_cache_tokens=sorted({c for _, c in graphs}),
                           min_tokens=True, logit_bias=True, grammar=grammar_supported(),
-                          prompt_logprobs=self.scores_prompts())
+                          prompt_logprobs=self.scores_prompts(), shared_prefixes=getattr(self, "rows", None) is not None and self.rows.share)
 
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
         """Before registering: capture the decode graphs (CUDA), check them against the eager

@@ -224,6 +224,13 @@ class KVStore:
                 self.prefix_counts["tokens"] += used
             return entry, used
 
+    def free_room(self, nbytes: int) -> None:
+        """Drop cached prefixes, least recently used first, until ``nbytes`` more fit in the
+        device budget: before a copy into the store that needs the memory they hold."""
+        with self._lock:
+            while self._prefixes and self._bytes + nbytes > self.budget:
+                self._drop_prefix(next(iter(self._prefixes)))
+
     def prefixes(self) -> list[int]:
         """The cached prefixes' lengths, least recently used first (tests, the log at close)."""
         with self._lock:

@@ -141,10 +141,12 @@ class LlamaEngine(Engine):
     def caps(self) -> EngineCaps:
         """Continuous batching of at most ``max_rows`` rows a step; sampling, seeds, min_tokens,
         logit_bias and log-probabilities per request (the prompt's too); grammars where
-        llguidance is installed; KV per token."""
+        llguidance is installed; KV per token; prefixes shared between requests where
+        ``share_prefixes`` is on."""
         return EngineCaps(batching="continuous", sampling=True, seeded=True, max_context=self.max_context,
                           max_rows=self.max_rows, kv_page_tokens=1, min_tokens=True, logit_bias=True,
-                          grammar=_has_llguidance(), prompt_logprobs=True)
+                          grammar=_has_llguidance(), prompt_logprobs=True,
+                          shared_prefixes=self.kv.share_prefixes)
 
     def profile(self) -> dict[str, Any] | None:
         """The built-in profile of the default model on one thread (measured with this engine,

@@ -46,6 +46,7 @@ from .effects import Client, DecodeJob, Effects
 from .events import ClientEvents, PromptNamesJob
 from .membership import Membership, WorkerCosts
 from .output import Output
+from .prefixes import PrefixRoutes
 from .records import Records
 from .replies import Replies
 from .results import ResultJob, Results
@@ -77,9 +78,10 @@ class ServingCore:
         self.records = Records()
         self.members = Membership(cfg, sched, cost, tok)
         self.dispatch = DispatchBook(cfg, sched, self.table, self.members, self.records)
+        self.routes = PrefixRoutes()
         self.replies = Replies(self.table, sched, ClientEvents(tok), self.dispatch)
         self.streaming = Streaming(sched, self.table, self.replies, self.dispatch)
-        self.results = Results(sched, self.table, self.replies, self.dispatch, self.streaming, cost)
+        self.results = Results(sched, self.table, self.replies, self.dispatch, self.streaming, cost, self.routes)
 
     # ------------------------------------------------------------------ clients
 
@@ -103,6 +105,9 @@ class ServingCore:
             deadline=None if gen.timeout is None else now + gen.timeout,
             group=fair_group(client, uid, pid, gen),
         )
+        hint = self.routes.hint(prompt_ids)
+        if hint is not None:
+            req.prefix_worker, req.prefix_tokens = hint
         output = Output(Detokenizer(stop=list(gen.stop), keep_stop=gen.include_stop_str), self.tok)
         self.replies.accept(Entry(req, client, uid, gen, list(prompt_ids), output), out)
         log.debug("accepted id=%s prompt_tokens=%d max_tokens=%d timeout=%s user=%s", rid,
@@ -154,6 +159,7 @@ class ServingCore:
         have been lost first (:meth:`worker_lost`)."""
         out = Effects()
         self.records.worker_gone(reg.worker_id)  # a new registration: it holds no record
+        self.routes.join(reg.worker_id, reg.caps.shared_prefixes)
         self.members.join(reg, now, out)
         return out
 
@@ -224,6 +230,7 @@ class ServingCore:
 
     def _lose(self, wid: str, why: str, reason: P.LossReason, now: float, out: Effects) -> None:
         self.records.worker_gone(wid)
+        self.routes.forget(wid)
         removed = self.members.leave(wid, why, reason, now, out)
         if removed is not None:
             self.dispatch.apply(removed.releases, out)

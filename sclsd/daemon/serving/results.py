@@ -30,6 +30,7 @@ from ...core.scheduler_api import SchedulerInterface
 from .dispatch import DispatchBook
 from .effects import Effects, TextJob
 from .engine_stats import EngineStats
+from .prefixes import PrefixRoutes
 from .replies import Replies
 from .streaming import Streaming
 from .table import Entry, RequestTable
@@ -86,8 +87,11 @@ class Results:
     """Applies ``result`` messages (see the module docstring)."""
 
     def __init__(self, sched: SchedulerInterface, table: RequestTable, replies: Replies,
-                 dispatch: DispatchBook, streaming: Streaming, memory: WorkerMemory) -> None:
+                 dispatch: DispatchBook, streaming: Streaming, memory: WorkerMemory,
+                 routes: PrefixRoutes | None = None) -> None:
         self.sched = sched
+        self.routes = routes if routes is not None else PrefixRoutes()
+        """Where finished contexts may be cached (:mod:`.prefixes`): noted as rows finish."""
         self.table = table
         self.replies = replies
         self.dispatch = dispatch
@@ -242,6 +246,7 @@ class Results:
             tail = e.out.apply_slice(o)
             if o.finish_reason is not None:
                 self.dispatch.records.dropped(res.worker_id, e.rid)  # finished there: it dropped it
+                self.routes.note(res.worker_id, e.prompt_ids + e.out.ids)  # and may cache it
             else:
                 self.dispatch.records.grew(res.worker_id, e.rid, len(e.prompt_ids) + len(e.out.ids))
             final = o.finish_reason is not None

@@ -226,3 +226,33 @@ def test_a_result_s_rows_hold_its_worker_to_them(tmp_path: Path) -> None:
     assert len(drv.batches("w0")) == 8
     drv.message("w0", P.Result(worker_id="w0", batch_id=10_000, rows=64))  # never above its caps
     assert drv.core.members.workers["w0"].rows == 8
+
+
+def _next_turn_worker(tmp: Path, share: bool) -> tuple[str, str, Any]:
+    """A request finishes on one of two idle workers; another whose prompt begins with its
+    context arrives: (where the first ran, where the second ran, the second's request)."""
+    drv = WorkerDriver(tmp, scheduler=CB)
+    for wid in ("w0", "w1"):
+        drv.join(wid, share_prefixes=share, **CONTINUOUS)
+    first = "You are a careful assistant. Answer in one line. What is 2 + 2?"
+    drv.submit("c", "t1", prompt=first, max_tokens=6, ignore_eos=True)
+    drv.until_done("c", "t1", wid=("w0", "w1"))
+    (done,) = drv.terminal("c", "t1")
+    turn = first + drv.tok.decode(done.token_ids) + " And 3 + 3?"
+    drv.submit("c", "t2", prompt=turn, max_tokens=4, ignore_eos=True)
+    req = drv.core.sched.get("t2")
+    drv.until_done("c", "t2", wid=("w0", "w1"))
+    (done2,) = drv.terminal("c", "t2")
+    return done.worker, done2.worker, req
+
+
+def test_a_new_request_goes_where_its_prompt_s_prefix_was_served(tmp_path: Path) -> None:
+    """With workers whose engines share prefixes, a chat's next turn (its prompt the turn
+    before, answer included, and more) goes back to the worker that served that turn, where
+    the rotation among idle workers would send it to the other; without, nothing is hinted."""
+    w1, w2, req = _next_turn_worker(tmp_path / "share", True)
+    assert w2 == w1 and req.prefix_worker == w1
+    first = "You are a careful assistant. Answer in one line. What is 2 + 2?"
+    assert req.prefix_tokens == (len(first) + 6) // 16 * 16  # whole blocks of the first turn's context
+    w1, w2, req = _next_turn_worker(tmp_path / "plain", False)
+    assert w2 != w1 and req.prefix_worker is None

@@ -1,0 +1,105 @@
+"""Prefixes shared between requests on ``hf-static-cb``'s arena (``share_prefixes``): the part of
+:class:`~worker.engines.arena_set.ArenaRows` that keeps what finished rows leave and hands it to
+rows of other requests.
+
+**Keeping.** At a regroup, before the slots of the rows that ended are reused, the KV of those
+that keep nothing for their requests (ghosts, not paused) is cut out to the kept-KV store as
+*cached prefixes* (:meth:`~worker.engines.kvstore.KVStore.keep_prefix`): the columns each wrote,
+its context and what it generated and fed; only where another of the recent rows began with the
+same tokens (:class:`~worker.engines.prefixes.RecentHeads`: a prefix nobody else begins with is a
+copy for nothing), and not when a cached prefix already holds it all. They are nobody's: the
+daemon never counts them, they use only the room kept KV leaves in the store and go first
+when kept KV wants it.
+
+**Taking.** A joining row with no KV of its own here (:meth:`PrefixSharing.shared_prefix`) takes
+the cached prefix sharing the longest head with its context (at least 16 tokens, all but its
+last token at most): it is copied into the row's slot like kept KV from the store, left there
+for others, and the row prefills only the rest (``reused_tokens``: the daemon's
+``usage.cached_tokens``). Rows that score their prompt, batches without ``kv_reuse`` and
+released rows take none (:meth:`~worker.engines.arena_join.Joining._usable`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from worker.engines.arena_cb import Row
+from worker.engines.arena_rows import RowRunner
+from worker.engines.arena_slots import Paused
+from worker.engines.kvstore import KVStore, Retained
+from worker.engines.prefixes import RecentHeads
+
+log = logging.getLogger("worker")
+
+__all__ = ["PrefixSharing"]
+
+
+class PrefixSharing:
+    """The sharing half of :class:`~worker.engines.arena_set.ArenaRows` (module docstring)."""
+
+    runner: RowRunner
+    kv: KVStore | None
+    slots: list[Row]
+    paused: dict[str, Paused]
+    c: int
+    counts: dict[str, int]
+
+    def init_sharing(self, share: bool) -> None:
+        """``share``: ``share_prefixes``, which needs the kept-KV store (off without it)."""
+        if share and self.kv is None:
+            log.warning("hf-static-cb: share_prefixes needs kv_reuse (the store keeps the prefixes): off")
+        self.share = share and self.kv is not None
+        self.heads = RecentHeads()
+        """The heads of the rows started lately without KV of their own."""
+
+    def shared_prefix(self, ctx: list[int], take: bool = False) -> tuple[Retained | None, int]:
+        """The cached prefix a row with context ``ctx`` would start from, and its tokens
+        (``take``: the row takes it now, and its head counts as seen)."""
+        if not self.share or self.kv is None:
+            return None, 0
+        if take:
+            self.heads.seen(ctx)
+        return self.kv.prefix(ctx, take)
+
+    def room_for(self, lens: list[int]) -> None:
+        """Before rows' KV of ``lens`` tokens is copied into the store: cached prefixes give
+        way first, the copies need the memory they hold (they go first anyway when the copies
+        are put, but only after the copies were made)."""
+        if self.kv is not None:
+            arena = self.runner.arena
+            self.kv.free_room(sum(lens) * (arena.nbytes // max(1, arena.tokens)))
+
+    def sharing_account(self) -> str:
+        """Its part of the account at close (empty when it does not share)."""
+        c = self.counts
+        return (f"rows started from a cached prefix {c['shared']}, finished rows cached as prefixes "
+                f"{c['cached']}; ") if self.share else ""
+
+    def cache_prefixes(self) -> None:
+        """The KV of the rows that ended keeping nothing, as cached prefixes (module docstring);
+        a copy that finds no device memory is skipped."""
+        import torch
+
+        if not self.share or self.kv is None:
+            return
+        picks: list[tuple[Row, list[int]]] = []
+        for r in self.slots:
+            p = self.paused.get(r.rid)
+            if not r.ended or r.slot < 0 or (p is not None and p.slot == r.slot):
+                continue
+            tokens = [*r.req.token_ids, *r.state.out][:r.fed]  # the columns it wrote
+            # Worth a copy where others began alike, and unless a cached prefix holds it all (a
+            # prompt sent again that generated nothing new; -1: no token, so all can be used).
+            if self.heads.shared(tokens) and self.kv.prefix(tokens + [-1])[1] < len(tokens):
+                picks.append((r, tokens))
+        if not picks:
+            return
+        try:
+            cuts: list[tuple[list[Any], int]] = self.runner.cut(
+                [r.slot for r, _ in picks], [len(t) for _, t in picks], max(r.slot for r, _ in picks) + 1, self.c)
+        except torch.OutOfMemoryError:
+            log.debug("hf-static-cb: no device memory to cache %d prefixes", len(picks))
+            return
+        for (_, tokens), (kv, nbytes) in zip(picks, cuts, strict=True):
+            self.counts["cached"] += self.kv.keep_prefix(Retained(tokens, nbytes, kv))

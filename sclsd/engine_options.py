@@ -164,10 +164,10 @@ OPTIONS: dict[str, Option] = {
                                   "least 2,048, within the memory budget and the model's window)"),
     "share_prefixes": Option(("llama", "hf-static-cb"), "bool",
                              help="a request starts from the KV of another's prompt (and answer) it begins "
-                                  "with, kept where recent requests began alike, and the daemon sends a "
-                                  "request to the worker likely to hold its prefix (llama: within 1/32 of "
-                                  "the cells, default false: on quantised weights a seeded request may then "
-                                  "draw otherwise; hf-static-cb: in the room the kept-KV store leaves, "
+                                  "with, and the daemon sends a request to the worker likely to hold its "
+                                  "prefix (llama: kept within 1/32 of the cells where recent requests began "
+                                  "alike, default false: on quantised weights a seeded request may then draw "
+                                  "otherwise; hf-static-cb: kept in the room the kept-KV store leaves, "
                                   "default true)"),
     "memory_share": Option(("hf-cb",), "float", Range(gt=0.0, le=1.0), help="share of free memory"),
     "poll_s": Option(("hf-cb",), "float", Range(gt=0.0), help="result poll interval"),

@@ -46,22 +46,22 @@ def ctx(seed: int, n: int) -> list[int]:
 
 
 def test_a_context_that_begins_with_another_requests_starts_from_its_kv(hf, clean) -> None:
-    """A lone request leaves nothing; two that begin alike leave their KV (prompt and what they
-    generated and fed); a later request whose context begins with one copies it, prefills only
-    the rest, counts it as reused (the daemon's ``usage.cached_tokens``) and gives ``hf``'s
-    tokens of the whole context in one pass. A batch without kv_reuse, or a row that scores its
-    prompt, takes none."""
+    """Finished requests leave their KV (prompt and what they generated and fed) once their
+    slots are reused; a later request whose context begins with one copies the longest,
+    prefills only the rest, counts it as reused (the daemon's ``usage.cached_tokens``) and gives
+    ``hf``'s tokens of the whole context in one pass. A batch without kv_reuse, or a row that
+    scores its prompt, takes none."""
     eng = clean
     assert eng.kv is not None
     prompt = ctx(1, 40)
     (lone,), _ = serve(eng, [req("lone", ctx(2, 30), GEN)], GEN)
     first, stats = serve(eng, [req("first", prompt, GEN), req("twin", prompt[:20] + ctx(3, 10), GEN)], GEN)
     assert [o.reused_tokens for o in first] == [0, 0] and stats.reused_tokens == 0
-    assert eng.kv.prefixes() == []  # nobody began as "lone" did
+    assert eng.kv.prefixes() == [30 + GEN - 1]  # "lone", cached when these rows took its slot
     longer = prompt + first[0].token_ids[:3] + ctx(4, 5)
     (got,), stats = serve(eng, [req("second", longer, GEN)], GEN)
     # Rows that ended are cached when the next rows regroup, before their slots are reused.
-    assert sorted(eng.kv.prefixes()) == [20 + 10 + GEN - 1, 40 + GEN - 1]
+    assert sorted(eng.kv.prefixes()) == [30 + GEN - 1, 20 + 10 + GEN - 1, 40 + GEN - 1]
     assert got.reused_tokens == stats.reused_tokens == 43  # the prompt and 3 tokens it fed
     assert stats.prefill_tokens == len(longer) - 43
     assert got.token_ids == one_pass(hf, [longer], GEN)[0]

@@ -80,8 +80,9 @@ def test_a_row_resumed_in_place_gives_hf_tokens_and_copies_no_kv(hf, monkeypatch
 def test_rows_beside_paused_ones_and_bucket_dummies_keep_their_tokens(hf, monkeypatch) -> None:
     """A long grant runs while three requests in grants of 3 pause between them, each regranted
     only after the long row made a few more tokens: every request gets its one-pass tokens,
-    paused rows sit in slots the bucket's dummy rows write, and no KV goes through the store."""
-    eng = make(static_buckets=True, graph_batch_sizes="2,8", graph_cache_tokens="32,64,128")
+    paused rows sit in slots the bucket's dummy rows write, and no KV goes through the store
+    (shared prefixes off: a finished row's KV would go to the store as one)."""
+    eng = make(static_buckets=True, graph_batch_sizes="2,8", graph_cache_tokens="32,64,128", share_prefixes=False)
     eng.read_behind = True
     copies = Copies(eng, monkeypatch)
     plan = {"long": (contexts(1, 30, 31, seed=1)[0], 40, 40)}

@@ -236,7 +236,9 @@ def test_streamed_tokens_are_the_outputs(cb, prompts) -> None:
         for o in outs:
             streamed.setdefault(o.rid, []).extend(o.token_ids)
 
-    outs, stats = cb.serve(BatchMsg(batch_id=next_batch_id(), slice_len=GEN, requests=rows(prompts, prefix="st")), emit)
+    # Full prefills (kv_reuse off: no cached prefix of the same prompts from the tests before).
+    outs, stats = cb.serve(BatchMsg(batch_id=next_batch_id(), slice_len=GEN, requests=rows(prompts, prefix="st"),
+                                    kv_reuse=False), emit)
     assert {o.rid: o.token_ids for o in outs} == streamed
     assert stats.batch_size == len(prompts) and stats.iterations == GEN and stats.pad_tokens == 0
     assert stats.prefill_tokens == sum(map(len, prompts)) and stats.preemptions == 0

@@ -5,11 +5,13 @@ rows of other requests.
 **Keeping.** At a regroup, before the slots of the rows that ended are reused, the KV of those
 that keep nothing for their requests (ghosts, not paused) is cut out to the kept-KV store as
 *cached prefixes* (:meth:`~worker.engines.kvstore.KVStore.keep_prefix`): the columns each wrote,
-its context and what it generated and fed; only where another of the recent rows began with the
-same tokens (:class:`~worker.engines.prefixes.RecentHeads`: a prefix nobody else begins with is a
-copy for nothing), and not when a cached prefix already holds it all. They are nobody's: the
-daemon never counts them, they use only the room kept KV leaves in the store and go first
-when kept KV wants it.
+its context and what it generated and fed (at least 16 tokens), unless a cached prefix holds it
+all already. Every such row, not only where recent rows began alike as ``llama`` does: here
+a prefix costs one copy and room in the store that nothing else wants, never a running row's
+step (prefixes live outside the arena, and a step reads only its rows' columns), and a chat's
+first turn is the prefix of its next, on a worker that may have seen no other request begin
+so. They are nobody's: the daemon never counts them, they use only the room kept KV leaves in
+the store and go first when kept KV wants it.
 
 **Taking.** A joining row with no KV of its own here (:meth:`PrefixSharing.shared_prefix`) takes
 the cached prefix sharing the longest head with its context (at least 16 tokens, all but its
@@ -28,7 +30,7 @@ from worker.engines.arena_cb import Row
 from worker.engines.arena_rows import RowRunner
 from worker.engines.arena_slots import Paused
 from worker.engines.kvstore import KVStore, Retained
-from worker.engines.prefixes import RecentHeads
+from worker.engines.prefixes import MIN_PREFIX
 
 log = logging.getLogger("worker")
 
@@ -50,16 +52,12 @@ class PrefixSharing:
         if share and self.kv is None:
             log.warning("hf-static-cb: share_prefixes needs kv_reuse (the store keeps the prefixes): off")
         self.share = share and self.kv is not None
-        self.heads = RecentHeads()
-        """The heads of the rows started lately without KV of their own."""
 
     def shared_prefix(self, ctx: list[int], take: bool = False) -> tuple[Retained | None, int]:
         """The cached prefix a row with context ``ctx`` would start from, and its tokens
-        (``take``: the row takes it now, and its head counts as seen)."""
+        (``take``: the row takes it now)."""
         if not self.share or self.kv is None:
             return None, 0
-        if take:
-            self.heads.seen(ctx)
         return self.kv.prefix(ctx, take)
 
     def room_for(self, lens: list[int]) -> None:
@@ -89,9 +87,9 @@ class PrefixSharing:
             if not r.ended or r.slot < 0 or (p is not None and p.slot == r.slot):
                 continue
             tokens = [*r.req.token_ids, *r.state.out][:r.fed]  # the columns it wrote
-            # Worth a copy where others began alike, and unless a cached prefix holds it all (a
-            # prompt sent again that generated nothing new; -1: no token, so all can be used).
-            if self.heads.shared(tokens) and self.kv.prefix(tokens + [-1])[1] < len(tokens):
+            # Unless a cached prefix holds it all (a prompt sent again that generated nothing
+            # new; -1: no token, so all of them can be used).
+            if len(tokens) >= MIN_PREFIX and self.kv.prefix(tokens + [-1])[1] < len(tokens):
                 picks.append((r, tokens))
         if not picks:
             return

@@ -1,12 +1,15 @@
-"""When a finished row's KV is worth keeping for other requests: the rule both engines that share
-prompt prefixes use (``llama``'s :class:`~worker.engines.llama_kv.KVSlots`, ``hf-static-cb``'s
-:class:`~worker.engines.kvstore.KVStore` through :mod:`worker.engines.arena_set`).
+"""Prefixes shared between requests: the shortest worth sharing (both engines that share,
+``llama``'s :class:`~worker.engines.llama_kv.KVSlots` and ``hf-static-cb``'s
+:class:`~worker.engines.kvstore.KVStore`), and ``llama``'s rule for when a finished row's KV
+is worth keeping.
 
-A prefix nobody else begins with is pure cost (cells or memory held for nobody, and on
-``hf-static-cb`` a copy out of the arena), so a row's KV is cached only when another of the
-recent rows began with the same :data:`MIN_PREFIX` tokens: a shared system prompt, a prompt
-sent again, ``n`` choices of a prompt, an evaluation's context before each continuation. Where
-no two requests begin alike (a replay of distinct prompts) nothing is cached.
+On ``llama`` a prefix nobody else begins with is pure cost: its cells are held for nobody,
+and every decode step attends over the cells up to the highest in use. So a row's KV is
+cached only when another of the recent rows began with the same :data:`MIN_PREFIX` tokens
+(:class:`RecentHeads`): a shared system prompt, a prompt sent again, ``n`` choices of a
+prompt, an evaluation's context before each continuation. Where no two requests begin alike
+(a replay of distinct prompts) nothing is cached. (``hf-static-cb`` keeps every finished row:
+:mod:`worker.engines.arena_share` says why.)
 """
 
 from __future__ import annotations

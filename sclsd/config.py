@@ -175,6 +175,9 @@ class SchedulerConfig:
     """Batch requests by the worker keeping their KV and estimate only the uncached prefill."""
     max_slice_gap_s: Annotated[float, Range(ge=0, le=3600, note="seconds; 0: off")] = 1.0
     """Bound on the wait between two slices of a stream (0: off); see ``Policy.max_slice_gap_s``."""
+    prefix_routing: bool = True
+    """Slice grants: a new request goes, where the loads allow, to the worker likely to hold a
+    cached prefix of its prompt (workers whose engines share prefixes; docs/design.md §8)."""
     grant_lookahead: Annotated[float, Range(ge=0, le=1)] = 0.125
     """Slice grants: a worker whose engine runs at most ``max_rows`` rows holds at most that many
     grants plus this share of it (at least one; 0: none), so a row that ends is refilled at the

@@ -11,16 +11,18 @@ The workload a chat server sees most: ``--chats`` conversations, ``--concurrency
 a time, each of ``--turns`` turns sent one after another (each turn's messages are the ones
 before, the model's answers included, and a new question), every one behind the same system
 prompt of about 250 tokens. Each request is a streamed chat completion through ``sclsd-http``,
-greedy, exactly ``--output-tokens`` tokens. For each engine, sclsd starts twice with its
-defaults for the model but ``workers.engine``: ``share_prefixes`` off (the default) and on
-(a request starts from the KV another left: the system prompt, a chat's turns before).
+greedy, exactly ``--output-tokens`` tokens. For each engine, sclsd starts three times with its
+defaults for the model but ``workers.engine``: ``share_prefixes`` off (``off``), on with
+``scheduler.prefix_routing`` off (``shared``: a request starts from the KV another left on its
+worker, the system prompt or a chat's turns before, wherever the loads placed it), and both on
+(``routed``: the daemon sends a request to the worker likely to hold its prefix).
 
 Reports per run: requests/s over the wall time, time to first token (median and p90, all
 turns, and the first turns apart), and the share of prompt tokens the workers took from KV
 (``usage.prompt_tokens_details.cached_tokens``), with the load average beside them; for the
 runs with shared prefixes, how many turns got the same greedy answer as with them off. Each
-worker caches its own prefixes (the daemon does not route by prefix), so a chat's next turn
-that lands on the other worker finds only the system prompt there. Writes ``chats.json`` and
+worker caches its own prefixes, and the daemon sends a chat's next turn back to the worker that
+served the turn before where its load allows (docs/design.md §8). Writes ``chats.json`` and
 ``chats.md`` under ``--out``.
 """
 
@@ -67,6 +69,10 @@ QUESTIONS = [
 ]
 
 
+#: config -> (share_prefixes, scheduler.prefix_routing).
+CONFIGS = {"off": (False, False), "shared": (True, False), "routed": (True, True)}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--engines", default="hf-static-cb,llama", help="workers.engine values, comma-separated")
@@ -76,6 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=4, help="chats in flight")
     p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)}, comma-separated")
     p.add_argument("--out", default="out/chats", help="directory for chats.json and chats.md")
 
 
@@ -141,30 +148,39 @@ def workload(host: str, port: int, args: argparse.Namespace) -> tuple[list[dict[
     return records, time.monotonic() - t0
 
 
-def one(args: argparse.Namespace, engine: str, share: bool) -> dict[str, Any]:
+def one(args: argparse.Namespace, engine: str, config: str) -> dict[str, Any]:
     from ..demo import _start_http
 
+    share, routing = CONFIGS[config]
     workers: dict[str, Any] = {"spawn": args.workers, "threads": args.threads, "engine": engine,
                                "options": {"share_prefixes": share}}
     sections: dict[str, Any] = {"daemon": {"drain_timeout_s": 60.0}, "model": {"name": args.model},
-                                "workers": workers}
+                                "workers": workers, "scheduler": {"prefix_routing": routing}}
     with launch(sections, wait_workers=args.workers, timeout=300) as d:
         http_proc, url = _start_http(d.sock, d.status_sock, "127.0.0.1:0")
         try:
             host, _, port = url.removeprefix("http://").partition(":")
             records, wall = workload(host, int(port), args)
+            hints = d.status().counters.get("prefix_hints", 0)
         finally:
             http_proc.terminate()
             http_proc.wait(timeout=30)
     ttft = sorted(r["ttft_s"] for r in records)
     firsts = [r["ttft_s"] for r in records if r["turn"] == 0]
     prompt = sum(r["prompt_tokens"] for r in records)
-    return {"engine": engine, "share_prefixes": share, "requests": len(records), "wall_s": wall,
+    return {"engine": engine, "config": config, "share_prefixes": share, "prefix_routing": routing,
+            "prefix_hints": hints, "requests": len(records), "wall_s": wall,
             "req_per_s": len(records) / wall, "ttft_p50_s": statistics.median(ttft),
             "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))], "first_turn_ttft_p50_s": statistics.median(firsts),
             "prompt_tokens": prompt, "cached_tokens": sum(r["cached_tokens"] for r in records),
-            "cached_share": sum(r["cached_tokens"] for r in records) / max(1, prompt), "load": load(),
+            "cached_share": sum(r["cached_tokens"] for r in records) / max(1, prompt),
+            "later_share": _share([r for r in records if r["turn"] > 0]), "load": load(),
             "records": records}
+
+
+def _share(records: list[dict[str, Any]]) -> float:
+    """The share of these turns' prompt tokens taken from KV."""
+    return sum(r["cached_tokens"] for r in records) / max(1, sum(r["prompt_tokens"] for r in records))
 
 
 def same_answers(off: dict[str, Any], on: dict[str, Any]) -> int:
@@ -176,24 +192,33 @@ def same_answers(off: dict[str, Any], on: dict[str, Any]) -> int:
 def markdown(args: argparse.Namespace, runs: list[dict[str, Any]]) -> str:
     head = (f"`{args.model}`, {args.workers} workers x {args.threads} thread(s); {args.chats} chats of "
             f"{args.turns} turns, {args.concurrency} in flight, {args.output_tokens} tokens per answer, greedy.\n\n"
-            "| engine | share_prefixes | req/s | TTFT p50 | TTFT p90 | first turns' TTFT p50 | prompt tokens "
-            "from KV | answers as with it off | load avg (1 min) |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
-    rows = [f"| `{r['engine']}` | {str(r['share_prefixes']).lower()} | {r['req_per_s']:.2f} | {r['ttft_p50_s']:.3f} s "
+            "| engine | prefixes | req/s | TTFT p50 | TTFT p90 | first turns' TTFT p50 | prompt tokens "
+            "from KV (later turns) | requests routed | answers as with it off | load avg (1 min) |\n"
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+    rows = [f"| `{r['engine']}` | {r['config']} | {r['req_per_s']:.2f} | {r['ttft_p50_s']:.3f} s "
             f"| {r['ttft_p90_s']:.3f} s | {r['first_turn_ttft_p50_s']:.3f} s | {100 * r['cached_share']:.0f} % "
-            f"({r['cached_tokens']} of {r['prompt_tokens']}) | {r.get('same', '')} | {r['load']:.2f} |" for r in runs]
+            f"({100 * r['later_share']:.0f} %) | {r['prefix_hints']} | {r.get('same', '')} | {r['load']:.2f} |"
+            for r in runs]
     return head + "\n".join(rows) + "\n"
 
 
 def run(args: argparse.Namespace) -> int:
     runs: list[dict[str, Any]] = []
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"sclsd-bench chats: --configs: unknown {unknown[0]!r} (of {', '.join(CONFIGS)})")
     for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:
-        for share in (False, True):
-            print(f"== {engine}, share_prefixes = {str(share).lower()}", file=sys.stderr, flush=True)
-            r = one(args, engine, share)
+        off: dict[str, Any] | None = None
+        for config in configs:
+            print(f"== {engine}, {config}", file=sys.stderr, flush=True)
+            r = one(args, engine, config)
             print(f"   {r['req_per_s']:.2f} req/s, TTFT p50 {r['ttft_p50_s']:.3f} s, "
                   f"{100 * r['cached_share']:.0f} % of prompt tokens from KV", file=sys.stderr, flush=True)
-            if share and runs and runs[-1]["engine"] == engine:
-                r["same"] = f"{same_answers(runs[-1], r)} of {len(r['records'])}"
+            if config == "off":
+                off = r
+            elif off is not None:
+                r["same"] = f"{same_answers(off, r)} of {len(r['records'])}"
             runs.append(r)
     out = Path(args.out)
     os.makedirs(out, exist_ok=True)

@@ -79,6 +79,7 @@ class StatusView:
         engines = core.results.engines.as_counters() if core is not None else {}
         if core is not None:
             engines["cancels_sent"] = core.dispatch.cancelled_rows
+            engines["prefix_hints"] = core.routes.hints  # requests sent where their prefix likely is
         return P.StatusSnapshot(
             version=__version__,
             protocol=P.PROTOCOL_VERSION,

@@ -26,11 +26,13 @@ def test_answers_are_compared_turn_by_turn_and_tabled() -> None:
     on = {"records": [{"chat": 0, "turn": 1, "text": "b"}, {"chat": 0, "turn": 0, "text": "x"}]}
     assert C.same_answers(off, on) == 1
     args = argparse.Namespace(model="m", workers=2, threads=1, chats=16, turns=3, concurrency=4, output_tokens=32)
-    run = {"engine": "hf-static-cb", "share_prefixes": True, "req_per_s": 1.25, "ttft_p50_s": 0.2,
-           "ttft_p90_s": 0.5, "first_turn_ttft_p50_s": 0.3, "cached_share": 0.625, "cached_tokens": 5,
-           "prompt_tokens": 8, "same": "1 of 2", "load": 1.5}
+    run = {"engine": "hf-static-cb", "config": "routed", "req_per_s": 1.25, "ttft_p50_s": 0.2,
+           "ttft_p90_s": 0.5, "first_turn_ttft_p50_s": 0.3, "cached_share": 0.625, "later_share": 0.9,
+           "prefix_hints": 7, "same": "1 of 2", "load": 1.5}
     md = C.markdown(args, [run])
-    assert "| `hf-static-cb` | true | 1.25 | 0.200 s | 0.500 s | 0.300 s | 62 % (5 of 8) | 1 of 2 | 1.50 |" in md
+    assert "| `hf-static-cb` | routed | 1.25 | 0.200 s | 0.500 s | 0.300 s | 62 % (90 %) | 7 | 1 of 2 | 1.50 |" in md
+    assert C._share([{"cached_tokens": 3, "prompt_tokens": 4}, {"cached_tokens": 0, "prompt_tokens": 4}]) == 3 / 8
+    assert C.CONFIGS == {"off": (False, False), "shared": (True, False), "routed": (True, True)}
     assert "chats" in SUBCOMMANDS
 
 

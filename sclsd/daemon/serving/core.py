@@ -105,7 +105,7 @@ class ServingCore:
             deadline=None if gen.timeout is None else now + gen.timeout,
             group=fair_group(client, uid, pid, gen),
         )
-        hint = self.routes.hint(prompt_ids)
+        hint = self.routes.hint(prompt_ids) if self.cfg.scheduler.prefix_routing else None
         if hint is not None:
             req.prefix_worker, req.prefix_tokens = hint
         output = Output(Detokenizer(stop=list(gen.stop), keep_stop=gen.include_stop_str), self.tok)

@@ -228,10 +228,11 @@ def test_a_result_s_rows_hold_its_worker_to_them(tmp_path: Path) -> None:
     assert drv.core.members.workers["w0"].rows == 8
 
 
-def _next_turn_worker(tmp: Path, share: bool) -> tuple[str, str, Any]:
+def _next_turn_worker(tmp: Path, share: bool, routing: bool = True) -> tuple[str, str, Any, int]:
     """A request finishes on one of two idle workers; another whose prompt begins with its
-    context arrives: (where the first ran, where the second ran, the second's request)."""
-    drv = WorkerDriver(tmp, scheduler=CB)
+    context arrives: (where the first ran, where the second ran, the second's request, the
+    daemon's hints)."""
+    drv = WorkerDriver(tmp, scheduler={**CB, "prefix_routing": routing})
     for wid in ("w0", "w1"):
         drv.join(wid, share_prefixes=share, **CONTINUOUS)
     first = "You are a careful assistant. Answer in one line. What is 2 + 2?"
@@ -243,16 +244,19 @@ def _next_turn_worker(tmp: Path, share: bool) -> tuple[str, str, Any]:
     req = drv.core.sched.get("t2")
     drv.until_done("c", "t2", wid=("w0", "w1"))
     (done2,) = drv.terminal("c", "t2")
-    return done.worker, done2.worker, req
+    return done.worker, done2.worker, req, drv.core.routes.hints
 
 
 def test_a_new_request_goes_where_its_prompt_s_prefix_was_served(tmp_path: Path) -> None:
     """With workers whose engines share prefixes, a chat's next turn (its prompt the turn
     before, answer included, and more) goes back to the worker that served that turn, where
-    the rotation among idle workers would send it to the other; without, nothing is hinted."""
-    w1, w2, req = _next_turn_worker(tmp_path / "share", True)
-    assert w2 == w1 and req.prefix_worker == w1
+    the rotation among idle workers would send it to the other; without, or with
+    ``prefix_routing`` off, nothing is hinted."""
+    w1, w2, req, hints = _next_turn_worker(tmp_path / "share", True)
+    assert w2 == w1 and req.prefix_worker == w1 and hints == 1
     first = "You are a careful assistant. Answer in one line. What is 2 + 2?"
     assert req.prefix_tokens == (len(first) + 6) // 16 * 16  # whole blocks of the first turn's context
-    w1, w2, req = _next_turn_worker(tmp_path / "plain", False)
-    assert w2 != w1 and req.prefix_worker is None
+    w1, w2, req, hints = _next_turn_worker(tmp_path / "plain", False)
+    assert w2 != w1 and req.prefix_worker is None and hints == 0
+    w1, w2, req, hints = _next_turn_worker(tmp_path / "off", True, routing=False)
+    assert w2 != w1 and req.prefix_worker is None and hints == 0

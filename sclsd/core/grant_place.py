@@ -8,8 +8,8 @@ causes there, for a move): max-min over the workers' estimated loads with the KV
 term. The worker index (:class:`~sclsd.core.grant_index.WorkerIndex`) finds the best other
 worker without a scan. A new request with a prefix hint (a worker likely to hold a cached
 prefix of its prompt) goes there where it has room and finishes the request no later than the
-best other worker, its prefill there counted only past the prefix. A holder short of room for a whole grant gives what fits, if enough;
-else the request parks there.
+best other worker, its prefill there counted only past the prefix. A holder short of room for
+a whole grant gives what fits, if enough; else the request parks there.
 
 Pure: no clock, no I/O.
 """

@@ -103,8 +103,7 @@ class DaemonConfig:
 
     @property
     def client_socket_mode(self) -> int:
-        """The mode the client and status sockets get (``socket_open_to_all_users`` adds read
-        and write for others)."""
+        """The client and status sockets' mode (``socket_open_to_all_users``: others read, write)."""
         return self.socket_mode | (0o006 if self.socket_open_to_all_users else 0)
 
     @property
@@ -113,9 +112,8 @@ class DaemonConfig:
         return self.lock_file or f"{self.socket}.lock"
 
     def endpoints(self) -> list[tuple[str, str]]:
-        """Every path the daemon binds, with the lock file that keeps it (``<path>.lock``;
-        the client socket's is :attr:`lock_path`): the client and status sockets and an
-        ``ipc://`` worker endpoint (sclsd.daemon.lock)."""
+        """Every path the daemon binds (the client and status sockets, an ``ipc://`` worker endpoint)
+        with the lock file that keeps it: ``<path>.lock``, the client socket's :attr:`lock_path`."""
         paths = [(self.socket, self.lock_path), (self.status_socket, f"{self.status_socket}.lock")]
         if self.worker_endpoint.startswith("ipc://"):
             ipc = self.worker_endpoint.removeprefix("ipc://")
@@ -176,8 +174,7 @@ class SchedulerConfig:
     max_slice_gap_s: Annotated[float, Range(ge=0, le=3600, note="seconds; 0: off")] = 1.0
     """Bound on the wait between two slices of a stream (0: off); see ``Policy.max_slice_gap_s``."""
     prefix_routing: bool = True
-    """Slice grants: a new request goes, where the loads allow, to the worker likely to hold a
-    cached prefix of its prompt (workers whose engines share prefixes; docs/design.md §8)."""
+    """Slice grants: a new request goes where its prompt's prefix is likely cached (design.md §8)."""
     grant_lookahead: Annotated[float, Range(ge=0, le=1)] = 0.125
     """Slice grants: a worker whose engine runs at most ``max_rows`` rows holds at most that many
     grants plus this share of it (at least one; 0: none), so a row that ends is refilled at the

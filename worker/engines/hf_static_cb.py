@@ -436,8 +436,8 @@ class HFStaticCBEngine(TransformersModel, Engine):
     # ------------------------------------------------------------------ memory
 
     def _track_peak(self, running: int) -> None:
-        """``running``: the KV columns the running rows hold."""
+        """``running``: the running rows' KV columns; the paused and stored kept KV too, not prefixes."""
         held = running + sum(len(p.tokens) for p in self.rows.paused.values())
         if self.kv is not None:
-            held += (self.kv.nbytes + self.kv.host_nbytes) // max(1, self.delta)
+            held += (self.kv.nbytes - self.kv.prefix_bytes + self.kv.host_nbytes) // max(1, self.delta)
         self.kv_peak_tokens = max(self.kv_peak_tokens, held)

@@ -394,6 +394,8 @@ def _live(rows: Rows) -> list[str]:
             arena = r.get("arena_rows")
             rows_of = (f"; arena rows resumed in place {arena['resumed']}, copied in {arena['loaded']}, spilled "
                        f"{arena['spilled']}, moved {arena['moved']}, waited {arena['waited']}") if arena else ""
+            if arena and "shared" in arena:
+                rows_of += f"; from a cached prefix {arena['shared']}, cached as prefixes {arena['cached']}"
             if arena and "steps" in arena:
                 rows_of += (f"; {arena['steps']} steps of {arena['rows_per_step']:.1f} rows, "
                             f"{arena['prefills']} prefill turns")

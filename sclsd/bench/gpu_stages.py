@@ -407,6 +407,7 @@ def log_facts(log: Path) -> dict[str, Any]:
     # hf-static-cb's own account at close: how its grants' rows came back and what moved.
     m = re.search(r"rows resumed in place (\d+), copied in from the store (\d+), paused rows spilled (\d+), "
                   r"rows moved between slots (\d+), rows that waited for room (\d+)"
+                  r"(?:; rows started from a cached prefix (\d+), finished rows cached as prefixes (\d+))?"
                   r"(?:; (\d+) decode steps of ([0-9.]+) rows on average, (\d+) prefill turns)?"
                   r"(?:; (\d+) KV columns read per step, (\d+) % of them the rows' own; (\d+) relayouts, "
                   r"([0-9.]+) s of prefill)?(?:, ([0-9.]+) s in turns: ([0-9.]+) ms a step besides prefill)?"
@@ -416,7 +417,7 @@ def log_facts(log: Path) -> dict[str, Any]:
     if flex:
         out["flex_failed"] = flex.group(1)[:300]
     if m:
-        keys = ("resumed", "loaded", "spilled", "moved", "waited", "steps", "rows_per_step", "prefills",
+        keys = ("resumed", "loaded", "spilled", "moved", "waited", "shared", "cached", "steps", "rows_per_step", "prefills",
                 "cols_per_step", "own_pct", "relayouts", "prefill_s", "turns_s", "ms_per_step", "loose_steps", "regroups",
                 "spill_oom")
         out["arena_rows"] = {k: (float(v) if k in ("rows_per_step", "prefill_s", "turns_s", "ms_per_step") else int(v))

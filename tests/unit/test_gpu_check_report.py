@@ -265,5 +265,14 @@ def test_a_replay_shows_its_tpot_gaps_slices_and_the_arena_rows_account(tmp_path
     log.write_text(log.read_text().replace("240 regroups\n", "240 regroups, 2 spills dropped for want of device memory\n"))
     oom = log_facts(log)
     assert oom["arena_rows"]["spill_oom"] == 2 and oom["arena_rows"]["regroups"] == 240
+    assert "shared" not in oom["arena_rows"]
+    # Prefixes shared (hf-static-cb's default): their counts come in, and the rest still parses.
+    log.write_text(log.read_text().replace("waited for room 0; ", "waited for room 0; rows started from a cached "
+                                           "prefix 9, finished rows cached as prefixes 150; "))
+    shared = log_facts(log)["arena_rows"]
+    assert (shared["shared"], shared["cached"], shared["steps"], shared["ms_per_step"]) == (9, 150, 2105, 17.9)
+    text = R.render([row, {"stage": "sat-scls-cb-hf-static-cb", "phase": "stopped", "total_s": 60,
+                           "arena_rows": shared}])
+    assert "waited 0; from a cached prefix 9, cached as prefixes 150; 2105 steps of 37.4 rows" in text
     text = R.render([row, {"stage": "sat-scls-cb-hf-static-cb", "phase": "stopped", "total_s": 60, **oom}])
     assert "240 regroups, 2 spills dropped for want of device memory" in text

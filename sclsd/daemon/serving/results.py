@@ -88,9 +88,9 @@ class Results:
 
     def __init__(self, sched: SchedulerInterface, table: RequestTable, replies: Replies,
                  dispatch: DispatchBook, streaming: Streaming, memory: WorkerMemory,
-                 routes: PrefixRoutes | None = None) -> None:
+                 routes: PrefixRoutes) -> None:
         self.sched = sched
-        self.routes = routes if routes is not None else PrefixRoutes()
+        self.routes = routes
         """Where finished contexts may be cached (:mod:`.prefixes`): noted as rows finish."""
         self.table = table
         self.replies = replies

@@ -38,6 +38,10 @@ def test_only_workers_that_share_prefixes_are_noted_and_hinted() -> None:
     r.note("b", p)
     r.join("b", False)  # registered again, not sharing: forgotten
     assert r.hint(p + [1]) is None
+    r.join("b", True)
+    r.note("b", p)
+    r.join("b", True)  # registered again (a restarted engine holds nothing): its old blocks are stale
+    assert r.hint(p + [1]) is None and len(r) == 0
 
 
 def test_the_least_recently_noted_blocks_go_first() -> None:

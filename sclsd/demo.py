@@ -176,14 +176,17 @@ def _start_http(sock: str, status_sock: str, listen: str) -> tuple[subprocess.Po
                                  status_sock, "--listen", address, "--log-level", "warning"],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         assert proc.stdout is not None
+        said: list[str] = []
         for raw in proc.stdout:  # its first line says where it listens, or why it cannot
             line = raw.decode(errors="replace")
             if line.startswith("sclsd-http listening on "):
                 return proc, line.split()[3]
+            said.append(line)
             if "cannot listen" in line:
                 break
         proc.wait()
-    raise RuntimeError("sclsd-http did not start")
+    tail = "".join(said[-20:]).strip()
+    raise RuntimeError(f"sclsd-http did not start (rc {proc.returncode})" + (f": {tail}" if tail else ""))
 
 
 def _try_it(url: str, model: str) -> str:

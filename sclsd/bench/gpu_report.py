@@ -411,6 +411,8 @@ def _live(rows: Rows) -> list[str]:
                 rows_of += f", {arena['regroups']} regroups"
             if arena and arena.get("spill_oom"):
                 rows_of += f", {arena['spill_oom']} spills dropped for want of device memory"
+            if arena and arena.get("oom_turns"):
+                rows_of += f", {arena['oom_turns']} turns OUT OF DEVICE MEMORY"
             if r.get("flex_failed"):
                 rows_of += f"; FlexAttention FAILED, decode fell back to SDPA: {_short(r['flex_failed'])}"
             out.append(f"- {r['stage']}: worker ready in {r.get('worker_ready_in_s')} s (its own clock); restarts "

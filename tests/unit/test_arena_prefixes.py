@@ -164,3 +164,68 @@ def test_turned_off_nothing_is_cached(sharing) -> None:
         assert not eng.caps().shared_prefixes
     finally:
         eng.close()
+
+
+def test_cut_rows_own_their_memory(clean) -> None:
+    """A row cut out to the store holds its own copy: dropping the others' entries gives their
+    memory back, and the bytes the store counts are the bytes held (a gather for several rows
+    with the rows as its views held them all until the last went)."""
+    eng = clean
+    runner = eng.static
+    cuts = runner.cut([0, 2], [20, 7], 3, 32)
+    for (kv, nbytes), n in zip(cuts, [20, 7], strict=True):
+        held = sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in kv)
+        assert held == nbytes == n * eng.delta
+        assert all(k.shape[2] == n for k, _ in kv)
+
+
+def test_prefixes_are_cut_only_into_room_the_store_has(clean, monkeypatch) -> None:
+    """The copies are made before the store takes them, so room is made first (older prefixes
+    go) and only what fits beside the kept KV is cut: the device never holds more than the
+    store's budget, which is what a prefill's activations are sized beside."""
+    eng = clean
+    kv = eng.kv
+    assert kv is not None
+    monkeypatch.setattr(kv, "budget", 50 * eng.delta)  # room for two 20-token prefixes, not three
+    real_cut = eng.static.cut
+    seen: list[int] = []
+
+    def cut(slots: Any, lens: Any, rows: int, c: int) -> Any:
+        seen.append(kv.nbytes + sum(lens) * eng.delta)
+        return real_cut(slots, lens, rows, c)
+
+    monkeypatch.setattr(eng.static, "cut", cut)
+    for i in range(3):
+        serve(eng, [req(f"p{i}a", ctx(20 + i, 17), 4), req(f"p{i}b", ctx(30 + i, 17), 4),
+                    req(f"p{i}c", ctx(40 + i, 17), 4)], 4)
+    assert seen and max(seen) <= kv.budget
+    assert kv.nbytes <= kv.budget and len(kv.prefixes()) == 2
+
+
+def test_a_turn_out_of_device_memory_drops_the_cached_prefixes(hf, clean, monkeypatch) -> None:
+    """A turn that runs out of device memory fails the grants in flight (as any failing turn),
+    and the cached prefixes give their memory back, so the next turns have room again."""
+    eng = clean
+    kv = eng.kv
+    assert kv is not None
+    serve(eng, [req("x", ctx(50, 30), 4)], 4)
+    serve(eng, [req("y", ctx(51, 30), 4)], 4)  # "x" is cached as this one joins
+    assert kv.prefixes()
+    real = eng.static.prefill
+    calls = {"n": 0}
+
+    def prefill(*args: Any, **kw: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        real(*args, **kw)
+
+    monkeypatch.setattr(eng.static, "prefill", prefill)
+    before = eng.rows.counts["oom_turns"]
+    with pytest.raises(torch.OutOfMemoryError):
+        serve(eng, [req("z", ctx(52, 30), 4)], 4)
+    assert kv.prefixes() == [] and eng.rows.counts["oom_turns"] == before + 1
+    assert "turns out of device memory" in eng.rows.account()
+    prompt = ctx(53, 30)
+    (again,), _ = serve(eng, [req("w", prompt, 4)], 4)
+    assert again.token_ids == one_pass(hf, [prompt], 4)[0]

@@ -276,3 +276,10 @@ def test_a_replay_shows_its_tpot_gaps_slices_and_the_arena_rows_account(tmp_path
     assert "waited 0; from a cached prefix 9, cached as prefixes 150; 2105 steps of 37.4 rows" in text
     text = R.render([row, {"stage": "sat-scls-cb-hf-static-cb", "phase": "stopped", "total_s": 60, **oom}])
     assert "240 regroups, 2 spills dropped for want of device memory" in text
+    # Turns that ran out of device memory come after them, and the report shouts them.
+    log.write_text(log.read_text().replace("want of device memory\n", "want of device memory, 3 turns out of "
+                                           "device memory\n"))
+    turns = log_facts(log)["arena_rows"]
+    assert (turns["oom_turns"], turns["spill_oom"], turns["cached"]) == (3, 2, 150)
+    text = R.render([row, {"stage": "sat-ils-hf-static-cb", "phase": "stopped", "total_s": 60, "arena_rows": turns}])
+    assert "2 spills dropped for want of device memory, 3 turns OUT OF DEVICE MEMORY" in text

@@ -196,6 +196,26 @@ def test_activation_reserve_of_a_7b_model():
     assert 1.9 * 2**30 < reserve < 2.3 * 2**30
 
 
+def test_kv_memory_on_cuda_keeps_back_activations_and_the_allocators_share(monkeypatch):
+    """On CUDA the KV memory is the free memory less the activation reserve and
+    ``FRAGMENTATION_SHARE`` of it (kept KV of every length coming and going fragments the
+    allocator's blocks; a card ran out of memory in a prefill without it)."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from worker.engines.hf_model import FRAGMENTATION_SHARE, TransformersModel
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, vocab_size=32000, num_hidden_layers=32,
+                      num_attention_heads=32)
+    free = 126 * 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 140 * 2**30))
+    fake = SimpleNamespace(device=torch.device("cuda:0"), config=cfg, dtype=torch.float16)
+    got = TransformersModel.kv_memory(fake, 8192, 512)  # type: ignore[arg-type]
+    assert got == free - activation_reserve(cfg, torch.float16, 8192, 512) - int(FRAGMENTATION_SHARE * free)
+    assert 118 * 2**30 < got < 121 * 2**30
+
+
 def test_hf_cb_never_takes_the_static_path():
     # It has no static path to take: the option is refused by name (the config check refuses
     # it before: test_config.py), and the engine has none of hf's serving.

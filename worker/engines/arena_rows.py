@@ -314,18 +314,19 @@ class RowRunner(StaticRunner):
 
     def cut(self, slots: Sequence[int], lens: Sequence[int], rows: int, c: int) -> list[tuple[list[Any], int]]:
         """The KV of ``slots`` (their first ``lens`` columns) as new per-layer ``[1, heads, T,
-        head_dim]`` tensors and their bytes (:func:`worker.engines.kvstore.cut_rows`); ``rows``:
-        how many slots the views span."""
-        import torch
+        head_dim]`` tensors and their bytes; ``rows``: how many slots the views span.
 
-        from worker.engines.kvstore import cut_rows
-
-        mask = torch.zeros((rows, c), dtype=torch.bool)
-        for s, n in zip(slots, lens, strict=True):
-            mask[s, :n] = True
+        Each row's tensors own their memory (a copy per row and layer, not one gather for all
+        rows with the rows as its views, as :func:`worker.engines.kvstore.cut_rows` does): the
+        store drops entries one at a time, and an entry that shared a gather with others kept
+        all of their memory on the device until the last of them went, past the bytes the
+        store counts (4.5 GiB over its budget on a card, which a prefill then lacked)."""
         views = self.slot_views(0, rows, c)
-        cache = _Layers([_KV(k, v) for k, v in views])
-        return cut_rows(cache, list(slots), mask)
+        out: list[tuple[list[Any], int]] = []
+        for s, n in zip(slots, lens, strict=True):
+            kv = [(k[s:s + 1, :, :n].clone(), v[s:s + 1, :, :n].clone()) for k, v in views]
+            out.append((kv, sum(2 * k.numel() * k.element_size() for k, _ in kv)))
+        return out
 
     # ------------------------------------------------------------------ prefill
 
@@ -368,18 +369,3 @@ class RowRunner(StaticRunner):
                         if s is not None:
                             s.add(self.model, tap.hidden[i], parts[i][1] + a)
 
-
-class _KV:
-    """A layer's keys and values, as :func:`~worker.engines.kvstore.cut_rows` reads a cache."""
-
-    __slots__ = ("keys", "values")
-
-    def __init__(self, keys: Any, values: Any) -> None:
-        self.keys, self.values = keys, values
-
-
-class _Layers:
-    __slots__ = ("layers",)
-
-    def __init__(self, layers: list[_KV]) -> None:
-        self.layers = layers

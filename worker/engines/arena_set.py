@@ -104,8 +104,8 @@ class ArenaRows(Joining, PrefixSharing):
         """Requests reported kept whose KV was lost since the last :meth:`take_evicted`."""
         self.waited_rows = 0
         """Rows that waited for arena room while others ran (since the engine started)."""
-        self.counts = {"resumed": 0, "loaded": 0, "shared": 0, "cached": 0, "spilled": 0, "moved": 0,
-                       "prefills": 0, "relayouts": 0, "regroups": 0, "spill_oom": 0}
+        self.counts = {"resumed": 0, "loaded": 0, "shared": 0, "cached": 0, "spilled": 0, "moved": 0, "prefills": 0,
+                       "relayouts": 0, "regroups": 0, "spill_oom": 0, "oom_turns": 0}
         """Since the engine started: rows resumed in place, rows whose KV was copied in from the store,
         rows that started from a cached prefix, finished rows cached as prefixes (:mod:`.arena_share`),
         paused rows spilled to the store, rows copied from one slot to another, turns that prefilled
@@ -153,7 +153,8 @@ class ArenaRows(Joining, PrefixSharing):
                 f"{t.prefill_s:.1f} s of prefill, {t.turns_s:.1f} s in turns: "
                 f"{1000 * max(0.0, t.turns_s - t.prefill_s) / per:.1f} ms a step besides prefill; "
                 f"{t.loose} steps outside the buckets, {c['regroups']} regroups"
-                + (f", {c['spill_oom']} spills dropped for want of device memory" if c["spill_oom"] else ""))
+                + (f", {c['spill_oom']} spills dropped for want of device memory" if c["spill_oom"] else "")
+                + (f", {c['oom_turns']} turns out of device memory" if c["oom_turns"] else ""))
 
     def take_evicted(self) -> list[str]:
         out, self.evicted = self.evicted, []

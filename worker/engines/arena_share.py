@@ -60,13 +60,29 @@ class PrefixSharing:
             return None, 0
         return self.kv.prefix(ctx, take)
 
+    def _token_bytes(self) -> int:
+        arena = self.runner.arena
+        return arena.nbytes // max(1, arena.tokens)
+
     def room_for(self, lens: list[int]) -> None:
         """Before rows' KV of ``lens`` tokens is copied into the store: cached prefixes give
         way first, the copies need the memory they hold (they go first anyway when the copies
         are put, but only after the copies were made)."""
         if self.kv is not None:
-            arena = self.runner.arena
-            self.kv.free_room(sum(lens) * (arena.nbytes // max(1, arena.tokens)))
+            self.kv.free_room(sum(lens) * self._token_bytes())
+
+    def after_failure(self, exc: BaseException) -> None:
+        """A turn failed and its rows are gone: one out of device memory drops every cached
+        prefix too (a cache, and nobody's), and on CUDA the allocator gives its cached blocks
+        back, so the next turns find the room the activation reserve was sized for."""
+        import torch
+
+        if isinstance(exc, torch.OutOfMemoryError):
+            self.counts["oom_turns"] += 1
+            dropped = self.kv.drop_prefixes() if self.kv is not None else 0
+            log.warning("hf-static-cb: out of device memory in a turn: %d cached prefixes dropped", dropped)
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def sharing_account(self) -> str:
         """Its part of the account at close (empty when it does not share)."""
@@ -91,8 +107,18 @@ class PrefixSharing:
             # new; -1: no token, so all of them can be used).
             if len(tokens) >= MIN_PREFIX and self.kv.prefix(tokens + [-1])[1] < len(tokens):
                 picks.append((r, tokens))
+        # The copies are made before the store takes them, so the room they need is made
+        # first (older prefixes go), and only as many as fit beside the kept KV are cut: a
+        # copy past the store's budget would take the memory a prefill's activations need.
+        per, room, fits = self._token_bytes(), self.kv.prefix_room(), []
+        for r, tokens in picks:
+            if len(tokens) * per <= room:
+                fits.append((r, tokens))
+                room -= len(tokens) * per
+        picks = fits
         if not picks:
             return
+        self.kv.free_room(sum(len(t) for _, t in picks) * per)
         try:
             cuts: list[tuple[list[Any], int]] = self.runner.cut(
                 [r.slot for r, _ in picks], [len(t) for _, t in picks], max(r.slot for r, _ in picks) + 1, self.c)

@@ -40,6 +40,10 @@ DEFAULT_CPU_BUDGET = 4 * 1024**3
 #: the whole prompt's (a 16k-token prefill's would be 10 GiB).
 PROMPT_CHUNK = 256
 
+#: Share of the free device memory kept back from KV on CUDA for the allocator's fragmentation
+#: and for workspaces allocated after the measure (:meth:`TransformersModel.kv_memory`).
+FRAGMENTATION_SHARE = 0.03
+
 
 class TransformersModel:
     """The loaded model and its facts (:meth:`load` fills them; :meth:`unload` drops the model)."""
@@ -106,7 +110,11 @@ class TransformersModel:
         if self.device.type != "cuda":
             return int(self.mem_budget or DEFAULT_CPU_BUDGET)
         free, _total = torch.cuda.mem_get_info(self.device)
-        reserve = activation_reserve(self.config, self.dtype, reserve_tokens, reserve_rows)
+        # Beside the activations, a share the allocator loses to fragmentation once kept KV
+        # of every length comes and goes in the store (1.3 GiB on an H200 with the store
+        # full), and what libraries and graphs take after this measure.
+        reserve = activation_reserve(self.config, self.dtype, reserve_tokens, reserve_rows) + int(
+            FRAGMENTATION_SHARE * free)
         log.info("KV memory: %.2f GiB free after the weights, %.2f GiB kept for activations",
                  free / 2**30, reserve / 2**30)
         return max(0, int(free) - reserve)

@@ -426,10 +426,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
                 self.kv.done([row.rid])
         self.rows.reset()
         self._flight = None
-        if self.device.type == "cuda":
-            import torch
-
-            torch.cuda.empty_cache()
+        self.rows.after_failure(exc)  # the allocator's cache, and on running out the cached prefixes
         for g in grants.values():
             self._events.append(BatchFailed(g.batch, f"{type(exc).__name__}: {exc}", exc))
 

@@ -231,6 +231,19 @@ class KVStore:
             while self._prefixes and self._bytes + nbytes > self.budget:
                 self._drop_prefix(next(iter(self._prefixes)))
 
+    def prefix_room(self) -> int:
+        """Device bytes cached prefixes may hold: the budget less the kept KV."""
+        with self._lock:
+            return max(0, self.budget - (self._bytes - self.prefix_bytes))
+
+    def drop_prefixes(self) -> int:
+        """Drop every cached prefix (their memory is wanted elsewhere); how many went."""
+        with self._lock:
+            keys = list(self._prefixes)
+            for key in keys:
+                self._drop_prefix(key)
+            return len(keys)
+
     def prefixes(self) -> list[int]:
         """The cached prefixes' lengths, least recently used first (tests, the log at close)."""
         with self._lock:
@@ -369,31 +382,23 @@ def cut_rows(cache: Any, rows: list[int], mask: Any) -> list[tuple[list[tuple[An
     rows, columns]``) marks real: per row, per layer ``(keys, values)`` as ``[1, heads, tokens,
     head_dim]`` tensors, and their size in bytes.
 
-    One copy of the mask to the host (the only wait on the device) and one gather per layer
-    and K or V for all rows at once, instead of a wait and ``2 × layers`` copies per row. The
-    rows' tensors are views of one gathered tensor per layer (its memory is theirs only, not
-    the batch cache's), so it returns to the device once the last of those rows' entries
-    leaves; each row's bytes count its own part."""
-    import torch
-
+    One copy of the mask to the host (the only wait on the device) and one copy of the columns
+    back; then a gather per row, layer and K or V, so that each row's tensors own their memory:
+    the store drops entries one at a time, and rows cut as views of one gather for all of them
+    kept all of its memory on the device until the last of them went, past the bytes the store
+    counts (4.5 GiB over a store's budget on an H200, which the next prefill then lacked)."""
     if not rows:
         return []
     sel = mask[rows].to("cpu")  # the one wait: which columns are real, per row
     counts = sel.sum(-1).tolist()
-    where = sel.nonzero()
     dev = cache.layers[0].keys.device
-    row_idx = torch.tensor(rows, dtype=torch.long)[where[:, 0]].to(dev, non_blocking=True)
-    col_idx = where[:, 1].to(dev, non_blocking=True)
-    per_row: list[list[tuple[Any, Any]]] = [[] for _ in rows]
-    nbytes = [0] * len(rows)
-    for layer in cache.layers:
-        # [tokens of all rows, heads, head_dim] -> [heads, tokens, head_dim]; each row a slice.
-        k_all = layer.keys[row_idx, :, col_idx].transpose(0, 1)
-        v_all = layer.values[row_idx, :, col_idx].transpose(0, 1)
-        for j, (k, v) in enumerate(zip(k_all.split(counts, dim=1), v_all.split(counts, dim=1), strict=True)):
-            per_row[j].append((k.unsqueeze(0), v.unsqueeze(0)))
-            nbytes[j] += k.numel() * k.element_size() + v.numel() * v.element_size()
-    return list(zip(per_row, nbytes, strict=True))
+    cols = sel.nonzero()[:, 1].to(dev, non_blocking=True).split(counts)
+    out: list[tuple[list[tuple[Any, Any]], int]] = []
+    for r, idx in zip(rows, cols, strict=True):
+        kv = [(layer.keys[r].index_select(1, idx).unsqueeze(0), layer.values[r].index_select(1, idx).unsqueeze(0))
+              for layer in cache.layers]
+        out.append((kv, sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)))
+    return out
 
 
 class KVReuse:

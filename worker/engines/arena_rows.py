@@ -316,11 +316,10 @@ class RowRunner(StaticRunner):
         """The KV of ``slots`` (their first ``lens`` columns) as new per-layer ``[1, heads, T,
         head_dim]`` tensors and their bytes; ``rows``: how many slots the views span.
 
-        Each row's tensors own their memory (a copy per row and layer, not one gather for all
-        rows with the rows as its views, as :func:`worker.engines.kvstore.cut_rows` does): the
-        store drops entries one at a time, and an entry that shared a gather with others kept
-        all of their memory on the device until the last of them went, past the bytes the
-        store counts (4.5 GiB over its budget on a card, which a prefill then lacked)."""
+        Each row's tensors own their memory, as :func:`worker.engines.kvstore.cut_rows`' do (the
+        store drops entries one at a time; rows cut as views of one shared gather kept it all on
+        the device until the last of them went). A row's columns here are its slot's first
+        ``lens``, so a slice's copy per layer needs no mask or index."""
         views = self.slot_views(0, rows, c)
         out: list[tuple[list[Any], int]] = []
         for s, n in zip(slots, lens, strict=True):

@@ -239,10 +239,7 @@ class KVStore:
     def drop_prefixes(self) -> int:
         """Drop every cached prefix (their memory is wanted elsewhere); how many went."""
         with self._lock:
-            keys = list(self._prefixes)
-            for key in keys:
-                self._drop_prefix(key)
-            return len(keys)
+            return self._drop_prefixes()
 
     def prefixes(self) -> list[int]:
         """The cached prefixes' lengths, least recently used first (tests, the log at close)."""
@@ -262,8 +259,7 @@ class KVStore:
         running batch holds."""
         with self._lock:
             if rids is None:
-                for key in list(self._prefixes):
-                    self._drop_prefix(key)
+                self._drop_prefixes()
             targets = list(self._entries) + list(self._out) if rids is None else list(rids)
             for rid in targets:
                 self._pop(rid)
@@ -280,6 +276,12 @@ class KVStore:
             else:
                 self._bytes -= e.nbytes
         return e
+
+    def _drop_prefixes(self) -> int:
+        keys = list(self._prefixes)
+        for key in keys:
+            self._drop_prefix(key)
+        return len(keys)
 
     def _drop_prefix(self, key: int) -> None:
         e = self._prefixes.pop(key)

@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # pip says what it collects and installs, a line each (no progress bars in logs).
 PIP_FLAGS ?= --progress-bar off
 
-.PHONY: demo test test-fast bench lint venv install install-files clean
+.PHONY: demo test test-fast bench lint venv gpu-bundle install install-files clean
 
 # A GPU box keeps its own (CUDA) torch: the venv sees system packages when torch is there.
 # Elsewhere torch==2.13.0 is installed (a CPU build on these machines).
@@ -51,6 +51,15 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m sclsd.bench.all
+
+# An offline bundle for a CUDA box without network (docs/benchmarks.md, "Checking a GPU box"):
+# the workplace's prepare.sh (wheels, the 7B and 13B architectures, the trace), then every wheel
+# sclsd imports that its list leaves out, walked from the requirements (sclsd-bench gpu-bundle).
+GPU_KIT ?= ../shared/gpu-kit
+gpu-bundle: $(STAMP)
+	@test -f $(GPU_KIT)/prepare.sh || { echo "make gpu-bundle: $(GPU_KIT)/prepare.sh not found (GPU_KIT=...)" >&2; exit 2; }
+	bash $(GPU_KIT)/prepare.sh .gpu-bundle
+	$(BIN)/python -m sclsd.bench.cli gpu-bundle .gpu-bundle
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

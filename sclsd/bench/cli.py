@@ -23,6 +23,8 @@ SUBCOMMANDS = {
     "figures": ("sclsd.bench.figures", "regenerate the figures of docs/benchmarks.md"),
     "gpu-check": ("sclsd.bench.gpu_check", "every GPU target in one call under a deadline: hf step, hf-cb, "
                    "profile RMSE, live scls/ils/scls-cb, compiled generate"),
+    "gpu-bundle": ("sclsd.bench.gpu_bundle", "add to an offline GPU bundle every wheel sclsd imports that it "
+                   "lacks, walked from the requirements"),
     "engine": ("sclsd.bench.engine", "ms per decode step of each engine, cold and warm"),
     "arena-grants": ("sclsd.bench.arena_grants", "hf-static-cb serving requests in slice grants against whole: "
                      "decode steps, rows per step, prefill turns, rows resumed in place"),

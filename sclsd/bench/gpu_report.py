@@ -301,6 +301,11 @@ def render(rows_in: Iterable[dict[str, Any]]) -> str:
                 if facts.get("cuda_available") else "no CUDA device")
         out.append(f"{card}; Python {facts.get('python')}, torch {facts.get('torch')}, transformers "
                    f"{facts.get('transformers')}, triton {facts.get('triton')}, scipy {facts.get('scipy')}.")
+    lacking = (rows.last("setup", phase="env") or {}).get("unimportable") or {}
+    if lacking:
+        out.append(f"**THE BOX CANNOT IMPORT {', '.join(f'`{m}`' for m in lacking)}** ("
+                   + "; ".join(f"{m}: {_short(e)}" for m, e in lacking.items())
+                   + "): what needs it will not start; `sclsd-bench gpu-bundle` adds the missing wheels.")
     if plan:
         out.append(f"Model `{plan.get('model')}` in {plan.get('dtype')} on {plan.get('device')}; trace "
                    f"{plan.get('trace_kind')} ({plan.get('trace')}); deadline {plan.get('deadline_s')} s; "

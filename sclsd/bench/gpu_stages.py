@@ -139,8 +139,42 @@ def cmd_setup(args: argparse.Namespace) -> int:
         paths.append(str(shim.parent.resolve()))
         row["scipy_shim"] = True
     row["pythonpath"] = paths
+    row["unimportable"] = unimportable(paths)
     emit(row)
     return 1 if row.get("failed") else 0
+
+
+#: What serving imports, beyond torch: the daemon, the worker, sclsd-http and the modules they
+#: load only when they start (uvicorn's httptools protocol, uvloop).
+SERVING_MODULES = ("zmq", "msgspec", "llguidance", "gguf", "sclsd.daemon.cli", "worker.main", "sclsd.http.cli",
+                   "uvicorn.protocols.http.httptools_impl", "uvloop")  # fmt: skip
+
+_IMPORT_PROBE = """
+import importlib, json, sys
+bad = {}
+for m in sys.argv[1:]:
+    try:
+        importlib.import_module(m)
+    except Exception as exc:
+        bad[m] = f"{type(exc).__name__}: {exc}"[:200]
+print(json.dumps(bad))
+"""
+
+
+def unimportable(paths: list[str], modules: tuple[str, ...] = SERVING_MODULES, timeout: float = 120) -> dict[str, str]:
+    """The ``modules`` a fresh interpreter with ``paths`` in front cannot import, each with its
+    error: a bundle that misses a wheel shows here, by name, before a stage needs it (a
+    sclsd-http that cannot start says only that it did not)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    try:
+        done = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, *modules], env=env, capture_output=True,
+                              text=True, timeout=timeout)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"(probe)": f"importing {', '.join(modules)} took over {timeout:.0f} s"}
+    try:
+        return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    except (ValueError, IndexError):
+        return {"(probe)": f"exit {done.returncode}: {done.stderr.strip()[-200:]}"}
 
 
 # --------------------------------------------------------------------------- facts

@@ -144,10 +144,12 @@ def cmd_setup(args: argparse.Namespace) -> int:
     return 1 if row.get("failed") else 0
 
 
-#: What serving imports, beyond torch: the daemon, the worker, sclsd-http and the modules they
-#: load only when they start (uvicorn's httptools protocol, uvloop).
-SERVING_MODULES = ("zmq", "msgspec", "llguidance", "gguf", "sclsd.daemon.cli", "worker.main", "sclsd.http.cli",
-                   "uvicorn.protocols.http.httptools_impl", "uvloop")  # fmt: skip
+#: What serving imports, beyond torch: the daemon, the worker, the GPU engines, sclsd-http and
+#: the modules they load only when they start (uvicorn's httptools protocol, uvloop).
+SERVING_MODULES = ("zmq", "msgspec", "llguidance", "gguf", "sclsd.daemon.cli", "worker.main",
+                   "worker.engines.hf", "worker.engines.hf_cb", "worker.engines.hf_static_cb",
+                   "worker.engines.grammar", "sclsd.http.cli", "uvicorn.protocols.http.httptools_impl",
+                   "uvloop")  # fmt: skip
 
 _IMPORT_PROBE = """
 import importlib, json, sys

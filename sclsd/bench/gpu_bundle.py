@@ -1,33 +1,49 @@
-"""``sclsd-bench gpu-bundle``: complete an offline bundle with every wheel sclsd imports on a GPU box.
+"""The offline bundle a GPU box without network runs on: completed here, installed and checked there.
 
 ::
 
     bash ../shared/gpu-kit/prepare.sh .gpu-bundle        # the box's wheels, models and trace
     python3 -m sclsd.bench.cli gpu-bundle .gpu-bundle    # what that list leaves out (make gpu-bundle: both)
 
-A GPU box has Python 3.12 with its own torch stack but no network, so what sclsd needs beyond that
-stack travels as wheels (``DEST/whl``), installed with ``--no-deps``. A hand-kept list of wheels
-misses what its packages import in turn: a bundle with ``fastapi`` and ``uvicorn`` but without
-``annotated-doc``, ``anyio`` or ``httptools`` cannot start ``sclsd-http``. This walks the
-requirements instead: from sclsd's own (``uvicorn[standard]`` with its extra), through each
-package's metadata in this environment, evaluated for the box (CPython 3.12 on x86-64 Linux),
-and downloads, at the versions installed here (the ones the tests ran), each wheel the bundle
-lacks. What the box's torch and transformers bring (:data:`BOX_OWN`) is neither followed nor
-bundled: those are built against one another there, and a copy beside them would shadow them.
+Here (``sclsd-bench gpu-bundle``). A GPU box has Python 3.12 with its own torch stack but no
+network, so what sclsd needs beyond that stack travels as wheels (``DEST/whl``), installed with
+``--no-deps``. A hand-kept list of wheels misses what its packages import in turn: a bundle with
+``fastapi`` and ``uvicorn`` but without ``annotated-doc``, ``anyio`` or ``httptools`` cannot
+start ``sclsd-http``. :func:`missing` walks the requirements instead: from sclsd's own
+(``uvicorn[standard]`` with its extra), through each package's metadata in this environment,
+evaluated for the box (CPython 3.12 on x86-64 Linux), and the wheels the bundle lacks are
+downloaded at the versions installed here (the ones the tests ran). What the box's torch and
+transformers bring (:data:`BOX_OWN`) is neither followed nor bundled: those are built against
+one another there, and a copy beside them would shadow them.
+
+On the box (``gpu-check``'s setup stage): :func:`install` puts the wheels beside the box's torch,
+and :func:`unimportable` names each module serving needs that the box still cannot import.
+Nothing beyond the standard library is imported at module level: setup runs before the
+project's dependencies may be importable.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from packaging.markers import Marker
-from packaging.requirements import Requirement
-from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+if TYPE_CHECKING:
+    from packaging.markers import Marker
+
+
+def canonical(name: str) -> str:
+    """A distribution's name as PEP 503 compares it (``Annotated_Doc`` is ``annotated-doc``)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
 
 #: The box's interpreter, for the requirements' markers.
 BOX_ENV: dict[str, str] = {
@@ -40,7 +56,7 @@ BOX_ENV: dict[str, str] = {
 #: uvloop, prometheus-client) and what those require: compiled against one another, or shipped by
 #: prepare.sh (transformers; prometheus-client in ``whl-extra`` for a box without it), so neither
 #: followed nor bundled.
-BOX_OWN = frozenset(canonicalize_name(n) for n in (
+BOX_OWN = frozenset(canonical(n) for n in (
     "torch", "triton", "numpy", "scipy", "msgpack", "uvloop", "prometheus-client",
     "transformers", "huggingface-hub", "tokenizers", "safetensors",
     "regex", "jinja2", "markupsafe", "sympy", "mpmath", "networkx", "filelock", "fsspec", "requests",
@@ -55,7 +71,7 @@ PLATFORM = ["--no-deps", "--only-binary=:all:", "--python-version", "3.12", "--i
 
 
 def _skipped(name: str, own: frozenset[str]) -> bool:
-    n = canonicalize_name(name)
+    n = canonical(name)
     return n in own or n.startswith("nvidia-")
 
 
@@ -70,6 +86,8 @@ def closure(roots: Iterable[str], own: frozenset[str] = BOX_OWN,
     """Every distribution ``roots`` (requirement strings, extras included) need on the box, by
     canonical name, at the version installed here; :data:`BOX_OWN` and ``nvidia-*`` are neither
     followed nor returned. Raises ``LookupError`` naming a requirement not installed here."""
+    from packaging.requirements import Requirement
+
     env = BOX_ENV if env is None else env
     found: dict[str, str] = {}
     extras_seen: dict[str, set[str]] = {}
@@ -78,7 +96,7 @@ def closure(roots: Iterable[str], own: frozenset[str] = BOX_OWN,
         req = todo.pop()
         if _skipped(req.name, own):
             continue
-        name = canonicalize_name(req.name)
+        name = canonical(req.name)
         seen = extras_seen.setdefault(name, set())
         if name in found and req.extras <= seen:
             continue
@@ -97,17 +115,21 @@ def closure(roots: Iterable[str], own: frozenset[str] = BOX_OWN,
 
 def sclsd_roots(env: dict[str, str] | None = None) -> list[str]:
     """sclsd's own runtime requirements that apply on the box (no optional extras)."""
+    from packaging.requirements import Requirement
+
     env = BOX_ENV if env is None else env
     out = []
     for text in metadata.distribution("sclsd").requires or []:
         req = Requirement(text)
         if req.marker is None or req.marker.evaluate({**env, "extra": ""}):
-            out.append(str(Requirement(f"{req.name}{'[' + ','.join(sorted(req.extras)) + ']' if req.extras else ''}")))
+            out.append(req.name + (f"[{','.join(sorted(req.extras))}]" if req.extras else ""))
     return out
 
 
 def bundled(dest: Path) -> set[str]:
     """The canonical names of the wheels a bundle carries (``whl/`` and ``whl-extra/``)."""
+    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+
     names = set()
     for sub in ("whl", "whl-extra"):
         for path in (dest / sub).glob("*.whl"):
@@ -123,6 +145,134 @@ def missing(dest: Path, roots: Iterable[str] | None = None) -> dict[str, str]:
     need = closure(sclsd_roots() if roots is None else roots)
     have = bundled(dest)
     return {n: v for n, v in sorted(need.items()) if n not in have}
+
+
+# --------------------------------------------------------------------------- on the box
+
+
+#: Modules a box may lack that a bundle's ``whl-extra/`` carries, by their wheel's name.
+EXTRA_WHEELS = {"pytest": "pytest", "pluggy": "pluggy", "iniconfig": "iniconfig", "pygments": "pygments",
+                "pytest_timeout": "pytest_timeout", "prometheus_client": "prometheus_client",
+                "tqdm": "tqdm", "packaging": "packaging"}  # fmt: skip
+
+
+#: ``scipy.optimize.curve_fit`` for a box without scipy: the estimator fits
+#: t = c1·x·y + c2·x + c3·y + c4 with non-negative coefficients, which is small enough
+#: to solve exactly by trying every support of the four coefficients.
+SCIPY_SHIM = '''"""numpy-only stand-in for scipy.optimize.curve_fit (sclsd-bench gpu-check, no scipy here)."""
+import itertools
+
+import numpy as np
+
+
+class OptimizeWarning(UserWarning):
+    pass
+
+
+def curve_fit(f, xdata, ydata, p0=None, bounds=(-np.inf, np.inf), maxfev=0):
+    x, y = np.asarray(xdata, dtype=float)
+    t = np.asarray(ydata, dtype=float)
+    a = np.column_stack([x * y, x, y, np.ones_like(x)])
+    if not np.all(np.asarray(bounds[0]) >= 0):
+        return np.linalg.lstsq(a, t, rcond=None)[0], None
+    best, best_r = np.zeros(4), float(t @ t)
+    for k in range(1, 5):
+        for sup in itertools.combinations(range(4), k):
+            c = np.linalg.lstsq(a[:, sup], t, rcond=None)[0]
+            if np.all(c >= 0):
+                p = np.zeros(4)
+                p[list(sup)] = c
+                r = float(np.sum((a @ p - t) ** 2))
+                if r < best_r:
+                    best, best_r = p, r
+    return best, None
+'''
+
+
+def _pip(target: Path, wheels: list[Path], timeout: float) -> bool:
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+           "--no-cache-dir", "--upgrade", "--target", str(target), *map(str, wheels)]  # fmt: skip
+    try:
+        return subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, timeout=timeout).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def install(bundle: Path | None, work: Path) -> dict[str, Any]:
+    """On the box: ``bundle``'s wheels installed beside the box's own torch (into
+    ``WORK/site``; a ``whl-extra`` wheel only where the box lacks its module), a numpy
+    ``curve_fit`` where scipy is missing, then :func:`unimportable`. Returns the setup row:
+    what was installed, what failed, the ``PYTHONPATH`` the later stages need."""
+    paths: list[str] = []
+    row: dict[str, Any] = {"phase": "env", "python": sys.executable, "bundle": str(bundle) if bundle else None}
+    if bundle:
+        site = work / "site"
+        wheels = sorted((bundle / "whl").glob("*.whl"))
+        failed: list[str] = []
+        if wheels and not _pip(site, wheels, 180):
+            print("gpu-check setup: installing the wheels together failed; one by one", file=sys.stderr)
+            failed = [w.name for w in wheels if not _pip(site, [w], 60)]
+        sys.path.insert(0, str(site))
+        extra = []
+        for mod, wheel in EXTRA_WHEELS.items():
+            found = sorted((bundle / "whl-extra").glob(f"{wheel}-*.whl"))
+            if importlib.util.find_spec(mod) is None and found:
+                if _pip(site, found[:1], 60):
+                    extra.append(found[0].name)
+                else:
+                    failed.append(found[0].name)
+        row.update(wheels=len(wheels), extra=extra, failed=failed)
+        if site.is_dir():
+            paths.append(str(site.resolve()))
+    if importlib.util.find_spec("scipy") is None:
+        shim = work / "shim" / "scipy"
+        shim.mkdir(parents=True, exist_ok=True)
+        (shim / "__init__.py").write_text('"""stand-in: see optimize.py"""\n__version__ = "0+shim"\n')
+        (shim / "optimize.py").write_text(SCIPY_SHIM)
+        paths.append(str(shim.parent.resolve()))
+        row["scipy_shim"] = True
+    row["pythonpath"] = paths
+    row["unimportable"] = unimportable(paths)
+    return row
+
+
+#: What serving imports, beyond torch: the daemon, the worker, the GPU engines, sclsd-http and
+#: the modules they load only when they start (uvicorn's httptools protocol, uvloop).
+SERVING_MODULES = ("zmq", "msgspec", "llguidance", "gguf", "sclsd.daemon.cli", "worker.main",
+                   "worker.engines.hf", "worker.engines.hf_cb", "worker.engines.hf_static_cb",
+                   "worker.engines.grammar", "sclsd.http.cli", "uvicorn.protocols.http.httptools_impl",
+                   "uvloop")  # fmt: skip
+
+_IMPORT_PROBE = """
+import importlib, json, sys
+bad = {}
+for m in sys.argv[1:]:
+    try:
+        importlib.import_module(m)
+    except Exception as exc:
+        bad[m] = f"{type(exc).__name__}: {exc}"[:200]
+print(json.dumps(bad))
+"""
+
+
+def unimportable(paths: list[str], modules: tuple[str, ...] = SERVING_MODULES, timeout: float = 120) -> dict[str, str]:
+    """The ``modules`` a fresh interpreter with ``paths`` in front cannot import, each with its
+    error: a bundle that misses a wheel shows here, by name, before a stage needs it (a
+    sclsd-http that cannot start says only that it did not)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    try:
+        done = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, *modules], env=env, capture_output=True,
+                              text=True, timeout=timeout)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"(probe)": f"importing {', '.join(modules)} took over {timeout:.0f} s"}
+    try:
+        return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    except (ValueError, IndexError):
+        return {"(probe)": f"exit {done.returncode}: {done.stderr.strip()[-200:]}"}
+
+
+
+# --------------------------------------------------------------------------- here
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ Stages, in this order, each a process of its own under its own time cap (:data:`
 
 - ``setup``: a bundle's wheels (``--bundle``, made by ``make gpu-bundle``) installed beside
   the box's torch, a numpy ``curve_fit`` if scipy is missing, then what serving imports, each
-  module the box cannot import named (:func:`~sclsd.bench.gpu_stages.unimportable`); always runs;
+  module the box cannot import named (:func:`~sclsd.bench.gpu_bundle.unimportable`); always runs;
 - ``facts``: versions and the card; always runs. The model follows from the card: the 7B
   architecture (``random:llama2-7b``, the targets' model) on cards under
   :data:`LARGE_CARD`, the 13B above (``--model`` overrides);

@@ -35,11 +35,6 @@ from typing import Any
 
 from .gpu_runner import LAUNCH_ENV
 
-#: Modules a box may lack that a bundle's ``whl-extra/`` carries, by their wheel's name.
-EXTRA_WHEELS = {"pytest": "pytest", "pluggy": "pluggy", "iniconfig": "iniconfig", "pygments": "pygments",
-                "pytest_timeout": "pytest_timeout", "prometheus_client": "prometheus_client",
-                "tqdm": "tqdm", "packaging": "packaging"}  # fmt: skip
-
 
 def emit(row: dict[str, Any]) -> None:
     """One result row on stdout, flushed (the runner reads it at once)."""
@@ -64,119 +59,14 @@ def _on_sigterm(signum: int, _frame: Any) -> None:
 # --------------------------------------------------------------------------- setup
 
 
-#: ``scipy.optimize.curve_fit`` for a box without scipy: the estimator fits
-#: t = c1·x·y + c2·x + c3·y + c4 with non-negative coefficients, which is small enough
-#: to solve exactly by trying every support of the four coefficients.
-SCIPY_SHIM = '''"""numpy-only stand-in for scipy.optimize.curve_fit (sclsd-bench gpu-check, no scipy here)."""
-import itertools
-
-import numpy as np
-
-
-class OptimizeWarning(UserWarning):
-    pass
-
-
-def curve_fit(f, xdata, ydata, p0=None, bounds=(-np.inf, np.inf), maxfev=0):
-    x, y = np.asarray(xdata, dtype=float)
-    t = np.asarray(ydata, dtype=float)
-    a = np.column_stack([x * y, x, y, np.ones_like(x)])
-    if not np.all(np.asarray(bounds[0]) >= 0):
-        return np.linalg.lstsq(a, t, rcond=None)[0], None
-    best, best_r = np.zeros(4), float(t @ t)
-    for k in range(1, 5):
-        for sup in itertools.combinations(range(4), k):
-            c = np.linalg.lstsq(a[:, sup], t, rcond=None)[0]
-            if np.all(c >= 0):
-                p = np.zeros(4)
-                p[list(sup)] = c
-                r = float(np.sum((a @ p - t) ** 2))
-                if r < best_r:
-                    best, best_r = p, r
-    return best, None
-'''
-
-
-def _pip(target: Path, wheels: list[Path], timeout: float) -> bool:
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-           "--no-cache-dir", "--upgrade", "--target", str(target), *map(str, wheels)]  # fmt: skip
-    try:
-        return subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, timeout=timeout).returncode == 0
-    except subprocess.TimeoutExpired:
-        return False
-
-
 def cmd_setup(args: argparse.Namespace) -> int:
-    """Install a bundle's wheels beside the box's own torch (into ``WORK/site``), and a
-    numpy ``curve_fit`` where scipy is missing; emit the ``PYTHONPATH`` the later stages need."""
-    work = Path(args.work)
-    paths: list[str] = []
-    row: dict[str, Any] = {"phase": "env", "python": sys.executable, "bundle": args.bundle or None}
-    if args.bundle:
-        bundle, site = Path(args.bundle), work / "site"
-        wheels = sorted((bundle / "whl").glob("*.whl"))
-        failed: list[str] = []
-        if wheels and not _pip(site, wheels, 180):
-            print("gpu-check setup: installing the wheels together failed; one by one", file=sys.stderr)
-            failed = [w.name for w in wheels if not _pip(site, [w], 60)]
-        sys.path.insert(0, str(site))
-        extra = []
-        for mod, wheel in EXTRA_WHEELS.items():
-            found = sorted((bundle / "whl-extra").glob(f"{wheel}-*.whl"))
-            if importlib.util.find_spec(mod) is None and found:
-                if _pip(site, found[:1], 60):
-                    extra.append(found[0].name)
-                else:
-                    failed.append(found[0].name)
-        row.update(wheels=len(wheels), extra=extra, failed=failed)
-        if site.is_dir():
-            paths.append(str(site.resolve()))
-    if importlib.util.find_spec("scipy") is None:
-        shim = work / "shim" / "scipy"
-        shim.mkdir(parents=True, exist_ok=True)
-        (shim / "__init__.py").write_text('"""stand-in: see optimize.py"""\n__version__ = "0+shim"\n')
-        (shim / "optimize.py").write_text(SCIPY_SHIM)
-        paths.append(str(shim.parent.resolve()))
-        row["scipy_shim"] = True
-    row["pythonpath"] = paths
-    row["unimportable"] = unimportable(paths)
+    """Install a bundle beside the box's own torch and check what serving imports
+    (:func:`sclsd.bench.gpu_bundle.install`); emit the ``PYTHONPATH`` the later stages need."""
+    from .gpu_bundle import install
+
+    row = install(Path(args.bundle) if args.bundle else None, Path(args.work))
     emit(row)
     return 1 if row.get("failed") else 0
-
-
-#: What serving imports, beyond torch: the daemon, the worker, the GPU engines, sclsd-http and
-#: the modules they load only when they start (uvicorn's httptools protocol, uvloop).
-SERVING_MODULES = ("zmq", "msgspec", "llguidance", "gguf", "sclsd.daemon.cli", "worker.main",
-                   "worker.engines.hf", "worker.engines.hf_cb", "worker.engines.hf_static_cb",
-                   "worker.engines.grammar", "sclsd.http.cli", "uvicorn.protocols.http.httptools_impl",
-                   "uvloop")  # fmt: skip
-
-_IMPORT_PROBE = """
-import importlib, json, sys
-bad = {}
-for m in sys.argv[1:]:
-    try:
-        importlib.import_module(m)
-    except Exception as exc:
-        bad[m] = f"{type(exc).__name__}: {exc}"[:200]
-print(json.dumps(bad))
-"""
-
-
-def unimportable(paths: list[str], modules: tuple[str, ...] = SERVING_MODULES, timeout: float = 120) -> dict[str, str]:
-    """The ``modules`` a fresh interpreter with ``paths`` in front cannot import, each with its
-    error: a bundle that misses a wheel shows here, by name, before a stage needs it (a
-    sclsd-http that cannot start says only that it did not)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    try:
-        done = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, *modules], env=env, capture_output=True,
-                              text=True, timeout=timeout)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return {"(probe)": f"importing {', '.join(modules)} took over {timeout:.0f} s"}
-    try:
-        return dict(json.loads(done.stdout.strip().splitlines()[-1]))
-    except (ValueError, IndexError):
-        return {"(probe)": f"exit {done.returncode}: {done.stderr.strip()[-200:]}"}
 
 
 # --------------------------------------------------------------------------- facts

@@ -11,7 +11,6 @@ import pytest
 
 from sclsd.bench import gpu_bundle as B
 from sclsd.bench import gpu_report as R
-from sclsd.bench import gpu_stages as S
 
 
 def test_the_closure_follows_what_each_package_requires_with_its_extras() -> None:
@@ -78,7 +77,7 @@ def test_the_setup_probe_names_what_the_box_cannot_import(tmp_path: Path) -> Non
     is put in front (a bundle's installed wheels)."""
     (tmp_path / "sclsd_probe_mod.py").write_text("import sclsd_no_such_dependency\n")
     (tmp_path / "sclsd_probe_ok.py").write_text("X = 1\n")
-    bad = S.unimportable([str(tmp_path)], ("sclsd_probe_ok", "sclsd_probe_mod", "json"))
+    bad = B.unimportable([str(tmp_path)], ("sclsd_probe_ok", "sclsd_probe_mod", "json"))
     assert list(bad) == ["sclsd_probe_mod"]
     assert "sclsd_no_such_dependency" in bad["sclsd_probe_mod"]
 
@@ -86,7 +85,7 @@ def test_the_setup_probe_names_what_the_box_cannot_import(tmp_path: Path) -> Non
 def test_this_environment_imports_everything_serving_needs() -> None:
     """The probe's list is importable where the tests run: a module renamed in the list, or a
     dependency dropped from pyproject, fails here rather than on a card."""
-    assert S.unimportable([str(Path(__file__).resolve().parents[2])]) == {}
+    assert B.unimportable([str(Path(__file__).resolve().parents[2])]) == {}
 
 
 def test_the_summary_shouts_what_the_box_cannot_import() -> None:
@@ -95,3 +94,47 @@ def test_the_summary_shouts_what_the_box_cannot_import() -> None:
     text = R.render(rows)
     assert "THE BOX CANNOT IMPORT `sclsd.http.cli`" in text and "annotated_doc" in text
     assert "CANNOT IMPORT" not in R.render([{"stage": "setup", "phase": "env", "unimportable": {}}])
+
+
+def _wheel(where: Path, name: str, module: str, body: str) -> Path:
+    """A minimal pure-Python wheel holding ``module``."""
+    import zipfile
+
+    path = where / f"{name}-1.0-py3-none-any.whl"
+    info = f"{name}-1.0.dist-info"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{module}.py", body)
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def test_install_puts_the_wheels_on_the_path_it_returns(tmp_path: Path) -> None:
+    """What setup installs lands in ``WORK/site``, which the row gives the later stages."""
+    bundle = tmp_path / "bundle"
+    (bundle / "whl").mkdir(parents=True)
+    _wheel(bundle / "whl", "sclsd_probe_pkg", "sclsd_probe_pkg", "ANSWER = 42\n")
+    row = B.install(bundle, tmp_path / "work")
+    assert row["failed"] == [] and row["wheels"] == 1 and row["unimportable"] == {}
+    site = tmp_path / "work" / "site"
+    assert row["pythonpath"][0] == str(site.resolve()) and (site / "sclsd_probe_pkg.py").is_file()
+    assert B.unimportable(row["pythonpath"], ("sclsd_probe_pkg",)) == {}
+    assert "sclsd_probe_pkg" in B.unimportable([], ("sclsd_probe_pkg",))
+
+
+def test_the_scipy_stand_in_fits_as_the_estimator_needs() -> None:
+    """The numpy curve_fit a box without scipy gets: with non-negative bounds it finds the
+    non-negative coefficients that fit best (the estimator's ``t = c1·x·y + c2·x + c3·y + c4``)."""
+    import numpy as np
+
+    ns: dict[str, object] = {}
+    exec(B.SCIPY_SHIM, ns)
+    rng = np.random.default_rng(0)
+    x, y = rng.uniform(1, 64, 200), rng.uniform(16, 2048, 200)
+    t = 0.002 * x * y + 0.5 * x + 0.0 * y + 3.0 + rng.normal(0, 0.01, 200)
+    popt, _ = ns["curve_fit"](None, np.vstack([x, y]), t, bounds=(0, np.inf))  # type: ignore[operator]
+    assert np.allclose(popt, [0.002, 0.5, 0.0, 3.0], rtol=0.01, atol=1e-4) and (popt >= 0).all()
+    # A negative slope in the data is clamped to 0, not fitted below it.
+    popt, _ = ns["curve_fit"](None, np.vstack([x, y]), 3.0 - 0.001 * y + 0.4 * x, bounds=(0, np.inf))  # type: ignore[operator]
+    assert (popt >= 0).all() and popt[2] == 0.0

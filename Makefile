@@ -54,12 +54,13 @@ bench: $(STAMP)
 
 # An offline bundle for a CUDA box without network (docs/benchmarks.md, "Checking a GPU box"):
 # the workplace's prepare.sh (wheels, the 7B and 13B architectures, the trace), then every wheel
-# sclsd imports that its list leaves out, walked from the requirements (sclsd-bench gpu-bundle).
+# sclsd imports that its list leaves out, walked from the requirements (sclsd-bench gpu-bundle),
+# then the bundle installed and imported in a stand-in for the box on this machine.
 GPU_KIT ?= ../shared/gpu-kit
 gpu-bundle: $(STAMP)
 	@test -f $(GPU_KIT)/prepare.sh || { echo "make gpu-bundle: $(GPU_KIT)/prepare.sh not found (GPU_KIT=...)" >&2; exit 2; }
 	bash $(GPU_KIT)/prepare.sh .gpu-bundle
-	$(BIN)/python -m sclsd.bench.cli gpu-bundle .gpu-bundle
+	$(BIN)/python -m sclsd.bench.cli gpu-bundle .gpu-bundle --rehearse
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

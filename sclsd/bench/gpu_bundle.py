@@ -272,12 +272,79 @@ def unimportable(paths: list[str], modules: tuple[str, ...] = SERVING_MODULES, t
 
 
 
-# --------------------------------------------------------------------------- here
+# --------------------------------------------------------------------------- the command
+
+
+def stand_in(work: Path) -> Path:
+    """A stand-in for the box on this machine: a venv of this interpreter that sees, through
+    links into this environment, only the box's own stack (:data:`BOX_OWN`, what it requires,
+    and no more), less what sclsd's requirements bring (which the bundle must carry). Returns
+    its python. Stricter than a box, whose transformers may bring some of those itself."""
+    import venv
+
+    own = set(closure([n for n in BOX_OWN if _installed(n)], own=frozenset({"triton"})))
+    own -= set(closure(sclsd_roots()))
+    links = work / "own"
+    links.mkdir(parents=True, exist_ok=True)
+    for name in sorted(own):
+        dist = metadata.distribution(name)
+        for top in {f.parts[0] for f in dist.files or [] if f.parts and f.parts[0] not in ("..", "__pycache__")}:
+            src, dst = Path(str(dist.locate_file(top))), links / top
+            if src.exists() and not dst.exists():
+                dst.symlink_to(src)
+    venv.create(work / "venv", with_pip=True)  # setup installs with the box's pip
+    python = work / "venv" / "bin" / "python"
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    (Path(site) / "box-own.pth").write_text(f"{links.resolve()}\n")
+    return python
+
+
+def _installed(name: str) -> bool:
+    try:
+        metadata.distribution(name)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def rehearse(dest: Path, work: Path) -> dict[str, str]:
+    """Install ``dest``'s wheels, as this interpreter's builds of the same versions, in a
+    :func:`stand_in` for the box, as ``gpu-check``'s setup does there, and return what it
+    cannot import (:func:`unimportable`; empty: the bundle serves)."""
+    from packaging.utils import parse_wheel_filename
+
+    whl = work / "whl"
+    whl.mkdir(parents=True, exist_ok=True)
+    specs = []
+    for path in sorted((dest / "whl").glob("*.whl")):
+        name, version, _build, tags = parse_wheel_filename(path.name)
+        if all(t.abi == "none" and t.platform == "any" for t in tags):
+            (whl / path.name).write_bytes(path.read_bytes())
+        else:
+            specs.append(f"{name}=={version}")
+    if specs:  # the box's wheels are for its CPython 3.12: the same versions for this one
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "-d", str(whl), *specs], check=True)  # fmt: skip
+    python = stand_in(work / "box")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([python, "-m", "sclsd.bench.gpu_stages", "setup", "--work", str(work / "setup"),
+                           "--bundle", str(work)], env=env, capture_output=True, text=True)  # fmt: skip
+    try:
+        row = json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"(setup)": f"exit {done.returncode}: {done.stderr.strip()[-300:]}"}
+    lacking = dict(row.get("unimportable") or {})
+    lacking.update({w: "failed to install" for w in row.get("failed") or []})
+    return lacking
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dest", type=Path, help="the bundle (prepare.sh's DEST), e.g. .gpu-bundle")
     p.add_argument("--dry-run", action="store_true", help="list what is missing, download nothing")
+    p.add_argument("--rehearse", action="store_true",
+                   help="then install the bundle in a stand-in for the box on this machine (a venv that "
+                        "sees only the box's own stack) and import what serving needs")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -293,15 +360,26 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not lack:
         print(f"gpu-bundle: {dest} carries every wheel sclsd needs beyond the box's own stack")
+    else:
+        specs = [f"{n}=={v}" for n, v in lack.items()]
+        print(f"gpu-bundle: {len(specs)} wheels missing from {dest}: {' '.join(specs)}", flush=True)
+        if args.dry_run:
+            return 0
+        cmd = [sys.executable, "-m", "pip", "download", "-q", *PLATFORM, "-d", str(dest / "whl"), *specs]
+        rc = subprocess.run(cmd).returncode
+        if rc:
+            print(f"gpu-bundle: pip download failed ({rc})", file=sys.stderr)
+            return rc
+        print(f"gpu-bundle: added {len(specs)} wheels to {dest / 'whl'}")
+    if not args.rehearse:
         return 0
-    specs = [f"{n}=={v}" for n, v in lack.items()]
-    print(f"gpu-bundle: {len(specs)} wheels missing from {dest}: {' '.join(specs)}", flush=True)
-    if args.dry_run:
-        return 0
-    cmd = [sys.executable, "-m", "pip", "download", "-q", *PLATFORM, "-d", str(dest / "whl"), *specs]
-    rc = subprocess.run(cmd).returncode
-    if rc:
-        print(f"gpu-bundle: pip download failed ({rc})", file=sys.stderr)
-        return rc
-    print(f"gpu-bundle: added {len(specs)} wheels to {dest / 'whl'}")
-    return 0
+    import tempfile
+
+    print("gpu-bundle: rehearsing the box's setup in a stand-in (a minute)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="gpu-bundle-") as tmp:
+        lacking = rehearse(dest, Path(tmp))
+    for module, error in lacking.items():
+        print(f"gpu-bundle: the stand-in cannot import {module}: {error}", file=sys.stderr)
+    if not lacking:
+        print("gpu-bundle: the stand-in installed the bundle and imports everything serving needs")
+    return 1 if lacking else 0

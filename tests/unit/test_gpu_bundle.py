@@ -138,3 +138,18 @@ def test_the_scipy_stand_in_fits_as_the_estimator_needs() -> None:
     # A negative slope in the data is clamped to 0, not fitted below it.
     popt, _ = ns["curve_fit"](None, np.vstack([x, y]), 3.0 - 0.001 * y + 0.4 * x, bounds=(0, np.inf))  # type: ignore[operator]
     assert (popt >= 0).all() and popt[2] == 0.0
+
+
+def test_the_stand_in_sees_the_box_stack_and_not_what_the_bundle_must_carry(tmp_path: Path) -> None:
+    """The rehearsal's box: torch and transformers are there; fastapi, anyio and
+    typing_extensions (sclsd's requirements, the bundle's to carry: torch imports only once the
+    bundle is installed) and pytest (neither's) are not."""
+    import subprocess
+
+    python = B.stand_in(tmp_path)
+    probe = ("import importlib.util as u; print([m for m in ('torch', 'transformers', 'numpy', 'fastapi', "
+             "'anyio', 'annotated_doc', 'typing_extensions', 'pytest') if u.find_spec(m)])")
+    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([python, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-500:]
+    assert done.stdout.strip().splitlines()[-1] == "['torch', 'transformers', 'numpy']"

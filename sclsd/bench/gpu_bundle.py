@@ -375,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     import tempfile
 
-    print("gpu-bundle: rehearsing the box's setup in a stand-in (a minute)", flush=True)
+    print("gpu-bundle: rehearsing the box's setup in a stand-in (10-20 s)", flush=True)
     with tempfile.TemporaryDirectory(prefix="gpu-bundle-") as tmp:
         lacking = rehearse(dest, Path(tmp))
     for module, error in lacking.items():

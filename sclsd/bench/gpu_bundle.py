@@ -29,6 +29,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -320,7 +321,7 @@ def rehearse(dest: Path, work: Path) -> dict[str, str]:
     for path in sorted((dest / "whl").glob("*.whl")):
         name, version, _build, tags = parse_wheel_filename(path.name)
         if all(t.abi == "none" and t.platform == "any" for t in tags):
-            (whl / path.name).write_bytes(path.read_bytes())
+            shutil.copyfile(path, whl / path.name)
         else:
             specs.append(f"{name}=={version}")
     if specs:  # the box's wheels are for its CPython 3.12: the same versions for this one

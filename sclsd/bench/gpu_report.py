@@ -176,6 +176,11 @@ def saturation(rows: Rows) -> Verdict:
     if small:
         return Verdict(target, f"{measured} (replayed at {small[0].get('rate')} req/s, {small[0].get('requests')} "
                                "requests)", NOT_MEASURED)
+    if all(r.get("late_starts") == 0 for r in (a, i)):
+        return Verdict(target, f"{measured}; on {ARENA_ENGINE} every request started within "
+                               f"{_f(a.get('late_start_s'), '{:g}')} s of its send: the card kept up with the "
+                               "arrivals, so these tokens/s are the trace's pace, not what either policy can "
+                               "serve (raise --sat-rate)", NOT_MEASURED)
     whole = all(r.get("completed") == r.get("requests") and not r.get("errors") for r in got.values())
     ok = (whole and not a.get("preemptions") and a["output_tps"] >= SAT_VS_ILS * i["output_tps"]
           and a["output_tps"] >= SAT_VS_HF_CB * c["output_tps"])
@@ -381,16 +386,17 @@ def _live(rows: Rows) -> list[str]:
     reps = [r for r in rows.rows if str(r.get("stage", "")).startswith(("live-", "sat-")) and r.get("phase") == "replay"]
     if not reps:
         return []
-    out = ["", "## live replays", "", "| policy | engine | rate | done | req/s | out tok/s | avg TTFT s | avg TPOT s | "
-           "p95 lat s | max gap s (p50 / max of requests) | slices | batch | preempt | errors |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["", "## live replays", "", "| policy | engine | rate | done | req/s | out tok/s | avg TTFT s | started late "
+           "| avg TPOT s | p95 lat s | max gap s (p50 / max of requests) | slices | batch | preempt | errors |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in reps:
         stage = str(r.get("stage"))
         # A saturation stage is named for its engine as --sat gives it (an option set: hf-static-cb-flex).
         engine = stage.removeprefix(f"sat-{r.get('policy')}-") if stage.startswith("sat-") else r.get("engine")
         out.append(f"| {r.get('policy')} | {engine} | {_f(r.get('rate'), '{:g}')} | "
                    f"{r.get('completed')}/{r.get('requests')} | {_f(r.get('throughput_rps'))} | "
-                   f"{_f(r.get('output_tps'), '{:.0f}')} | {_f(r.get('avg_ttft_s'))} | {_f(r.get('avg_tpot_s'), '{:.3f}')} | "
+                   f"{_f(r.get('output_tps'), '{:.0f}')} | {_f(r.get('avg_ttft_s'))} | {_late(r)} | "
+                   f"{_f(r.get('avg_tpot_s'), '{:.3f}')} | "
                    f"{_f(r.get('p95_latency_s'), '{:.1f}')} | {_f(r.get('p50_gap_s'))} / {_f(r.get('max_gap_s'))} | "
                    f"{_f(r.get('slices_per_req'))} | {_f(r.get('avg_batch_size'), '{:.1f}')} | {r.get('preemptions')} | "
                    f"{r.get('errors')} |")
@@ -424,6 +430,14 @@ def _live(rows: Rows) -> list[str]:
                        f"{r.get('worker_exits')}, graphs dropped {r.get('graphs_dropped')}, tracebacks "
                        f"{r.get('tracebacks')}{rows_of}; {_f(r.get('total_s'), '{:.0f}')} s in all")
     return out
+
+
+def _late(r: dict[str, Any]) -> str:
+    """Requests that waited for room (first token ``late_start_s`` or more after the send)
+    over the span of the sends: none late means the server kept up with the arrivals."""
+    if r.get("late_starts") is None:
+        return "-"
+    return f"{r['late_starts']} (≥ {_f(r.get('late_start_s'), '{:g}')} s; sends over {_f(r.get('arrivals_s'), '{:.1f}')} s)"
 
 
 def _stages(rows: Rows) -> list[str]:

@@ -383,7 +383,7 @@ def why_not_ready(text: str) -> str:
 REPLAY_KEYS = ("requests", "completed", "errors", "duration_s", "throughput_rps", "output_tps", "avg_latency_s",
                "p95_latency_s", "avg_ttft_s", "p95_ttft_s", "avg_tpot_s", "max_gap_s", "p50_gap_s", "p95_gap_s", "goodput_rps",
                "avg_batch_size", "slices_per_req", "pad_tokens_per_req", "preemptions", "kv_peak_tokens",
-               "estimator_mean_abs_error_s", "wall_s")  # fmt: skip
+               "estimator_mean_abs_error_s", "wall_s", "arrivals_s", "late_starts", "late_start_s")  # fmt: skip
 
 
 def cmd_live(args: argparse.Namespace) -> int:

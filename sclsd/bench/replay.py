@@ -26,6 +26,13 @@ counts the requests within ``--slo-ttft`` and ``--slo-gap``. Worker
 completion times (CT STD) come from the worker the daemon names in each
 ``done``; batch size, pad and invalid tokens and early returns from the
 daemon's status counters before and after the run.
+
+Whether the server kept up: ``arrivals_s`` is the span of the sends (first to last) and
+``late_starts`` the requests whose first token came more than :data:`LATE_START_S` after
+they were sent. With none late, every request started as it came: the replay measured the
+trace's own pace (and its longest requests), not what the server can serve, and no
+schedule could have served it faster; a comparison of capacity needs a rate at which
+requests wait.
 """
 
 from __future__ import annotations
@@ -53,6 +60,10 @@ from ..eval.metrics import (
     summarize,
 )
 from ..eval.traces import load_trace, poisson_arrivals
+
+#: A request whose first token comes this many seconds or more after it was sent waited for
+#: room (a prompt's prefill on a card takes a fraction of it): ``late_starts`` counts them.
+LATE_START_S = 1.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -205,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
     summary["preemptions"] = diff("preemptions")
     summary["kv_peak_tokens"] = int(c1.get("kv_peak_tokens", 0))
     summary["migrations"] = diff("migrations")
+    summary.update(kept_up(records))
     est = after.estimator_error
     summary.update({
         "label": args.label,
@@ -229,6 +241,14 @@ def run(args: argparse.Namespace) -> int:
     return 0 if not errors and summary["completed"] == summary["requests"] else 1
 
 
+def kept_up(records: list[RequestRecord]) -> dict[str, float]:
+    """``arrivals_s`` (the sends' span) and ``late_starts`` (first token :data:`LATE_START_S`
+    or more after the send, or none at all): whether the server kept up (module docstring)."""
+    sent = [r.arrival for r in records]
+    late = sum(1 for r in records if r.first_token is None or r.first_token - r.arrival >= LATE_START_S)
+    return {"arrivals_s": max(sent) - min(sent) if sent else 0.0, "late_starts": late, "late_start_s": LATE_START_S}
+
+
 def settled(sock: str, timeout: float = 10.0) -> Any:
     """The daemon's status once no worker holds a batch (at most ``timeout`` seconds on): the
     rows the client's cancels ended reach the counters with their grants' results, a step or
@@ -244,6 +264,7 @@ def settled(sock: str, timeout: float = 10.0) -> Any:
 def format_summary(s: dict[str, Any]) -> str:
     rows = [(k, s[k]) for k in SUMMARY_KEYS if k in s]
     rows += [(k, s[k]) for k in ("goodput_rps", "p50_gap_s", "p95_gap_s", "p99_gap_s", "max_gap_s") if k in s]
+    rows += [(k, s[k]) for k in ("arrivals_s", "late_starts") if k in s]
     rows += [(k, s[k]) for k in ("estimator_mean_abs_error_s", "wall_s") if s.get(k) is not None]
     width = max(len(k) for k, _ in rows)
     title = f"replay: policy={s.get('policy')} S={s.get('slice_len')} workers={s.get('workers')} rate={s.get('rate')}"

@@ -158,7 +158,7 @@ def test_check_profile_judges_each_kind_at_its_own_limit(tmp_path: Path) -> None
 
 def test_the_arena_preset_measures_hf_static_cb_against_hf_and_hf_cb(tmp_path: Path) -> None:
     """``--preset arena``: the step of hf-static-cb beside hf's graphs and hf-cb, three
-    saturation replays at 8 req/s (80 requests), scls-cb on hf-static-cb at 4 req/s."""
+    saturation replays at 32 req/s (80 requests), scls-cb on hf-static-cb at 4 req/s."""
     plan = G.make_plan(args("--preset", "arena"), cuda_facts(139.8), None, "/t.csv", "file")
     assert plan.model == "random:llama2-7b"  # the targets' model, on an H200 too
     assert G.make_plan(args("--preset", "arena", "--model", "random:llama2-13b"), cuda_facts(139.8), None, "/t",
@@ -180,7 +180,7 @@ def test_the_arena_preset_measures_hf_static_cb_against_hf_and_hf_cb(tmp_path: P
                                ("sat-scls-cb-hf-cb", "hf-cb", "kv_padding_tokens=1024")):
         argv = by[name].argv
         assert argv[argv.index("--engine") + 1] == engine and argv[argv.index("--opts") + 1] == opts
-        assert (argv[argv.index("--rate") + 1], argv[argv.index("--num") + 1]) == ("8", "80")
+        assert (argv[argv.index("--rate") + 1], argv[argv.index("--num") + 1]) == ("32", "80")
         assert (by[name].cap_s, by[name].min_s) == G.CAPS["sat"] and by[name].attach == [tmp_path / f"{name}.log"]
     live = by["live-scls-cb"].argv
     assert live[live.index("--engine") + 1] == "hf-static-cb" and live[live.index("--rate") + 1] == "4"

@@ -185,6 +185,24 @@ def test_saturation_needs_ils_on_the_same_engine_and_twice_hf_cb(rows: list[dict
     assert v.verdict == verdict and why in v.measured
 
 
+def test_saturation_is_not_judged_where_the_card_kept_up_with_the_arrivals() -> None:
+    """Every request on the arena engine started within a second of its send (as on the H200
+    at 8 req/s): the tokens/s are the trace's pace, so the ratio to ils is not measured; one
+    request that waited on either arena replay makes it a saturation replay again."""
+    def paced(policy: str, engine: str, tps: float, late: int) -> dict[str, Any]:
+        return {**sat(policy, engine, tps, n=160), "late_starts": late, "late_start_s": 1.0, "arrivals_s": 19.6}
+
+    kept = [paced("scls-cb", "hf-static-cb", 1443, 0), paced("ils", "hf-static-cb", 1434, 0),
+            paced("scls-cb", "hf-cb", 541, 120)]
+    v = R.saturation(R.Rows(kept))
+    assert v.verdict == R.NOT_MEASURED and "kept up with the arrivals" in v.measured and "1.01×" in v.measured
+    waited = [paced("scls-cb", "hf-static-cb", 3000, 0), paced("ils", "hf-static-cb", 2900, 40),
+              paced("scls-cb", "hf-cb", 1400, 120)]
+    assert R.saturation(R.Rows(waited)).verdict == R.MET
+    text = R.render(kept)
+    assert "| 0 (≥ 1 s; sends over 19.6 s) |" in text and "| 120 (≥ 1 s; sends over 19.6 s) |" in text
+
+
 def test_first_tokens_are_judged_on_the_arena_engine_only() -> None:
     ok = {**replay("scls-cb", 3.9, ttft=0.31), "engine": "hf-static-cb"}
     assert R.first_tokens(R.Rows([ok])).verdict == R.MET

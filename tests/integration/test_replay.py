@@ -38,6 +38,8 @@ def test_replay_trace_times_and_poisson(daemon, tmp_path: Path) -> None:
     # Slices of 4: ceil(out / 4) per request.
     assert s["slices_per_req"] == pytest.approx(sum(-(-o // 4) for _, _, o in rows) / 6)
     assert s["batches"] > 0 and s["avg_batch_size"] >= 1
+    # The sends follow the trace's times (0 to 0.31 s; the first may leave a little late).
+    assert 0.25 <= s["arrivals_s"] and 0 <= s["late_starts"] <= 6 and s["late_start_s"] == 1.0
     assert s["policy"] == "scls" and s["workers"] == 2
     # Every request of more than one token streamed across slices: its longest gap between
     # two deltas is measured, bounded by the run, and goodput counts against both SLOs.

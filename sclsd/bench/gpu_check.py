@@ -28,9 +28,11 @@ Stages, in this order, each a process of its own under its own time cap (:data:`
 - ``live``: ``scls``, ``ils`` and ``scls-cb`` each behind a daemon with one worker, a short
   replay of the trace at ``--rate`` (the fitted profile as the estimator); ``ils`` and
   ``scls-cb`` on ``--cb-engine``;
-- ``sat``: saturation, one replay per ``policy@engine`` of ``--sat`` at ``--sat-rate`` (32
-  req/s, ``--sat-num`` 80 requests): output tokens/s, preemptions, and how many requests
-  waited for room (none: the card kept up, and the replay measured the trace's pace);
+- ``sat``: saturation, one replay per ``policy@engine[:cap]`` of ``--sat`` at ``--sat-rate`` (32
+  req/s, ``--sat-num`` 80 requests; ``:cap``: each request asks ``max_tokens`` the cap, as
+  clients send it, and the client ends it at its trace length): output tokens/s, preemptions,
+  and how many requests waited for room (none: the card kept up, and the replay measured the
+  trace's pace);
 - ``generate``: transformers' own ``generate`` with a static cache (compiled on CUDA), the
   in-library reference for the hf step;
 - ``tests`` (only when named): ``pytest tests/gpu``.
@@ -62,7 +64,7 @@ import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import gpu_report
 from .gpu_runner import Runner, Stage, read_rows
@@ -123,9 +125,6 @@ class Sizes:
     arena_shapes: str = "32x256,64x256,32x128-1024"
     sat_rate: float = 8.0
     sat_num: int = 80
-    sat_cap: int = 0
-    """The saturation replays' ``max_tokens``: a cap (``max_gen``), each request ended by the
-    client at its trace length (``sclsd-bench replay --max-tokens-cap``); 0: the trace lengths."""
 
 
 #: On a GPU: the targets' shapes (N = 32, P = 256), ShareGPT x 0.5 capped at 1024/1024 at 4 req/s;
@@ -178,13 +177,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--live", default=None, help=f"live policies, in order (default {','.join(LIVE_POLICIES)})")
     p.add_argument("--cb-engine", default=None, choices=CB_ENGINES,
                    help="engine of the live ils and scls-cb replays (default hf-cb)")
-    p.add_argument("--sat", default=None, help=f"saturation replays, policy@engine, in order (default {SAT}; "
-                                                f"engines: {', '.join(CB_ENGINES)})")
+    p.add_argument("--sat", default=None, help=f"saturation replays, policy@engine[:cap], in order (default {SAT}; "
+                                                f"engines: {', '.join(CB_ENGINES)}; :cap as --sat-cap, for that one)")
     p.add_argument("--tests-k", default=None, help="pytest -k of the tests stage (default: not deepspeed)")
     p.add_argument("--sat-rate", type=float, default=0.0, help="saturation arrivals, req/s (0: 32, 4 with --smoke)")
     p.add_argument("--sat-num", type=int, default=0, help="requests per saturation replay (0: 80, 6 with --smoke)")
     p.add_argument("--sat-cap", action="store_true",
-                   help="saturation requests ask max_tokens = the cap on output lengths, as clients send a cap, "
+                   help="every saturation replay's requests ask max_tokens = the cap on output lengths, as clients send a cap, "
                         "and the client ends each at its trace length, as EOS would (default: max_tokens = the "
                         "trace length, which an engine sizing rows by it reads as the exact output)")
     p.add_argument("--cap", action="append", default=[], metavar="STAGE=SECONDS",
@@ -283,35 +282,6 @@ def device_facts(device: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- profile check
 
 
-def check_profile(path: Path) -> dict[str, Any]:
-    """A fitted profile's RMSE against its own samples per kind, absolute and over the mean
-    measured time, judged against :data:`gpu_report.RMSE_LIMITS`; the worst decode samples
-    (where a step function, bucket or graph against eager, breaks the linear fit)."""
-    from ..core.estimator import batch_rmse, decode_rmse, prefill_rmse
-    from ..core.profiles import load_profile
-
-    prof = load_profile(path)
-    est, s = prof.estimator, prof.samples
-    rows: list[dict[str, Any]] = []
-    for kind, fn in (("prefill", prefill_rmse), ("decode", decode_rmse), ("batch", batch_rmse)):
-        times = [x[-1] for x in s.get(kind, [])]
-        limit = gpu_report.RMSE_LIMITS[kind]
-        if not times:
-            rows.append({"samples": kind, "n": 0, "rmse_s": None, "mean_s": None, "relative": None, "limit": limit})
-            continue
-        rmse, mean = float(fn(est, s[kind])), sum(times) / len(times)
-        rows.append({"samples": kind, "n": len(times), "rmse_s": rmse, "mean_s": mean,
-                     "relative": rmse / mean if mean > 0 else None, "limit": limit})  # fmt: skip
-    worst = sorted(((abs(est.tau_decode(ctx, n) - t) / t, n, ctx, t) for n, ctx, t in s.get("decode", [])
-                    if t > 0), reverse=True)[:4]  # fmt: skip
-    judged = [r for r in rows if r["relative"] is not None]
-    return {"engine": prof.engine, "profile": path.name, "rows": rows, "coefficients": est.to_dict(),
-            "kv_bytes_per_token": prof.kv_bytes_per_token, "mem_available": prof.mem_available,
-            "ok": bool(judged) and all(r["relative"] <= r["limit"] for r in judged),
-            "worst_decode": [{"n": n, "l": round(ctx, 1), "ms": round(1000 * t, 2), "rel_err": round(e, 3)}
-                             for e, n, ctx, t in worst]}  # fmt: skip
-
-
 # --------------------------------------------------------------------------- trace
 
 
@@ -336,6 +306,22 @@ def synthetic_trace(path: Path, n: int, seed: int) -> Path:
 # --------------------------------------------------------------------------- planning
 
 
+class SatReplay(NamedTuple):
+    """One saturation replay of ``--sat``."""
+
+    policy: str
+    engine: str
+    """An engine of :data:`CB_ENGINES` (a variant of :data:`ENGINE_VARIANTS` included)."""
+    cap: bool = False
+    """Each request asks ``max_tokens`` = the replay's ``--max-gen``, a cap, as clients send it,
+    and the client ends it at its trace length, as EOS would (``:cap``, or ``--sat-cap``)."""
+
+    @property
+    def stage(self) -> str:
+        """The stage's name: ``sat-POLICY-ENGINE``, ``-cap`` after it for a capped replay."""
+        return f"sat-{self.policy}-{self.engine}" + ("-cap" if self.cap else "")
+
+
 @dataclass(frozen=True)
 class CheckPlan:
     """What one run measures, decided after the ``facts`` stage."""
@@ -356,8 +342,8 @@ class CheckPlan:
     """The engine of the live ``ils`` and ``scls-cb`` replays."""
     tests_k: str = "not deepspeed"
     """pytest ``-k`` of the ``tests`` stage."""
-    sat: tuple[tuple[str, str], ...] = ()
-    """The saturation replays, (policy, engine) each."""
+    sat: tuple[SatReplay, ...] = ()
+    """The saturation replays, in order."""
 
 
 def parse_stages(text: str) -> tuple[str, ...]:
@@ -383,15 +369,17 @@ def parse_caps(items: list[str]) -> dict[str, float]:
     return caps
 
 
-def parse_sat(text: str) -> tuple[tuple[str, str], ...]:
-    """``--sat``: ``policy@engine`` items (``ils`` and ``scls-cb`` on a continuous engine)."""
+def parse_sat(text: str, cap_all: bool = False) -> tuple[SatReplay, ...]:
+    """``--sat``: ``policy@engine`` items (``ils`` and ``scls-cb`` on a continuous engine),
+    each with ``:cap`` for ``max_tokens`` as a cap (every one with ``cap_all``, ``--sat-cap``)."""
     out = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
-        policy, _, engine = item.partition("@")
-        if policy not in ("ils", "scls-cb") or engine not in CB_ENGINES:
-            raise SystemExit(f"sclsd-bench gpu-check: --sat: {item!r} is not POLICY@ENGINE with POLICY ils or "
+        policy, _, rest = item.partition("@")
+        engine, colon, mode = rest.partition(":")
+        if policy not in ("ils", "scls-cb") or engine not in CB_ENGINES or (colon and mode != "cap"):
+            raise SystemExit(f"sclsd-bench gpu-check: --sat: {item!r} is not POLICY@ENGINE[:cap] with POLICY ils or "
                              f"scls-cb and ENGINE one of {', '.join(CB_ENGINES)}")
-        out.append((policy, engine))
+        out.append(SatReplay(policy, engine, cap_all or bool(colon)))
     return tuple(out)
 
 
@@ -425,14 +413,13 @@ def make_plan(args: argparse.Namespace, facts: dict[str, Any], bundle: Path | No
     base = SMOKE if smoke else GPU
     sizes = replace(base, profile_budget_s=args.profile_budget or base.profile_budget_s, num=args.num or base.num,
                     rate=args.rate or base.rate, sat_rate=args.sat_rate or base.sat_rate,
-                    sat_num=args.sat_num or base.sat_num,
-                    sat_cap=base.max_gen if args.sat_cap else 0)  # fmt: skip
+                    sat_num=args.sat_num or base.sat_num)  # fmt: skip
     policies = tuple(p.strip() for p in args.live.split(",") if p.strip())
     bad = set(policies) - set(LIVE_POLICIES)
     if bad:
         raise SystemExit(f"sclsd-bench gpu-check: --live: unknown {sorted(bad)}; choose from {','.join(LIVE_POLICIES)}")
     return CheckPlan(device, model, dtype, smoke, sizes, parse_stages(args.stages), policies, trace, trace_kind,
-                     args.deadline, skip, args.cb_engine, args.tests_k, parse_sat(args.sat))  # fmt: skip
+                     args.deadline, skip, args.cb_engine, args.tests_k, parse_sat(args.sat, args.sat_cap))  # fmt: skip
 
 
 def cap_of(name: str, plan: CheckPlan, caps: dict[str, float]) -> tuple[float, float]:
@@ -486,8 +473,9 @@ def measuring_stages(plan: CheckPlan, out: Path, work: Path, env: dict[str, str]
             flex = opts_of["hf-static-cb-flex"]
             out_stages.append(stage("flex", engine("hf-static-cb", s.arena_shapes, flex, ab=True), "engine.log"))
         elif name == "sat":
-            for policy, eng in plan.sat:
-                out_stages.append(replay(f"sat-{policy}-{eng}", policy, eng, s.sat_rate, s.sat_num, s.sat_cap))
+            for sat in plan.sat:
+                cap = s.max_gen if sat.cap else 0
+                out_stages.append(replay(sat.stage, sat.policy, sat.engine, s.sat_rate, s.sat_num, cap))
         elif name == "cb":
             out_stages.append(stage("cb", engine("hf-cb", s.cb_shapes, cb_opts), "engine.log"))
         elif name == "generate":

@@ -156,24 +156,51 @@ def cb_warm_up(rows: Rows) -> Verdict:
     return Verdict(target, measured, MET if graphs and r.get("warmed_shapes") else NOT_MEASURED)
 
 
+def sat_engine(r: dict[str, Any]) -> str:
+    """A saturation replay's engine as ``--sat`` named it (an option set: ``hf-static-cb-flex``)."""
+    return str(r.get("stage")).removeprefix(f"sat-{r.get('policy')}-").removesuffix("-cap")
+
+
+def capped(r: dict[str, Any]) -> bool:
+    """Whether a replay's requests asked ``max_tokens`` as a cap (``--sat ...:cap``)."""
+    return bool(r.get("max_tokens_cap")) or str(r.get("stage")).endswith("-cap")
+
+
 def saturation(rows: Rows) -> Verdict:
     """At saturation: scls-cb on :data:`ARENA_ENGINE` serves at least :data:`SAT_VS_ILS` times
     ils's output tokens/s on the same engine and :data:`SAT_VS_HF_CB` times scls-cb's on hf-cb,
-    every request served, no preemption. Not measured where no request waited for room on
-    either arena replay: the card kept up, and tokens/s were the trace's pace, not capacity."""
+    every request served, no preemption. The pair with ``max_tokens`` as a cap, as clients send
+    it, is judged where it ran (else the pair with the trace lengths as ``max_tokens``, which
+    sizes each ``ils`` row to its exact output); hf-cb's replay of the same kind where there is
+    one. Not measured where no request waited for room on either arena replay: the card kept
+    up, and tokens/s were the trace's pace, not capacity."""
     target = (f"saturation (≥ {SAT_RATE:g} req/s, ≥ {SAT_NUM} requests): scls-cb on {ARENA_ENGINE} ≥ "
               f"{SAT_VS_ILS:g}× ils on it and ≥ {SAT_VS_HF_CB:g}× scls-cb on hf-cb (output tok/s), 0 preemptions")
-    got = {}
-    for key in (f"scls-cb-{ARENA_ENGINE}", f"ils-{ARENA_ENGINE}", "scls-cb-hf-cb"):
-        r = rows.last(f"sat-{key}", phase="replay")
-        if r is None or r.get("output_tps") is None:
+    reps = {(r.get("policy"), sat_engine(r), capped(r)): r for r in rows.rows
+            if str(r.get("stage", "")).startswith("sat-") and r.get("phase") == "replay" and r.get("output_tps") is not None}
+    pairs = {cap: (reps[("scls-cb", ARENA_ENGINE, cap)], reps[("ils", ARENA_ENGINE, cap)]) for cap in (True, False)
+             if ("scls-cb", ARENA_ENGINE, cap) in reps and ("ils", ARENA_ENGINE, cap) in reps}
+    cap = next(iter(pairs), False)
+    hf_cb = reps.get(("scls-cb", "hf-cb", cap)) or reps.get(("scls-cb", "hf-cb", not cap))
+    for key, found in ((f"scls-cb-{ARENA_ENGINE}", pairs), (f"ils-{ARENA_ENGINE}", pairs), ("scls-cb-hf-cb", hf_cb)):
+        if not found:
             return Verdict(target, rows.why_not(f"sat-{key}", "no replay row"), NOT_MEASURED)
-        got[key] = r
-    a, i, c = got.values()
-    measured = (f"{_f(a['output_tps'], '{:.0f}')} vs ils {_f(i['output_tps'], '{:.0f}')} and hf-cb "
-                f"{_f(c['output_tps'], '{:.0f}')} tok/s ({a['output_tps'] / max(i['output_tps'], 1e-9):.2f}×, "
-                f"{a['output_tps'] / max(c['output_tps'], 1e-9):.2f}×); preemptions {a.get('preemptions')}")
-    small = [r for r in got.values() if (r.get("rate") or 0) < SAT_RATE or (r.get("requests") or 0) < SAT_NUM]
+    assert hf_cb is not None
+    a, i = pairs[cap]
+    got = (a, i, hf_cb)
+
+    def kind(r: dict[str, Any]) -> str:
+        return "max_tokens a cap" if capped(r) else "max_tokens the trace lengths"
+
+    measured = (f"{_f(a['output_tps'], '{:.0f}')} vs ils {_f(i['output_tps'], '{:.0f}')} ({kind(a)}) and hf-cb "
+                f"{_f(hf_cb['output_tps'], '{:.0f}')} ({kind(hf_cb)}) tok/s "
+                f"({a['output_tps'] / max(i['output_tps'], 1e-9):.2f}×, "
+                f"{a['output_tps'] / max(hf_cb['output_tps'], 1e-9):.2f}×); preemptions {a.get('preemptions')}")
+    if len(pairs) == 2:  # the pair of exact lengths too, beside the capped one judged
+        a2, i2 = pairs[False]
+        measured += (f"; with {kind(a2)}: {_f(a2['output_tps'], '{:.0f}')} vs ils {_f(i2['output_tps'], '{:.0f}')} "
+                     f"({a2['output_tps'] / max(i2['output_tps'], 1e-9):.2f}×)")
+    small = [r for r in got if (r.get("rate") or 0) < SAT_RATE or (r.get("requests") or 0) < SAT_NUM]
     if small:
         return Verdict(target, f"{measured} (replayed at {small[0].get('rate')} req/s, {small[0].get('requests')} "
                                "requests)", NOT_MEASURED)
@@ -182,9 +209,9 @@ def saturation(rows: Rows) -> Verdict:
                                f"{_f(a.get('late_start_s'), '{:g}')} s of its send: the card kept up with the "
                                "arrivals, so these tokens/s are the trace's pace, not what either policy can "
                                "serve (raise --sat-rate)", NOT_MEASURED)
-    whole = all(r.get("completed") == r.get("requests") and not r.get("errors") for r in got.values())
+    whole = all(r.get("completed") == r.get("requests") and not r.get("errors") for r in got)
     ok = (whole and not a.get("preemptions") and a["output_tps"] >= SAT_VS_ILS * i["output_tps"]
-          and a["output_tps"] >= SAT_VS_HF_CB * c["output_tps"])
+          and a["output_tps"] >= SAT_VS_HF_CB * hf_cb["output_tps"])
     return Verdict(target, measured + ("" if whole else "; requests lost or failed"), MET if ok else MISSED)
 
 
@@ -316,10 +343,9 @@ def render(rows_in: Iterable[dict[str, Any]]) -> str:
         out.append(f"Model `{plan.get('model')}` in {plan.get('dtype')} on {plan.get('device')}; trace "
                    f"{plan.get('trace_kind')} ({plan.get('trace')}); deadline {plan.get('deadline_s')} s; "
                    f"stages {', '.join(plan.get('stages', []))}.")
-        cap = (plan.get("sizes") or {}).get("sat_cap")
-        if cap and "sat" in plan.get("stages", []):
-            out.append(f"Saturation requests ask `max_tokens` {cap}, a cap, and the client ends each at its "
-                       "trace length, as EOS would (`--sat-cap`).")
+        if any(len(sat) > 2 and sat[2] for sat in plan.get("sat") or []):  # [policy, engine, cap]
+            out.append("A replay marked `max_tokens N cap` asks `max_tokens` N, a cap, and the client ends each "
+                       "request at its trace length, as EOS would (`--sat ...:cap`, `--sat-cap`).")
     if plan and not plan.get("smoke") and "llama2-7b" not in str(plan.get("model")):
         out.append(f"The targets are set for the 7B architecture (`random:llama2-7b`); this run served "
                    f"`{plan.get('model')}` (give `--model random:llama2-7b` to judge them).")
@@ -393,7 +419,9 @@ def _live(rows: Rows) -> list[str]:
     for r in reps:
         stage = str(r.get("stage"))
         # A saturation stage is named for its engine as --sat gives it (an option set: hf-static-cb-flex).
-        engine = stage.removeprefix(f"sat-{r.get('policy')}-") if stage.startswith("sat-") else r.get("engine")
+        engine = sat_engine(r) if stage.startswith("sat-") else r.get("engine")
+        if capped(r):
+            engine = f"{engine}, max_tokens {r.get('max_tokens_cap') or 'a'} cap"
         out.append(f"| {r.get('policy')} | {engine} | {_f(r.get('rate'), '{:g}')} | "
                    f"{r.get('completed')}/{r.get('requests')} | {_f(r.get('throughput_rps'))} | "
                    f"{_f(r.get('output_tps'), '{:.0f}')} | {_f(r.get('avg_ttft_s'))} | {_late(r)} | "

@@ -33,6 +33,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from . import gpu_report
 from .gpu_runner import LAUNCH_ENV
 
 
@@ -262,6 +263,35 @@ def cmd_engine(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- profile
 
 
+def check_profile(path: Path) -> dict[str, Any]:
+    """A fitted profile's RMSE against its own samples per kind, absolute and over the mean
+    measured time, judged against :data:`gpu_report.RMSE_LIMITS`; the worst decode samples
+    (where a step function, bucket or graph against eager, breaks the linear fit)."""
+    from ..core.estimator import batch_rmse, decode_rmse, prefill_rmse
+    from ..core.profiles import load_profile
+
+    prof = load_profile(path)
+    est, s = prof.estimator, prof.samples
+    rows: list[dict[str, Any]] = []
+    for kind, fn in (("prefill", prefill_rmse), ("decode", decode_rmse), ("batch", batch_rmse)):
+        times = [x[-1] for x in s.get(kind, [])]
+        limit = gpu_report.RMSE_LIMITS[kind]
+        if not times:
+            rows.append({"samples": kind, "n": 0, "rmse_s": None, "mean_s": None, "relative": None, "limit": limit})
+            continue
+        rmse, mean = float(fn(est, s[kind])), sum(times) / len(times)
+        rows.append({"samples": kind, "n": len(times), "rmse_s": rmse, "mean_s": mean,
+                     "relative": rmse / mean if mean > 0 else None, "limit": limit})  # fmt: skip
+    worst = sorted(((abs(est.tau_decode(ctx, n) - t) / t, n, ctx, t) for n, ctx, t in s.get("decode", [])
+                    if t > 0), reverse=True)[:4]  # fmt: skip
+    judged = [r for r in rows if r["relative"] is not None]
+    return {"engine": prof.engine, "profile": path.name, "rows": rows, "coefficients": est.to_dict(),
+            "kv_bytes_per_token": prof.kv_bytes_per_token, "mem_available": prof.mem_available,
+            "ok": bool(judged) and all(r["relative"] <= r["limit"] for r in judged),
+            "worst_decode": [{"n": n, "l": round(ctx, 1), "ms": round(1000 * t, 2), "rel_err": round(e, 3)}
+                             for e, n, ctx, t in worst]}  # fmt: skip
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     """``sclsd-worker profile`` within its budget, then its fit judged (:func:`check_profile`)."""
     cmd = [sys.executable, "-m", "worker.main", "profile", "--engine", "hf", "--model", args.model,
@@ -281,8 +311,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if rc != 0 or not Path(args.out).is_file():
         emit({"phase": "check", "error": f"sclsd-worker profile exited {rc}: {last[:300]}"})
         return 1
-    from .gpu_check import check_profile
-
     c = check_profile(Path(args.out))
     prof = json.loads(Path(args.out).read_text())
     emit({"phase": "check", "kinds": {r["samples"]: {k: r[k] for k in ("n", "rmse_s", "mean_s", "relative", "limit")}
@@ -398,7 +426,7 @@ def cmd_live(args: argparse.Namespace) -> int:
                              slice_len=args.slice_len, max_input=args.max_input, max_gen=args.max_gen,
                              profile=profile, options=options, engine=args.engine or None)  # fmt: skip
     base = {"policy": args.policy, "engine": sections["workers"]["engine"],
-            "profile": str(profile) if profile else "the default profile"}
+            "profile": str(profile) if profile else "the default profile", "max_tokens_cap": args.max_tokens_cap}
     t0 = time.monotonic()
     d = launch(sections, log=args.log)
     try:

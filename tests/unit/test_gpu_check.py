@@ -146,12 +146,12 @@ def write_profile(path: Path, prefill_rel: float, decode_rel: float, batch_rel: 
 
 
 def test_check_profile_judges_each_kind_at_its_own_limit(tmp_path: Path) -> None:
-    c = G.check_profile(write_profile(tmp_path / "a.json", 0.09, 0.09, 0.14))
+    c = S.check_profile(write_profile(tmp_path / "a.json", 0.09, 0.09, 0.14))
     rel = {r["samples"]: round(r["relative"], 6) for r in c["rows"]}
     assert rel == {"prefill": 0.09, "decode": 0.09, "batch": 0.14}
     assert c["ok"] and {r["samples"]: r["limit"] for r in c["rows"]} == {"prefill": 0.1, "decode": 0.1, "batch": 0.15}
-    assert not G.check_profile(write_profile(tmp_path / "b.json", 0.09, 0.11, 0.14))["ok"]
-    assert not G.check_profile(write_profile(tmp_path / "c.json", 0.09, 0.09, 0.16))["ok"]
+    assert not S.check_profile(write_profile(tmp_path / "b.json", 0.09, 0.11, 0.14))["ok"]
+    assert not S.check_profile(write_profile(tmp_path / "c.json", 0.09, 0.09, 0.16))["ok"]
     # The worst decode sample is one 9% under the estimate: off by 0.09 / 0.91 of itself.
     assert c["worst_decode"][0]["rel_err"] == round(0.09 / 0.91, 3)
 
@@ -165,7 +165,8 @@ def test_the_arena_preset_measures_hf_static_cb_against_hf_and_hf_cb(tmp_path: P
                        "file").model == "random:llama2-13b"
     assert plan.stages == ("hf", "arena", "cb", "sat", "live", "tests") and plan.policies == ("scls-cb",)
     assert plan.cb_engine == "hf-static-cb" and plan.tests_k == "arena"
-    assert plan.sat == (("scls-cb", "hf-static-cb"), ("ils", "hf-static-cb"), ("scls-cb", "hf-cb"))
+    assert plan.sat == (G.SatReplay("scls-cb", "hf-static-cb"), G.SatReplay("ils", "hf-static-cb"),
+                        G.SatReplay("scls-cb", "hf-cb"))
     stages = G.measuring_stages(plan, tmp_path / "out", tmp_path, {}, {}, "", "kv_padding_tokens=1024",
                                 "static_share=0.6")
     by = {s.name: s for s in stages}
@@ -190,7 +191,7 @@ def test_the_arena_preset_measures_hf_static_cb_against_hf_and_hf_cb(tmp_path: P
     assert (p.stages, p.cb_engine) == (("arena",), "hf-cb")
     s = G.make_plan(args("--preset", "arena", "--smoke", "--sat", "ils@hf-cb"), {}, None, "/t.csv", "file")
     assert (s.sizes.sat_rate, s.sizes.sat_num, s.sizes.arena_shapes, s.sat) == (4.0, 6, "2x16,2x8-40",
-                                                                                 (("ils", "hf-cb"),))
+                                                                                 (G.SatReplay("ils", "hf-cb"),))
 
 
 def test_the_flex_preset_measures_flex_decode_against_sdpa_on_the_arena(tmp_path: Path) -> None:
@@ -199,7 +200,7 @@ def test_the_flex_preset_measures_flex_decode_against_sdpa_on_the_arena(tmp_path
     hf-static-cb with ``decode_attention=flex`` beside the arena's own options."""
     plan = G.make_plan(args("--preset", "flex"), cuda_facts(80), None, "/t.csv", "file")
     assert plan.stages == ("arena", "flex", "sat") and plan.model == "random:llama2-7b"
-    assert plan.sat == (("scls-cb", "hf-static-cb"), ("scls-cb", "hf-static-cb-flex"))
+    assert plan.sat == (G.SatReplay("scls-cb", "hf-static-cb"), G.SatReplay("scls-cb", "hf-static-cb-flex"))
     by = {s.name: s for s in G.measuring_stages(plan, tmp_path / "out", tmp_path, {}, {}, "", "", "static_share=0.6")}
     assert list(by) == ["arena", "flex", "sat-scls-cb-hf-static-cb", "sat-scls-cb-hf-static-cb-flex"]
     flex = by["flex"].argv
@@ -210,7 +211,7 @@ def test_the_flex_preset_measures_flex_decode_against_sdpa_on_the_arena(tmp_path
     assert sat[sat.index("--opts") + 1] == "static_share=0.6;decode_attention=flex"
     plain = by["sat-scls-cb-hf-static-cb"].argv
     assert plain[plain.index("--opts") + 1] == "static_share=0.6"
-    assert G.parse_sat("ils@hf-static-cb-flex") == (("ils", "hf-static-cb-flex"),)
+    assert G.parse_sat("ils@hf-static-cb-flex") == (G.SatReplay("ils", "hf-static-cb-flex"),)
 
 
 def test_the_half_variant_runs_the_arena_at_half_the_kv_memory(tmp_path: Path) -> None:
@@ -230,9 +231,29 @@ def test_the_half_variant_runs_the_arena_at_half_the_kv_memory(tmp_path: Path) -
     assert str(tmp_path / "sat-scls-cb-hf-static-cb-half.log") in half
 
 
-@pytest.mark.parametrize("bad", ["scls@hf-cb", "ils@hf", "scls-cb", "scls-cb@hf-cb,ils@deepspeed"])
+def test_a_capped_replay_beside_one_of_exact_lengths_in_one_call(tmp_path: Path) -> None:
+    """``:cap`` sends one replay's requests with ``max_tokens`` the cap (``--max-gen``), ended
+    by the client at their trace lengths; the items without it keep the trace lengths, and
+    ``--sat-cap`` caps every one. A capped replay's stage and log are its own."""
+    plan = G.make_plan(args("--preset", "arena", "--stages", "sat", "--sat",
+                            "scls-cb@hf-static-cb,ils@hf-static-cb:cap,scls-cb@hf-static-cb:cap,scls-cb@hf-cb"),
+                       cuda_facts(139.8), None, "/t.csv", "file")  # fmt: skip
+    by = {s.name: s for s in G.measuring_stages(plan, tmp_path / "out", tmp_path, {}, {})}
+    assert list(by) == ["sat-scls-cb-hf-static-cb", "sat-ils-hf-static-cb-cap", "sat-scls-cb-hf-static-cb-cap",
+                        "sat-scls-cb-hf-cb"]
+    caps = {name: st.argv[st.argv.index("--max-tokens-cap") + 1] for name, st in by.items()}
+    assert caps == {"sat-scls-cb-hf-static-cb": "0", "sat-ils-hf-static-cb-cap": "1024",
+                    "sat-scls-cb-hf-static-cb-cap": "1024", "sat-scls-cb-hf-cb": "0"}
+    assert str(tmp_path / "sat-ils-hf-static-cb-cap.log") in by["sat-ils-hf-static-cb-cap"].argv
+    every = G.make_plan(args("--preset", "arena", "--sat-cap"), cuda_facts(80), None, "/t.csv", "file")
+    assert [r.stage for r in every.sat] == ["sat-scls-cb-hf-static-cb-cap", "sat-ils-hf-static-cb-cap",
+                                            "sat-scls-cb-hf-cb-cap"]
+
+
+@pytest.mark.parametrize("bad", ["scls@hf-cb", "ils@hf", "scls-cb", "scls-cb@hf-cb,ils@deepspeed", "ils@hf-cb:capped",
+                                 "ils@hf-cb:"])
 def test_bad_saturation_replays_are_refused(bad: str) -> None:
-    with pytest.raises(SystemExit, match="POLICY@ENGINE"):
+    with pytest.raises(SystemExit, match=r"POLICY@ENGINE\[:cap\]"):
         G.parse_sat(bad)
 
 

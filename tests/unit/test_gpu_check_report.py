@@ -203,6 +203,25 @@ def test_saturation_is_not_judged_where_the_card_kept_up_with_the_arrivals() -> 
     assert "| 0 (≥ 1 s; sends over 19.6 s) |" in text and "| 120 (≥ 1 s; sends over 19.6 s) |" in text
 
 
+def test_saturation_judges_the_capped_pair_where_it_ran() -> None:
+    """With the pair of exact lengths and the pair with ``max_tokens`` a cap both replayed, the
+    capped one (as clients send requests) is judged and the other shown beside it; hf-cb's
+    replay counts whichever kind it was."""
+    def rep(policy: str, engine: str, tps: float, cap: int = 0) -> dict[str, Any]:
+        r = {**sat(policy, engine, tps, rate=32.0, n=160), "late_starts": 30, "late_start_s": 1.0,
+             "arrivals_s": 5.0, "max_tokens_cap": cap}
+        return {**r, "stage": r["stage"] + ("-cap" if cap else "")}
+
+    exact = [rep("scls-cb", "hf-static-cb", 1870), rep("ils", "hf-static-cb", 1890), rep("scls-cb", "hf-cb", 650)]
+    assert R.saturation(R.Rows(exact)).verdict == R.MISSED  # 0.99× ils where ils knows each length
+    both = exact + [rep("scls-cb", "hf-static-cb", 1850, 1024), rep("ils", "hf-static-cb", 1510, 1024)]
+    v = R.saturation(R.Rows(both))
+    assert v.verdict == R.MET and "(1.23×, 2.85×)" in v.measured and "max_tokens a cap" in v.measured
+    assert "with max_tokens the trace lengths: 1870 vs ils 1890 (0.99×)" in v.measured
+    text = R.render(both)
+    assert "| ils | hf-static-cb, max_tokens 1024 cap | 32 | 160/160 |" in text and "| ils | hf-static-cb | 32 |" in text
+
+
 def test_first_tokens_are_judged_on_the_arena_engine_only() -> None:
     ok = {**replay("scls-cb", 3.9, ttft=0.31), "engine": "hf-static-cb"}
     assert R.first_tokens(R.Rows([ok])).verdict == R.MET

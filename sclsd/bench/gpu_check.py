@@ -83,8 +83,10 @@ CB_ENGINES = ("hf-cb", "hf-static-cb", "hf-static-cb-flex", "hf-static-cb-half")
 #: variant's option wins over the same one in ``--arena-opts``).
 ENGINE_VARIANTS = {"hf-static-cb-flex": ("hf-static-cb", "decode_attention=flex"),
                    "hf-static-cb-half": ("hf-static-cb", "static_share=0.5")}
-#: The saturation replays by default: scls-cb and ils on the arena engine, scls-cb on hf-cb.
-SAT = "scls-cb@hf-static-cb,ils@hf-static-cb,scls-cb@hf-cb"
+#: The saturation replays by default: scls-cb and ils on the arena engine, scls-cb on hf-cb, each
+#: request asking max_tokens as a cap, as clients send it (with the trace lengths as max_tokens,
+#: ils is handed each output's length, which sizes its rows as no server can).
+SAT = "scls-cb@hf-static-cb:cap,ils@hf-static-cb:cap,scls-cb@hf-cb:cap"
 #: Named sets of options: ``arena`` measures hf-static-cb against hf's graphs and hf-cb (step
 #: times, saturation, first tokens at 4 req/s, start to ready) in one call.
 PRESETS: dict[str, dict[str, str]] = {

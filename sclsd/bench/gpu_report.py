@@ -183,8 +183,9 @@ def saturation(rows: Rows) -> Verdict:
     cap = next(iter(pairs), False)
     hf_cb = reps.get(("scls-cb", "hf-cb", cap)) or reps.get(("scls-cb", "hf-cb", not cap))
     for key, found in ((f"scls-cb-{ARENA_ENGINE}", pairs), (f"ils-{ARENA_ENGINE}", pairs), ("scls-cb-hf-cb", hf_cb)):
-        if not found:
-            return Verdict(target, rows.why_not(f"sat-{key}", "no replay row"), NOT_MEASURED)
+        if not found:  # why, from the stage of either kind that ran (or was skipped)
+            stage = next((n for n in (f"sat-{key}-cap", f"sat-{key}") if rows.find(n)), f"sat-{key}-cap")
+            return Verdict(target, rows.why_not(stage, "no replay row"), NOT_MEASURED)
     assert hf_cb is not None
     a, i = pairs[cap]
     got = (a, i, hf_cb)

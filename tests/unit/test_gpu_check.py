@@ -165,20 +165,20 @@ def test_the_arena_preset_measures_hf_static_cb_against_hf_and_hf_cb(tmp_path: P
                        "file").model == "random:llama2-13b"
     assert plan.stages == ("hf", "arena", "cb", "sat", "live", "tests") and plan.policies == ("scls-cb",)
     assert plan.cb_engine == "hf-static-cb" and plan.tests_k == "arena"
-    assert plan.sat == (G.SatReplay("scls-cb", "hf-static-cb"), G.SatReplay("ils", "hf-static-cb"),
-                        G.SatReplay("scls-cb", "hf-cb"))
+    assert plan.sat == (G.SatReplay("scls-cb", "hf-static-cb", True), G.SatReplay("ils", "hf-static-cb", True),
+                        G.SatReplay("scls-cb", "hf-cb", True))  # max_tokens a cap, as clients send it
     stages = G.measuring_stages(plan, tmp_path / "out", tmp_path, {}, {}, "", "kv_padding_tokens=1024",
                                 "static_share=0.6")
     by = {s.name: s for s in stages}
-    assert list(by) == ["hf", "arena", "cb", "sat-scls-cb-hf-static-cb", "sat-ils-hf-static-cb", "sat-scls-cb-hf-cb",
+    assert list(by) == ["hf", "arena", "cb", "sat-scls-cb-hf-static-cb-cap", "sat-ils-hf-static-cb-cap", "sat-scls-cb-hf-cb-cap",
                         "live-scls-cb", "tests"]
     assert by["tests"].argv[-3:] == ["tests", "-k", "arena"]  # its CUDA test only, last, if time is left
     arena = by["arena"].argv
     assert arena[arena.index("--variant") + 1] == "hf-static-cb" and "--ab" in arena
     assert arena[arena.index("--shapes") + 1] == "32x256,64x256,32x128-1024"
     assert arena[arena.index("--opts") + 1] == "static_share=0.6"
-    for name, engine, opts in (("sat-ils-hf-static-cb", "hf-static-cb", "static_share=0.6"),
-                               ("sat-scls-cb-hf-cb", "hf-cb", "kv_padding_tokens=1024")):
+    for name, engine, opts in (("sat-ils-hf-static-cb-cap", "hf-static-cb", "static_share=0.6"),
+                               ("sat-scls-cb-hf-cb-cap", "hf-cb", "kv_padding_tokens=1024")):
         argv = by[name].argv
         assert argv[argv.index("--engine") + 1] == engine and argv[argv.index("--opts") + 1] == opts
         assert (argv[argv.index("--rate") + 1], argv[argv.index("--num") + 1]) == ("32", "80")

@@ -178,6 +178,9 @@ def sat(policy: str, engine: str, tps: float, rate: float = 8.0, n: int = 80, pr
     ([sat("scls-cb", "hf-static-cb", 3000), sat("ils", "hf-static-cb", 2900), end("sat-scls-cb-hf-cb", "skipped",
                                                                                  "skipped: 12 s left")],
      R.NOT_MEASURED, "12 s left"),
+    ([sat("scls-cb", "hf-static-cb", 3000), sat("ils", "hf-static-cb", 2900), end("sat-scls-cb-hf-cb-cap", "timed out",
+                                                                                 "killed at its 150 s cap")],
+     R.NOT_MEASURED, "sat-scls-cb-hf-cb-cap: timed out"),
 ])  # fmt: skip
 def test_saturation_needs_ils_on_the_same_engine_and_twice_hf_cb(rows: list[dict[str, Any]], verdict: str,
                                                                   why: str) -> None:

@@ -367,15 +367,16 @@ def log_facts(log: Path) -> dict[str, Any]:
                   r"([0-9.]+) s of prefill)?(?:, ([0-9.]+) s in turns: ([0-9.]+) ms a step besides prefill)?"
                   r"(?:; (\d+) steps outside the buckets)?(?:, (\d+) regroups)?"
                   r"(?:, (\d+) spills dropped for want of device memory)?"
-                  r"(?:, (\d+) turns out of device memory)?", text)
+                  r"(?:, (\d+) turns out of device memory)?(?:, cached prefixes held to ([0-9.]+) GiB since)?", text)
     flex = re.search(r'decode_attention = "flex" failed \((.*?)\); decode attends with SDPA', text)
     if flex:
         out["flex_failed"] = flex.group(1)[:300]
     if m:
         keys = ("resumed", "loaded", "spilled", "moved", "waited", "shared", "cached", "steps", "rows_per_step", "prefills",
                 "cols_per_step", "own_pct", "relayouts", "prefill_s", "turns_s", "ms_per_step", "loose_steps", "regroups",
-                "spill_oom", "oom_turns")
-        out["arena_rows"] = {k: (float(v) if k in ("rows_per_step", "prefill_s", "turns_s", "ms_per_step") else int(v))
+                "spill_oom", "oom_turns", "prefix_limit_gib")
+        floats = ("rows_per_step", "prefill_s", "turns_s", "ms_per_step", "prefix_limit_gib")
+        out["arena_rows"] = {k: (float(v) if k in floats else int(v))
                              for k, v in zip(keys, m.groups(), strict=True) if v is not None}
     return out
 

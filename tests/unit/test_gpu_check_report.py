@@ -323,3 +323,10 @@ def test_a_replay_shows_its_tpot_gaps_slices_and_the_arena_rows_account(tmp_path
     assert (turns["oom_turns"], turns["spill_oom"], turns["cached"]) == (3, 2, 150)
     text = R.render([row, {"stage": "sat-ils-hf-static-cb", "phase": "stopped", "total_s": 60, "arena_rows": turns}])
     assert "2 spills dropped for want of device memory, 3 turns OUT OF DEVICE MEMORY" in text
+    # And the room the cached prefixes were held to after them.
+    log.write_text(log.read_text().replace("3 turns out of device memory\n", "3 turns out of device memory, cached "
+                                           "prefixes held to 1.55 GiB since\n"))
+    held = log_facts(log)["arena_rows"]
+    assert (held["oom_turns"], held["prefix_limit_gib"]) == (3, 1.55)
+    text = R.render([row, {"stage": "sat-ils-hf-static-cb", "phase": "stopped", "total_s": 60, "arena_rows": held}])
+    assert "3 turns OUT OF DEVICE MEMORY (cached prefixes held to 1.55 GiB since)" in text

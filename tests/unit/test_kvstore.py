@@ -220,3 +220,27 @@ def test_cached_prefixes_give_way_before_a_copy_needs_their_memory() -> None:
     assert s.prefixes() == [20] and s.nbytes == 200
     s.free_room(1000)  # more than the budget: every prefix goes, nothing else
     assert s.prefixes() == [] and s.nbytes == 0
+
+
+def test_a_turn_out_of_memory_halves_what_cached_prefixes_may_hold() -> None:
+    """After a turn that ran out of device memory the prefixes go and may hold half of what
+    they held then, again at each such turn; one that found none held changes nothing. New
+    prefixes stay within the limit, copies are made only into room within it, and kept KV
+    is never limited by it."""
+    s = KVStore(1000)
+    assert s.keep_prefix(entry(HEAD + [1] * 4)) and s.keep_prefix(entry([7] + HEAD + [2] * 3))  # 200 each
+    assert s.prefix_room() == 1000
+    assert s.shrink_prefixes() == (2, 200)  # they held 400
+    assert s.prefixes() == [] and s.prefix_room() == 200 and s.prefix_bytes == 0
+    assert s.keep_prefix(entry(HEAD + [3] * 4))
+    assert s.keep_prefix(entry([8] + HEAD + [4] * 3))  # 200 + 200 > 200: the older goes
+    assert s.prefixes() == [20] and s.prefix_bytes == 200
+    assert not s.keep_prefix(entry(HEAD + [5] * 6))  # 220 on its own: over the limit
+    s.free_room(100)  # kept KV: within the budget, the limit does not count
+    assert s.prefixes() == [20]
+    s.free_room(100, prefixes=True)  # a prefix's copy: only into room within the limit
+    assert s.prefixes() == []
+    assert s.put("a", entry([6] * 60))  # 600 bytes of kept KV, past the prefixes' limit
+    assert s.keep_prefix(entry(HEAD + [9] * 4)) and s.shrink_prefixes() == (1, 100)
+    assert s.shrink_prefixes() == (0, 100)  # none held: nothing to learn from
+    assert s.held() == {"a": 60}

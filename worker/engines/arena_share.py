@@ -73,14 +73,18 @@ class PrefixSharing:
 
     def after_failure(self, exc: BaseException) -> None:
         """A turn failed and its rows are gone: one out of device memory drops every cached
-        prefix too (a cache, and nobody's), and on CUDA the allocator gives its cached blocks
-        back, so the next turns find the room the activation reserve was sized for."""
+        prefix too (a cache, and nobody's) and halves what they may hold from then on
+        (:meth:`~worker.engines.kvstore.KVStore.shrink_prefixes`: the same fill does not run
+        the device out again), and on CUDA the allocator gives its cached blocks back, so the
+        next turns find the room the activation reserve was sized for."""
         import torch
 
         if isinstance(exc, torch.OutOfMemoryError):
             self.counts["oom_turns"] += 1
-            dropped = self.kv.drop_prefixes() if self.kv is not None else 0
-            log.warning("hf-static-cb: out of device memory in a turn: %d cached prefixes dropped", dropped)
+            if self.kv is not None:
+                dropped, limit = self.kv.shrink_prefixes()
+                log.warning("hf-static-cb: out of device memory in a turn: %d cached prefixes dropped; they may "
+                            "hold %.2f GiB from now on", dropped, limit / 2**30)
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -118,7 +122,7 @@ class PrefixSharing:
         picks = fits
         if not picks:
             return
-        self.kv.free_room(sum(len(t) for _, t in picks) * per)
+        self.kv.free_room(sum(len(t) for _, t in picks) * per, prefixes=True)
         try:
             cuts: list[tuple[list[Any], int]] = self.runner.cut(
                 [r.slot for r, _ in picks], [len(t) for _, t in picks], max(r.slot for r, _ in picks) + 1, self.c)

@@ -100,6 +100,9 @@ class KVStore:
         self._serial = 0
         self.prefix_bytes = 0
         """Bytes the cached prefixes hold (on the device, counted in :attr:`nbytes`)."""
+        self.prefix_limit = self.budget
+        """Bytes the cached prefixes may hold at most, beside the room kept KV leaves: the
+        budget, until a turn runs out of device memory (:meth:`shrink_prefixes`)."""
         self.prefix_counts = {"kept": 0, "hits": 0, "tokens": 0, "dropped": 0}
         """Since the store began: prefixes kept, rows that took one and the tokens they took,
         prefixes dropped (for room, or extended by a newer one)."""
@@ -188,9 +191,9 @@ class KVStore:
                 old = self._prefixes[key].tokens
                 if len(old) <= len(t) and t[:len(old)] == old:
                     self._drop_prefix(key)
-            if entry.nbytes > self.budget - (self._bytes - self.prefix_bytes):
+            if entry.nbytes > min(self.budget - (self._bytes - self.prefix_bytes), self.prefix_limit):
                 return False
-            while self._bytes + entry.nbytes > self.budget:
+            while self._bytes + entry.nbytes > self.budget or self.prefix_bytes + entry.nbytes > self.prefix_limit:
                 self._drop_prefix(next(iter(self._prefixes)))
             self._serial += 1
             self._prefixes[self._serial] = entry
@@ -224,22 +227,30 @@ class KVStore:
                 self.prefix_counts["tokens"] += used
             return entry, used
 
-    def free_room(self, nbytes: int) -> None:
+    def free_room(self, nbytes: int, prefixes: bool = False) -> None:
         """Drop cached prefixes, least recently used first, until ``nbytes`` more fit in the
-        device budget: before a copy into the store that needs the memory they hold."""
+        device budget (and, for new ``prefixes``, within :attr:`prefix_limit`): before a copy
+        into the store that needs the memory they hold."""
         with self._lock:
-            while self._prefixes and self._bytes + nbytes > self.budget:
+            while self._prefixes and (self._bytes + nbytes > self.budget
+                                      or (prefixes and self.prefix_bytes + nbytes > self.prefix_limit)):
                 self._drop_prefix(next(iter(self._prefixes)))
 
     def prefix_room(self) -> int:
-        """Device bytes cached prefixes may hold: the budget less the kept KV."""
+        """Device bytes cached prefixes may hold: the budget less the kept KV, at most
+        :attr:`prefix_limit`."""
         with self._lock:
-            return max(0, self.budget - (self._bytes - self.prefix_bytes))
+            return max(0, min(self.budget - (self._bytes - self.prefix_bytes), self.prefix_limit))
 
-    def drop_prefixes(self) -> int:
-        """Drop every cached prefix (their memory is wanted elsewhere); how many went."""
+    def shrink_prefixes(self) -> tuple[int, int]:
+        """After a turn that ran out of device memory: drop every cached prefix (their memory
+        is wanted elsewhere) and let them hold at most half of what they held then, so that a
+        cache filling up again leaves the other half free (halved again at each such turn; a
+        turn that found no prefix held changes nothing). The prefixes dropped, and the limit."""
         with self._lock:
-            return self._drop_prefixes()
+            if self.prefix_bytes:
+                self.prefix_limit = min(self.prefix_limit, self.prefix_bytes // 2)
+            return self._drop_prefixes(), self.prefix_limit
 
     def prefixes(self) -> list[int]:
         """The cached prefixes' lengths, least recently used first (tests, the log at close)."""

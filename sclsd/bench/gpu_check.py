@@ -94,7 +94,7 @@ PRESETS: dict[str, dict[str, str]] = {
               "tests_k": "arena", "model": "random:llama2-7b"},
     # decode_attention = "flex" against SDPA on the arena: its step, then scls-cb at saturation.
     "flex": {"stages": "arena,flex,sat", "live": "scls-cb", "cb_engine": "hf-static-cb", "tests_k": "arena",
-             "model": "random:llama2-7b", "sat": "scls-cb@hf-static-cb,scls-cb@hf-static-cb-flex"},
+             "model": "random:llama2-7b", "sat": "scls-cb@hf-static-cb:cap,scls-cb@hf-static-cb-flex:cap"},
 }
 #: Cards with less memory than this run the 7B architecture, the model the targets are set
 #: for (an 80 GB H100 included); larger cards the 13B.

@@ -200,16 +200,16 @@ def test_the_flex_preset_measures_flex_decode_against_sdpa_on_the_arena(tmp_path
     hf-static-cb with ``decode_attention=flex`` beside the arena's own options."""
     plan = G.make_plan(args("--preset", "flex"), cuda_facts(80), None, "/t.csv", "file")
     assert plan.stages == ("arena", "flex", "sat") and plan.model == "random:llama2-7b"
-    assert plan.sat == (G.SatReplay("scls-cb", "hf-static-cb"), G.SatReplay("scls-cb", "hf-static-cb-flex"))
+    assert plan.sat == (G.SatReplay("scls-cb", "hf-static-cb", True), G.SatReplay("scls-cb", "hf-static-cb-flex", True))
     by = {s.name: s for s in G.measuring_stages(plan, tmp_path / "out", tmp_path, {}, {}, "", "", "static_share=0.6")}
-    assert list(by) == ["arena", "flex", "sat-scls-cb-hf-static-cb", "sat-scls-cb-hf-static-cb-flex"]
+    assert list(by) == ["arena", "flex", "sat-scls-cb-hf-static-cb-cap", "sat-scls-cb-hf-static-cb-flex-cap"]
     flex = by["flex"].argv
     assert flex[flex.index("--variant") + 1] == "hf-static-cb" and "32x128-1024" in flex[flex.index("--shapes") + 1]
     assert flex[flex.index("--opts") + 1] == "static_share=0.6;decode_attention=flex"
-    sat = by["sat-scls-cb-hf-static-cb-flex"].argv
+    sat = by["sat-scls-cb-hf-static-cb-flex-cap"].argv
     assert sat[sat.index("--engine") + 1] == "hf-static-cb"
     assert sat[sat.index("--opts") + 1] == "static_share=0.6;decode_attention=flex"
-    plain = by["sat-scls-cb-hf-static-cb"].argv
+    plain = by["sat-scls-cb-hf-static-cb-cap"].argv
     assert plain[plain.index("--opts") + 1] == "static_share=0.6"
     assert G.parse_sat("ils@hf-static-cb-flex") == (G.SatReplay("ils", "hf-static-cb-flex"),)
 

@@ -154,9 +154,7 @@ class ArenaRows(Joining, PrefixSharing):
                 f"{1000 * max(0.0, t.turns_s - t.prefill_s) / per:.1f} ms a step besides prefill; "
                 f"{t.loose} steps outside the buckets, {c['regroups']} regroups"
                 + (f", {c['spill_oom']} spills dropped for want of device memory" if c["spill_oom"] else "")
-                + (f", {c['oom_turns']} turns out of device memory" if c["oom_turns"] else "")
-                + (f", cached prefixes held to {self.kv.prefix_limit / 2**30:.2f} GiB since"
-                   if self.kv is not None and self.kv.prefix_limit < self.kv.budget else ""))
+                + self.oom_account())
 
     def take_evicted(self) -> list[str]:
         out, self.evicted = self.evicted, []

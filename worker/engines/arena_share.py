@@ -88,6 +88,16 @@ class PrefixSharing:
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def oom_account(self) -> str:
+        """The turns that ran out of device memory and the room cached prefixes were held to
+        since, for the account at close (empty when none did)."""
+        if not self.counts["oom_turns"]:
+            return ""
+        kv = self.kv
+        held = (f", cached prefixes held to {kv.prefix_limit / 2**30:.2f} GiB since"
+                if kv is not None and kv.prefix_limit < kv.budget else "")
+        return f", {self.counts['oom_turns']} turns out of device memory{held}"
+
     def sharing_account(self) -> str:
         """Its part of the account at close (empty when it does not share)."""
         c = self.counts

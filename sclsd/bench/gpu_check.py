@@ -186,8 +186,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sat-num", type=int, default=0, help="requests per saturation replay (0: 80, 6 with --smoke)")
     p.add_argument("--sat-cap", action="store_true",
                    help="every saturation replay's requests ask max_tokens = the cap on output lengths, as clients send a cap, "
-                        "and the client ends each at its trace length, as EOS would (default: max_tokens = the "
-                        "trace length, which an engine sizing rows by it reads as the exact output)")
+                        "and the client ends each at its trace length, as EOS would, also those --sat names without "
+                        ":cap (which send the trace length, which an engine sizing rows by it reads as the exact output)")
     p.add_argument("--cap", action="append", default=[], metavar="STAGE=SECONDS",
                    help="override a stage's time cap (live-scls, live-ils, ... or live for all three)")
     p.add_argument("--profile-budget", type=float, default=0.0, help="profiling budget, s (0: 95, 30 with --smoke)")
@@ -279,9 +279,6 @@ def device_facts(device: str) -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             facts[pkg] = None
     return facts
-
-
-# --------------------------------------------------------------------------- profile check
 
 
 # --------------------------------------------------------------------------- trace

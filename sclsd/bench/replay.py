@@ -28,8 +28,8 @@ completion times (CT STD) come from the worker the daemon names in each
 daemon's status counters before and after the run.
 
 Whether the server kept up: ``arrivals_s`` is the span of the sends (first to last) and
-``late_starts`` the requests whose first token came more than :data:`LATE_START_S` after
-they were sent. With none late, every request started as it came: the replay measured the
+``late_starts`` the requests whose first token came :data:`LATE_START_S` or more after
+they were sent (or never came). With none late, every request started as it came: the replay measured the
 trace's own pace (and its longest requests), not what the server can serve, and no
 schedule could have served it faster; a comparison of capacity needs a rate at which
 requests wait.

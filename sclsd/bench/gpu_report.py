@@ -456,6 +456,8 @@ def _live(rows: Rows) -> list[str]:
                 rows_of += f", {arena['oom_turns']} turns OUT OF DEVICE MEMORY"
             if arena and arena.get("prefix_limit_gib") is not None:
                 rows_of += f" (cached prefixes held to {arena['prefix_limit_gib']:.2f} GiB since)"
+            if arena and arena.get("padding"):
+                rows_of += "; padding read per step: " + ", ".join(f"{k} {v}" for k, v in arena["padding"].items())
             if r.get("flex_failed"):
                 rows_of += f"; FlexAttention FAILED, decode fell back to SDPA: {_short(r['flex_failed'])}"
             out.append(f"- {r['stage']}: worker ready in {r.get('worker_ready_in_s')} s (its own clock); restarts "

@@ -378,6 +378,11 @@ def log_facts(log: Path) -> dict[str, Any]:
         floats = ("rows_per_step", "prefill_s", "turns_s", "ms_per_step", "prefix_limit_gib")
         out["arena_rows"] = {k: (float(v) if k in floats else int(v))
                              for k, v in zip(keys, m.groups(), strict=True) if v is not None}
+        # The columns a step read that were not the rows' own, by why (``StepTally.pad``).
+        pad = re.search(r"padding read per step: ([^\n;]*)", text[m.start():])
+        if pad:
+            out["arena_rows"]["padding"] = {why: int(n) for why, n in re.findall(r"([a-z' ]+?) (\d+)(?:, |$)",
+                                                                                pad.group(1).strip())}
     return out
 
 

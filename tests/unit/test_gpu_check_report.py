@@ -330,3 +330,15 @@ def test_a_replay_shows_its_tpot_gaps_slices_and_the_arena_rows_account(tmp_path
     assert (held["oom_turns"], held["prefix_limit_gib"]) == (3, 1.55)
     text = R.render([row, {"stage": "sat-ils-hf-static-cb", "phase": "stopped", "total_s": 60, "arena_rows": held}])
     assert "3 turns OUT OF DEVICE MEMORY (cached prefixes held to 1.55 GiB since)" in text
+    assert "padding" not in held
+    # The padding a step read, by why, ends the account.
+    log.write_text(log.read_text().replace("GiB since\n", "GiB since; padding read per step: dummy rows 9000, "
+                                           "ended rows 1200, above the widest row 20000, the widest row over the "
+                                           "others 15000, slices not yet written 8000\n"))
+    pad = log_facts(log)["arena_rows"]
+    assert pad["prefix_limit_gib"] == 1.55 and pad["padding"] == {
+        "dummy rows": 9000, "ended rows": 1200, "above the widest row": 20000, "the widest row over the others": 15000,
+        "slices not yet written": 8000}
+    text = R.render([row, {"stage": "sat-ils-hf-static-cb", "phase": "stopped", "total_s": 60, "arena_rows": pad}])
+    assert "(cached prefixes held to 1.55 GiB since); padding read per step: dummy rows 9000, ended rows 1200, " \
+        "above the widest row 20000, the widest row over the others 15000, slices not yet written 8000" in text

@@ -29,7 +29,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sclsd.protocol import RequestOutput
@@ -42,7 +42,15 @@ from worker.engines.kvstore import KVStore, Retained
 
 log = logging.getLogger("worker")
 
-__all__ = ["ArenaRows", "StepTally"]
+__all__ = ["PADDING", "ArenaRows", "StepTally"]
+
+#: Why a step reads columns that are not its rows' own, in the account's order: a bucket's
+#: dummy rows; ghosts, rows that ended but stay in the step until the next regroup; the cache
+#: bucket above the widest running row's need (and paused rows' KV, which the slots hold too);
+#: the widest row's need over each other row's (every slot is as wide as the widest); and each
+#: row's own slice not written yet (its need, context and grant, over its KV so far).
+PADDING = ("dummy rows", "ended rows", "above the widest row", "the widest row over the others",
+           "slices not yet written")
 
 #: ``done(row, output)``: a row left the engine with its output.
 Done = Callable[[Row, RequestOutput], None]
@@ -68,15 +76,34 @@ class StepTally:
     loose: int = 0
     """Steps in a shape that is no bucket while batches run in bucket shapes: on CUDA with graphs,
     eager steps (several times a captured one's cost for a 7B model)."""
+    pad: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PADDING, 0))
+    """The columns read that were not the rows' own, by why (:data:`PADDING`): what each way
+    of reading fewer would save (finer buckets, slots of several widths, a kernel that reads
+    only each row's own columns)."""
 
-    def add(self, rows: int, n: int, c: int, own: int, loose: bool = False) -> None:
+    def add(self, rows: int, n: int, c: int, own: int, loose: bool = False, *, slots: int | None = None,
+            widest: int | None = None, needs: int | None = None) -> None:
         """One step of ``rows`` running rows in ``n`` slots of ``c`` columns, holding ``own``;
-        ``loose``: its shape is no bucket (:attr:`loose`)."""
+        ``loose``: its shape is no bucket (:attr:`loose`). ``slots``: the step's rows with the
+        ghosts of rows that ended (default ``rows``); ``widest`` and ``needs``: the running
+        rows' largest and summed :attr:`~worker.engines.arena_cb.Row.need` (default: each row
+        as wide as ``c``), which split the padding (:attr:`pad`)."""
+        k = rows if slots is None else slots
+        widest = c if widest is None else widest
+        needs = rows * widest if needs is None else needs
         self.steps += 1
         self.loose += loose
         self.rows += rows
         self.cols_read += n * c
         self.cols_own += own
+        for why, cols in zip(PADDING, ((n - k) * c, (k - rows) * c, rows * (c - widest), rows * widest - needs,
+                                       needs - own), strict=True):
+            self.pad[why] += cols
+
+    def padding(self) -> str:
+        """The padding read per step by why, for the account at close."""
+        per = max(1, self.steps)
+        return ", ".join(f"{why} {cols / per:.0f}" for why, cols in self.pad.items())
 
 
 class ArenaRows(Joining, PrefixSharing):
@@ -154,7 +181,7 @@ class ArenaRows(Joining, PrefixSharing):
                 f"{1000 * max(0.0, t.turns_s - t.prefill_s) / per:.1f} ms a step besides prefill; "
                 f"{t.loose} steps outside the buckets, {c['regroups']} regroups"
                 + (f", {c['spill_oom']} spills dropped for want of device memory" if c["spill_oom"] else "")
-                + self.oom_account())
+                + self.oom_account() + f"; padding read per step: {t.padding()}")
 
     def take_evicted(self) -> list[str]:
         out, self.evicted = self.evicted, []

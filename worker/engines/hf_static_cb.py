@@ -338,7 +338,9 @@ class HFStaticCBEngine(TransformersModel, Engine):
         k, n = len(rows), geo.plan.n
         live = [r for r in rows if not r.ended]
         own = sum(r.fed + 1 for r in live)
-        self.rows.tally.add(len(live), n, geo.c, own, self.static.bucketing and not geo.bucket)
+        needs = [r.need for r in live]
+        self.rows.tally.add(len(live), n, geo.c, own, self.static.bucketing and not geo.bucket, slots=k,
+                            widest=max(needs, default=0), needs=sum(needs))
         if self.rows.dirty:
             pad = [self.pad_id] * (n - k)
             ids = torch.tensor([r.next_input() for r in rows] + pad, dtype=torch.long)

@@ -231,6 +231,26 @@ def test_the_half_variant_runs_the_arena_at_half_the_kv_memory(tmp_path: Path) -
     assert str(tmp_path / "sat-scls-cb-hf-static-cb-half.log") in half
 
 
+def test_the_fine_variant_runs_the_arena_with_the_finer_bucket_grid(tmp_path: Path) -> None:
+    """``hf-static-cb-fine``: the arena engine with more batch and cache buckets, which win
+    over grids in ``--arena-opts``; the worker's options take both lists as they parse them."""
+    plan = G.make_plan(args("--preset", "arena", "--stages", "sat", "--sat",
+                            "scls-cb@hf-static-cb:cap,scls-cb@hf-static-cb-fine:cap"), cuda_facts(139.8), None, "/t.csv",
+                       "file")
+    by = {s.name: s for s in G.measuring_stages(plan, tmp_path / "out", tmp_path, {}, {}, "", "",
+                                                "static_share=0.9;graph_batch_sizes=1,2")}
+    assert list(by) == ["sat-scls-cb-hf-static-cb-cap", "sat-scls-cb-hf-static-cb-fine-cap"]
+    fine = by["sat-scls-cb-hf-static-cb-fine-cap"].argv
+    assert fine[fine.index("--engine") + 1] == "hf-static-cb"
+    opts = S.parse_opts(fine[fine.index("--opts") + 1])
+    assert opts["static_share"] == 0.9 and opts["graph_batch_sizes"] == "1,2,4,8,12,16,24,32,40,48,56,64,80,96,112,128,160,192,256"
+    from worker.engines.static_cache import StaticOptions
+    grid = StaticOptions.parse("cuda", True, True, True, 0.9, opts["graph_batch_sizes"], opts["graph_cache_tokens"], None)
+    assert {40, 56, 80, 112, 160} <= set(grid.batch_sizes) and {640, 1280, 1792, 2560, 3584} <= set(grid.cache_tokens)
+    plain = by["sat-scls-cb-hf-static-cb-cap"].argv
+    assert S.parse_opts(plain[plain.index("--opts") + 1])["graph_batch_sizes"] == "1,2"
+
+
 def test_a_capped_replay_beside_one_of_exact_lengths_in_one_call(tmp_path: Path) -> None:
     """``:cap`` sends one replay's requests with ``max_tokens`` the cap (``--max-gen``), ended
     by the client at their trace lengths; the items without it keep the trace lengths, and

@@ -202,10 +202,16 @@ def test_prefixes_are_cut_only_into_room_the_store_has(clean, monkeypatch) -> No
     assert kv.nbytes <= kv.budget and len(kv.prefixes()) == 2
 
 
-def test_a_turn_out_of_device_memory_drops_the_cached_prefixes(hf, clean, monkeypatch) -> None:
+def test_a_turn_out_of_device_memory_drops_the_cached_prefixes(hf, clean, monkeypatch, caplog) -> None:
     """A turn that runs out of device memory fails the grants in flight (as any failing turn),
     and the cached prefixes give their memory back and may hold half of it from then on, so
-    the next turns have room again and a cache filling up leaves room free."""
+    the next turns have room again and a cache filling up leaves room free; after a quiet
+    while (PREFIX_REGROW_S, the engine's clock) they may hold more again."""
+    from worker.engines import arena_share
+    from worker.engines.kvstore import PREFIX_REGROW_S
+
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(arena_share, "monotonic", lambda: clock["now"])  # the prefixes' clock alone
     eng = clean
     kv = eng.kv
     assert kv is not None
@@ -234,3 +240,9 @@ def test_a_turn_out_of_device_memory_drops_the_cached_prefixes(hf, clean, monkey
     assert again.token_ids == one_pass(hf, [prompt], 4)[0]
     serve(eng, [req("v", ctx(54, 30), 4)], 4)  # "w" is cached as this one joins, within the limit
     assert kv.prefixes() and kv.prefix_bytes <= kv.prefix_limit
+    limit = kv.prefix_limit
+    clock["now"] += PREFIX_REGROW_S
+    with caplog.at_level("INFO", logger="worker"):
+        serve(eng, [req("u", ctx(55, 30), 4)], 4)  # "v" is cached as this one joins: the limit grew first
+    assert kv.prefix_limit == min(kv.budget, max(2 * limit, limit + kv.budget // 8)) > limit
+    assert "no turn out of device memory for 600 s: cached prefixes may hold" in caplog.text

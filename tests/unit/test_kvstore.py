@@ -244,3 +244,32 @@ def test_a_turn_out_of_memory_halves_what_cached_prefixes_may_hold() -> None:
     assert s.keep_prefix(entry(HEAD + [9] * 4)) and s.shrink_prefixes() == (1, 100)
     assert s.shrink_prefixes() == (0, 100)  # none held: nothing to learn from
     assert s.held() == {"a": 60}
+
+
+def test_cached_prefixes_may_hold_more_again_after_a_quiet_while() -> None:
+    """After PREFIX_REGROW_S with no turn out of device memory the prefixes' limit doubles (at
+    least an eighth of the budget more), again after each such wait, up to the budget; a turn
+    out of memory in between halves it and restarts the wait. Without a limit it never moves."""
+    from worker.engines.kvstore import PREFIX_REGROW_S as W
+
+    s = KVStore(1600)
+    assert not s.regrow_prefixes(10 * W) and s.prefix_limit == 1600
+    assert s.keep_prefix(entry(HEAD + [1] * 4)) and s.keep_prefix(entry([7] + HEAD + [2] * 3))  # 200 each
+    assert s.shrink_prefixes(now=100.0) == (2, 200)
+    assert not s.regrow_prefixes(100.0 + W - 1) and s.prefix_limit == 200  # not yet
+    assert s.regrow_prefixes(100.0 + W) and s.prefix_limit == 400  # twice 200
+    assert not s.regrow_prefixes(100.0 + W + 1)  # the wait starts again
+    assert s.keep_prefix(entry(HEAD + [3] * 4)) and s.keep_prefix(entry([8] + HEAD + [4] * 3))
+    assert s.prefix_bytes == 400 and s.prefixes() == [20, 20]  # both fit the limit that grew
+    assert s.shrink_prefixes(now=100.0 + 1.5 * W) == (2, 200)  # out of memory again: halved
+    assert not s.regrow_prefixes(100.0 + 2 * W)  # half a wait since
+    t = 100.0 + 2.5 * W
+    for limit in (400, 800, 1600):
+        assert s.regrow_prefixes(t) and s.prefix_limit == limit
+        t += W
+    assert not s.regrow_prefixes(t + 10 * W) and s.prefix_limit == 1600  # the budget: no limit left
+    # From nothing held at all: an eighth of the budget more at each wait.
+    s = KVStore(1600)
+    s.prefix_limit = 0
+    s.shrink_prefixes(now=0.0)
+    assert s.regrow_prefixes(W) and s.prefix_limit == 200

@@ -24,12 +24,13 @@ released rows take none (:meth:`~worker.engines.arena_join.Joining._usable`).
 from __future__ import annotations
 
 import logging
+from time import monotonic
 from typing import Any
 
 from worker.engines.arena_cb import Row
 from worker.engines.arena_rows import RowRunner
 from worker.engines.arena_slots import Paused
-from worker.engines.kvstore import KVStore, Retained
+from worker.engines.kvstore import PREFIX_REGROW_S, KVStore, Retained
 from worker.engines.prefixes import MIN_PREFIX
 
 log = logging.getLogger("worker")
@@ -82,15 +83,16 @@ class PrefixSharing:
         if isinstance(exc, torch.OutOfMemoryError):
             self.counts["oom_turns"] += 1
             if self.kv is not None:
-                dropped, limit = self.kv.shrink_prefixes()
+                dropped, limit = self.kv.shrink_prefixes(monotonic())
                 log.warning("hf-static-cb: out of device memory in a turn: %d cached prefixes dropped; they may "
                             "hold %.2f GiB from now on", dropped, limit / 2**30)
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def oom_account(self) -> str:
-        """The turns that ran out of device memory and the room cached prefixes were held to
-        since, for the account at close (empty when none did)."""
+        """The turns that ran out of device memory and the room cached prefixes are held to
+        now (below the budget: the last such turn's limit, or what it grew back to since), for
+        the account at close (empty when none did)."""
         if not self.counts["oom_turns"]:
             return ""
         kv = self.kv
@@ -111,6 +113,9 @@ class PrefixSharing:
 
         if not self.share or self.kv is None:
             return
+        if self.kv.regrow_prefixes(monotonic()):
+            log.info("hf-static-cb: no turn out of device memory for %.0f s: cached prefixes may hold %.2f GiB "
+                     "now", PREFIX_REGROW_S, self.kv.prefix_limit / 2**30)
         picks: list[tuple[Row, list[int]]] = []
         for r in self.slots:
             p = self.paused.get(r.rid)

@@ -42,6 +42,11 @@ from typing import Any
 
 from worker.engines.prefixes import MIN_PREFIX
 
+#: Seconds without a turn out of device memory after which cached prefixes may hold more again
+#: (:meth:`KVStore.regrow_prefixes`): a worker lives for days under systemd, and one burst that
+#: ran the device out should not halve its prefix cache for the rest of its life.
+PREFIX_REGROW_S = 600.0
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -102,7 +107,10 @@ class KVStore:
         """Bytes the cached prefixes hold (on the device, counted in :attr:`nbytes`)."""
         self.prefix_limit = self.budget
         """Bytes the cached prefixes may hold at most, beside the room kept KV leaves: the
-        budget, until a turn runs out of device memory (:meth:`shrink_prefixes`)."""
+        budget, until a turn runs out of device memory (:meth:`shrink_prefixes`), and back
+        towards it after :data:`PREFIX_REGROW_S` without one (:meth:`regrow_prefixes`)."""
+        self._limited_at: float | None = None
+        """When :attr:`prefix_limit` last changed below the budget (None: it is the budget)."""
         self.prefix_counts = {"kept": 0, "hits": 0, "tokens": 0, "dropped": 0}
         """Since the store began: prefixes kept, rows that took one and the tokens they took,
         prefixes dropped (for room, or extended by a newer one)."""
@@ -242,15 +250,31 @@ class KVStore:
         with self._lock:
             return max(0, min(self.budget - (self._bytes - self.prefix_bytes), self.prefix_limit))
 
-    def shrink_prefixes(self) -> tuple[int, int]:
-        """After a turn that ran out of device memory: drop every cached prefix (their memory
-        is wanted elsewhere) and let them hold at most half of what they held then, so that a
-        cache filling up again leaves the other half free (halved again at each such turn; a
-        turn that found no prefix held changes nothing). The prefixes dropped, and the limit."""
+    def shrink_prefixes(self, now: float = 0.0) -> tuple[int, int]:
+        """After a turn that ran out of device memory (at ``now``, monotonic seconds): drop
+        every cached prefix (their memory is wanted elsewhere) and let them hold at most half
+        of what they held then, so that a cache filling up again leaves the other half free
+        (halved again at each such turn; a turn that found no prefix held changes nothing but
+        the time, which restarts :meth:`regrow_prefixes`' wait). The prefixes dropped, and the
+        limit."""
         with self._lock:
             if self.prefix_bytes:
                 self.prefix_limit = min(self.prefix_limit, self.prefix_bytes // 2)
+            if self.prefix_limit < self.budget:
+                self._limited_at = now
             return self._drop_prefixes(), self.prefix_limit
+
+    def regrow_prefixes(self, now: float) -> bool:
+        """Once :data:`PREFIX_REGROW_S` passed since the limit last changed with no turn out of
+        device memory (``now``, monotonic seconds): let cached prefixes hold twice as much, and
+        at least an eighth of the budget more, up to the budget (from nothing to all of it in
+        eight such waits); a turn that runs out again halves it again. Whether it grew."""
+        with self._lock:
+            if self._limited_at is None or now - self._limited_at < PREFIX_REGROW_S:
+                return False
+            self.prefix_limit = min(self.budget, max(2 * self.prefix_limit, self.prefix_limit + self.budget // 8))
+            self._limited_at = None if self.prefix_limit >= self.budget else now
+            return True
 
     def prefixes(self) -> list[int]:
         """The cached prefixes' lengths, least recently used first (tests, the log at close)."""

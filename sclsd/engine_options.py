@@ -141,6 +141,9 @@ OPTIONS: dict[str, Option] = {
     "static_buckets": Option(ARENA, "bool", help="pad batches to bucket shapes without graphs too"),
     "graph_batch_sizes": Option(ARENA, "sizes", help="batch-size buckets"),
     "graph_cache_tokens": Option(ARENA, "sizes", help="cache-length buckets"),
+    "graph_capture_s": Option(ARENA, "float", Range(ge=0.0, note="seconds; 0: no limit"),
+                              help="seconds warm-up may spend capturing decode graphs, from the most rows down "
+                                   "(default 30); the smaller bucket shapes not reached leave the grid"),
     "decode_attention": Option(("hf-static-cb",), "choice", Choice("sdpa", "flex"),
                                help="attention of the arena's decode steps: sdpa (default) reads every column of "
                                     "the step's slots; flex: FlexAttention reads only each row's own (compiled at "

@@ -458,6 +458,10 @@ def _live(rows: Rows) -> list[str]:
                 rows_of += f" (cached prefixes held to {arena['prefix_limit_gib']:.2f} GiB since)"
             if arena and arena.get("padding"):
                 rows_of += "; padding read per step: " + ", ".join(f"{k} {v}" for k, v in arena["padding"].items())
+            if r.get("captures_cut"):
+                cut = r["captures_cut"]
+                rows_of += (f"; graph captures CUT at {cut['s']:.1f} s (graph_capture_s): {cut['left_out']} of "
+                            f"{cut['shapes']} bucket shapes left out")
             if r.get("flex_failed"):
                 rows_of += f"; FlexAttention FAILED, decode fell back to SDPA: {_short(r['flex_failed'])}"
             out.append(f"- {r['stage']}: worker ready in {r.get('worker_ready_in_s')} s (its own clock); restarts "

@@ -368,6 +368,10 @@ def log_facts(log: Path) -> dict[str, Any]:
                   r"(?:; (\d+) steps outside the buckets)?(?:, (\d+) regroups)?"
                   r"(?:, (\d+) spills dropped for want of device memory)?"
                   r"(?:, (\d+) turns out of device memory)?(?:, cached prefixes held to ([0-9.]+) GiB since)?", text)
+    cut = re.search(r"captures took ([0-9.]+) s of their [0-9.]+ s \(graph_capture_s\): (\d+) smaller bucket shapes "
+                    r"of (\d+) left out", text)
+    if cut:  # the warm-up's captures ran out of their budget
+        out["captures_cut"] = {"s": float(cut.group(1)), "left_out": int(cut.group(2)), "shapes": int(cut.group(3))}
     flex = re.search(r'decode_attention = "flex" failed \((.*?)\); decode attends with SDPA', text)
     if flex:
         out["flex_failed"] = flex.group(1)[:300]

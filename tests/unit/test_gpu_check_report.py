@@ -340,5 +340,14 @@ def test_a_replay_shows_its_tpot_gaps_slices_and_the_arena_rows_account(tmp_path
         "dummy rows": 9000, "ended rows": 1200, "above the widest row": 20000, "the widest row over the others": 15000,
         "slices not yet written": 8000}
     text = R.render([row, {"stage": "sat-ils-hf-static-cb", "phase": "stopped", "total_s": 60, "arena_rows": pad}])
+    assert "captures_cut" not in log_facts(log) and "CUT" not in text
+    # A warm-up whose captures ran out of their budget says so.
+    with log.open("a") as f:
+        f.write("... WARNING worker: warming: the decode graphs' captures took 30.2 s of their 30 s (graph_capture_s): "
+                "54 smaller bucket shapes of 230 left out, batches of fewer rows run in the next captured bucket\n")
+    cut = log_facts(log)
+    assert cut["captures_cut"] == {"s": 30.2, "left_out": 54, "shapes": 230}
+    cut_text = R.render([row, {"stage": "sat-scls-cb-hf-static-cb-fine-cap", "phase": "stopped", "total_s": 60, **cut}])
+    assert "graph captures CUT at 30.2 s (graph_capture_s): 54 of 230 bucket shapes left out" in cut_text
     assert "(cached prefixes held to 1.55 GiB since); padding read per step: dummy rows 9000, ended rows 1200, " \
         "above the widest row 20000, the widest row over the others 15000, slices not yet written 8000" in text

@@ -254,3 +254,68 @@ def test_close_lets_go_of_the_arena_and_the_kept_kv():
     assert all(o.kv_tokens > 0 for o in outs) and store.nbytes > 0
     eng.close()
     assert eng.static is None and eng.kv is None and store.nbytes == 0 and store.held() == {}
+
+
+def test_captures_stop_at_their_budget_and_the_smaller_shapes_leave_the_grid(monkeypatch, caplog, tmp_path):
+    """``graph_capture_s``: warm-up captures from the most rows down until the budget is spent
+    (here 0.17 s a capture, as on an H100, against 5 s, counted after the first two, which
+    carry the one-time costs such as compiles); the shapes not reached are no bucket,
+    a cache bucket left with none leaves the grid, and every batch still plans into a captured
+    bucket (none steps outside them, eager on CUDA). The log says how many were left out."""
+    from transformers import LlamaConfig
+
+    from worker.engines import static_cache
+
+    now = {"t": 0.0}
+
+    def capture(step: Any, pool: Any) -> None:
+        del pool
+        now["t"] += 0.17
+        step.graph = object()  # stands in for a CUDA graph: only the bookkeeping is checked
+
+    monkeypatch.setattr(static_cache, "clock", lambda: now["t"])
+    monkeypatch.setattr(DecodeStep, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    tiny = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       vocab_size=100)
+
+    def warmed(budget: Any) -> Any:
+        opts = StaticOptions.parse("cpu", True, True, False, 0.5, None, None, None, True, budget)
+        runner = opts.runner(None, tiny, torch.device("cpu"), torch.float32, 2 * H100_ARENA_TOKENS * DELTA_7B,
+                             DELTA_7B, 0, max_context=4096)
+        monkeypatch.setattr(runner, "capturing", lambda: True)
+        runner.warm_up()
+        return runner
+
+    every = warmed(0)  # no limit: every shape
+    assert every.captured() == every.bucket_shapes() and every.uncaptured == 0
+    with caplog.at_level("WARNING", logger="worker"):
+        cut = warmed("5")
+    kept = cut.captured()
+    # The budget counts from the second capture's end: 30 more (30 × 0.17 s passes 5 s).
+    assert len(kept) == 32 and cut.uncaptured == len(every.captured()) - 32
+    least = min(n for n, _ in kept)
+    assert all(n >= least for n, _ in kept) and all(
+        (n, c) in kept for n, c in every.captured() if n > least)  # the most rows first
+    assert set(cut.cache_buckets) == {c for _, c in kept} < set(every.cache_buckets)
+    assert set(cut.batch_buckets) == {n for n, _ in kept if n in every.batch_buckets}
+    for rows, need in ((1, 200), (least, 1000), (40, 1500), (63, 1000)):
+        plan = cut.plan(rows, need)
+        assert plan is not None and plan.graph and (plan.n, plan.c) in kept, (rows, need, plan)
+    assert f"{cut.uncaptured} smaller bucket shapes of {len(every.captured())} left out" in caplog.text
+    from sclsd.bench.gpu_stages import log_facts  # gpu-check reads the same line from a worker's log
+
+    log = tmp_path / "worker.log"
+    log.write_text(caplog.text)
+    assert log_facts(log)["captures_cut"] == {"s": 5.1, "left_out": cut.uncaptured, "shapes": len(every.captured())}
+    with pytest.raises(ValueError, match="graph_capture_s"):
+        StaticOptions.parse("cpu", True, True, False, 0.5, None, None, None, True, -1)
+
+
+def test_both_arena_engines_take_the_capture_budget() -> None:
+    """``graph_capture_s`` reaches the runner of ``hf`` and of ``hf-static-cb`` (30 s unless set)."""
+    from unit.arena_common import make as make_cb
+
+    assert make(static_cache=True).static.capture_budget_s == 30.0
+    assert make(static_cache=True, graph_capture_s="7.5").static.capture_budget_s == 7.5
+    assert make_cb(graph_capture_s=0).static.capture_budget_s == 0.0

@@ -269,12 +269,13 @@ class HFEngine(TransformersModel, SliceEngine):
         graph_cache_tokens: Any = None,
         prefill_chunk_tokens: int | None = None,
         static_buckets: Any = None,
+        graph_capture_s: Any = None,
     ) -> None:
         self.load(model, device, dtype, mem_budget, threads)
         self.scores_prompts()  # checked once, on the model as loaded
         opts = StaticOptions.parse(self.device.type, self.static_default, static_cache, cuda_graphs,
                                    static_share, graph_batch_sizes, graph_cache_tokens, prefill_chunk_tokens,
-                                   static_buckets)
+                                   static_buckets, graph_capture_s)
         self.kv_limit = self.kv_memory(opts.reserve_tokens, opts.reserve_rows)
         """Bytes of KV the batches and the retained caches share, measured once."""
         self.static: StaticRunner | None = None

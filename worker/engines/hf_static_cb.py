@@ -151,11 +151,12 @@ class HFStaticCBEngine(TransformersModel, Engine):
                  kv_retain_bytes: int | None = None, kv_host_bytes: int | None = None,
                  cuda_graphs: Any = "auto", static_share: float = ARENA_SHARE, graph_batch_sizes: Any = None,
                  graph_cache_tokens: Any = None, prefill_chunk_tokens: int | None = None,
-                 static_buckets: Any = None, max_rows: int | None = None, decode_attention: str = "sdpa", share_prefixes: bool = True) -> None:
+                 static_buckets: Any = None, max_rows: int | None = None, decode_attention: str = "sdpa", share_prefixes: bool = True,
+                 graph_capture_s: Any = None) -> None:
         self.load(model, device, dtype, mem_budget, threads)
         self.scores_prompts()  # checked once, on the model as loaded (before FlexAttention may replace SDPA)
         opts = StaticOptions.parse(self.device.type, True, True, cuda_graphs, static_share, graph_batch_sizes,
-                                   graph_cache_tokens, prefill_chunk_tokens, static_buckets)
+                                   graph_cache_tokens, prefill_chunk_tokens, static_buckets, graph_capture_s)
         try:
             opts = _attention_options(opts, decode_attention, self.device.type)
             why = _unsupported(self.spec.name, self.config, decode_attention)
@@ -174,7 +175,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
                                 opts.batch_sizes, opts.cache_tokens, opts.graphs, opts.prefill_chunk_tokens,
                                 self.max_context, opts.buckets, max_rows=min(int(max_rows or opts.reserve_rows),
                                                                              opts.reserve_rows),
-                                flex=decode_attention == "flex")
+                                flex=decode_attention == "flex", capture_s=opts.capture_s)
         log.info("arena: %d token slots (%.2f GiB of %.2f GiB for KV), CUDA graphs %s", tokens,
                  self.static.arena.nbytes / 2**30, self.kv_limit / 2**30, "on" if self.static.graphs_on else "off")
         self.kv = _kv_store(kv_reuse, kv_retain_bytes, kv_host_bytes, self.kv_limit, self.static.arena.nbytes,

@@ -27,7 +27,10 @@ and a NaN value behind a masked column still poisons the weighted sum).
 (batch bucket ``n``, cache bucket ``c``) that fits the arena, from the largest down,
 sharing one memory pool. A batch runs in the smallest captured bucket that holds it
 (extra rows are dummies: their outputs are never read); a batch outside every bucket
-runs the same step eagerly over the same arena. The step reads its inputs from static
+runs the same step eagerly over the same arena. Captures stop after ``graph_capture_s``
+seconds (:data:`DEFAULT_CAPTURE_S`), so that a grid larger than the card captures in time
+cannot hold the worker past its start budget: the shapes not reached, the fewest rows, leave
+the grid and their batches run in the next captured bucket. The step reads its inputs from static
 buffers (token ids, positions, mask, the column counter) and advances them itself, so a
 replay is all a decode iteration costs the host. Prefill stays eager, in chunks of at
 most ``prefill_chunk_tokens`` tokens, which bounds its activation memory.
@@ -45,6 +48,9 @@ from sclsd.engine_options import parse_option
 
 log = logging.getLogger("worker")
 
+#: The warm-up's clock (tests replace it to spend the capture budget).
+clock = time.perf_counter
+
 #: ``chunk_done(col, starts)``: a prefill's forward pass over the columns from ``col`` of its
 #: block of new tokens just ran, where row ``i``'s new tokens start at column ``starts[i]``
 #: (left padding before them). ``hf``'s prompt log-probabilities read the pass's hidden states.
@@ -60,6 +66,13 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 #: 1536 they do, and every batch bucket's largest cache bucket fills at least 2/3 of its rows'
 #: share of the arena).
 DEFAULT_CACHE_TOKENS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+#: Seconds warm-up may spend capturing decode graphs after the first two, which carry the
+#: one-time costs (0: no limit; :meth:`StaticRunner.warm_up`). Captures go from the most
+#: rows down, so what a cut leaves out are the smallest batch buckets (a batch of fewer rows runs
+#: in the next captured one: a few more rows of KV read, never an eager step). The H100 captured
+#: 81 shapes in 13.6 s, and a worker must be ready within 60 s of its start, load and graph
+#: check included (docs/design.md §10).
+DEFAULT_CAPTURE_S = 30.0
 #: Rows whose sampling logits the activation reserve covers at least: the arena admits far
 #: more rows than the largest bucket (hundreds of short rows), all sampled in one step.
 RESERVE_ROWS = 512
@@ -108,6 +121,8 @@ class StaticOptions:
     prefill_chunk_tokens: int
     buckets: bool | None = None
     """Run batches in bucket shapes without graphs too (None: only with graphs)."""
+    capture_s: float = DEFAULT_CAPTURE_S
+    """Seconds the decode graphs' captures may take at warm-up (0: no limit)."""
 
     @property
     def reserve_tokens(self) -> int:
@@ -124,12 +139,13 @@ class StaticOptions:
     @classmethod
     def parse(cls, device_type: str, default: bool, static_cache: Any, cuda_graphs: Any, share: Any,
               batch_sizes: Any, cache_tokens: Any, prefill_chunk_tokens: Any,
-              buckets: Any = None) -> StaticOptions:
+              buckets: Any = None, capture_s: Any = None) -> StaticOptions:
         """``static_cache`` and ``cuda_graphs``: true, false or auto (on with CUDA, for engines
         whose ``default`` is on); ``share``: the part of the KV memory the arena takes, the
         rest keeping KV across slices; the bucket lists; ``prefill_chunk_tokens``: most tokens
         per prefill forward pass (0: no chunks; default 8192 on CUDA, none on the CPU);
-        ``buckets``: pad batches to the bucket shapes even without graphs (None: with them).
+        ``buckets``: pad batches to the bucket shapes even without graphs (None: with them);
+        ``capture_s``: seconds the graphs' captures may take (None: :data:`DEFAULT_CAPTURE_S`).
         Each is checked and typed by :func:`~sclsd.engine_options.parse_option` (typed
         values as ``sclsd-worker`` passes them, or their text)."""
         cuda = device_type == "cuda"
@@ -143,7 +159,8 @@ class StaticOptions:
         sizes = DEFAULT_BATCH_SIZES if batch_sizes is None else parse_sizes(batch_sizes, "graph_batch_sizes")
         lens = DEFAULT_CACHE_TOKENS if cache_tokens is None else parse_sizes(cache_tokens, "graph_cache_tokens")
         pad = None if buckets is None else as_switch("static_buckets", buckets, False)
-        return cls(on, graphs and on, frac, sizes, lens, chunk, pad)
+        budget: float = DEFAULT_CAPTURE_S if capture_s is None else parse_option("graph_capture_s", capture_s)
+        return cls(on, graphs and on, frac, sizes, lens, chunk, pad, budget)
 
     def runner(self, model: Any, config: Any, device: Any, dtype: Any, kv_bytes: int, delta: int,
                pad_id: int, max_context: int) -> StaticRunner:
@@ -154,7 +171,7 @@ class StaticOptions:
                              f"{delta} bytes per token")
         return StaticRunner(model, config, device, dtype, tokens, pad_id, self.batch_sizes,
                             self.cache_tokens, self.graphs, self.prefill_chunk_tokens, max_context,
-                            self.buckets)
+                            self.buckets, self.capture_s)
 
 
 #: Attention implementations the static path's 4-D mask is right for: SDPA takes it as a
@@ -320,7 +337,7 @@ class StaticRunner:
                  batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
                  cache_tokens: Sequence[int] = DEFAULT_CACHE_TOKENS,
                  graphs: bool = False, prefill_chunk_tokens: int = 0, max_context: int = 0,
-                 buckets: bool | None = None) -> None:
+                 buckets: bool | None = None, capture_s: float = DEFAULT_CAPTURE_S) -> None:
         import torch
 
         self.model = model
@@ -356,6 +373,10 @@ class StaticRunner:
         """False: :meth:`plan` passes the bucket steps by (the warm-up's check)."""
         self.steps: dict[tuple[int, int], DecodeStep] = {}
         self.capture_s = 0.0
+        self.capture_budget_s = float(capture_s)
+        """Seconds the captures may take at warm-up (0: no limit; :data:`DEFAULT_CAPTURE_S`)."""
+        self.uncaptured = 0
+        """Bucket shapes the warm-up left out of the grid when its captures ran out of time."""
 
     # ------------------------------------------------------------------ buckets
 
@@ -427,19 +448,31 @@ class StaticRunner:
 
     # ------------------------------------------------------------------ warm-up
 
+    def capturing(self) -> bool:
+        """Whether warm-up captures the bucket steps as CUDA graphs."""
+        return self.graphs_on and self.device.type == "cuda"
+
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
         """Prepare a decode step per bucket the arena holds and, with graphs, capture each
-        (largest first, one shared memory pool)."""
+        (largest first, one shared memory pool) until :attr:`capture_budget_s` is spent: the
+        shapes not reached leave the grid (:meth:`_cut_grid`)."""
         import torch
 
-        t0 = time.perf_counter()
+        t0 = clock()
         todo = sorted(self.bucket_shapes(), key=lambda nc: (-nc[0], -nc[1]))
         if not self.bucketing:
             todo = []
-        capture = self.graphs_on and self.device.type == "cuda"
+        capture = self.capturing()
         pool = torch.cuda.graph_pool_handle() if capture else None
+        # The budget counts from the end of the second capture: the first ones carry the
+        # one-time costs (CUDA's and the libraries' set-up; with FlexAttention its compiles,
+        # the first shape's and the dynamic one), which no cut of the grid would save.
+        since: float | None = None
         with torch.inference_mode():
             for i, (n, c) in enumerate(todo, 1):
+                if capture and since is not None and 0 < self.capture_budget_s < clock() - since:
+                    self._cut_grid(todo[i - 1:], clock() - since)
+                    break
                 step = self.step_class(self, n, c)
                 step.bucket = True
                 if capture:
@@ -451,13 +484,26 @@ class StaticRunner:
                         self.drop_graphs()
                         break
                 self.steps[(n, c)] = step
+                since = clock() if i == 2 else since
                 if progress is not None and capture and (i == len(todo) or i % 4 == 0):
                     progress(f"warming: captured {i}/{len(todo)} decode graphs (batch {n}, cache {c})")
             self.reset_counters(0)
             self.mask_flat.zero_()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.capture_s = time.perf_counter() - t0
+        self.capture_s = clock() - t0
+
+    def _cut_grid(self, left: Sequence[tuple[int, int]], spent: float) -> None:
+        """The captures ran out of time (``spent`` seconds since the second) with the shapes
+        ``left`` (the fewest rows) not reached:
+        they leave the grid, and so does a cache bucket with no shape left, so that rows take
+        the next captured bucket rather than step outside every one (eager on CUDA)."""
+        self.uncaptured = len(left)
+        self.cache_buckets = tuple(c for c in self.cache_buckets if any(bc == c for _, bc in self.steps))
+        self.batch_buckets = tuple(n for n in self.batch_buckets if any(bn == n for bn, _ in self.steps))
+        log.warning("warming: the decode graphs' captures took %.1f s of their %.0f s (graph_capture_s): %d "
+                    "smaller bucket shapes of %d left out, batches of fewer rows run in the next captured bucket",
+                    spent, self.capture_budget_s, len(left), len(left) + len(self.steps))
 
 
 class StaticRun:

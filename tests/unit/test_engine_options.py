@@ -12,7 +12,8 @@ from sclsd import config as C
 from sclsd.daemon.supervisor import Supervisor
 from sclsd.engine_options import OPTIONS, Choice, Option, Range, check_option, parse_option
 from worker import main as wm
-from worker.engines.static_cache import as_switch, parse_sizes
+from worker.engines.static_cache import as_switch
+from worker.engines.static_grid import parse_sizes
 
 HEAD = ["--connect", "ipc:///x", "--id", "w"]
 

@@ -18,11 +18,8 @@ torch = pytest.importorskip("torch")
 from sclsd.protocol import BatchMsg, BatchRequest, RequestOutput  # noqa: E402
 from worker.engines import create_engine  # noqa: E402
 from worker.engines.hf import HFEngine  # noqa: E402
-from worker.engines.static_cache import (  # noqa: E402
-    StaticOptions,
-    activation_reserve,
-    parse_sizes,
-)
+from worker.engines.static_cache import StaticOptions, activation_reserve  # noqa: E402
+from worker.engines.static_grid import parse_sizes  # noqa: E402
 
 GEN = 20
 BUDGET = 64 * 1024**2

@@ -16,12 +16,8 @@ from sclsd.protocol import BatchMsg, BatchRequest  # noqa: E402
 from worker.engines import create_engine  # noqa: E402
 from worker.engines.graph_check import GRAPH_LOGIT_TOLERANCE, check_graphs, verify  # noqa: E402
 from worker.engines.hf import HFEngine  # noqa: E402
-from worker.engines.static_cache import (  # noqa: E402
-    DEFAULT_BATCH_SIZES,
-    DEFAULT_CACHE_TOKENS,
-    DecodeStep,
-    StaticOptions,
-)
+from worker.engines.static_cache import DecodeStep, StaticOptions  # noqa: E402
+from worker.engines.static_grid import DEFAULT_BATCH_SIZES, DEFAULT_CACHE_TOKENS  # noqa: E402
 
 BUDGET = 64 * 1024**2
 GEN = 12
@@ -303,7 +299,8 @@ def test_captures_stop_at_their_budget_and_the_smaller_shapes_leave_the_grid(mon
         plan = cut.plan(rows, need)
         assert plan is not None and plan.graph and (plan.n, plan.c) in kept, (rows, need, plan)
     assert f"{cut.uncaptured} smaller bucket shapes of {len(every.captured())} left out" in caplog.text
-    from sclsd.bench.gpu_stages import log_facts  # gpu-check reads the same line from a worker's log
+    # gpu-check reads the same line from a worker's log.
+    from sclsd.bench.gpu_stages import log_facts
 
     log = tmp_path / "worker.log"
     log.write_text(caplog.text)
@@ -319,3 +316,30 @@ def test_both_arena_engines_take_the_capture_budget() -> None:
     assert make(static_cache=True).static.capture_budget_s == 30.0
     assert make(static_cache=True, graph_capture_s="7.5").static.capture_budget_s == 7.5
     assert make_cb(graph_capture_s=0).static.capture_budget_s == 0.0
+
+
+def test_the_kv_memory_leaves_room_for_the_decode_graphs_logits():
+    """Each captured step keeps its ``[n, vocab]`` logits: the KV memory is taken down by their
+    sum over the grid of the arena it would size (the 7B's in fp16 over the default grid in an
+    H200's arena: about 0.35 GiB); the smaller arena's own grid never holds more. None without
+    graphs."""
+    import dataclasses
+
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                      vocab_size=32000)
+    plain = StaticOptions.parse("cpu", True, True, False, 0.9, None, None, None, True)
+    kv = int(220_620 / 0.9) * DELTA_7B + DELTA_7B  # the H200's arena at 0.9
+    assert plain.graph_outputs(cfg, torch.float16, kv, DELTA_7B, 4096) == 0
+    opts = dataclasses.replace(plain, graphs=True)
+    logits = opts.graph_outputs(cfg, torch.float16, kv, DELTA_7B, 4096)
+    runner = opts.runner(None, cfg, torch.device("cpu"), torch.float32, kv, DELTA_7B, 0, max_context=4096)
+    assert runner.arena.tokens == 220_620 and len(runner.bucket_shapes()) == 116
+    assert logits == sum(n for n, _ in runner.bucket_shapes()) * 32000 * 2
+    assert 0.3 * 2**30 < logits < 0.4 * 2**30
+    smaller = opts.runner(None, cfg, torch.device("cpu"), torch.float32, kv - logits, DELTA_7B, 0, max_context=4096)
+    assert sum(n for n, _ in smaller.bucket_shapes()) * 32000 * 2 <= logits
+    # A finer grid keeps more of them.
+    fine = dataclasses.replace(opts, batch_sizes=(*opts.batch_sizes, 40, 56, 80, 112, 160))
+    assert fine.graph_outputs(cfg, torch.float16, kv, DELTA_7B, 4096) > logits

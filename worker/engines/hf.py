@@ -276,7 +276,7 @@ class HFEngine(TransformersModel, SliceEngine):
         opts = StaticOptions.parse(self.device.type, self.static_default, static_cache, cuda_graphs,
                                    static_share, graph_batch_sizes, graph_cache_tokens, prefill_chunk_tokens,
                                    static_buckets, graph_capture_s)
-        self.kv_limit = self.kv_memory(opts.reserve_tokens, opts.reserve_rows)
+        self.kv_limit = self.arena_memory(opts)
         """Bytes of KV the batches and the retained caches share, measured once."""
         self.static: StaticRunner | None = None
         """The static-cache path (None: every batch runs eagerly)."""

@@ -26,7 +26,7 @@ from typing import Any
 from sclsd import models
 from sclsd.protocol import BatchRequest, EngineCaps, TokenLogprobs
 from worker.engines.base import EngineInfo
-from worker.engines.static_cache import activation_reserve
+from worker.engines.static_cache import StaticOptions, activation_reserve
 
 __all__ = ["DEFAULT_CPU_BUDGET", "PROMPT_CHUNK", "HiddenTap", "PromptScore", "TransformersModel", "head_logits",
            "maybe_tap", "peak_memory", "prompt_head_ok", "scores_prompt", "vocab_size"]
@@ -118,6 +118,13 @@ class TransformersModel:
         log.info("KV memory: %.2f GiB free after the weights, %.2f GiB kept for activations",
                  free / 2**30, reserve / 2**30)
         return max(0, int(free) - reserve)
+
+    def arena_memory(self, opts: StaticOptions) -> int:
+        """Bytes of KV for a static path of ``opts``: :meth:`kv_memory` for its prefill chunk and
+        sampled rows, less the logits its captured decode steps keep
+        (:meth:`~worker.engines.static_cache.StaticOptions.graph_outputs`; none without graphs)."""
+        kv = self.kv_memory(opts.reserve_tokens, opts.reserve_rows)
+        return kv - opts.graph_outputs(self.config, self.dtype, kv, self.delta, self.max_context)
 
     def model_info(self, mem_available: int, caps: EngineCaps) -> EngineInfo:
         """What a worker registers with: the model's facts, ``mem_available`` (M_ava) and ``caps``."""

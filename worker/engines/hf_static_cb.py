@@ -148,11 +148,10 @@ class HFStaticCBEngine(TransformersModel, Engine):
 
     def __init__(self, model: str = models.DEFAULT_MODEL, device: str = "cpu", dtype: Any = None,
                  mem_budget: int | None = None, threads: int | None = None, kv_reuse: bool = True,
-                 kv_retain_bytes: int | None = None, kv_host_bytes: int | None = None,
-                 cuda_graphs: Any = "auto", static_share: float = ARENA_SHARE, graph_batch_sizes: Any = None,
-                 graph_cache_tokens: Any = None, prefill_chunk_tokens: int | None = None,
-                 static_buckets: Any = None, max_rows: int | None = None, decode_attention: str = "sdpa", share_prefixes: bool = True,
-                 graph_capture_s: Any = None) -> None:
+                 kv_retain_bytes: int | None = None, kv_host_bytes: int | None = None, cuda_graphs: Any = "auto",
+                 static_share: float = ARENA_SHARE, graph_batch_sizes: Any = None, graph_cache_tokens: Any = None,
+                 prefill_chunk_tokens: int | None = None, static_buckets: Any = None, max_rows: int | None = None,
+                 decode_attention: str = "sdpa", share_prefixes: bool = True, graph_capture_s: Any = None) -> None:
         self.load(model, device, dtype, mem_budget, threads)
         self.scores_prompts()  # checked once, on the model as loaded (before FlexAttention may replace SDPA)
         opts = StaticOptions.parse(self.device.type, True, True, cuda_graphs, static_share, graph_batch_sizes,
@@ -166,7 +165,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
         if why is not None:
             self.unload()
             raise ModelUnsupported(f"{self.name}: {why}: use engine hf-cb")
-        self.kv_limit = self.kv_memory(opts.reserve_tokens, opts.reserve_rows)
+        self.kv_limit = self.arena_memory(opts)
         """Bytes of KV the arena and the kept KV share, measured once."""
         tokens = int(opts.share * self.kv_limit) // max(1, self.delta)
         if tokens < 1:

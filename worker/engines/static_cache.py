@@ -45,6 +45,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from sclsd.engine_options import parse_option
+from worker.engines.static_grid import (
+    DEFAULT_BATCH_SIZES,
+    DEFAULT_CACHE_TOKENS,
+    DEFAULT_CAPTURE_S,
+    cache_grid,
+    grid_shapes,
+    parse_sizes,
+)
 
 log = logging.getLogger("worker")
 
@@ -56,23 +64,6 @@ clock = time.perf_counter
 #: (left padding before them). ``hf``'s prompt log-probabilities read the pass's hidden states.
 ChunkDone = Callable[[int, Sequence[int]], None]
 
-#: Batch-size buckets captured by default (those the arena can hold with the smallest cache).
-#: A batch of more rows than the largest bucket still runs, eagerly in its own shape.
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-#: Cache-length buckets captured by default (up to the model's context and the arena), steps
-#: of 1.5× rather than 2×: the arena is a share of the KV memory, not a power of two, so a
-#: grid of powers of two misses common shapes at its edge (7B on an 80 GB H100: 65,290 slots,
-#: and (32 rows, 2048) needs 65,536, so 32 rows of 1024-token contexts found no graph; with
-#: 1536 they do, and every batch bucket's largest cache bucket fills at least 2/3 of its rows'
-#: share of the arena).
-DEFAULT_CACHE_TOKENS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
-#: Seconds warm-up may spend capturing decode graphs after the first two, which carry the
-#: one-time costs (0: no limit; :meth:`StaticRunner.warm_up`). Captures go from the most
-#: rows down, so what a cut leaves out are the smallest batch buckets (a batch of fewer rows runs
-#: in the next captured one: a few more rows of KV read, never an eager step). The H100 captured
-#: 81 shapes in 13.6 s, and a worker must be ready within 60 s of its start, load and graph
-#: check included (docs/design.md §10).
-DEFAULT_CAPTURE_S = 30.0
 #: Rows whose sampling logits the activation reserve covers at least: the arena admits far
 #: more rows than the largest bucket (hundreds of short rows), all sampled in one step.
 RESERVE_ROWS = 512
@@ -80,12 +71,6 @@ RESERVE_ROWS = 512
 EAGER_RESERVE_TOKENS = 16384
 
 
-def parse_sizes(value: Any, name: str) -> tuple[int, ...]:
-    """Bucket list option ``name`` (a ``sizes`` kind) as :func:`parse_option` types it:
-    ascending, unique. ``sclsd-worker`` passes it typed; text (``"1,2,4"``, from an engine
-    built directly or ``sclsd-worker profile --opt``) is parsed there too."""
-    sizes: tuple[int, ...] = parse_option(name, value)
-    return sizes
 
 
 def as_switch(name: str, value: Any, auto: bool) -> bool:
@@ -161,6 +146,22 @@ class StaticOptions:
         pad = None if buckets is None else as_switch("static_buckets", buckets, False)
         budget: float = DEFAULT_CAPTURE_S if capture_s is None else parse_option("graph_capture_s", capture_s)
         return cls(on, graphs and on, frac, sizes, lens, chunk, pad, budget)
+
+    def graph_outputs(self, config: Any, dtype: Any, kv_bytes: int, delta: int, max_context: int) -> int:
+        """Device bytes the captured decode steps' logits keep (each graph's output lives as long
+        as its step: one ``[n, vocab]`` tensor per bucket shape) in an arena of ``share`` of
+        ``kv_bytes``; 0 without graphs. Taken from the KV memory before the arena is sized, which
+        makes the arena smaller and its grid no larger, so the bound holds (7B in fp16: 0.35 GiB
+        over the default grid in an H200's arena; the activation reserve's 1 GiB for workspaces
+        and graphs did not count them)."""
+        if not self.graphs:
+            return 0
+        import torch
+
+        tokens = int(self.share * kv_bytes) // max(1, delta)
+        shapes = grid_shapes(tokens, self.batch_sizes, cache_grid(self.cache_tokens, max_context))
+        width = torch.tensor([], dtype=dtype).element_size()
+        return sum(n for n, _ in shapes) * int(getattr(config, "vocab_size", 0) or 0) * width
 
     def runner(self, model: Any, config: Any, device: Any, dtype: Any, kv_bytes: int, delta: int,
                pad_id: int, max_context: int) -> StaticRunner:
@@ -345,9 +346,7 @@ class StaticRunner:
         self.pad_id = pad_id
         self.prefill_chunk_tokens = int(prefill_chunk_tokens)
         self.arena = KVArena(config, arena_tokens, dtype, device)
-        cap = max(c for c in cache_tokens) if cache_tokens else 1
-        limit = max_context if max_context > 0 else cap
-        self.cache_buckets = tuple(c for c in cache_tokens if c <= max(limit, min(cache_tokens)))
+        self.cache_buckets = cache_grid(cache_tokens, max_context)
         smallest = min(self.cache_buckets, default=1)
         self.batch_buckets = tuple(n for n in batch_sizes if self.arena.fits(n, smallest))
         self.largest_batch = max(batch_sizes, default=0)
@@ -394,14 +393,7 @@ class StaticRunner:
         fit, the most rows that do (``tokens // c``). Without that fill, rows between the two
         (33 to 42 at 1,536 columns in an H100's arena for a 7B, where 48 rows do not fit) would
         step in no bucket: eagerly, at several times a captured step's cost."""
-        out: list[tuple[int, int]] = []
-        for c in self.cache_buckets:
-            fit = [n for n in self.batch_buckets if self.arena.fits(n, c)]
-            out += [(n, c) for n in fit]
-            most = self.arena.tokens // c
-            if fit and self.largest_batch > most > max(fit):
-                out.append((most, c))
-        return sorted(out)
+        return grid_shapes(self.arena.tokens, self.batch_buckets, self.cache_buckets, self.largest_batch)
 
     def plan(self, rows: int, need: int) -> StepPlan | None:
         """Where a batch of ``rows`` needing ``need`` cache columns runs: the bucket of fewest

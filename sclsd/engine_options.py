@@ -142,8 +142,9 @@ OPTIONS: dict[str, Option] = {
     "graph_batch_sizes": Option(ARENA, "sizes", help="batch-size buckets"),
     "graph_cache_tokens": Option(ARENA, "sizes", help="cache-length buckets"),
     "graph_capture_s": Option(ARENA, "float", Range(ge=0.0, note="seconds; 0: no limit"),
-                              help="seconds warm-up may spend capturing decode graphs, from the most rows down "
-                                   "(default 30); the smaller bucket shapes not reached leave the grid"),
+                              help="seconds warm-up may spend capturing decode graphs after the first two "
+                                   "(default 30), each cache bucket's largest shape first; the smaller bucket "
+                                   "shapes not reached leave the grid"),
     "decode_attention": Option(("hf-static-cb",), "choice", Choice("sdpa", "flex"),
                                help="attention of the arena's decode steps: sdpa (default) reads every column of "
                                     "the step's slots; flex: FlexAttention reads only each row's own (compiled at "

@@ -29,8 +29,9 @@ sharing one memory pool. A batch runs in the smallest captured bucket that holds
 (extra rows are dummies: their outputs are never read); a batch outside every bucket
 runs the same step eagerly over the same arena. Captures stop after ``graph_capture_s``
 seconds (:data:`DEFAULT_CAPTURE_S`), so that a grid larger than the card captures in time
-cannot hold the worker past its start budget: the shapes not reached, the fewest rows, leave
-the grid and their batches run in the next captured bucket. The step reads its inputs from static
+cannot hold the worker past its start budget: the shapes not reached, smaller batch buckets
+(each width's largest goes first), leave the grid and their batches run in the next captured
+bucket. The step reads its inputs from static
 buffers (token ids, positions, mask, the column counter) and advances them itself, so a
 replay is all a decode iteration costs the host. Prefill stays eager, in chunks of at
 most ``prefill_chunk_tokens`` tokens, which bounds its activation memory.
@@ -50,6 +51,7 @@ from worker.engines.static_grid import (
     DEFAULT_CACHE_TOKENS,
     DEFAULT_CAPTURE_S,
     cache_grid,
+    capture_order,
     grid_shapes,
     parse_sizes,
 )
@@ -446,12 +448,13 @@ class StaticRunner:
 
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
         """Prepare a decode step per bucket the arena holds and, with graphs, capture each
-        (largest first, one shared memory pool) until :attr:`capture_budget_s` is spent: the
-        shapes not reached leave the grid (:meth:`_cut_grid`)."""
+        (:func:`~worker.engines.static_grid.capture_order`, one shared memory pool) until
+        :attr:`capture_budget_s` is spent: the shapes not reached leave the grid
+        (:meth:`_cut_grid`)."""
         import torch
 
         t0 = clock()
-        todo = sorted(self.bucket_shapes(), key=lambda nc: (-nc[0], -nc[1]))
+        todo = capture_order(self.bucket_shapes())
         if not self.bucketing:
             todo = []
         capture = self.capturing()
@@ -487,9 +490,9 @@ class StaticRunner:
 
     def _cut_grid(self, left: Sequence[tuple[int, int]], spent: float) -> None:
         """The captures ran out of time (``spent`` seconds since the second) with the shapes
-        ``left`` (the fewest rows) not reached:
-        they leave the grid, and so does a cache bucket with no shape left, so that rows take
-        the next captured bucket rather than step outside every one (eager on CUDA)."""
+        ``left`` (smaller batch buckets) not reached: they leave the grid, and so would a cache
+        bucket with no shape left (each width's largest went first), so that rows take the next
+        captured bucket rather than step outside every one (eager on CUDA)."""
         self.uncaptured = len(left)
         self.cache_buckets = tuple(c for c in self.cache_buckets if any(bc == c for _, bc in self.steps))
         self.batch_buckets = tuple(n for n in self.batch_buckets if any(bn == n for bn, _ in self.steps))

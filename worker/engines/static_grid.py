@@ -14,8 +14,8 @@ from typing import Any
 
 from sclsd.engine_options import parse_option
 
-__all__ = ["DEFAULT_BATCH_SIZES", "DEFAULT_CACHE_TOKENS", "DEFAULT_CAPTURE_S", "cache_grid", "grid_shapes",
-           "parse_sizes"]
+__all__ = ["DEFAULT_BATCH_SIZES", "DEFAULT_CACHE_TOKENS", "DEFAULT_CAPTURE_S", "cache_grid", "capture_order",
+           "grid_shapes", "parse_sizes"]
 
 #: Batch-size buckets captured by default (those the arena can hold with the smallest cache).
 #: A batch of more rows than the largest bucket still runs, eagerly in its own shape.
@@ -28,11 +28,13 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 #: share of the arena).
 DEFAULT_CACHE_TOKENS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 #: Seconds warm-up may spend capturing decode graphs after the first two, which carry the
-#: one-time costs (0: no limit; :meth:`~worker.engines.static_cache.StaticRunner.warm_up`). Captures go from the most
-#: rows down, so what a cut leaves out are the smallest batch buckets (a batch of fewer rows runs
-#: in the next captured one: a few more rows of KV read, never an eager step). The H100 captured
-#: 81 shapes in 13.6 s, and a worker must be ready within 60 s of its start, load and graph
-#: check included (docs/design.md §10).
+#: one-time costs (0: no limit; :meth:`~worker.engines.static_cache.StaticRunner.warm_up`).
+#: Each cache bucket's largest shape goes first (:func:`capture_order`), then the rest from the
+#: most rows down, so what a cut leaves out are smaller batch buckets: a batch of fewer rows
+#: runs in the next captured one (a few more rows of KV read), and rows of every width still
+#: find a bucket of as many rows as before, never an eager step. The H100 captured 81 shapes in
+#: 13.6 s, and a worker must be ready within 60 s of its start, load and graph check included
+#: (docs/design.md §10).
 DEFAULT_CAPTURE_S = 30.0
 
 
@@ -67,3 +69,16 @@ def grid_shapes(tokens: int, batch_sizes: Sequence[int], cache_buckets: Sequence
         if fit and largest > most > max(fit):
             out.append((most, c))
     return sorted(out)
+
+
+def capture_order(shapes: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The order warm-up captures ``shapes`` in: first each cache bucket's shape of the most rows
+    (the most the arena steps together at that width), then the rest; each part from the most
+    rows down (the first capture, the largest, sizes the shared memory pool). A budget that
+    cuts the list leaves every width its largest bucket."""
+    def key(nc: tuple[int, int]) -> tuple[int, int]:
+        return -nc[0], -nc[1]
+
+    heads = {c: max(n for n, bc in shapes if bc == c) for _, c in shapes}
+    first = sorted(((n, c) for c, n in heads.items()), key=key)
+    return first + sorted((s for s in shapes if s not in set(first)), key=key)

@@ -230,7 +230,7 @@ def test_a_turn_out_of_memory_halves_what_cached_prefixes_may_hold() -> None:
     s = KVStore(1000)
     assert s.keep_prefix(entry(HEAD + [1] * 4)) and s.keep_prefix(entry([7] + HEAD + [2] * 3))  # 200 each
     assert s.prefix_room() == 1000
-    assert s.shrink_prefixes() == (2, 200)  # they held 400
+    assert s.shrink_prefixes(0.0) == (2, 200)  # they held 400
     assert s.prefixes() == [] and s.prefix_room() == 200 and s.prefix_bytes == 0
     assert s.keep_prefix(entry(HEAD + [3] * 4))
     assert s.keep_prefix(entry([8] + HEAD + [4] * 3))  # 200 + 200 > 200: the older goes
@@ -241,8 +241,8 @@ def test_a_turn_out_of_memory_halves_what_cached_prefixes_may_hold() -> None:
     s.free_room(100, prefixes=True)  # a prefix's copy: only into room within the limit
     assert s.prefixes() == []
     assert s.put("a", entry([6] * 60))  # 600 bytes of kept KV, past the prefixes' limit
-    assert s.keep_prefix(entry(HEAD + [9] * 4)) and s.shrink_prefixes() == (1, 100)
-    assert s.shrink_prefixes() == (0, 100)  # none held: nothing to learn from
+    assert s.keep_prefix(entry(HEAD + [9] * 4)) and s.shrink_prefixes(1.0) == (1, 100)
+    assert s.shrink_prefixes(2.0) == (0, 100)  # none held: nothing to learn from
     assert s.held() == {"a": 60}
 
 

@@ -174,7 +174,7 @@ class HFStaticCBEngine(TransformersModel, Engine):
                                 opts.batch_sizes, opts.cache_tokens, opts.graphs, opts.prefill_chunk_tokens,
                                 self.max_context, opts.buckets, max_rows=min(int(max_rows or opts.reserve_rows),
                                                                              opts.reserve_rows),
-                                flex=decode_attention == "flex", capture_s=opts.capture_s)
+                                flex=decode_attention == "flex", capture_budget_s=opts.capture_budget_s)
         log.info("arena: %d token slots (%.2f GiB of %.2f GiB for KV), CUDA graphs %s", tokens,
                  self.static.arena.nbytes / 2**30, self.kv_limit / 2**30, "on" if self.static.graphs_on else "off")
         self.kv = _kv_store(kv_reuse, kv_retain_bytes, kv_host_bytes, self.kv_limit, self.static.arena.nbytes,

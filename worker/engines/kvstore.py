@@ -250,7 +250,7 @@ class KVStore:
         with self._lock:
             return max(0, min(self.budget - (self._bytes - self.prefix_bytes), self.prefix_limit))
 
-    def shrink_prefixes(self, now: float = 0.0) -> tuple[int, int]:
+    def shrink_prefixes(self, now: float) -> tuple[int, int]:
         """After a turn that ran out of device memory (at ``now``, monotonic seconds): drop
         every cached prefix (their memory is wanted elsewhere) and let them hold at most half
         of what they held then, so that a cache filling up again leaves the other half free

@@ -73,8 +73,6 @@ RESERVE_ROWS = 512
 EAGER_RESERVE_TOKENS = 16384
 
 
-
-
 def as_switch(name: str, value: Any, auto: bool) -> bool:
     """On/off option ``name`` (a ``bool`` or ``switch`` kind) as :func:`parse_option` types
     it, ``"auto"`` meaning ``auto``; text is parsed there, as for :func:`parse_sizes`."""
@@ -108,7 +106,7 @@ class StaticOptions:
     prefill_chunk_tokens: int
     buckets: bool | None = None
     """Run batches in bucket shapes without graphs too (None: only with graphs)."""
-    capture_s: float = DEFAULT_CAPTURE_S
+    capture_budget_s: float = DEFAULT_CAPTURE_S
     """Seconds the decode graphs' captures may take at warm-up (0: no limit)."""
 
     @property
@@ -174,7 +172,7 @@ class StaticOptions:
                              f"{delta} bytes per token")
         return StaticRunner(model, config, device, dtype, tokens, pad_id, self.batch_sizes,
                             self.cache_tokens, self.graphs, self.prefill_chunk_tokens, max_context,
-                            self.buckets, self.capture_s)
+                            self.buckets, self.capture_budget_s)
 
 
 #: Attention implementations the static path's 4-D mask is right for: SDPA takes it as a
@@ -340,7 +338,7 @@ class StaticRunner:
                  batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
                  cache_tokens: Sequence[int] = DEFAULT_CACHE_TOKENS,
                  graphs: bool = False, prefill_chunk_tokens: int = 0, max_context: int = 0,
-                 buckets: bool | None = None, capture_s: float = DEFAULT_CAPTURE_S) -> None:
+                 buckets: bool | None = None, capture_budget_s: float = DEFAULT_CAPTURE_S) -> None:
         import torch
 
         self.model = model
@@ -374,7 +372,7 @@ class StaticRunner:
         """False: :meth:`plan` passes the bucket steps by (the warm-up's check)."""
         self.steps: dict[tuple[int, int], DecodeStep] = {}
         self.capture_s = 0.0
-        self.capture_budget_s = float(capture_s)
+        self.capture_budget_s = float(capture_budget_s)
         """Seconds the captures may take at warm-up (0: no limit; :data:`DEFAULT_CAPTURE_S`)."""
         self.uncaptured = 0
         """Bucket shapes the warm-up left out of the grid when its captures ran out of time."""

@@ -458,6 +458,8 @@ def _live(rows: Rows) -> list[str]:
                 rows_of += f" (cached prefixes held to {arena['prefix_limit_gib']:.2f} GiB since)"
             if arena and arena.get("padding"):
                 rows_of += "; padding read per step: " + ", ".join(f"{k} {v}" for k, v in arena["padding"].items())
+            if arena and arena.get("shapes"):
+                rows_of += "; steps by shape: " + ", ".join(f"{n}×{c} {k}" for n, c, k in arena["shapes"])
             if r.get("captures_cut"):
                 cut = r["captures_cut"]
                 rows_of += (f"; graph captures CUT at {cut['s']:.1f} s (graph_capture_s): {cut['left_out']} of "

@@ -387,6 +387,10 @@ def log_facts(log: Path) -> dict[str, Any]:
         if pad:
             out["arena_rows"]["padding"] = {why: int(n) for why, n in re.findall(r"([a-z' ]+?) (\d+)(?:, |$)",
                                                                                 pad.group(1).strip())}
+        shapes = re.search(r"steps by shape: ([^\n;]*)", text[m.start():])
+        if shapes:  # the buckets the steps ran in, the busiest first
+            out["arena_rows"]["shapes"] = [[int(n), int(c), int(k)]
+                                           for n, c, k in re.findall(r"(\d+)×(\d+) (\d+)", shapes.group(1))]
     return out
 
 

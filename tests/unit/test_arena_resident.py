@@ -373,6 +373,7 @@ def test_the_account_counts_the_steps_kv_reads_the_rows_own_and_relayouts(caplog
     # and the columns of its slice not written yet at each step (17 - 12, ..., 17 - 16).
     assert t.pad == {"dummy rows": 5 * 32, "ended rows": 0, "above the widest row": 5 * (32 - 17),
                      "the widest row over the others": 0, "slices not yet written": 5 + 4 + 3 + 2 + 1}
+    assert t.shapes == {(2, 32): 5}
     assert eng.rows.counts["relayouts"] == 0
     eng.submit(BatchMsg(batch_id=next(_bids), slice_len=8, requests=[req("a2", a, 8)], kv_reuse=False))
     seen = run_until(eng, lambda s: len(tokens_of(s, "a2")) >= 2)
@@ -387,6 +388,9 @@ def test_the_account_counts_the_steps_kv_reads_the_rows_own_and_relayouts(caplog
     # a2 (20 columns) beside b (44) read as wide as b; every column read is the rows' own or counted once.
     assert t.pad["the widest row over the others"] > 0 and sum(t.pad.values()) == t.cols_read - t.cols_own
     assert f"padding read per step: dummy rows {t.pad['dummy rows'] / t.steps:.0f}, ended rows " in caplog.text
+    # Which buckets the steps ran in, the busiest first: the relayout took them to 64 columns.
+    assert sum(t.shapes.values()) == t.steps and {c for _, c in t.shapes} == {32, 64}
+    assert f"; steps by shape: {t.busiest()}" in caplog.text and t.busiest().startswith("2×")
     # The turns that had work took time, and more of it than their prefills.
     ms = 1000 * (t.turns_s - t.prefill_s) / t.steps
     assert t.turns_s > t.prefill_s > 0 and f"s in turns: {ms:.1f} ms a step besides prefill" in caplog.text

@@ -334,11 +334,13 @@ def test_a_replay_shows_its_tpot_gaps_slices_and_the_arena_rows_account(tmp_path
     # The padding a step read, by why, ends the account.
     log.write_text(log.read_text().replace("GiB since\n", "GiB since; padding read per step: dummy rows 9000, "
                                            "ended rows 1200, above the widest row 20000, the widest row over the "
-                                           "others 15000, slices not yet written 8000\n"))
+                                           "others 15000, slices not yet written 8000; steps by shape: 64×2048 312, "
+                                           "48×3072 120\n"))
     pad = log_facts(log)["arena_rows"]
     assert pad["prefix_limit_gib"] == 1.55 and pad["padding"] == {
         "dummy rows": 9000, "ended rows": 1200, "above the widest row": 20000, "the widest row over the others": 15000,
         "slices not yet written": 8000}
+    assert pad["shapes"] == [[64, 2048, 312], [48, 3072, 120]]
     text = R.render([row, {"stage": "sat-ils-hf-static-cb", "phase": "stopped", "total_s": 60, "arena_rows": pad}])
     assert "captures_cut" not in log_facts(log) and "CUT" not in text
     # A warm-up whose captures ran out of their budget says so.
@@ -350,4 +352,5 @@ def test_a_replay_shows_its_tpot_gaps_slices_and_the_arena_rows_account(tmp_path
     cut_text = R.render([row, {"stage": "sat-scls-cb-hf-static-cb-fine-cap", "phase": "stopped", "total_s": 60, **cut}])
     assert "graph captures CUT at 30.2 s (graph_capture_s): 54 of 230 bucket shapes left out" in cut_text
     assert "(cached prefixes held to 1.55 GiB since); padding read per step: dummy rows 9000, ended rows 1200, " \
-        "above the widest row 20000, the widest row over the others 15000, slices not yet written 8000" in text
+        "above the widest row 20000, the widest row over the others 15000, slices not yet written 8000; steps by " \
+        "shape: 64×2048 312, 48×3072 120" in text

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +80,8 @@ class StepTally:
     """The columns read that were not the rows' own, by why (:data:`PADDING`): what each way
     of reading fewer would save (finer buckets, slots of several widths, a kernel that reads
     only each row's own columns)."""
+    shapes: Counter[tuple[int, int]] = field(default_factory=Counter)
+    """Steps by shape ``(n, c)``: which buckets a workload steps in, and so which a grid needs."""
 
     def add(self, rows: int, n: int, c: int, own: int, loose: bool = False, *, slots: int | None = None,
             widest: int | None = None, needs: int | None = None) -> None:
@@ -96,6 +98,7 @@ class StepTally:
         self.rows += rows
         self.cols_read += n * c
         self.cols_own += own
+        self.shapes[(n, c)] += 1
         for why, cols in zip(PADDING, ((n - k) * c, (k - rows) * c, rows * (c - widest), rows * widest - needs,
                                        needs - own), strict=True):
             self.pad[why] += cols
@@ -104,6 +107,10 @@ class StepTally:
         """The padding read per step by why, for the account at close."""
         per = max(1, self.steps)
         return ", ".join(f"{why} {cols / per:.0f}" for why, cols in self.pad.items())
+
+    def busiest(self, most: int = 8) -> str:
+        """The ``most`` shapes the most steps ran in, ``n×c steps``, for the account at close."""
+        return ", ".join(f"{n}×{c} {k}" for (n, c), k in self.shapes.most_common(most))
 
 
 class ArenaRows(Joining, PrefixSharing):
@@ -181,7 +188,7 @@ class ArenaRows(Joining, PrefixSharing):
                 f"{1000 * max(0.0, t.turns_s - t.prefill_s) / per:.1f} ms a step besides prefill; "
                 f"{t.loose} steps outside the buckets, {c['regroups']} regroups"
                 + (f", {c['spill_oom']} spills dropped for want of device memory" if c["spill_oom"] else "")
-                + self.oom_account() + f"; padding read per step: {t.padding()}")
+                + self.oom_account() + f"; padding read per step: {t.padding()}; steps by shape: {t.busiest()}")
 
     def take_evicted(self) -> list[str]:
         out, self.evicted = self.evicted, []

@@ -325,6 +325,8 @@ def test_metrics_http_must_be_bindable() -> None:
         ("hf", {"static_share": 1.5}, "static_share", "in (0, 1]"),
         ("hf", {"graph_batch_sizes": "1,x"}, "graph_batch_sizes", "positive integers"),
         ("hf", {"graph_batch_sizes": [0, 2]}, "graph_batch_sizes", "positive integers"),
+        ("hf-static-cb", {"graph_capture_s": -1}, "graph_capture_s", ">= 0"),
+        ("hf-cb", {"graph_capture_s": 30}, "graph_capture_s", "does not take it"),
         ("hf-cb", {"num_blocks": 0}, "num_blocks", ">= 1"),
         ("hf-cb", {"poll_s": float("nan")}, "poll_s", "finite"),
         ("hf-cb", {"kv_reuse": True}, "kv_reuse", "does not take it"),

@@ -83,23 +83,19 @@ class StepTally:
     shapes: Counter[tuple[int, int]] = field(default_factory=Counter)
     """Steps by shape ``(n, c)``: which buckets a workload steps in, and so which a grid needs."""
 
-    def add(self, rows: int, n: int, c: int, own: int, loose: bool = False, *, slots: int | None = None,
-            widest: int | None = None, needs: int | None = None) -> None:
+    def add(self, rows: int, n: int, c: int, own: int, loose: bool, *, slots: int, widest: int,
+            needs: int) -> None:
         """One step of ``rows`` running rows in ``n`` slots of ``c`` columns, holding ``own``;
         ``loose``: its shape is no bucket (:attr:`loose`). ``slots``: the step's rows with the
-        ghosts of rows that ended (default ``rows``); ``widest`` and ``needs``: the running
-        rows' largest and summed :attr:`~worker.engines.arena_cb.Row.need` (default: each row
-        as wide as ``c``), which split the padding (:attr:`pad`)."""
-        k = rows if slots is None else slots
-        widest = c if widest is None else widest
-        needs = rows * widest if needs is None else needs
+        ghosts of rows that ended; ``widest`` and ``needs``: the running rows' largest and
+        summed :attr:`~worker.engines.arena_cb.Row.need`, which split the padding (:attr:`pad`)."""
         self.steps += 1
         self.loose += loose
         self.rows += rows
         self.cols_read += n * c
         self.cols_own += own
         self.shapes[(n, c)] += 1
-        for why, cols in zip(PADDING, ((n - k) * c, (k - rows) * c, rows * (c - widest), rows * widest - needs,
+        for why, cols in zip(PADDING, ((n - slots) * c, (slots - rows) * c, rows * (c - widest), rows * widest - needs,
                                        needs - own), strict=True):
             self.pad[why] += cols
 

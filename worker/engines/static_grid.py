@@ -81,4 +81,4 @@ def capture_order(shapes: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
 
     heads = {c: max(n for n, bc in shapes if bc == c) for _, c in shapes}
     first = sorted(((n, c) for c, n in heads.items()), key=key)
-    return first + sorted((s for s in shapes if s not in set(first)), key=key)
+    return first + sorted(set(shapes) - set(first), key=key)

@@ -14,12 +14,16 @@ Two kinds of workers (:class:`Workload`):
   in the middle of a batch): its tokens are a function of the prompt and the position
   (:func:`reference_tokens`), greedy requests only;
 - a transformers engine (``hf``, ``hf-cb``, ``hf-static-cb``) on ``tiny-random`` (fp32, on
-  the CPU), under ``scls-cb`` for the grant engines: greedy requests and, for a share,
-  seeded sampling (a seeded row's draw of its token ``g`` depends on ``(seed, g)`` only), so
-  both have one right answer, ``hf``'s one pass (:class:`~sclsd.bench.chaos_checks.HFReference`, computed after the
-  run, in batches). fp32 logits differ by about 1e-6 with the rows beside them, so a pick
-  within 1e-4 of another (a near tie) may go either way: a request whose tokens first differ
-  at such a pick, right up to it, counts as a near tie, not as wrong.
+  the CPU), or ``llama`` (llama.cpp, the CPU's default engine) on the same weights as a GGUF,
+  under ``scls-cb`` for the grant engines: greedy requests and, for a share, seeded sampling
+  (a seeded row's draw of its token ``g`` depends on ``(seed, g)`` only), so both have one
+  right answer, ``hf``'s one pass (:class:`~sclsd.bench.chaos_checks.HFReference`, computed
+  after the run, in batches). An engine's logits differ a little with the rows beside them
+  (fp32: about 1e-6; ``llama``, whose KV is fp16: more), so a pick may go to a token next to
+  the reference's: a request whose tokens first differ at such a pick (within the engine's
+  :class:`~sclsd.bench.chaos_checks.Tolerance`), right up to it, counts as a near tie, not as
+  wrong; a wrong context (KV of another row, a token at the wrong position) picks tokens far
+  from the reference's.
 
 A request that lost slices to a kill and was served again must give exactly the tokens of
 one uninterrupted pass. Checked per request: ``accepted``, then exactly one terminal event;
@@ -59,28 +63,29 @@ from .api_bench import ZERO_PROFILE
 from .chaos_checks import (
     HF_MODEL,
     Finished,
-    HFReference,
     Tally,
     check_prompt,
     check_tokens,
+    reference_for,
     reference_tokens,
 )
 
-#: Engines checked against ``hf``'s one pass on ``tiny-random`` (the transformers engines).
-HF_ENGINES = ("hf", "hf-cb", "hf-static-cb")
+#: Engines checked against ``hf``'s one pass on ``tiny-random`` (the transformers engines, and
+#: ``llama`` on the same weights).
+HF_ENGINES = ("hf", "hf-cb", "hf-static-cb", "llama")
 ENGINES = ("fake", *HF_ENGINES)
 #: The policy each engine is driven with unless told: the grant engines' is ``scls-cb``.
-POLICY = {"fake": "scls", "hf": "scls", "hf-cb": "scls-cb", "hf-static-cb": "scls-cb"}
+POLICY = {"fake": "scls", "hf": "scls", "hf-cb": "scls-cb", "hf-static-cb": "scls-cb", "llama": "scls-cb"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=5.0, help="how long requests are sent and workers killed")
     p.add_argument("--workers", type=int, default=3, help="workers the daemon spawns")
     p.add_argument("--engine", default="fake", choices=ENGINES,
-                   help=f"the workers' engine: fake (tokens checked against its formula) or a transformers "
-                        f"engine on {HF_MODEL} (tokens checked against hf's one pass)")
-    p.add_argument("--policy", default=None, help="the scheduler's policy (default: scls-cb for hf-cb and "
-                                                   "hf-static-cb, else scls)")
+                   help=f"the workers' engine: fake (tokens checked against its formula), a transformers "
+                        f"engine on {HF_MODEL} or llama on its GGUF (tokens checked against hf's one pass)")
+    p.add_argument("--policy", default=None, help="the scheduler's policy (default: scls-cb for hf-cb, "
+                                                   "hf-static-cb and llama, else scls)")
     p.add_argument("--clients", type=int, default=4, help="client connections")
     p.add_argument("--window", type=int, default=4, help="requests in flight per connection")
     p.add_argument("--kill-every", type=float, default=2.0,
@@ -431,12 +436,14 @@ def run_chaos(*, seconds: float, workers: int = 3, clients: int = 4, window: int
         refs = [reference_tokens(list(s.prompt_ids or ()), s.max_tokens or 1, s.ignore_eos) for s in specs]
         check_tokens(tally, refs)
     else:
+        ref = reference_for(work.engine)
         if progress_s > 0:
-            print(f"  checking {len(specs)} requests against hf's one pass ...", file=sys.stderr, flush=True)
-        ref = HFReference()
+            print(f"  checking {len(specs)} requests against {ref.engine_name}'s one pass ...", file=sys.stderr,
+                  flush=True)
         try:
             refs = ref.tokens(specs, progress=progress_s > 0)
-            check_tokens(tally, refs, lambda f, i: ref.margin(f.spec, [*(f.spec.prompt_ids or ()), *f.tokens[:i]], i))
+            check_tokens(tally, refs,
+                         lambda f, i: ref.margin(f.spec, [*(f.spec.prompt_ids or ()), *f.tokens[:i]], i, f.tokens[i]))
         finally:
             ref.close()
     if dir is not None and tally.wrong_ones:
@@ -445,6 +452,7 @@ def run_chaos(*, seconds: float, workers: int = 3, clients: int = 4, window: int
     result["prompt_logprobs"] = tally.prompt_checked
     result["prompt_wrong"] = tally.prompt_wrong
     result["near_ties"] = tally.near_ties
+    result["near_tie_max"] = {k: float(f"{v:.2g}") for k, v in sorted(tally.tie_max.items())}
     result["problems"] = tally.examples
     result["ties"] = tally.ties[:5]
     return result

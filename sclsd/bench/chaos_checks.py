@@ -1,6 +1,6 @@
 """What ``sclsd-bench chaos`` holds each request to (:mod:`sclsd.bench.chaos` runs it): one
 uninterrupted pass's tokens, the fake engine's formula or ``hf``'s on ``tiny-random``, with the
-client's cancels and the near ties of fp32 logits taken into account (:func:`check_tokens`)."""
+client's cancels and the near ties of the engine's logits taken into account (:func:`check_tokens`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -31,21 +31,25 @@ def reference_tokens(prompt: list[int], max_tokens: int, ignore_eos: bool) -> li
     return out[0].token_ids
 
 
-class HFReference:
-    """``hf``'s one pass on ``tiny-random``: the tokens every engine must give a request, greedy
-    or seeded, and for a request that differs, how near the reference's pick was to another."""
+class Reference:
+    """One engine's uninterrupted pass on ``tiny-random``: the tokens a request served through
+    the daemon must have, greedy or seeded, whatever kills and regrants it went through, and
+    for a request that differs, how far the engine's pick was from the reference's
+    (:meth:`margin`). Subclasses say which engine and how it computes one context's logits."""
+
+    engine_name = "hf"
 
     def __init__(self, model: str = HF_MODEL) -> None:
         from worker.engines import create_engine
 
-        self.engine = create_engine("hf", model)
+        self.engine = create_engine(self.engine_name, model)
 
     def close(self) -> None:
         self.engine.close()
 
     def tokens(self, specs: list[P.Generate], progress: bool = False) -> list[list[int]]:
-        """What ``hf`` generates for each request in one pass, in batches of :data:`REF_BATCH`
-        requests of similar prompt lengths."""
+        """What the engine generates for each request in one pass, in batches of
+        :data:`REF_BATCH` requests of similar prompt lengths."""
         out: list[list[int]] = [[] for _ in specs]
         order = sorted(range(len(specs)), key=lambda i: len(specs[i].prompt_ids or ()))
         for a in range(0, len(order), REF_BATCH):
@@ -62,40 +66,111 @@ class HFReference:
                 print(f"  references: {a + len(idx)} of {len(specs)}", file=sys.stderr, flush=True)
         return out
 
-    def margin(self, spec: P.Generate, context: list[int], position: int) -> float:
-        """How near the pick of token ``position`` after ``context`` (the prompt and the tokens
-        before it) was to another pick, in probability: greedy, the gap between the two most
-        likely tokens; seeded, the distance of the draw from its token's edges in the cumulative
-        distribution (:func:`~worker.engines.sampling.inverse_transform`'s), or of the nucleus'
-        edge from ``top_p``, the smaller. fp32 logits differ by about 1e-6 with the rows beside
-        them, so a pick nearer than that to another may go either way in a batch."""
+    def logits(self, context: list[int]) -> Any:
+        """The engine's fp32 logits for the token after ``context``: a ``[1, vocab]`` tensor."""
         import torch
-
-        from worker.engines.sampling import filter_logits, uniform
 
         engine: Any = self.engine  # a transformers engine: its model and device
         with torch.inference_mode():
             ids = torch.tensor([context], dtype=torch.long, device=engine.device)
-            x = engine.model(input_ids=ids).logits[:, -1, :].float().cpu()
-        if spec.seed is None or spec.temperature == 0:
-            top = torch.softmax(x[0], -1, dtype=torch.float64).topk(2).values
-            return float(top[0] - top[1])
-        t = torch.tensor([spec.temperature])
-        y = filter_logits(x, t, torch.tensor([spec.top_k]), torch.tensor([spec.top_p]), torch.tensor([spec.min_p]))
-        cdf = torch.softmax(y, -1, dtype=torch.float64).cumsum(-1)[0]
-        target = uniform(spec.seed, position) * float(cdf[-1])
-        tok = int(torch.searchsorted(cdf, torch.tensor([target], dtype=torch.float64), right=True))
-        lo = float(cdf[tok - 1]) if tok > 0 else 0.0
-        edge = (torch.softmax(x[0] / t, -1, dtype=torch.float64).sort(descending=True).values.cumsum(-1)
-                - spec.top_p).abs().min()
-        return min(target - lo, float(cdf[min(tok, len(cdf) - 1)]) - target, float(edge))
+            return engine.model(input_ids=ids).logits[:, -1, :].float().cpu()
+
+    def margin(self, spec: P.Generate, context: list[int], position: int, got: int) -> float:
+        """How far the engine's pick ``got`` of token ``position`` after ``context`` (the prompt
+        and the tokens before it) was from the reference's, in the reference's distribution
+        (:func:`pick_margin`)."""
+        return pick_margin(self.logits(context), spec, position, got)
 
 
-#: A pick nearer than this to another (in probability, :meth:`HFReference.margin`) is a near tie:
-#: a request that differs from the reference first there is counted apart, not as wrong.
-NEAR_TIE = 1e-4
+class HFReference(Reference):
+    """``hf``'s one pass: the reference of the transformers engines, which run the same fp32
+    weights through the same kernels."""
 
-#: ``margin(finished, first difference)``: how near the reference's pick there was to another.
+
+class LlamaReference(Reference):
+    """``llama``'s one pass on ``tiny-random``'s GGUF: the reference of ``llama`` workers.
+    llama.cpp keeps the KV in fp16, so its tokens are not ``hf``'s everywhere (on 48 greedy
+    requests of 48 tokens, 6 first differed from ``hf``'s, by up to 0.13 nats), but a request
+    gives the same tokens beside other rows, alone, or prefilled again from any point of its
+    answer, as a worker killed mid-request has it served again."""
+
+    engine_name = "llama"
+
+    def logits(self, context: list[int]) -> Any:
+        import torch
+
+        from worker.engines.llama import last_logits
+        from worker.engines.llama_lib import Context
+
+        engine: Any = self.engine
+        ctx = Context(engine.model, max(256, -(-(len(context) + 1) // 256) * 256), 1, engine.batch_tokens, 1)
+        try:
+            return torch.from_numpy(last_logits(ctx, context, engine.batch_tokens)).float().view(1, -1)
+        finally:
+            ctx.close()
+
+
+def reference_for(engine: str, model: str = HF_MODEL) -> Reference:
+    """The reference an engine's tokens are checked against: its own one pass for ``llama``,
+    ``hf``'s for the transformers engines."""
+    return LlamaReference(model) if engine == "llama" else HFReference(model)
+
+
+def pick_margin(x: Any, spec: P.Generate, position: int, got: int) -> float:
+    """How far the pick ``got`` of token ``position`` was from the one ``spec`` makes from the
+    ``[1, vocab]`` fp32 logits ``x``, in their distribution: greedy, how much less likely
+    ``got`` is than the most likely token (in log-probability); seeded, how far the draw lies
+    from ``got``'s span of the cumulative distribution
+    (:func:`~worker.engines.sampling.inverse_transform`'s), or the nucleus' edge from ``top_p``
+    (a token at the edge is in one engine's nucleus and not in the other's), the smaller.
+    Logits that differ a little with the rows beside them move a pick only to a token this
+    near; a wrong context (KV of another row, a token at the wrong position) picks tokens that
+    are not."""
+    import torch
+
+    from worker.engines.sampling import filter_logits, uniform
+
+    if spec.seed is None or spec.temperature == 0:
+        lp = torch.log_softmax(x[0], -1, dtype=torch.float64)
+        return float(lp.max() - lp[got])
+    t = torch.tensor([spec.temperature])
+    y = filter_logits(x, t, torch.tensor([spec.top_k]), torch.tensor([spec.top_p]), torch.tensor([spec.min_p]))
+    cdf = torch.softmax(y, -1, dtype=torch.float64).cumsum(-1)[0]
+    target = uniform(spec.seed, position) * float(cdf[-1])
+    lo = float(cdf[got - 1]) if got > 0 else 0.0
+    span = max(0.0, lo - target, target - float(cdf[got]))
+    if spec.top_p >= 1:  # no nucleus, no edge (every cumulative sum ends at 1)
+        return span
+    edge = (torch.softmax(x[0] / t, -1, dtype=torch.float64).sort(descending=True).values.cumsum(-1)
+            - spec.top_p).abs().min()
+    return min(span, float(edge))
+
+
+class Tolerance(NamedTuple):
+    """How far an engine's pick may be from the reference's (:meth:`HFReference.margin`) and
+    still be a near tie: a request that first differs from the reference at such a pick, and is
+    right up to there, is counted apart, not as wrong."""
+
+    greedy_nats: float
+    """A greedy pick at most this much less likely than the most likely token (log-probability)."""
+    draw: float
+    """A seeded draw at most this far from the picked token's span (probability)."""
+
+    @staticmethod
+    def kind(spec: P.Generate) -> str:
+        """Which bound a pick of ``spec``'s is held to: ``draw`` (seeded) or ``greedy_nats``."""
+        return "draw" if spec.seed is not None and spec.temperature != 0 else "greedy_nats"
+
+    def near(self, spec: P.Generate, margin: float) -> bool:
+        """Whether ``margin`` (of a pick of ``spec``'s) is a near tie."""
+        return margin <= float(getattr(self, self.kind(spec)))
+
+
+#: An engine's logits differ from its reference's by about 1e-6 with the rows beside them (fp32
+#: on both sides; ``llama`` against its own pass the same).
+TIES = Tolerance(greedy_nats=1e-3, draw=1e-4)
+
+#: ``margin(finished, first difference)``: how far the engine's pick there was from the reference's.
 Margin = Callable[["Finished", int], float]
 
 
@@ -140,6 +215,8 @@ class Tally:
     (:func:`check_tokens`), right up to there."""
     ties: list[str] = field(default_factory=list)
     """What each near tie was (the first few)."""
+    tie_max: dict[str, float] = field(default_factory=dict)
+    """The farthest pick among the near ties, by kind (``greedy_nats``, ``draw``)."""
     prompt_checked: int = 0
     """Requests that asked for their prompt's log-probabilities and ended ``done``, checked by
     :func:`check_prompt`."""
@@ -173,12 +250,13 @@ def check_prompt(tally: Tally, spec: P.Generate, got: list[list[P.TokenLogprobs]
                       f"{len(prompt)} prompt tokens, {reason}); entries right: {entries_ok}")
 
 
-def check_tokens(tally: Tally, refs: list[list[int]], margin: Margin | None = None) -> None:
+def check_tokens(tally: Tally, refs: list[list[int]], margin: Margin | None = None,
+                 ties: Tolerance = TIES) -> None:
     """Count in ``tally.wrong`` the finished requests whose tokens are not ``refs`` (one per
     :attr:`Tally.finished`): all of the reference, or for one the client cancelled that ended
     ``cancelled``, a prefix of it; and as many as the ``done`` counted. With ``margin``, one
-    whose tokens first differ where the reference's pick was a near tie (:data:`NEAR_TIE`),
-    and are right up to there, counts in ``tally.near_ties`` instead."""
+    whose tokens first differ at a pick within ``ties`` of the reference's, and are right up to
+    there, counts in ``tally.near_ties`` instead."""
     for f, want in zip(tally.finished, refs, strict=True):
         got = f.tokens
         if f.reason == "cancelled":
@@ -195,10 +273,12 @@ def check_tokens(tally: Tally, refs: list[list[int]], margin: Margin | None = No
         kind = f"seed {f.spec.seed}" if f.spec.seed is not None else "greedy"
         what = (f"{f.spec.id} ({kind}, {len(f.spec.prompt_ids or ())} prompt tokens): {len(got)} tokens "
                 f"({f.reason}), {f.counted} counted, reference {len(want)}; first difference at token {first}"
-                + (f", where the reference's pick was {near:.1e} from another" if near is not None else "")
+                + (f", where the pick was {near:.1e} from the reference's" if near is not None else "")
                 + f"; cancel sent: {f.cancel_sent}")
-        if near is not None and near < NEAR_TIE:
+        if near is not None and ties.near(f.spec, near):
             tally.near_ties += 1
+            bound = Tolerance.kind(f.spec)
+            tally.tie_max[bound] = max(tally.tie_max.get(bound, 0.0), near)
             tally.ties.append(what)
             continue
         tally.wrong += 1

@@ -8,14 +8,19 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
+
 from sclsd import protocol as P
 from sclsd.bench.chaos import ChaosClient, Workload, _Req
 from sclsd.bench.chaos_checks import (
-    NEAR_TIE,
+    TIES,
     Finished,
+    LlamaReference,
     Tally,
+    Tolerance,
     check_prompt,
     check_tokens,
+    pick_margin,
     reference_tokens,
 )
 
@@ -126,12 +131,12 @@ def test_a_difference_at_a_near_tie_is_counted_apart_and_any_other_is_wrong() ->
 
     def margin(f: Finished, first: int) -> float:
         asked.append(first)
-        return NEAR_TIE / 10 if first == 2 else 0.3
+        return TIES.draw / 10 if first == 2 else 0.3
 
     check_tokens(tally, [want] * 3, margin)
     assert (tally.near_ties, tally.wrong) == (1, 2), tally
     assert asked == [2, 1]  # the miscounted one is wrong without asking
-    assert "first difference at token 2" in tally.ties[0] and "1.0e-05 from another" in tally.ties[0]
+    assert "first difference at token 2" in tally.ties[0] and "1.0e-05 from the reference's" in tally.ties[0]
 
 
 def test_the_prompt_logprobs_check_wants_them_once_for_every_prompt_token() -> None:
@@ -158,3 +163,52 @@ def test_the_prompt_logprobs_check_wants_them_once_for_every_prompt_token() -> N
         t = Tally()
         check_prompt(t, spec, got, reason)
         assert t.prompt_wrong == 1 and t.examples, (spec.id, got, reason)
+
+
+def test_a_pick_is_measured_by_how_far_it_is_from_the_references() -> None:
+    """Greedy: how much less likely than the most likely token; seeded: how far the draw lies
+    from the picked token's span of the cumulative distribution. A token next to the right one
+    is near, any other far, however close the right pick was to its neighbours."""
+    import math
+
+    import torch
+
+    from worker.engines.sampling import uniform
+
+    logp = torch.tensor([math.log(0.5), math.log(0.3), math.log(0.1) - 1e-5, math.log(0.1)])
+    x = logp.view(1, -1)
+    greedy = P.Generate(id="g", prompt_ids=[1], temperature=0.0)
+    assert pick_margin(x, greedy, 0, 0) == 0.0
+    assert pick_margin(x, greedy, 0, 1) == pytest.approx(math.log(0.5 / 0.3))
+    # Token 2 is within 1e-5 of token 3, but the right pick is token 0: far.
+    assert not TIES.near(greedy, pick_margin(x, greedy, 0, 2))
+    seeded = P.Generate(id="s", prompt_ids=[1], temperature=1.0, seed=11)
+    u = uniform(11, 4)
+    probs = torch.softmax(x[0], -1, dtype=torch.float64)
+    cdf = probs.cumsum(-1)
+    drawn = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True))
+    assert pick_margin(x, seeded, 4, drawn) == 0.0
+    for tok in range(4):
+        lo = float(cdf[tok - 1]) if tok else 0.0
+        want = max(0.0, lo - u, u - float(cdf[tok]))
+        assert pick_margin(x, seeded, 4, tok) == pytest.approx(want)
+    # With a nucleus, a token at its edge may be in one engine's and not in the other's: near.
+    nucleus = P.Generate(id="n", prompt_ids=[1], temperature=1.0, seed=11, top_p=0.8 + 1e-4)
+    assert pick_margin(x, nucleus, 4, 2) == pytest.approx(1e-4, abs=2e-6)  # outside the nucleus here
+    bounds = Tolerance(greedy_nats=0.5, draw=0.01)
+    assert bounds.near(greedy, 0.4) and not bounds.near(seeded, 0.4) and bounds.near(seeded, 0.01)
+
+
+def test_llamas_reference_logits_are_those_its_one_pass_picks_from() -> None:
+    pytest.importorskip("ik_llama_cpp")
+    ref = LlamaReference()
+    try:
+        prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646]
+        spec = P.Generate(id="r", prompt_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
+        (toks,) = ref.tokens([spec])
+        assert len(toks) == 6
+        for i, tok in enumerate(toks):
+            x = ref.logits([*prompt, *toks[:i]])
+            assert int(x.argmax()) == tok and pick_margin(x, spec, i, tok) == 0.0
+    finally:
+        ref.close()

@@ -94,6 +94,17 @@ def test_slices_with_neighbours_equal_one_pass(llama) -> None:
     llama.release()
 
 
+def test_a_request_prefilled_again_from_any_point_equals_one_pass(llama) -> None:
+    """What a worker killed mid-request leaves: the request is served again elsewhere, its
+    answer so far prefilled after its prompt, with no KV kept. Its tokens must still be one
+    pass's, greedy and seeded (``sclsd-bench chaos --engine llama`` holds the daemon to it)."""
+    for bid, kw in ((12, {"ignore_eos": True}), (14, {"ignore_eos": True, "temperature": 0.9, "seed": 5})):
+        (one,), _ = llama.serve(batch(bid, [row("again", PROMPT, 40, **kw)]))
+        llama.release()
+        got = in_slices(llama, "again", PROMPT, 40, 7, True, bid + 100, between=lambda _k: llama.release(), **kw)
+        assert got == one.token_ids
+
+
 def test_kept_kv_is_reused_and_reported(llama) -> None:
     llama.release()
     (first,), st1 = llama.serve(batch(20, [row("k", PROMPT, 30)], slice_len=10))

@@ -251,9 +251,9 @@ def check_batches(model: Model, threads: int, batch_tokens: int) -> int:
     for size in sizes:
         ctx = Context(model, max(256, 2 * size), 1, size, threads)
         try:
-            one = _last_logits(ctx, tokens[:size], size)
+            one = last_logits(ctx, tokens[:size], size)
             ctx.seq_rm(0)
-            ref = _last_logits(ctx, tokens[:size], 7)
+            ref = last_logits(ctx, tokens[:size], 7)
         finally:
             ctx.close()
         spread = float(ref.max() - ref.min()) or 1.0
@@ -262,7 +262,9 @@ def check_batches(model: Model, threads: int, batch_tokens: int) -> int:
     return sizes[-1]
 
 
-def _last_logits(ctx: Context, tokens: list[int], chunk: int) -> np.ndarray:
+def last_logits(ctx: Context, tokens: list[int], chunk: int) -> np.ndarray:
+    """The logits after ``tokens``, decoded into sequence 0 of ``ctx`` (empty) in calls of
+    ``chunk`` tokens."""
     from worker.engines.llama_lib import Batch
 
     b = Batch(ctx.api, chunk)
@@ -271,5 +273,5 @@ def _last_logits(ctx: Context, tokens: list[int], chunk: int) -> np.ndarray:
         b.clear()
         b.add(part, 0, pos, pos + len(part) == len(tokens))
         if ctx.decode(b) != 0:
-            raise LlamaError("the warm-up batch does not fit its context")
+            raise LlamaError(f"{len(tokens)} tokens do not fit the context")
     return ctx.logits(1)[0].copy()

@@ -17,11 +17,12 @@ Two kinds of workers (:class:`Workload`):
   the CPU), or ``llama`` (llama.cpp, the CPU's default engine) on the same weights as a GGUF,
   under ``scls-cb`` for the grant engines: greedy requests and, for a share, seeded sampling
   (a seeded row's draw of its token ``g`` depends on ``(seed, g)`` only), so both have one
-  right answer, ``hf``'s one pass (:class:`~sclsd.bench.chaos_checks.HFReference`, computed
-  after the run, in batches). An engine's logits differ a little with the rows beside them
-  (fp32: about 1e-6; ``llama``, whose KV is fp16: more), so a pick may go to a token next to
-  the reference's: a request whose tokens first differ at such a pick (within the engine's
-  :class:`~sclsd.bench.chaos_checks.Tolerance`), right up to it, counts as a near tie, not as
+  right answer, one uninterrupted pass (:func:`~sclsd.bench.chaos_checks.reference_for`,
+  computed after the run, in batches): ``hf``'s for the transformers engines, ``llama``'s own
+  for ``llama``, whose fp16 KV makes its tokens differ from ``hf``'s in places. Logits differ
+  by about 1e-6 with the rows beside them, so a pick may go to a token next to the
+  reference's: a request whose tokens first differ at such a pick
+  (:data:`~sclsd.bench.chaos_checks.TIES`), right up to it, counts as a near tie, not as
   wrong; a wrong context (KV of another row, a token at the wrong position) picks tokens far
   from the reference's.
 
@@ -70,8 +71,7 @@ from .chaos_checks import (
     reference_tokens,
 )
 
-#: Engines checked against ``hf``'s one pass on ``tiny-random`` (the transformers engines, and
-#: ``llama`` on the same weights).
+#: Engines on ``tiny-random`` checked against one pass (:func:`~sclsd.bench.chaos_checks.reference_for`).
 HF_ENGINES = ("hf", "hf-cb", "hf-static-cb", "llama")
 ENGINES = ("fake", *HF_ENGINES)
 #: The policy each engine is driven with unless told: the grant engines' is ``scls-cb``.
@@ -83,7 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=3, help="workers the daemon spawns")
     p.add_argument("--engine", default="fake", choices=ENGINES,
                    help=f"the workers' engine: fake (tokens checked against its formula), a transformers "
-                        f"engine on {HF_MODEL} or llama on its GGUF (tokens checked against hf's one pass)")
+                        f"engine on {HF_MODEL} or llama on its GGUF (tokens checked against one pass of hf, "
+                        f"llama's own for llama)")
     p.add_argument("--policy", default=None, help="the scheduler's policy (default: scls-cb for hf-cb, "
                                                    "hf-static-cb and llama, else scls)")
     p.add_argument("--clients", type=int, default=4, help="client connections")

@@ -1,5 +1,5 @@
 """What ``sclsd-bench chaos`` holds each request to (:mod:`sclsd.bench.chaos` runs it): one
-uninterrupted pass's tokens, the fake engine's formula or ``hf``'s on ``tiny-random``, with the
+uninterrupted pass's tokens, the fake engine's formula or an engine's on ``tiny-random``, with the
 client's cancels and the near ties of the engine's logits taken into account (:func:`check_tokens`)."""
 
 from __future__ import annotations
@@ -89,10 +89,11 @@ class HFReference(Reference):
 
 class LlamaReference(Reference):
     """``llama``'s one pass on ``tiny-random``'s GGUF: the reference of ``llama`` workers.
-    llama.cpp keeps the KV in fp16, so its tokens are not ``hf``'s everywhere (on 48 greedy
-    requests of 48 tokens, 6 first differed from ``hf``'s, by up to 0.13 nats), but a request
-    gives the same tokens beside other rows, alone, or prefilled again from any point of its
-    answer, as a worker killed mid-request has it served again."""
+    llama.cpp keeps the KV in fp16, so its tokens are not ``hf``'s everywhere (6 of 48 greedy
+    requests of 48 tokens differed somewhere; where chaos runs' greedy picks differed, ``hf``'s
+    was up to 0.13 nats likelier), but a request gives the same tokens beside other rows,
+    alone, or prefilled again from any point of its answer, as a worker killed mid-request has
+    it served again."""
 
     engine_name = "llama"
 
@@ -147,7 +148,7 @@ def pick_margin(x: Any, spec: P.Generate, position: int, got: int) -> float:
 
 
 class Tolerance(NamedTuple):
-    """How far an engine's pick may be from the reference's (:meth:`HFReference.margin`) and
+    """How far an engine's pick may be from the reference's (:func:`pick_margin`) and
     still be a near tie: a request that first differs from the reference at such a pick, and is
     right up to there, is counted apart, not as wrong."""
 

@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in turn, results under ``out/`` and figures under ``docs/img/``.
 
-    python -m sclsd.bench.all [--only batcher,figures,long,grants,sim,api,rates,fairness,sampling,cpu,score,chats,streams,live] [--skip live]
+    python -m sclsd.bench.all [--only batcher,figures,long,grants,sim,api,rates,fairness,grammars,chaos,chaos-llama,engine,sampling,cpu,score,chats,streams,live] [--skip live]
 
 Steps (each is one ``sclsd-bench`` subcommand, run as its own process):
 
@@ -22,6 +22,10 @@ Steps (each is one ``sclsd-bench`` subcommand, run as its own process):
   that client hangs up (fake workers; ``sclsd-bench fairness``);
 - ``grammars``: plain requests while other clients send hostile grammars, through sclsd-http
   and the Unix socket (``sclsd-bench grammars``);
+- ``chaos``: workers SIGKILLed at random under a stream of requests, some cancelled: none lost,
+  none duplicated, every token one uninterrupted pass's (3 fake workers, a kill every ~2 s);
+- ``chaos-llama``: the same on ``llama`` workers of ``tiny-random``'s GGUF, the CPU's default
+  engine, greedy and seeded requests checked against ``llama``'s own one pass;
 - ``engine``: ms per decode step of each engine on the default model, cold and warm, the
   ``llama`` engine beside llama.cpp's own loop (on a GPU box ``sclsd-bench gpu-check`` runs
   it on a 7B/13B model);
@@ -68,6 +72,9 @@ STEPS: dict[str, list[str]] = {
     "rates": ["sclsd.bench.cli", "rates", "--short-tokens", "64", "--json", "out/rates.json", "--md", "out/rates.md"],
     "fairness": ["sclsd.bench.cli", "fairness"],
     "grammars": ["sclsd.bench.cli", "grammars"],
+    "chaos": ["sclsd.bench.cli", "chaos", "--minutes", "5"],
+    "chaos-llama": ["sclsd.bench.cli", "chaos", "--engine", "llama", "--minutes", "3", "--workers", "2",
+                    "--kill-every", "10", "--clients", "3", "--window", "4"],
     "engine": ["sclsd.bench.cli", "engine", "--model", "smollm2-135m-instruct", "--shapes", "1x64,8x128",
                "--gen", "16", "--out", "out/engine"],
     "sampling": ["sclsd.bench.cli", "sampling", "--out", "out/sampling"],

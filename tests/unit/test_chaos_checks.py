@@ -212,3 +212,12 @@ def test_llamas_reference_logits_are_those_its_one_pass_picks_from() -> None:
             assert int(x.argmax()) == tok and pick_margin(x, spec, i, tok) == 0.0
     finally:
         ref.close()
+
+
+def test_make_bench_runs_chaos_on_fake_and_llama_workers() -> None:
+    from sclsd.bench import all as bench_all
+    from sclsd.bench.chaos import ENGINES
+
+    assert bench_all.STEPS["chaos"][:2] == ["sclsd.bench.cli", "chaos"]
+    llama = bench_all.STEPS["chaos-llama"]
+    assert llama[:2] == ["sclsd.bench.cli", "chaos"] and llama[llama.index("--engine") + 1] == "llama" in ENGINES

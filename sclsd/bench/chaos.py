@@ -24,7 +24,10 @@ Two kinds of workers (:class:`Workload`):
   reference's: a request whose tokens first differ at such a pick
   (:data:`~sclsd.bench.chaos_checks.TIES`), right up to it, counts as a near tie, not as
   wrong; a wrong context (KV of another row, a token at the wrong position) picks tokens far
-  from the reference's.
+  from the reference's. A share of the requests (``--structured``) must follow a grammar
+  (:data:`GRAMMARS`); a worker that serves one again after a kill replays its tokens so far
+  through the grammar's matcher, and its tokens must still be the one pass's under the same
+  grammar (a near tie is then measured among the tokens the grammar allows).
 
 A request that lost slices to a kill and was served again must give exactly the tokens of
 one uninterrupted pass. Checked per request: ``accepted``, then exactly one terminal event;
@@ -74,6 +77,14 @@ from .chaos_checks import (
 #: Engines on ``tiny-random`` checked against one pass (:func:`~sclsd.bench.chaos_checks.reference_for`).
 HF_ENGINES = ("hf", "hf-cb", "hf-static-cb", "llama")
 ENGINES = ("fake", *HF_ENGINES)
+#: What a request with a grammar (:attr:`Workload.structured`) follows: small enough to check in
+#: milliseconds, each a different kind of llguidance grammar.
+GRAMMARS = (
+    P.Structured(kind="regex", value="[a-z]+( [a-z]+)*"),
+    P.Structured(kind="json_schema", value='{"type": "object", "properties": {"n": {"type": "integer"}, '
+                 '"s": {"type": "string", "maxLength": 16}}, "required": ["n", "s"], "additionalProperties": false}'),
+    P.Structured(kind="choice", value='["yes", "no", "maybe not"]'),
+)
 #: The policy each engine is driven with unless told: the grant engines' is ``scls-cb``.
 POLICY = {"fake": "scls", "hf": "scls", "hf-cb": "scls-cb", "hf-static-cb": "scls-cb", "llama": "scls-cb"}
 
@@ -98,6 +109,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-logprobs", type=float, default=0.2,
                    help="share of requests that ask for their prompt's log-probabilities (engines that compute "
                         "them: fake, hf, hf-static-cb), each checked to come exactly once, for every prompt token")
+    p.add_argument("--structured", type=float, default=0.1,
+                   help="share of requests whose output must follow a grammar (a regex, a JSON schema or a "
+                        "choice; engines that enforce them: not fake)")
     p.add_argument("--decode-s", type=float, default=0.005, help="the fake engine's seconds per iteration")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -120,6 +134,15 @@ class Workload:
     prompt_logprobs: float = 0.0
     """Share of requests that ask for their prompt's log-probabilities (``prompt_logprobs`` 2),
     where the engine computes them (:attr:`scores`): each must get them exactly once."""
+    structured: float = 0.0
+    """Share of requests whose output must follow one of :data:`GRAMMARS`, where the engine
+    enforces them (:attr:`grammars`): a request served again after a kill resumes its grammar's
+    state from the tokens it has, and must still give the one pass's tokens."""
+
+    @property
+    def grammars(self) -> bool:
+        """Whether the engine enforces grammars (else no request has one)."""
+        return self.engine in ENGINE_FEATURES["grammar"]
 
     @property
     def scores(self) -> bool:
@@ -174,12 +197,14 @@ class ChaosClient:
         seeded = not self.work.fake and rng.random() < self.work.seeded
         max_tokens = rng.randint(1, 64)
         scored = self.work.scores and rng.random() < self.work.prompt_logprobs
+        structured = rng.choice(GRAMMARS) if self.work.grammars and rng.random() < self.work.structured else None
         spec = P.Generate(id=f"{self.name}-{self._n}", max_tokens=max_tokens,
                           temperature=0.8 if seeded else 0.0, top_p=0.95 if seeded else 1.0,
                           seed=rng.randrange(2**31) if seeded else None,
                           prompt_ids=[rng.randrange(3, 256) for _ in range(rng.randint(1, 30))],
-                          ignore_eos=rng.random() < 0.8, stream=rng.random() < 0.75,
-                          prompt_logprobs=2 if scored else None)
+                          # A grammar ends its output itself (only EOS may follow once it is complete).
+                          ignore_eos=structured is None and rng.random() < 0.8, stream=rng.random() < 0.75,
+                          prompt_logprobs=2 if scored else None, structured=structured)
         cancel = rng.random() < self.work.cancels
         return spec, (rng.randint(1, max(1, max_tokens - 1)) if cancel else 0)
 
@@ -452,6 +477,7 @@ def run_chaos(*, seconds: float, workers: int = 3, clients: int = 4, window: int
     result["wrong"] = tally.wrong
     result["prompt_logprobs"] = tally.prompt_checked
     result["prompt_wrong"] = tally.prompt_wrong
+    result["structured"] = sum(f.spec.structured is not None for f in tally.finished)
     result["near_ties"] = tally.near_ties
     result["near_tie_max"] = {k: float(f"{v:.2g}") for k, v in sorted(tally.tie_max.items())}
     result["problems"] = tally.examples
@@ -471,12 +497,13 @@ def run(args: argparse.Namespace) -> int:
         ("clients", args.clients >= 1, ">= 1"), ("window", args.window >= 1, ">= 1"),
         ("kill_every", args.kill_every >= 0, ">= 0"), ("decode_s", args.decode_s >= 0, ">= 0"),
         ("cancels", 0 <= args.cancels <= 1, "in 0..1"), ("seeded", 0 <= args.seeded <= 1, "in 0..1"),
-        ("prompt_logprobs", 0 <= args.prompt_logprobs <= 1, "in 0..1")) if not ok_]
+        ("prompt_logprobs", 0 <= args.prompt_logprobs <= 1, "in 0..1"),
+        ("structured", 0 <= args.structured <= 1, "in 0..1")) if not ok_]
     if bad:
         print(f"sclsd-bench chaos: {'; '.join(bad)}", file=sys.stderr)
         return 2
     work = Workload(engine=args.engine, policy=args.policy, cancels=args.cancels, seeded=args.seeded,
-                    prompt_logprobs=args.prompt_logprobs)
+                    prompt_logprobs=args.prompt_logprobs, structured=args.structured)
     kills = f"a kill every ~{args.kill_every:g}s" if args.kill_every > 0 else "no kills"
     what = "fake workers" if work.fake else f"{args.engine} workers on {HF_MODEL}"
     print(f"chaos: {args.workers} {what} ({work.policy_name}), {args.clients} clients x {args.window} requests, "

@@ -54,10 +54,7 @@ class Reference:
         order = sorted(range(len(specs)), key=lambda i: len(specs[i].prompt_ids or ()))
         for a in range(0, len(order), REF_BATCH):
             idx = order[a:a + REF_BATCH]
-            rows = [P.BatchRequest(rid=str(i), token_ids=list(specs[i].prompt_ids or ()),
-                                   max_new_tokens=specs[i].max_tokens or 1, temperature=specs[i].temperature,
-                                   top_p=specs[i].top_p, seed=specs[i].seed, ignore_eos=specs[i].ignore_eos)
-                    for i in idx]
+            rows = [self._row(str(i), specs[i], list(specs[i].prompt_ids or ()), 0) for i in idx]
             longest = max(r.max_new_tokens for r in rows)  # one pass: a slice as long as the longest
             outs, _ = self.engine.serve(P.BatchMsg(batch_id=a + 1, slice_len=longest, requests=rows))
             for o in outs:
@@ -65,6 +62,34 @@ class Reference:
             if progress and (a // REF_BATCH) % 20 == 19:
                 print(f"  references: {a + len(idx)} of {len(specs)}", file=sys.stderr, flush=True)
         return out
+
+    @staticmethod
+    def _row(rid: str, spec: P.Generate, context: list[int], generated: int) -> P.BatchRequest:
+        """``spec`` as a batch row over ``context``, whose last ``generated`` tokens it generated."""
+        from sclsd.structured import grammar_text
+
+        return P.BatchRequest(rid=rid, token_ids=context, max_new_tokens=max(1, (spec.max_tokens or 1) - generated),
+                              temperature=spec.temperature, top_p=spec.top_p, seed=spec.seed,
+                              ignore_eos=spec.ignore_eos, generated=generated,
+                              grammar=None if spec.structured is None else grammar_text(spec.structured))
+
+    def allowed(self, spec: P.Generate, context: list[int], position: int) -> Any:
+        """``[1, vocab]`` fp32: 0 for the tokens ``spec``'s grammar allows after ``context``
+        (whose last ``position`` tokens it generated), -inf for the rest; 0 everywhere
+        without a grammar."""
+        import torch
+
+        from worker.engines.constraints import bitmask_addend, grammar_row, words
+        from worker.engines.grammar import grammar_for, row_matcher
+
+        engine: Any = self.engine
+        vocab = engine.info().vocab_size
+        if spec.structured is None:
+            return torch.zeros(1, vocab)
+        m = row_matcher(self._row("m", spec, context, position), grammar_for(engine.spec, vocab, engine.eos))
+        bits = torch.zeros(1, words(vocab), dtype=torch.int32)
+        grammar_row(bits[0], m, None, False)
+        return bitmask_addend(bits, vocab)
 
     def logits(self, context: list[int]) -> Any:
         """The engine's fp32 logits for the token after ``context``: a ``[1, vocab]`` tensor."""
@@ -78,8 +103,8 @@ class Reference:
     def margin(self, spec: P.Generate, context: list[int], position: int, got: int) -> float:
         """How far the engine's pick ``got`` of token ``position`` after ``context`` (the prompt
         and the tokens before it) was from the reference's, in the reference's distribution
-        (:func:`pick_margin`)."""
-        return pick_margin(self.logits(context), spec, position, got)
+        (:func:`pick_margin`), among the tokens its grammar allows there if it has one."""
+        return pick_margin(self.logits(context) + self.allowed(spec, context, position), spec, position, got)
 
 
 class HFReference(Reference):

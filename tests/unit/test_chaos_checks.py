@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import msgspec
 import pytest
 
 from sclsd import protocol as P
@@ -210,6 +211,18 @@ def test_llamas_reference_logits_are_those_its_one_pass_picks_from() -> None:
         for i, tok in enumerate(toks):
             x = ref.logits([*prompt, *toks[:i]])
             assert int(x.argmax()) == tok and pick_margin(x, spec, i, tok) == 0.0
+        # With a grammar: the pass follows it, and a pick is measured among the tokens it allows.
+        from sclsd import models
+        from sclsd.bench.chaos import GRAMMARS
+
+        words = msgspec.structs.replace(spec, structured=GRAMMARS[0], max_tokens=8)
+        (toks,) = ref.tokens([words])
+        text = models.load_tokenizer("tiny-random").decode(toks)
+        assert text.strip() and set(text) <= set("abcdefghijklmnopqrstuvwxyz "), text
+        digit = models.load_tokenizer("tiny-random").encode("7", add_special_tokens=False)[0]
+        for i, tok in enumerate(toks):
+            assert ref.margin(words, [*prompt, *toks[:i]], i, tok) == 0.0
+            assert ref.margin(words, [*prompt, *toks[:i]], i, digit) == float("inf")
     finally:
         ref.close()
 

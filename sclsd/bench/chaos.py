@@ -112,6 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--structured", type=float, default=0.1,
                    help="share of requests whose output must follow a grammar (a regex, a JSON schema or a "
                         "choice; engines that enforce them: not fake)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an engine option of the workers ([workers.options]; not for fake), e.g. "
+                        "share_prefixes=true; repeatable")
     p.add_argument("--decode-s", type=float, default=0.005, help="the fake engine's seconds per iteration")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -134,6 +137,9 @@ class Workload:
     prompt_logprobs: float = 0.0
     """Share of requests that ask for their prompt's log-probabilities (``prompt_logprobs`` 2),
     where the engine computes them (:attr:`scores`): each must get them exactly once."""
+    options: tuple[tuple[str, str], ...] = ()
+    """Engine options of the workers (``[workers.options]``, as ``KEY=VALUE`` text: checked by
+    the daemon at load), e.g. ``share_prefixes=true`` for ``llama``."""
     structured: float = 0.0
     """Share of requests whose output must follow one of :data:`GRAMMARS`, where the engine
     enforces them (:attr:`grammars`): a request served again after a kill resumes its grammar's
@@ -423,6 +429,8 @@ def sections(workers: int, decode_s: float, profile: Path, log_level: str = "war
     pool = {"spawn": workers, "engine": work.engine, "threads": 1, "restart_backoff_s": 0.2,
             "quick_failure_s": 0.0}
     if not work.fake:
+        if work.options:
+            pool["options"] = dict(work.options)
         return {"daemon": {"log_level": log_level}, "model": {"name": HF_MODEL}, "scheduler": sched,
                 "workers": pool}
     return {
@@ -499,13 +507,17 @@ def run(args: argparse.Namespace) -> int:
         ("cancels", 0 <= args.cancels <= 1, "in 0..1"), ("seeded", 0 <= args.seeded <= 1, "in 0..1"),
         ("prompt_logprobs", 0 <= args.prompt_logprobs <= 1, "in 0..1"),
         ("structured", 0 <= args.structured <= 1, "in 0..1")) if not ok_]
+    bad += [f"--option {o!r} must be KEY=VALUE" for o in args.option if "=" not in o or not o.split("=", 1)[0]]
+    if args.option and args.engine == "fake":
+        bad.append("--option is for the real engines (the fake workers' options are the bench's own)")
     if bad:
         print(f"sclsd-bench chaos: {'; '.join(bad)}", file=sys.stderr)
         return 2
     work = Workload(engine=args.engine, policy=args.policy, cancels=args.cancels, seeded=args.seeded,
-                    prompt_logprobs=args.prompt_logprobs, structured=args.structured)
+                    prompt_logprobs=args.prompt_logprobs, structured=args.structured,
+                    options=tuple((k.strip(), v.strip()) for k, v in (o.split("=", 1) for o in args.option)))
     kills = f"a kill every ~{args.kill_every:g}s" if args.kill_every > 0 else "no kills"
-    what = "fake workers" if work.fake else f"{args.engine} workers on {HF_MODEL}"
+    what = "fake workers" if work.fake else f"{args.engine} workers on {HF_MODEL}" + "".join(f" {k}={v}" for k, v in work.options)
     print(f"chaos: {args.workers} {what} ({work.policy_name}), {args.clients} clients x {args.window} requests, "
           f"{kills}, {args.cancels:.0%} cancelled, for {args.minutes:g} min ...", file=sys.stderr)
     result = run_chaos(seconds=args.minutes * 60, workers=args.workers, clients=args.clients,

@@ -234,3 +234,19 @@ def test_make_bench_runs_chaos_on_fake_and_llama_workers() -> None:
     assert bench_all.STEPS["chaos"][:2] == ["sclsd.bench.cli", "chaos"]
     llama = bench_all.STEPS["chaos-llama"]
     assert llama[:2] == ["sclsd.bench.cli", "chaos"] and llama[llama.index("--engine") + 1] == "llama" in ENGINES
+
+
+def test_engine_options_reach_the_workers_config_and_bad_ones_are_refused(tmp_path, capsys) -> None:
+    import argparse
+
+    from sclsd.bench import chaos
+
+    work = Workload(engine="llama", options=(("share_prefixes", "true"),))
+    assert chaos.sections(2, 0.0, tmp_path / "p.json", work=work)["workers"]["options"] == {"share_prefixes": "true"}
+    assert "options" not in chaos.sections(2, 0.0, tmp_path / "p.json", work=Workload(engine="llama"))["workers"]
+    p = argparse.ArgumentParser()
+    chaos.add_arguments(p)
+    for argv, why in ((["--engine", "llama", "--option", "share_prefixes"], "must be KEY=VALUE"),
+                      (["--option", "decode_s=1"], "for the real engines")):
+        assert chaos.run(p.parse_args(argv)) == 2
+        assert why in capsys.readouterr().err

@@ -85,6 +85,9 @@ GRAMMARS = (
                  '"s": {"type": "string", "maxLength": 16}}, "required": ["n", "s"], "additionalProperties": false}'),
     P.Structured(kind="choice", value='["yes", "no", "maybe not"]'),
 )
+#: What the prompts of :attr:`Workload.common` begin with: two of 40 tokens, longer than the
+#: 16 tokens two of ``llama``'s requests must share before it keeps a prefix.
+PREFIXES = (tuple(range(100, 140)), tuple(range(200, 240)))
 #: The policy each engine is driven with unless told: the grant engines' is ``scls-cb``.
 POLICY = {"fake": "scls", "hf": "scls", "hf-cb": "scls-cb", "hf-static-cb": "scls-cb", "llama": "scls-cb"}
 
@@ -112,6 +115,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--structured", type=float, default=0.1,
                    help="share of requests whose output must follow a grammar (a regex, a JSON schema or a "
                         "choice; engines that enforce them: not fake)")
+    p.add_argument("--common", type=float, default=0.3,
+                   help="share of requests whose prompt begins with one of two fixed prefixes of 40 tokens "
+                        "(served from cached KV where the engine shares prefixes)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="an engine option of the workers ([workers.options]; not for fake), e.g. "
                         "share_prefixes=true; repeatable")
@@ -137,9 +143,13 @@ class Workload:
     prompt_logprobs: float = 0.0
     """Share of requests that ask for their prompt's log-probabilities (``prompt_logprobs`` 2),
     where the engine computes them (:attr:`scores`): each must get them exactly once."""
-    options: tuple[tuple[str, str], ...] = ()
-    """Engine options of the workers (``[workers.options]``, as ``KEY=VALUE`` text: checked by
-    the daemon at load), e.g. ``share_prefixes=true`` for ``llama``."""
+    options: tuple[tuple[str, Any], ...] = ()
+    """Engine options of the workers (``[workers.options]``, checked by the daemon at load),
+    e.g. ``("share_prefixes", True)`` for ``llama`` (:func:`option` reads ``KEY=VALUE``)."""
+    common: float = 0.0
+    """Share of requests whose prompt begins with one of :data:`PREFIXES` (as chats begin with
+    a system prompt), so that engines that keep and share prefixes' KV (``hf-static-cb`` by
+    default, ``llama`` with ``share_prefixes``) serve them from it, kills or not."""
     structured: float = 0.0
     """Share of requests whose output must follow one of :data:`GRAMMARS`, where the engine
     enforces them (:attr:`grammars`): a request served again after a kill resumes its grammar's
@@ -207,7 +217,8 @@ class ChaosClient:
         spec = P.Generate(id=f"{self.name}-{self._n}", max_tokens=max_tokens,
                           temperature=0.8 if seeded else 0.0, top_p=0.95 if seeded else 1.0,
                           seed=rng.randrange(2**31) if seeded else None,
-                          prompt_ids=[rng.randrange(3, 256) for _ in range(rng.randint(1, 30))],
+                          prompt_ids=[*(rng.choice(PREFIXES) if rng.random() < self.work.common else ()),
+                                      *(rng.randrange(3, 256) for _ in range(rng.randint(1, 30)))],
                           # A grammar ends its output itself (only EOS may follow once it is complete).
                           ignore_eos=structured is None and rng.random() < 0.8, stream=rng.random() < 0.75,
                           prompt_logprobs=2 if scored else None, structured=structured)
@@ -416,6 +427,16 @@ def _settled(status_sock: str, timeout: float) -> P.StatusSnapshot:
         time.sleep(0.1)
 
 
+def option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` as an engine option: the value as a JSON value (``true``, ``8``, ``0.5``,
+    ``"text"``, as TOML writes them too), else as the text itself."""
+    key, value = (part.strip() for part in text.split("=", 1))
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def sections(workers: int, decode_s: float, profile: Path, log_level: str = "warning",
              work: Workload | None = None) -> dict[str, Any]:
     """The daemon's config: workers restarted at once and never given up on (each kill is
@@ -506,7 +527,8 @@ def run(args: argparse.Namespace) -> int:
         ("kill_every", args.kill_every >= 0, ">= 0"), ("decode_s", args.decode_s >= 0, ">= 0"),
         ("cancels", 0 <= args.cancels <= 1, "in 0..1"), ("seeded", 0 <= args.seeded <= 1, "in 0..1"),
         ("prompt_logprobs", 0 <= args.prompt_logprobs <= 1, "in 0..1"),
-        ("structured", 0 <= args.structured <= 1, "in 0..1")) if not ok_]
+        ("structured", 0 <= args.structured <= 1, "in 0..1"), ("common", 0 <= args.common <= 1, "in 0..1"))
+        if not ok_]
     bad += [f"--option {o!r} must be KEY=VALUE" for o in args.option if "=" not in o or not o.split("=", 1)[0]]
     if args.option and args.engine == "fake":
         bad.append("--option is for the real engines (the fake workers' options are the bench's own)")
@@ -514,8 +536,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"sclsd-bench chaos: {'; '.join(bad)}", file=sys.stderr)
         return 2
     work = Workload(engine=args.engine, policy=args.policy, cancels=args.cancels, seeded=args.seeded,
-                    prompt_logprobs=args.prompt_logprobs, structured=args.structured,
-                    options=tuple((k.strip(), v.strip()) for k, v in (o.split("=", 1) for o in args.option)))
+                    prompt_logprobs=args.prompt_logprobs, structured=args.structured, common=args.common,
+                    options=tuple(option(o) for o in args.option))
     kills = f"a kill every ~{args.kill_every:g}s" if args.kill_every > 0 else "no kills"
     what = "fake workers" if work.fake else f"{args.engine} workers on {HF_MODEL}" + "".join(f" {k}={v}" for k, v in work.options)
     print(f"chaos: {args.workers} {what} ({work.policy_name}), {args.clients} clients x {args.window} requests, "

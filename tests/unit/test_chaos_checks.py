@@ -241,8 +241,10 @@ def test_engine_options_reach_the_workers_config_and_bad_ones_are_refused(tmp_pa
 
     from sclsd.bench import chaos
 
-    work = Workload(engine="llama", options=(("share_prefixes", "true"),))
-    assert chaos.sections(2, 0.0, tmp_path / "p.json", work=work)["workers"]["options"] == {"share_prefixes": "true"}
+    assert [chaos.option(o) for o in ("share_prefixes=true", "max_rows = 8", "kv_host_bytes=0.5", "x=a b")] == [
+        ("share_prefixes", True), ("max_rows", 8), ("kv_host_bytes", 0.5), ("x", "a b")]
+    work = Workload(engine="llama", options=(("share_prefixes", True),))
+    assert chaos.sections(2, 0.0, tmp_path / "p.json", work=work)["workers"]["options"] == {"share_prefixes": True}
     assert "options" not in chaos.sections(2, 0.0, tmp_path / "p.json", work=Workload(engine="llama"))["workers"]
     p = argparse.ArgumentParser()
     chaos.add_arguments(p)
@@ -250,3 +252,22 @@ def test_engine_options_reach_the_workers_config_and_bad_ones_are_refused(tmp_pa
                       (["--option", "decode_s=1"], "for the real engines")):
         assert chaos.run(p.parse_args(argv)) == 2
         assert why in capsys.readouterr().err
+
+
+def test_requests_take_the_common_prefixes_and_grammars_in_their_shares() -> None:
+    from sclsd.bench.chaos import GRAMMARS, PREFIXES
+
+    async def specs(work: Workload) -> list[P.Generate]:
+        c = ChaosClient("t", asyncio.StreamReader(), _Sink(), Tally(), 8, random.Random(2), work)  # type: ignore[arg-type]
+        return [c._next()[0] for _ in range(400)]
+
+    def begins(s: P.Generate) -> bool:
+        return any(tuple(s.prompt_ids or ())[:40] == p for p in PREFIXES)
+
+    every = asyncio.run(specs(Workload(engine="llama", common=1.0, structured=1.0)))
+    assert all(begins(s) and s.structured in GRAMMARS and not s.ignore_eos for s in every)
+    assert {s.structured.kind for s in every if s.structured} == {g.kind for g in GRAMMARS}
+    some = asyncio.run(specs(Workload(engine="llama", common=0.3, structured=0.1)))
+    assert 0.2 < sum(map(begins, some)) / 400 < 0.4 and 0.05 < sum(s.structured is not None for s in some) / 400 < 0.15
+    fake = asyncio.run(specs(Workload(engine="fake", common=0.3, structured=1.0)))
+    assert not any(s.structured for s in fake)  # the fake engine enforces no grammar

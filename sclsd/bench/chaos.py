@@ -303,6 +303,7 @@ class ChaosClient:
             return
         t.done += 1
         t.cancelled += ev.finish_reason == "cancelled"
+        t.from_kv += bool(ev.usage.cached_tokens)
         if ev.prompt_logprobs is not None:
             req.prompt_lps.append(ev.prompt_logprobs)
         check_prompt(t, spec, req.prompt_lps, ev.finish_reason)
@@ -507,6 +508,7 @@ def run_chaos(*, seconds: float, workers: int = 3, clients: int = 4, window: int
     result["prompt_logprobs"] = tally.prompt_checked
     result["prompt_wrong"] = tally.prompt_wrong
     result["structured"] = sum(f.spec.structured is not None for f in tally.finished)
+    result["prompts_from_kv"] = tally.from_kv
     result["near_ties"] = tally.near_ties
     result["near_tie_max"] = {k: float(f"{v:.2g}") for k, v in sorted(tally.tie_max.items())}
     result["problems"] = tally.examples

@@ -223,6 +223,9 @@ class Tally:
     done: int = 0
     cancelled: int = 0
     """Of ``done``: ended ``cancelled`` (the client cancelled them before their end)."""
+    from_kv: int = 0
+    """Of ``done``: requests some of whose prompt's KV the engines took from KV kept or cached
+    (``usage.cached_tokens``) rather than computed."""
     refused: Counter[str] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
     duplicated: int = 0

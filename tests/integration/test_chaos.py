@@ -35,8 +35,8 @@ def test_killing_real_workers_under_cancels_and_seeds_loses_nothing_and_tokens_s
         engine: str, seconds: float, kill_every: float) -> None:
     """Real workers on ``tiny-random``: ``hf-static-cb``, the default engine of slice grants on
     a card, and ``llama`` (on the model's GGUF), the CPU's default. Workers SIGKILLed mid-grant,
-    a share of the requests seeded, a share under a grammar and a share cancelled by their
-    clients. Every request ends once, its prompt's log-probabilities come once, and greedy,
+    a share of the requests seeded, a share under a grammar, a share behind a common prefix and
+    a share cancelled by their clients. Every request ends once, its prompt's log-probabilities come once, and greedy,
     seeded and grammar-bound ones give one uninterrupted pass, however often they were
     prefilled again: ``hf``'s for ``hf-static-cb``, ``llama``'s own for ``llama``, whose fp16
     KV makes its tokens differ from ``hf``'s in places (one that first differs at a near tie,
@@ -44,10 +44,11 @@ def test_killing_real_workers_under_cancels_and_seeds_loses_nothing_and_tokens_s
     if engine == "llama":
         pytest.importorskip("ik_llama_cpp")
     r = run_chaos(seconds=seconds, workers=2, clients=2, window=2, kill_every=kill_every, seed=3,
-                  work=Workload(engine=engine, cancels=0.15, seeded=0.3, prompt_logprobs=0.3, structured=0.2))
+                  work=Workload(engine=engine, cancels=0.15, seeded=0.3, prompt_logprobs=0.3, structured=0.2,
+                                common=0.3))
     assert ok(r), r
     assert r["prompt_logprobs"] >= 3 and r["prompt_wrong"] == 0, r
     assert r["kills_mid_batch"] >= 2 and r["requests_hit_by_kills"] >= 1, r
     assert r["sent"] == r["accepted"] == r["done"] >= 30, r
-    assert r["cancelled"] >= 1 and r["structured"] >= 3, r
+    assert r["cancelled"] >= 1 and r["structured"] >= 3 and r["prompts_from_kv"] >= 1, r
     assert r["near_ties"] <= 2, r

@@ -75,8 +75,8 @@ from .chaos_checks import (
 )
 
 #: Engines on ``tiny-random`` checked against one pass (:func:`~sclsd.bench.chaos_checks.reference_for`).
-HF_ENGINES = ("hf", "hf-cb", "hf-static-cb", "llama")
-ENGINES = ("fake", *HF_ENGINES)
+REAL_ENGINES = ("hf", "hf-cb", "hf-static-cb", "llama")
+ENGINES = ("fake", *REAL_ENGINES)
 #: What a request with a grammar (:attr:`Workload.structured`) follows: small enough to check in
 #: milliseconds, each a different kind of llguidance grammar.
 GRAMMARS = (
@@ -111,7 +111,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of requests sampled with a seed (transformers engines; the fake engine is greedy)")
     p.add_argument("--prompt-logprobs", type=float, default=0.2,
                    help="share of requests that ask for their prompt's log-probabilities (engines that compute "
-                        "them: fake, hf, hf-static-cb), each checked to come exactly once, for every prompt token")
+                        "them: fake, hf, hf-static-cb, llama), each checked to come exactly once, for every prompt "
+                        "token")
     p.add_argument("--structured", type=float, default=0.1,
                    help="share of requests whose output must follow a grammar (a regex, a JSON schema or a "
                         "choice; engines that enforce them: not fake)")
@@ -541,7 +542,8 @@ def run(args: argparse.Namespace) -> int:
                     prompt_logprobs=args.prompt_logprobs, structured=args.structured, common=args.common,
                     options=tuple(option(o) for o in args.option))
     kills = f"a kill every ~{args.kill_every:g}s" if args.kill_every > 0 else "no kills"
-    what = "fake workers" if work.fake else f"{args.engine} workers on {HF_MODEL}" + "".join(f" {k}={v}" for k, v in work.options)
+    opts = "".join(f" {k}={v}" for k, v in work.options)
+    what = "fake workers" if work.fake else f"{args.engine} workers on {HF_MODEL}{opts}"
     print(f"chaos: {args.workers} {what} ({work.policy_name}), {args.clients} clients x {args.window} requests, "
           f"{kills}, {args.cancels:.0%} cancelled, for {args.minutes:g} min ...", file=sys.stderr)
     result = run_chaos(seconds=args.minutes * 60, workers=args.workers, clients=args.clients,

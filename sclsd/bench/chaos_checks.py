@@ -142,6 +142,11 @@ def reference_for(engine: str, model: str = HF_MODEL) -> Reference:
     return LlamaReference(model) if engine == "llama" else HFReference(model)
 
 
+def seeded(spec: P.Generate) -> bool:
+    """Whether ``spec``'s tokens are drawn with its seed (else greedy)."""
+    return spec.seed is not None and spec.temperature != 0
+
+
 def pick_margin(x: Any, spec: P.Generate, position: int, got: int) -> float:
     """How far the pick ``got`` of token ``position`` was from the one ``spec`` makes from the
     ``[1, vocab]`` fp32 logits ``x``, in their distribution: greedy, how much less likely
@@ -156,9 +161,10 @@ def pick_margin(x: Any, spec: P.Generate, position: int, got: int) -> float:
 
     from worker.engines.sampling import filter_logits, uniform
 
-    if spec.seed is None or spec.temperature == 0:
+    if not seeded(spec):
         lp = torch.log_softmax(x[0], -1, dtype=torch.float64)
         return float(lp.max() - lp[got])
+    assert spec.seed is not None  # seeded
     t = torch.tensor([spec.temperature])
     y = filter_logits(x, t, torch.tensor([spec.top_k]), torch.tensor([spec.top_p]), torch.tensor([spec.min_p]))
     cdf = torch.softmax(y, -1, dtype=torch.float64).cumsum(-1)[0]
@@ -185,7 +191,7 @@ class Tolerance(NamedTuple):
     @staticmethod
     def kind(spec: P.Generate) -> str:
         """Which bound a pick of ``spec``'s is held to: ``draw`` (seeded) or ``greedy_nats``."""
-        return "draw" if spec.seed is not None and spec.temperature != 0 else "greedy_nats"
+        return "draw" if seeded(spec) else "greedy_nats"
 
     def near(self, spec: P.Generate, margin: float) -> bool:
         """Whether ``margin`` (of a pick of ``spec``'s) is a near tie."""

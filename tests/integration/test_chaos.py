@@ -30,17 +30,19 @@ def test_killing_workers_at_random_loses_and_duplicates_nothing() -> None:
     assert r["sent"] == r["accepted"] == r["done"] >= 100, r
 
 
-@pytest.mark.parametrize(("engine", "seconds", "kill_every"), [("hf-static-cb", 10.0, 3.0), ("llama", 8.0, 2.0)])
+# llama's chaos is make bench's step chaos-llama, not a test: beside the suite's other daemons on
+# a 2-core machine its load took the grant tests' KV peaks below what they assert.
+@pytest.mark.parametrize(("engine", "seconds", "kill_every"), [("hf-static-cb", 10.0, 3.0)])
 def test_killing_real_workers_under_cancels_and_seeds_loses_nothing_and_tokens_stay_right(
         engine: str, seconds: float, kill_every: float) -> None:
-    """Real workers on ``tiny-random``: ``hf-static-cb``, the default engine of slice grants on
-    a card, and ``llama`` (on the model's GGUF), the CPU's default. Workers SIGKILLed mid-grant,
-    a share of the requests seeded, a share under a grammar, a share behind a common prefix and
-    a share cancelled by their clients. Every request ends once, its prompt's log-probabilities come once, and greedy,
-    seeded and grammar-bound ones give one uninterrupted pass, however often they were
-    prefilled again: ``hf``'s for ``hf-static-cb``, ``llama``'s own for ``llama``, whose fp16
-    KV makes its tokens differ from ``hf``'s in places (one that first differs at a near tie,
-    right up to it, is counted apart: logits differ a little with the rows beside them)."""
+    """Real workers on ``tiny-random`` (``hf-static-cb``, the default engine of slice grants on
+    a card; ``reference_for`` gives ``llama`` its own pass, run by ``make bench``). Workers
+    SIGKILLed mid-grant, a share of the requests seeded, a share under a grammar, a share behind
+    a common prefix and a share cancelled by their clients. Every request ends once, its
+    prompt's log-probabilities come once, and greedy, seeded and grammar-bound ones give one
+    uninterrupted pass, however often they were prefilled again (one that first differs at a
+    near tie, right up to it, is counted apart: logits differ a little with the rows beside
+    them)."""
     if engine == "llama":
         pytest.importorskip("ik_llama_cpp")
     r = run_chaos(seconds=seconds, workers=2, clients=2, window=2, kill_every=kill_every, seed=3,
